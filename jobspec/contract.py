@@ -1,0 +1,42 @@
+"""Contracts shared by the submitter, the renderer and the in-container runner.
+
+Everything here is a plain constant: the Job's podFailurePolicy, the runner's exit
+paths and the CLI all read the same numbers, so they cannot drift apart.
+"""
+
+from __future__ import annotations
+
+# Runner and CLI exit codes (see README "Exit codes").
+EXIT_OK = 0
+EXIT_FAILED = 1  # the job (or the training process) failed for a reason not listed below
+EXIT_CONFIG = 2  # bad spec, bad flag, bad input file: retrying cannot help (podFailurePolicy FailJob)
+EXIT_CLUSTER = 3  # CLI only: the Kubernetes API refused or could not be reached
+EXIT_OOM_RETRY_TIER = 75  # OOM at micro-batch 1: retry at the next memory tier (podFailurePolicy Count)
+EXIT_OOM_LAST_TIER = 76  # OOM at the last tier: nothing left to try (podFailurePolicy FailJob)
+EXIT_PREEMPTED = 143  # SIGTERM: checkpoint written, then exit (128 + SIGTERM)
+
+# Where the rendered pod finds things.
+SPEC_MOUNT_DIR = "/etc/jobspec"
+SPEC_FILE_NAME = "spec.yaml"
+SPEC_PATH = f"{SPEC_MOUNT_DIR}/{SPEC_FILE_NAME}"
+SHM_MOUNT = "/dev/shm"
+TERMINATION_MESSAGE_PATH = "/dev/termination-log"
+
+# Container user; the Dockerfiles create this uid/gid and the pod securityContext asks for it.
+RUN_AS_UID = 1000
+RUN_AS_GID = 1000
+
+# Rendezvous port for torch.distributed across nodes (headless Service port).
+RDZV_PORT = 29500
+
+# Labels and annotations put on every rendered object.
+LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
+MANAGED_BY = "jobspec"
+LABEL_NAME = "app.kubernetes.io/name"
+LABEL_JOB = "jobspec.dev/job"
+ANNOTATION_SPEC_HASH = "jobspec.dev/spec-hash"
+KUEUE_QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
+
+# Files the runner keeps beside its checkpoints.
+TIER_STATE_FILE = "tier_state.json"
+METRICS_FILE = "metrics.jsonl"

@@ -1,0 +1,60 @@
+"""The project's exception hierarchy. The CLI catches `JobspecError` in one place,
+prints its message (no traceback unless --debug) and exits with its `exit_code`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from jobspec.contract import EXIT_CLUSTER, EXIT_CONFIG, EXIT_FAILED
+
+
+class JobspecError(Exception):
+    """Base error: `str(err)` is the message a user reads."""
+
+    exit_code = EXIT_FAILED
+
+
+class ConfigError(JobspecError):
+    """Bad input: a flag, a file that cannot be read, a value that makes no sense."""
+
+    exit_code = EXIT_CONFIG
+
+
+@dataclass(frozen=True)
+class SpecIssue:
+    """One problem in a spec file: where it is and how to fix it."""
+
+    path: str  # dotted field path, e.g. "training.global_batch"
+    message: str
+    line: int | None = None  # 1-based line in the YAML file, None when unknown
+    hint: str | None = None
+    source: str | None = None  # "--set" for overrides
+
+    def format(self, file: str) -> str:
+        where = self.source or (f"{file}:{self.line}" if self.line else file)
+        text = f"{where}: {self.path or '<root>'}: {self.message}"
+        if self.hint:
+            text += f"\n    hint: {self.hint}"
+        return text
+
+
+@dataclass
+class SpecError(ConfigError):
+    """Every problem found in one spec file, reported together."""
+
+    file: str
+    issues: list[SpecIssue] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        super().__init__(str(self))
+
+    def __str__(self) -> str:
+        n = len(self.issues)
+        head = f"{self.file}: {n} problem{'s' if n != 1 else ''} in the job spec"
+        return "\n".join([head, *("  " + i.format(self.file) for i in self.issues)])
+
+
+class ClusterError(JobspecError):
+    """The Kubernetes API refused a request or could not be reached."""
+
+    exit_code = EXIT_CLUSTER

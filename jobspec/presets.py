@@ -1,0 +1,75 @@
+"""Built-in model presets: architectures built from config, never downloaded.
+
+Pure Python (no torch, no transformers): the memory model and `jobspec plan` read the
+shapes here; the runner turns the same numbers into a transformers config.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+Family = Literal["gpt2", "llama"]
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The numbers the memory model needs, and enough to build the model."""
+
+    family: Family
+    layers: int
+    hidden: int
+    heads: int
+    vocab: int
+    max_positions: int
+    intermediate: int  # MLP inner width (gpt2: 4 * hidden)
+    kv_heads: int | None = None  # llama grouped-query attention; None = heads
+    tie_embeddings: bool = True
+
+    @property
+    def params(self) -> int:
+        """Parameter count, exact for the transformers GPT-2 and Llama implementations."""
+        h, i, v, n = self.hidden, self.intermediate, self.vocab, self.layers
+        if self.family == "gpt2":
+            # per block: qkv (3h^2+3h) + proj (h^2+h) + mlp (2hi+i+h) + 2 layernorms (4h)
+            block = 4 * h * h + 2 * h * i + 9 * h + i
+            embed = v * h + self.max_positions * h
+            return embed + n * block + 2 * h  # + final layernorm
+        kv = (self.kv_heads or self.heads) * (h // self.heads)
+        # per block: q,o (2h^2) + k,v (2*h*kv) + gate/up/down (3hi) + 2 RMSNorms (2h)
+        block = 2 * h * h + 2 * h * kv + 3 * h * i + 2 * h
+        embed = v * h * (1 if self.tie_embeddings else 2)
+        return embed + n * block + h
+
+
+PRESETS: dict[str, ModelShape] = {
+    # CPU-sized models for the quick start and the tests.
+    "tiny": ModelShape("gpt2", layers=2, hidden=128, heads=4, vocab=512, max_positions=512, intermediate=512),
+    "llama-tiny": ModelShape(
+        "llama", layers=2, hidden=128, heads=4, kv_heads=2, vocab=512, max_positions=512, intermediate=352
+    ),
+    # The seeds' GPT-2 ladder (001): small 124M, medium 355M, large 774M.
+    "gpt2-small": ModelShape("gpt2", layers=12, hidden=768, heads=12, vocab=50257, max_positions=1024, intermediate=3072),
+    "gpt2-medium": ModelShape(
+        "gpt2", layers=24, hidden=1024, heads=16, vocab=50257, max_positions=1024, intermediate=4096
+    ),
+    "gpt2-large": ModelShape("gpt2", layers=36, hidden=1280, heads=20, vocab=50257, max_positions=1024, intermediate=5120),
+    # Qwen-shaped Llama configs (the seeds' 0.5B / 1.8B chat models), untied output head for 1.8B.
+    "qwen-0.5b": ModelShape(
+        "llama", layers=24, hidden=896, heads=14, kv_heads=2, vocab=151936, max_positions=32768, intermediate=4864
+    ),
+    "qwen-1.8b": ModelShape(
+        "llama",
+        layers=24,
+        hidden=2048,
+        heads=16,
+        kv_heads=16,
+        vocab=151936,
+        max_positions=32768,
+        intermediate=5504,
+        tie_embeddings=False,
+    ),
+    "llama-1b": ModelShape(
+        "llama", layers=16, hidden=2048, heads=32, kv_heads=8, vocab=128256, max_positions=131072, intermediate=8192
+    ),
+}

@@ -1,0 +1,418 @@
+"""The job spec: Pydantic models for one training job, as written in YAML.
+
+Every field carries a description (they feed `jobspec schema` and the README's spec
+reference). Sections forbid unknown keys, so a typo fails at `jobspec validate`, not in
+the pod. Cross-field rules live in `JobSpec._check` and name every field involved.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
+
+from jobspec import gpus as gpu_catalogue
+from jobspec.presets import PRESETS
+from jobspec.units import ByteSize, CpuQuantity, parse_gpus
+
+TIERS = ("fast", "zero2", "zero2_offload", "zero3", "minimal")
+Tier = Literal["auto", "fast", "zero2", "zero2_offload", "zero3", "minimal"]
+Vendor = Literal["cuda", "rocm", "cpu"]
+PresetName = Literal[tuple(PRESETS)]  # type: ignore[valid-type]
+
+_DNS_LABEL = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
+_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+# Names and values that mean "this is a credential": it must come from a Secret.
+_SECRET_NAME = re.compile(r"(TOKEN|SECRET|PASSWORD|PASSWD|API_?KEY|ACCESS_KEY|PRIVATE_KEY|CREDENTIAL)", re.I)
+_SECRET_VALUE = re.compile(r"^(hf_[A-Za-z0-9]{20,}|gh[pousr]_[A-Za-z0-9]{20,}|sk-[A-Za-z0-9_-]{20,}|AKIA[0-9A-Z]{16}|xox[abpr]-)")
+
+
+def _dns_label(value: str, max_len: int = 63) -> str:
+    if len(value) > max_len or not _DNS_LABEL.match(value):
+        raise ValueError(
+            f"{value!r} is not a valid name: use at most {max_len} lowercase letters, digits and '-', "
+            "starting with a letter and ending with a letter or digit"
+        )
+    return value
+
+
+def _on_off(value: Any) -> Any:
+    # YAML 1.1 reads bare on/off/yes/no as booleans; accept them as the words they were.
+    return {True: "on", False: "off"}.get(value, value) if isinstance(value, bool) else value
+
+
+JobName = Annotated[str, BeforeValidator(lambda v: _dns_label(v, 50) if isinstance(v, str) else v)]
+DnsLabel = Annotated[str, BeforeValidator(lambda v: _dns_label(v) if isinstance(v, str) else v)]
+OnOffAuto = Annotated[Literal["auto", "on", "off"], BeforeValidator(_on_off)]
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=False)
+
+
+class ImageSpec(Section):
+    name: Annotated[
+        str | None,
+        Field(description="Container image. Default: the jobspec runner image for `hardware.vendor` (see README)."),
+    ] = None
+    pull_policy: Annotated[
+        Literal["Always", "IfNotPresent", "Never"], Field(description="Kubernetes imagePullPolicy.")
+    ] = "IfNotPresent"
+    pull_secrets: Annotated[
+        list[DnsLabel], Field(description="Names of Secrets (in the job's namespace) used to pull the image.")
+    ] = []
+
+
+class LoraSpec(Section):
+    rank: Annotated[int, Field(ge=1, le=1024, description="LoRA rank r: trainable params per target are r*(in+out).")]
+    alpha: Annotated[float, Field(gt=0, description="LoRA scaling numerator (scale = alpha / rank).")] = 16.0
+    dropout: Annotated[float, Field(ge=0, lt=1, description="Dropout on the LoRA input.")] = 0.0
+    targets: Annotated[
+        list[str],
+        Field(
+            min_length=1,
+            description="Module names to adapt, e.g. [c_attn] for GPT-2 or [q_proj, v_proj] for Llama-style models.",
+        ),
+    ] = ["c_attn"]
+
+
+class Architecture(Section):
+    """Shape of a model given by `path`, so `jobspec plan` can estimate memory without loading it."""
+
+    family: Annotated[Literal["gpt2", "llama"], Field(description="Model family of the architecture.")]
+    layers: Annotated[int, Field(ge=1, description="Number of transformer blocks.")]
+    hidden: Annotated[int, Field(ge=1, description="Hidden size.")]
+    heads: Annotated[int, Field(ge=1, description="Attention heads.")]
+    vocab: Annotated[int, Field(ge=1, description="Vocabulary size.")]
+    intermediate: Annotated[int, Field(ge=1, description="MLP inner width.")]
+    max_positions: Annotated[int, Field(ge=1, description="Longest sequence the model supports.")] = 2048
+    kv_heads: Annotated[int | None, Field(ge=1, description="Key/value heads (grouped-query attention).")] = None
+
+
+class ModelSpec(Section):
+    preset: Annotated[
+        PresetName | None,
+        Field(description=f"Built-in architecture built from config, no download: {', '.join(PRESETS)}."),
+    ] = None
+    path: Annotated[
+        str | None,
+        Field(description="Local directory (or hub id, where the pod can reach the hub) of a causal LM to fine-tune."),
+    ] = None
+    architecture: Annotated[
+        Architecture | None,
+        Field(description="Shape of the `path` model for memory planning; read from its config.json when local."),
+    ] = None
+    dtype: Annotated[
+        Literal["auto", "bf16", "fp16", "fp32"],
+        Field(description="dtype of the stored weights when loading `path`; training precision is `training.precision`."),
+    ] = "auto"
+    attention: Annotated[
+        Literal["sdpa", "eager"], Field(description="Attention kernel: sdpa (memory-efficient) or eager.")
+    ] = "sdpa"
+    lora: Annotated[LoraSpec | None, Field(description="Train LoRA adapters instead of all weights.")] = None
+
+    @model_validator(mode="after")
+    def _one_source(self) -> ModelSpec:
+        if (self.preset is None) == (self.path is None):
+            raise ValueError("set exactly one of `model.preset` or `model.path`")
+        return self
+
+
+class DataSpec(Section):
+    path: Annotated[
+        str | None,
+        Field(description="JSONL training file; omit to use the bundled synthetic SFT set. Relative to the working directory."),
+    ] = None
+    format: Annotated[
+        Literal["auto", "prompt_response", "messages"],
+        Field(description="Record layout: {prompt, response} or {messages: [{role, content}]}; auto detects per file."),
+    ] = "auto"
+    prompt_field: Annotated[str, Field(description="Key of the prompt in prompt/response records.")] = "prompt"
+    response_field: Annotated[str, Field(description="Key of the response in prompt/response records.")] = "response"
+    messages_field: Annotated[str, Field(description="Key of the message list in chat records.")] = "messages"
+    max_seq_len: Annotated[
+        int, Field(ge=16, le=131072, description="Tokens per sample (longer samples are truncated); sizes memory.")
+    ] = 512
+    packing: Annotated[bool, Field(description="Pack several samples into each max_seq_len row.")] = False
+    eval_path: Annotated[str | None, Field(description="JSONL evaluation file; default: hold out `eval_fraction`.")] = None
+    eval_fraction: Annotated[
+        float, Field(ge=0, lt=0.5, description="Fraction of the training file held out for eval when no eval_path.")
+    ] = 0.05
+    num_workers: Annotated[
+        Literal["auto"] | Annotated[int, Field(ge=0, le=64)],
+        Field(description="DataLoader workers; auto sizes them from CPUs and host memory."),
+    ] = "auto"
+
+
+class TrainingSpec(Section):
+    global_batch: Annotated[
+        int,
+        Field(ge=1, description="Effective batch: samples per optimizer step over all GPUs. Never changed by sizing or OOM."),
+    ]
+    micro_batch: Annotated[
+        Literal["auto"] | Annotated[int, Field(ge=1)],
+        Field(description="Samples per GPU per forward pass; auto = the largest that fits and divides the batch."),
+    ] = "auto"
+    learning_rate: Annotated[float, Field(gt=0, lt=1, description="Peak learning rate (AdamW).")] = 2e-4
+    lr_scaling: Annotated[
+        Literal["none", "linear"],
+        Field(description="linear: lr = learning_rate * global_batch / lr_base_batch (Goyal et al. 2017)."),
+    ] = "none"
+    lr_base_batch: Annotated[int | None, Field(ge=1, description="Batch that `learning_rate` was tuned for.")] = None
+    warmup_steps: Annotated[int, Field(ge=0, description="Linear warmup steps before cosine decay.")] = 0
+    min_lr_ratio: Annotated[float, Field(ge=0, le=1, description="Cosine decay floor as a fraction of peak.")] = 0.1
+    steps: Annotated[int | None, Field(ge=1, description="Optimizer steps to train; exclusive with epochs.")] = None
+    epochs: Annotated[float | None, Field(gt=0, description="Passes over the data (default 1 when steps is unset).")] = None
+    precision: Annotated[
+        Literal["auto", "bf16", "fp16", "fp32"],
+        Field(description="Autocast precision; auto = bf16 where the device supports it, else fp16 on GPU, fp32 on CPU."),
+    ] = "auto"
+    gradient_checkpointing: Annotated[
+        OnOffAuto, Field(description="Activation checkpointing; auto = on for the tiers that need it.")
+    ] = "auto"
+    weight_decay: Annotated[float, Field(ge=0, description="AdamW weight decay.")] = 0.0
+    max_grad_norm: Annotated[float | None, Field(gt=0, description="Gradient clipping norm; null disables.")] = 1.0
+    seed: Annotated[int, Field(ge=0, description="Seed for model init, data order and dropout.")] = 42
+    log_every: Annotated[int, Field(ge=1, description="Optimizer steps between metric records.")] = 10
+    eval_every: Annotated[int | None, Field(ge=1, description="Optimizer steps between evaluations; null: at the end.")] = None
+    eval_batches: Annotated[int, Field(ge=1, description="Micro-batches per evaluation.")] = 8
+    compile: Annotated[bool, Field(description="torch.compile the model.")] = False
+
+    @model_validator(mode="after")
+    def _schedule(self) -> TrainingSpec:
+        if self.steps is not None and self.epochs is not None:
+            raise ValueError("set either `training.steps` or `training.epochs`, not both")
+        if self.lr_scaling == "linear" and self.lr_base_batch is None:
+            raise ValueError("`training.lr_scaling: linear` needs `training.lr_base_batch` (the batch the lr was tuned for)")
+        if self.warmup_steps and self.steps is not None and self.warmup_steps >= self.steps:
+            raise ValueError(f"`training.warmup_steps` ({self.warmup_steps}) must be below `training.steps` ({self.steps})")
+        return self
+
+    @property
+    def peak_lr(self) -> float:
+        if self.lr_scaling == "linear" and self.lr_base_batch:
+            return self.learning_rate * self.global_batch / self.lr_base_batch
+        return self.learning_rate
+
+
+class GpuRequest(Section):
+    type: Annotated[
+        str | None, Field(description="GPU model, e.g. H100, A100-80GB, RTX3080-20GB, MI300X (see `jobspec plan`).")
+    ] = None
+    count: Annotated[int, Field(ge=1, le=64, description="GPUs per node (processes per node for vendor cpu).")] = 1
+    memory: Annotated[ByteSize | None, Field(description="Memory per GPU, for types jobspec does not know.")] = None
+
+    @property
+    def memory_bytes(self) -> int | None:
+        if self.memory is not None:
+            return self.memory
+        info = gpu_catalogue.lookup(self.type) if self.type else None
+        return info.memory_bytes if info else None
+
+
+class HardwareSpec(Section):
+    vendor: Annotated[Vendor, Field(description="cuda (NVIDIA), rocm (AMD) or cpu (no accelerator).")] = "cuda"
+    gpus: Annotated[
+        GpuRequest,
+        BeforeValidator(parse_gpus),
+        Field(description="GPUs per node: 'H100:8', 8, or {type, count, memory}."),
+    ] = GpuRequest()
+    nodes: Annotated[int, Field(ge=1, le=1024, description="Nodes (pods) in the Indexed Job.")] = 1
+    cpu: Annotated[CpuQuantity | None, Field(description="CPU request per pod, e.g. 8 or '500m'.")] = None
+    memory: Annotated[ByteSize | None, Field(description="Host memory per pod (request = limit), e.g. '64Gi'.")] = None
+    shm_size: Annotated[ByteSize, Field(description="Size of the memory-backed /dev/shm (dataloader workers).")] = (
+        8 * 1024**3
+    )
+    supplemental_groups: Annotated[
+        list[int] | None,
+        Field(description="Extra GIDs for the pod; ROCm default [44, 109] (video, render) for /dev/kfd and /dev/dri."),
+    ] = None
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.gpus.count
+
+
+class MemorySpec(Section):
+    tier: Annotated[
+        Tier, Field(description="Memory tier; auto = the fastest the memory model says fits (see README, Tiers).")
+    ] = "auto"
+    fallback: Annotated[bool, Field(description="On OOM at micro-batch 1, resume at the next tier.")] = True
+    target_utilization: Annotated[
+        float, Field(ge=0.5, le=0.98, description="Fraction of GPU memory the micro-batch is sized to.")
+    ] = 0.9
+
+
+class CheckpointSpec(Section):
+    dir: Annotated[
+        str, Field(min_length=1, description="Run directory: checkpoints, metrics.jsonl and tier state.")
+    ] = "/checkpoints"
+    pvc: Annotated[
+        DnsLabel | None,
+        Field(description="PersistentVolumeClaim mounted at `dir`; without one, checkpoints die with the pod."),
+    ] = None
+    every_steps: Annotated[int, Field(ge=1, description="Optimizer steps between checkpoints.")] = 200
+    keep: Annotated[int, Field(ge=1, description="Checkpoints kept; older ones are deleted.")] = 2
+
+
+class Toleration(Section):
+    key: Annotated[str | None, Field(description="Taint key.")] = None
+    operator: Annotated[Literal["Exists", "Equal"], Field(description="Exists or Equal.")] = "Equal"
+    value: Annotated[str | None, Field(description="Taint value (operator Equal).")] = None
+    effect: Annotated[
+        Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None, Field(description="Taint effect.")
+    ] = None
+    toleration_seconds: Annotated[int | None, Field(ge=0, description="For NoExecute taints.")] = None
+
+
+class SchedulingSpec(Section):
+    queue: Annotated[DnsLabel | None, Field(description="Kueue LocalQueue; the Job is created suspended for Kueue.")] = None
+    priority_class: Annotated[str | None, Field(description="PriorityClass name.")] = None
+    node_selector: Annotated[dict[str, str], Field(description="Node labels the pods require.")] = {}
+    tolerations: Annotated[list[Toleration], Field(description="Tolerations for tainted GPU nodes.")] = []
+    service_account: Annotated[DnsLabel | None, Field(description="ServiceAccount the pods run as.")] = None
+    ttl_seconds_after_finished: Annotated[
+        int | None, Field(ge=0, description="Delete the finished Job after this many seconds.")
+    ] = 7 * 24 * 3600
+    backoff_limit: Annotated[int, Field(ge=0, le=100, description="Pod failures (tier retries included) allowed.")] = 6
+    active_deadline_seconds: Annotated[int | None, Field(ge=1, description="Wall-clock limit for the whole Job.")] = None
+    termination_grace_seconds: Annotated[
+        int, Field(ge=15, description="Time to checkpoint after SIGTERM before the kill.")
+    ] = 120
+    labels: Annotated[dict[str, str], Field(description="Extra labels on every object.")] = {}
+    annotations: Annotated[dict[str, str], Field(description="Extra annotations on every object.")] = {}
+
+
+class SecretRef(Section):
+    secret: Annotated[DnsLabel, Field(description="Secret name in the job's namespace.")]
+    key: Annotated[str, Field(min_length=1, description="Key inside the Secret.")]
+    optional: Annotated[bool, Field(description="Start even if the Secret or key is missing.")] = False
+
+
+EnvValue = Annotated[str | SecretRef, BeforeValidator(lambda v: str(v) if isinstance(v, (int, float, bool)) else v)]
+
+
+class JobSpec(Section):
+    """One fine-tuning job."""
+
+    name: Annotated[JobName, Field(description="Job name (DNS-1123 label, at most 50 characters).")]
+    namespace: Annotated[DnsLabel, Field(description="Kubernetes namespace.")] = "default"
+    image: Annotated[ImageSpec, Field(description="Container image.")] = ImageSpec()
+    model: Annotated[ModelSpec, Field(description="What to fine-tune.")]
+    data: Annotated[DataSpec, Field(description="Training data.")] = DataSpec()
+    training: Annotated[TrainingSpec, Field(description="Optimisation: batch, learning rate, length, precision.")]
+    hardware: Annotated[HardwareSpec, Field(description="Accelerators, nodes and pod resources.")] = HardwareSpec()
+    memory: Annotated[MemorySpec, Field(description="Memory tier and OOM fallback.")] = MemorySpec()
+    checkpoints: Annotated[CheckpointSpec, Field(description="Where and how often to checkpoint.")] = CheckpointSpec()
+    scheduling: Annotated[SchedulingSpec, Field(description="Cluster scheduling.")] = SchedulingSpec()
+    env: Annotated[
+        dict[str, EnvValue],
+        Field(description="Environment: NAME: value, or NAME: {secret, key} for credentials (never inline)."),
+    ] = {}
+    env_from_secrets: Annotated[list[DnsLabel], Field(description="Secrets whose keys all become env vars.")] = []
+
+    @field_validator("env")
+    @classmethod
+    def _no_inline_secrets(cls, env: dict[str, str | SecretRef]) -> dict[str, str | SecretRef]:
+        problems: list[tuple[str, str, str | None]] = []
+        for key, value in env.items():
+            if not _ENV_NAME.match(key):
+                problems.append((f"env.{key}", "not a valid variable name", "use letters, digits and '_'"))
+            elif isinstance(value, str) and (_SECRET_NAME.search(key) or _SECRET_VALUE.match(value)):
+                problems.append((
+                    f"env.{key}",
+                    "inline secret value (never written to a manifest or a log)",
+                    f"put it in a Secret and reference it: `{key}: {{secret: <secret-name>, key: <key>}}`",
+                ))
+        if problems:
+            raise CrossFieldError(problems)
+        return env
+
+    @model_validator(mode="after")
+    def _check(self) -> JobSpec:
+        problems = cross_field_problems(self)
+        if problems:
+            raise CrossFieldError(problems)
+        return self
+
+    @property
+    def world_size(self) -> int:
+        return self.hardware.world_size
+
+    def to_yaml_dict(self) -> dict[str, Any]:
+        """The spec as plain data that `load_spec` reads back to an equal spec."""
+        return self.model_dump(mode="json", exclude_none=True)
+
+    def spec_hash(self) -> str:
+        canonical = json.dumps(self.to_yaml_dict(), sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(canonical.encode()).hexdigest()[:16]
+
+
+class CrossFieldError(ValueError):
+    """Rules that span sections; each problem is (field path, message, hint)."""
+
+    def __init__(self, problems: list[tuple[str, str, str | None]]):
+        super().__init__("; ".join(f"{p}: {m}" for p, m, _ in problems))
+        self.problems = problems
+
+
+def cross_field_problems(spec: JobSpec) -> list[tuple[str, str, str | None]]:
+    out: list[tuple[str, str, str | None]] = []
+    hw, tr = spec.hardware, spec.training
+    world = hw.world_size
+    if tr.global_batch % world:
+        out.append((
+            "training.global_batch",
+            f"{tr.global_batch} does not divide over {world} ranks (hardware.nodes {hw.nodes} x gpus {hw.gpus.count})",
+            f"use a multiple of {world}, e.g. {max(world, tr.global_batch // world * world)}",
+        ))
+    elif isinstance(tr.micro_batch, int) and (tr.global_batch // world) % tr.micro_batch:
+        per_rank = tr.global_batch // world
+        fits = [d for d in range(1, per_rank + 1) if per_rank % d == 0]
+        out.append((
+            "training.micro_batch",
+            f"{tr.micro_batch} does not divide the per-rank batch {per_rank} (global_batch / ranks)",
+            f"use one of {fits} or `auto`",
+        ))
+    image = (spec.image.name or "").lower()
+    if hw.vendor == "cuda" and "rocm" in image or hw.vendor == "rocm" and re.search(r"cuda|nvidia", image):
+        out.append((
+            "image.name",
+            f"image {spec.image.name!r} does not match hardware.vendor {hw.vendor!r}",
+            "use an image built for the vendor, or omit image.name for the default",
+        ))
+    info = gpu_catalogue.lookup(hw.gpus.type) if hw.gpus.type else None
+    if hw.vendor == "cpu" and hw.gpus.type:
+        out.append(("hardware.gpus.type", "vendor cpu takes no GPU type", "remove hardware.gpus.type or set vendor"))
+    elif info and info.vendor != hw.vendor:
+        out.append((
+            "hardware.gpus.type",
+            f"{info.name} is a {info.vendor} GPU but hardware.vendor is {hw.vendor!r}",
+            f"set hardware.vendor: {info.vendor}",
+        ))
+    elif hw.gpus.type and not info and hw.gpus.memory is None:
+        out.append((
+            "hardware.gpus.type",
+            f"unknown GPU type {hw.gpus.type!r}",
+            f"use one of {', '.join(gpu_catalogue.known_names())}, or give hardware.gpus.memory",
+        ))
+    if spec.model.preset:
+        limit = PRESETS[spec.model.preset].max_positions
+        if spec.data.max_seq_len > limit:
+            out.append((
+                "data.max_seq_len",
+                f"{spec.data.max_seq_len} exceeds model preset {spec.model.preset!r}'s {limit} positions",
+                f"use data.max_seq_len <= {limit}",
+            ))
+    if spec.checkpoints.pvc and not spec.checkpoints.dir.startswith("/"):
+        out.append((
+            "checkpoints.dir",
+            f"{spec.checkpoints.dir!r} must be an absolute path when checkpoints.pvc mounts a volume there",
+            "e.g. /checkpoints",
+        ))
+    if hw.vendor == "cpu" and tr.precision == "fp16":
+        out.append(("training.precision", "fp16 autocast is not supported for vendor cpu", "use bf16 or fp32"))
+    return out
