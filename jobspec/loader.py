@@ -28,9 +28,9 @@ def load_spec(path: str | Path, overrides: Sequence[str] = ()) -> JobSpec:
     try:
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
-        raise ConfigError(f"{path}: no such file (give the path to a job spec YAML, e.g. examples/quickstart.yaml)")
+        raise ConfigError(f"{path}: no such file (give the path to a job spec YAML, e.g. examples/quickstart.yaml)") from None
     except (OSError, UnicodeDecodeError) as err:
-        raise ConfigError(f"{path}: cannot read the spec: {err}")
+        raise ConfigError(f"{path}: cannot read the spec: {err}") from err
     return parse_spec(text, str(path), overrides)
 
 
@@ -49,7 +49,9 @@ def parse_spec(text: str, file: str = "<spec>", overrides: Sequence[str] = ()) -
     try:
         return JobSpec.model_validate(data)
     except ValidationError as err:
-        raise SpecError(file, [_issue(e, lines, set_paths) for e in _expand(err.errors())]) from None
+        issues = [_issue(e, lines, set_paths) for e in _expand(err.errors())]
+        issues.sort(key=lambda i: (i.line is None, i.line or 0))
+        raise SpecError(file, issues) from None
 
 
 def apply_override(data: dict[str, Any], item: str) -> Loc:
@@ -245,7 +247,13 @@ def _annotation_at(loc: Loc) -> Any:
     model: Any = JobSpec
     for step in loc:
         fields = _model_fields(model)
-        if not fields or step not in fields:
-            return None
-        model = fields[step]
+        if fields is not None:
+            if step not in fields:
+                return None
+            model = fields[step]
+        else:  # list[X] or dict[str, X]: step is an index or key, descend into X
+            items = [typing.get_args(a)[-1] for a in _flatten(model) if typing.get_origin(a) in (list, dict)]
+            if not items:
+                return None
+            model = items[0]
     return model

@@ -44,13 +44,7 @@ CKPT_BYTES = 2  # full checkpointing keeps each layer's bf16 input: 2*s*b*h per 
 OVERHEAD_FIXED = 1024**3
 OVERHEAD_PERCENT = 5
 # Activation checkpointing per tier unless overridden: on wherever the tier exists to save memory.
-CHECKPOINTING: dict[str, bool] = {
-    "fast": False,
-    "zero2": False,
-    "zero2_offload": True,
-    "zero3": True,
-    "minimal": True,
-}
+CHECKPOINTING: dict[str, bool] = dict(zip(TIERS, (False, False, True, True, True), strict=True))
 _SHARD_ONLY = ("zero2", "zero3")  # tiers that save nothing on one rank (no offload)
 
 
@@ -153,7 +147,13 @@ class MemoryEstimate:
 
 
 def _states(shape: ModelShape, tier: str, world_size: int, lora: LoraShape | None) -> tuple[int, int, int]:
-    """(GPU bytes, host bytes per rank, trainable params) of the model states."""
+    """(GPU bytes, host bytes per rank, trainable params) of the model states.
+
+    Host bytes are per rank: a node's need is that times its GPUs. With LoRA the weights held are the
+    frozen base plus the adapters (2 bytes each) and only the adapters carry grads and optimizer state;
+    zero2 tiers shard that trainable part, zero3 shards every weight (FULL_SHARD does not tell frozen
+    from trainable), minimal moves every weight to the host.
+    """
     t = trainable_params(shape, lora)
     w = shape.params + (t if lora else 0)  # weights held: base (frozen with LoRA) + adapters
     n = world_size

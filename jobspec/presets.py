@@ -49,11 +49,15 @@ PRESETS: dict[str, ModelShape] = {
         "llama", layers=2, hidden=128, heads=4, kv_heads=2, vocab=512, max_positions=512, intermediate=352
     ),
     # The seeds' GPT-2 ladder (001): small 124M, medium 355M, large 774M.
-    "gpt2-small": ModelShape("gpt2", layers=12, hidden=768, heads=12, vocab=50257, max_positions=1024, intermediate=3072),
+    "gpt2-small": ModelShape(
+        "gpt2", layers=12, hidden=768, heads=12, vocab=50257, max_positions=1024, intermediate=3072
+    ),
     "gpt2-medium": ModelShape(
         "gpt2", layers=24, hidden=1024, heads=16, vocab=50257, max_positions=1024, intermediate=4096
     ),
-    "gpt2-large": ModelShape("gpt2", layers=36, hidden=1280, heads=20, vocab=50257, max_positions=1024, intermediate=5120),
+    "gpt2-large": ModelShape(
+        "gpt2", layers=36, hidden=1280, heads=20, vocab=50257, max_positions=1024, intermediate=5120
+    ),
     # Qwen-shaped Llama configs (the seeds' 0.5B / 1.8B chat models), untied output head for 1.8B.
     "qwen-0.5b": ModelShape(
         "llama", layers=24, hidden=896, heads=14, kv_heads=2, vocab=151936, max_positions=32768, intermediate=4864

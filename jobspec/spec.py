@@ -27,7 +27,9 @@ _DNS_LABEL = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 # Names and values that mean "this is a credential": it must come from a Secret.
 _SECRET_NAME = re.compile(r"(TOKEN|SECRET|PASSWORD|PASSWD|API_?KEY|ACCESS_KEY|PRIVATE_KEY|CREDENTIAL)", re.I)
-_SECRET_VALUE = re.compile(r"^(hf_[A-Za-z0-9]{20,}|gh[pousr]_[A-Za-z0-9]{20,}|sk-[A-Za-z0-9_-]{20,}|AKIA[0-9A-Z]{16}|xox[abpr]-)")
+_SECRET_VALUE = re.compile(
+    r"^(hf_[A-Za-z0-9]{20,}|gh[pousr]_[A-Za-z0-9]{20,}|sk-[A-Za-z0-9_-]{20,}|AKIA[0-9A-Z]{16}|xox[abpr]-)"
+)
 
 
 def _dns_label(value: str, max_len: int = 63) -> str:
@@ -107,7 +109,7 @@ class ModelSpec(Section):
     ] = None
     dtype: Annotated[
         Literal["auto", "bf16", "fp16", "fp32"],
-        Field(description="dtype of the stored weights when loading `path`; training precision is `training.precision`."),
+        Field(description="dtype of the stored weights of `path`; training precision is `training.precision`."),
     ] = "auto"
     attention: Annotated[
         Literal["sdpa", "eager"], Field(description="Attention kernel: sdpa (memory-efficient) or eager.")
@@ -124,7 +126,7 @@ class ModelSpec(Section):
 class DataSpec(Section):
     path: Annotated[
         str | None,
-        Field(description="JSONL training file; omit to use the bundled synthetic SFT set. Relative to the working directory."),
+        Field(description="JSONL training file (relative to the working directory); omit for the bundled synthetic set."),
     ] = None
     format: Annotated[
         Literal["auto", "prompt_response", "messages"],
@@ -137,7 +139,7 @@ class DataSpec(Section):
         int, Field(ge=16, le=131072, description="Tokens per sample (longer samples are truncated); sizes memory.")
     ] = 512
     packing: Annotated[bool, Field(description="Pack several samples into each max_seq_len row.")] = False
-    eval_path: Annotated[str | None, Field(description="JSONL evaluation file; default: hold out `eval_fraction`.")] = None
+    eval_path: Annotated[str | None, Field(description="JSONL eval file; default: hold out `eval_fraction`.")] = None
     eval_fraction: Annotated[
         float, Field(ge=0, lt=0.5, description="Fraction of the training file held out for eval when no eval_path.")
     ] = 0.05
@@ -150,7 +152,7 @@ class DataSpec(Section):
 class TrainingSpec(Section):
     global_batch: Annotated[
         int,
-        Field(ge=1, description="Effective batch: samples per optimizer step over all GPUs. Never changed by sizing or OOM."),
+        Field(ge=1, description="Effective batch: samples per optimizer step over all GPUs; never changed by sizing or OOM."),
     ]
     micro_batch: Annotated[
         Literal["auto"] | Annotated[int, Field(ge=1)],
@@ -165,10 +167,10 @@ class TrainingSpec(Section):
     warmup_steps: Annotated[int, Field(ge=0, description="Linear warmup steps before cosine decay.")] = 0
     min_lr_ratio: Annotated[float, Field(ge=0, le=1, description="Cosine decay floor as a fraction of peak.")] = 0.1
     steps: Annotated[int | None, Field(ge=1, description="Optimizer steps to train; exclusive with epochs.")] = None
-    epochs: Annotated[float | None, Field(gt=0, description="Passes over the data (default 1 when steps is unset).")] = None
+    epochs: Annotated[float | None, Field(gt=0, description="Passes over the data (1 when steps is unset).")] = None
     precision: Annotated[
         Literal["auto", "bf16", "fp16", "fp32"],
-        Field(description="Autocast precision; auto = bf16 where the device supports it, else fp16 on GPU, fp32 on CPU."),
+        Field(description="Autocast precision; auto = bf16 where supported, else fp16 on GPU, fp32 on CPU."),
     ] = "auto"
     gradient_checkpointing: Annotated[
         OnOffAuto, Field(description="Activation checkpointing; auto = on for the tiers that need it.")
@@ -177,7 +179,7 @@ class TrainingSpec(Section):
     max_grad_norm: Annotated[float | None, Field(gt=0, description="Gradient clipping norm; null disables.")] = 1.0
     seed: Annotated[int, Field(ge=0, description="Seed for model init, data order and dropout.")] = 42
     log_every: Annotated[int, Field(ge=1, description="Optimizer steps between metric records.")] = 10
-    eval_every: Annotated[int | None, Field(ge=1, description="Optimizer steps between evaluations; null: at the end.")] = None
+    eval_every: Annotated[int | None, Field(ge=1, description="Steps between evaluations; null: at the end.")] = None
     eval_batches: Annotated[int, Field(ge=1, description="Micro-batches per evaluation.")] = 8
     compile: Annotated[bool, Field(description="torch.compile the model.")] = False
 
@@ -186,9 +188,9 @@ class TrainingSpec(Section):
         if self.steps is not None and self.epochs is not None:
             raise ValueError("set either `training.steps` or `training.epochs`, not both")
         if self.lr_scaling == "linear" and self.lr_base_batch is None:
-            raise ValueError("`training.lr_scaling: linear` needs `training.lr_base_batch` (the batch the lr was tuned for)")
+            raise ValueError("`training.lr_scaling: linear` needs `training.lr_base_batch` (batch the lr was tuned for)")
         if self.warmup_steps and self.steps is not None and self.warmup_steps >= self.steps:
-            raise ValueError(f"`training.warmup_steps` ({self.warmup_steps}) must be below `training.steps` ({self.steps})")
+            raise ValueError(f"`training.warmup_steps` ({self.warmup_steps}) < `training.steps` ({self.steps})")
         return self
 
     @property
@@ -269,7 +271,7 @@ class Toleration(Section):
 
 
 class SchedulingSpec(Section):
-    queue: Annotated[DnsLabel | None, Field(description="Kueue LocalQueue; the Job is created suspended for Kueue.")] = None
+    queue: Annotated[DnsLabel | None, Field(description="Kueue LocalQueue; the Job is created suspended.")] = None
     priority_class: Annotated[str | None, Field(description="PriorityClass name.")] = None
     node_selector: Annotated[dict[str, str], Field(description="Node labels the pods require.")] = {}
     tolerations: Annotated[list[Toleration], Field(description="Tolerations for tainted GPU nodes.")] = []
@@ -278,7 +280,7 @@ class SchedulingSpec(Section):
         int | None, Field(ge=0, description="Delete the finished Job after this many seconds.")
     ] = 7 * 24 * 3600
     backoff_limit: Annotated[int, Field(ge=0, le=100, description="Pod failures (tier retries included) allowed.")] = 6
-    active_deadline_seconds: Annotated[int | None, Field(ge=1, description="Wall-clock limit for the whole Job.")] = None
+    active_deadline_seconds: Annotated[int | None, Field(ge=1, description="Wall-clock limit of the Job.")] = None
     termination_grace_seconds: Annotated[
         int, Field(ge=15, description="Time to checkpoint after SIGTERM before the kill.")
     ] = 120
@@ -378,7 +380,7 @@ def cross_field_problems(spec: JobSpec) -> list[tuple[str, str, str | None]]:
             f"use one of {fits} or `auto`",
         ))
     image = (spec.image.name or "").lower()
-    if hw.vendor == "cuda" and "rocm" in image or hw.vendor == "rocm" and re.search(r"cuda|nvidia", image):
+    if (hw.vendor == "cuda" and "rocm" in image) or (hw.vendor == "rocm" and re.search(r"cuda|nvidia", image)):
         out.append((
             "image.name",
             f"image {spec.image.name!r} does not match hardware.vendor {hw.vendor!r}",

@@ -1,0 +1,5 @@
+import sys
+
+from jobspec.cli import main
+
+sys.exit(main())

@@ -1,0 +1,148 @@
+"""Cluster error types, and the one place an HTTP failure becomes one of them.
+
+Every message names what was being done (verb, resource, namespace, object) in the
+words `kubectl auth can-i` uses, so a refused request can be checked and granted.
+Messages carry the server's own explanation but never a header or a credential.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+from jobspec.errors import ClusterError
+
+
+@dataclass(frozen=True)
+class Op:
+    """One API operation, in RBAC terms: `patch jobs.batch "x" in namespace "ml"`."""
+
+    verb: str  # get, list, create, patch, delete
+    resource: str  # plural, e.g. "jobs", "pods/log"
+    group: str = ""  # "" for the core group, "batch" for jobs
+    namespace: str | None = None  # None: all namespaces
+    name: str | None = None
+
+    @property
+    def qualified(self) -> str:
+        """`jobs.batch`, `configmaps`: the form RBAC and `kubectl auth can-i` use."""
+        base, _, sub = self.resource.partition("/")
+        full = f"{base}.{self.group}" if self.group else base
+        return f"{full}/{sub}" if sub else full
+
+    @property
+    def where(self) -> str:
+        return f'in namespace "{self.namespace}"' if self.namespace else "across all namespaces"
+
+    def describe(self) -> str:
+        target = f' "{self.name}"' if self.name else ""
+        return f"{self.verb} {self.qualified}{target} {self.where}"
+
+    def can_i(self) -> str:
+        scope = f"-n {self.namespace}" if self.namespace else "--all-namespaces"
+        return f"kubectl auth can-i {self.verb} {self.qualified} {scope}"
+
+
+class ApiError(ClusterError):
+    """The API server answered with an error status."""
+
+    def __init__(self, message: str, *, status: int, op: Op) -> None:
+        super().__init__(message)
+        self.status = status
+        self.op = op
+
+
+class Unauthorized(ApiError):
+    """401: the credentials were not accepted."""
+
+
+class Forbidden(ApiError):
+    """403: RBAC (or an admission policy) refused the request."""
+
+
+class NotFound(ApiError):
+    """404: the object (or its namespace) does not exist."""
+
+
+class Conflict(ApiError):
+    """409: the object exists, changed under us, or its fields belong to another manager."""
+
+
+class Rejected(ApiError):
+    """400/422: the server refused the object itself."""
+
+
+class ServerError(ApiError):
+    """5xx or 429 that did not clear within the retry budget."""
+
+
+class Unreachable(ClusterError):
+    """No HTTP answer: connection refused or reset, DNS, TLS."""
+
+
+class ApiTimeout(Unreachable):
+    """The server did not answer within the request timeout."""
+
+
+class SpecChanged(ClusterError):
+    """A job of that name exists with a different spec, and --replace was not given."""
+
+
+class NotManaged(ClusterError):
+    """An object of that name exists but jobspec did not create it: never touched."""
+
+
+class NotReady(ClusterError):
+    """The pod asked for has not started (or does not exist yet)."""
+
+
+def server_message(body: bytes | str | None) -> str:
+    """The `message` of a Kubernetes Status body, or a short excerpt of whatever came back."""
+    if not body:
+        return ""
+    text = body.decode("utf-8", "replace") if isinstance(body, bytes) else body
+    try:
+        status = json.loads(text)
+    except ValueError:
+        return " ".join(text.split())[:300]
+    if isinstance(status, dict) and isinstance(status.get("message"), str):
+        return status["message"]
+    return ""
+
+
+def error_for_status(status: int, reason: str, body: bytes | str | None, op: Op, attempts: int = 1) -> ApiError:
+    """Map an HTTP error answer to the project's error type, with a message a user can act on."""
+    said = server_message(body)
+    detail = f": {said}" if said else ""
+    tried = f" (gave up after {attempts} attempts)" if attempts > 1 else ""
+    if status == 401:
+        return Unauthorized(
+            f"the API server did not accept the credentials (401 Unauthorized) for {op.describe()}; "
+            "log in again or refresh the kubeconfig (e.g. your cloud's get-credentials command)",
+            status=status,
+            op=op,
+        )
+    if status == 403:
+        return Forbidden(
+            f"RBAC refused: cannot {op.describe()} (403 Forbidden{detail}). "
+            f"Check with `{op.can_i()}`; the Role in k8s/ grants what jobspec needs",
+            status=status,
+            op=op,
+        )
+    if status == 404:
+        if op.resource == "jobs" and op.name:
+            msg = f'job "{op.name}" does not exist {op.where}'
+        else:
+            msg = f"not found: {op.describe()}{detail}"
+        return NotFound(msg, status=status, op=op)
+    if status == 409:
+        return Conflict(f"conflict: {op.describe()} (409{detail})", status=status, op=op)
+    if status in (400, 422):
+        return Rejected(f"the API server rejected: {op.describe()} ({status} {reason}{detail})", status=status, op=op)
+    if status == 429 or status >= 500:
+        return ServerError(
+            f"the API server could not serve: {op.describe()} ({status} {reason}{detail}){tried}",
+            status=status,
+            op=op,
+        )
+    return ApiError(f"{op.describe()} failed: {status} {reason}{detail}", status=status, op=op)
