@@ -28,7 +28,8 @@ def load_spec(path: str | Path, overrides: Sequence[str] = ()) -> JobSpec:
     try:
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
-        raise ConfigError(f"{path}: no such file (give the path to a job spec YAML, e.g. examples/quickstart.yaml)") from None
+        hint = "give the path to a job spec YAML, e.g. examples/quickstart.yaml"
+        raise ConfigError(f"{path}: no such file ({hint})") from None
     except (OSError, UnicodeDecodeError) as err:
         raise ConfigError(f"{path}: cannot read the spec: {err}") from err
     return parse_spec(text, str(path), overrides)

@@ -126,7 +126,7 @@ class ModelSpec(Section):
 class DataSpec(Section):
     path: Annotated[
         str | None,
-        Field(description="JSONL training file (relative to the working directory); omit for the bundled synthetic set."),
+        Field(description="JSONL training file (relative to the working dir); omit for the bundled synthetic set."),
     ] = None
     format: Annotated[
         Literal["auto", "prompt_response", "messages"],
@@ -152,7 +152,7 @@ class DataSpec(Section):
 class TrainingSpec(Section):
     global_batch: Annotated[
         int,
-        Field(ge=1, description="Effective batch: samples per optimizer step over all GPUs; never changed by sizing or OOM."),
+        Field(ge=1, description="Effective batch: samples per optimizer step, all GPUs; never changed by sizing or OOM."),
     ]
     micro_batch: Annotated[
         Literal["auto"] | Annotated[int, Field(ge=1)],
@@ -188,9 +188,9 @@ class TrainingSpec(Section):
         if self.steps is not None and self.epochs is not None:
             raise ValueError("set either `training.steps` or `training.epochs`, not both")
         if self.lr_scaling == "linear" and self.lr_base_batch is None:
-            raise ValueError("`training.lr_scaling: linear` needs `training.lr_base_batch` (batch the lr was tuned for)")
+            raise ValueError("`training.lr_scaling: linear` needs `training.lr_base_batch` (its tuned batch)")
         if self.warmup_steps and self.steps is not None and self.warmup_steps >= self.steps:
-            raise ValueError(f"`training.warmup_steps` ({self.warmup_steps}) < `training.steps` ({self.steps})")
+            raise ValueError(f"`training.warmup_steps` ({self.warmup_steps}) must be below `training.steps` ({self.steps})")
         return self
 
     @property
