@@ -152,7 +152,7 @@ class DataSpec(Section):
 class TrainingSpec(Section):
     global_batch: Annotated[
         int,
-        Field(ge=1, description="Effective batch: samples per optimizer step, all GPUs; never changed by sizing or OOM."),
+        Field(ge=1, description="Effective batch: samples per optimizer step, all GPUs; sizing never changes it."),
     ]
     micro_batch: Annotated[
         Literal["auto"] | Annotated[int, Field(ge=1)],
@@ -190,7 +190,7 @@ class TrainingSpec(Section):
         if self.lr_scaling == "linear" and self.lr_base_batch is None:
             raise ValueError("`training.lr_scaling: linear` needs `training.lr_base_batch` (its tuned batch)")
         if self.warmup_steps and self.steps is not None and self.warmup_steps >= self.steps:
-            raise ValueError(f"`training.warmup_steps` ({self.warmup_steps}) must be below `training.steps` ({self.steps})")
+            raise ValueError(f"warmup_steps ({self.warmup_steps}) must be below steps ({self.steps})")
         return self
 
     @property
