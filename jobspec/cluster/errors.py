@@ -8,7 +8,8 @@ Messages carry the server's own explanation but never a header or a credential.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+import re
+from dataclasses import dataclass, replace
 
 from jobspec.errors import ClusterError
 
@@ -123,6 +124,10 @@ def error_for_status(status: int, reason: str, body: bytes | str | None, op: Op,
             op=op,
         )
     if status == 403:
+        # Server-side apply of a new object is authorised as "create": trust the server's verb.
+        named = re.search(r'cannot (\w+) resource "', said)
+        if named and named.group(1) != op.verb:
+            op = replace(op, verb=named.group(1))
         return Forbidden(
             f"RBAC refused: cannot {op.describe()} (403 Forbidden{detail}). "
             f"Check with `{op.can_i()}`; the Role in k8s/ grants what jobspec needs",

@@ -1,0 +1,59 @@
+"""The few resource kinds jobspec talks to, and their REST paths."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import quote
+
+from jobspec.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class Kind:
+    kind: str
+    api_version: str  # "v1", "batch/v1"
+    plural: str
+
+    @property
+    def group(self) -> str:
+        return self.api_version.rpartition("/")[0]
+
+    @property
+    def display(self) -> str:
+        """The name kubectl prints: `configmap`, `job.batch`."""
+        return f"{self.kind.lower()}.{self.group}" if self.group else self.kind.lower()
+
+    def collection_path(self, namespace: str | None) -> str:
+        root = f"/apis/{self.api_version}" if self.group else f"/api/{self.api_version}"
+        if namespace is None:
+            return f"{root}/{self.plural}"
+        return f"{root}/namespaces/{quote(namespace, safe='')}/{self.plural}"
+
+    def object_path(self, namespace: str, name: str) -> str:
+        return f"{self.collection_path(namespace)}/{quote(name, safe='')}"
+
+
+CONFIGMAP = Kind("ConfigMap", "v1", "configmaps")
+SERVICE = Kind("Service", "v1", "services")
+JOB = Kind("Job", "batch/v1", "jobs")
+POD = Kind("Pod", "v1", "pods")
+KINDS = {k.kind: k for k in (CONFIGMAP, SERVICE, JOB, POD)}
+
+# Deleted in this order by `cancel` (the Job first, so no new pod mounts a missing ConfigMap).
+OWNED_KINDS = (JOB, SERVICE, CONFIGMAP)
+
+
+def kind_of(obj: dict[str, Any]) -> Kind:
+    kind = KINDS.get(obj.get("kind", ""))
+    if kind is None or kind.api_version != obj.get("apiVersion"):
+        raise ConfigError(
+            f"cannot submit {obj.get('apiVersion')}/{obj.get('kind')}: jobspec submits only "
+            + ", ".join(f"{k.api_version} {k.kind}" for k in (CONFIGMAP, SERVICE, JOB))
+        )
+    return kind
+
+
+def ref(obj: dict[str, Any]) -> str:
+    """`job.batch/train-x`, as kubectl names an object."""
+    return f"{kind_of(obj).display}/{obj['metadata']['name']}"

@@ -1,0 +1,127 @@
+"""Host memory and CPUs as the container sees them: the cgroup limit, not the machine's total.
+
+A pod with `resources.limits.memory: 32Gi` on a 1 TiB node is OOM-killed at 32 GiB, so sizing
+dataloader workers (or, on CPU, the micro-batch) from /proc/meminfo alone is wrong. Reads cgroup v2
+(`memory.max`, `memory.current`, `cpu.max`) or v1 (`memory/memory.limit_in_bytes`, `cpu/cpu.cfs_*`)
+under an injectable root, capped by /proc/meminfo. Pure file reads: no torch, no psutil.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+MEMINFO = Path("/proc/meminfo")
+# cgroup v1 writes "no limit" as a huge page-aligned number (2^63 - 4096 on x86-64); anything at or
+# above 2^60 bytes (1 EiB) is no limit in practice.
+_UNLIMITED = 1 << 60
+
+
+@dataclass(frozen=True)
+class HostInfo:
+    """Host memory in bytes and usable CPUs, for this container."""
+
+    total_bytes: int  # cgroup limit, or MemTotal when there is none (or it is larger)
+    available_bytes: int  # what this container can still allocate without being OOM-killed
+    cpus: int  # cores this process may use: cgroup CPU quota and sched affinity
+    source: str = "meminfo"  # "cgroup2" | "cgroup1" | "meminfo": where the memory limit came from
+
+
+def _read(path: Path) -> str | None:
+    try:
+        return path.read_text().strip()
+    except (OSError, UnicodeDecodeError):
+        return None
+
+
+def _int(text: str | None) -> int | None:
+    """An integer file value; None for missing files, "max" and the v1 "unlimited" sentinel."""
+    if text is None or text == "max":
+        return None
+    try:
+        value = int(text.split()[0])
+    except (ValueError, IndexError):
+        return None
+    return value if 0 <= value < _UNLIMITED else None
+
+
+def _stat(path: Path, key: str) -> int:
+    """One counter from a memory.stat file (bytes), 0 when absent."""
+    for line in (_read(path) or "").splitlines():
+        name, _, value = line.partition(" ")
+        if name == key and value.strip().isdigit():
+            return int(value)
+    return 0
+
+
+def _meminfo(path: Path) -> tuple[int, int] | None:
+    """(MemTotal, MemAvailable) in bytes; the file gives kB (KiB)."""
+    values: dict[str, int] = {}
+    for line in (_read(path) or "").splitlines():
+        name, _, rest = line.partition(":")
+        parts = rest.split()
+        if parts and parts[0].isdigit():
+            values[name] = int(parts[0]) * 1024
+    if "MemTotal" not in values:
+        return None
+    return values["MemTotal"], values.get("MemAvailable", values.get("MemFree", values["MemTotal"]))
+
+
+def cgroup_memory(root: Path = CGROUP_ROOT) -> tuple[int, int, str] | None:
+    """(limit, usage, version) of the container's memory cgroup in bytes; None when unlimited.
+
+    Usage excludes inactive file cache, which the kernel reclaims before it OOM-kills (the kubelet's
+    "working set" does the same): counting it would make a pod that read its data set look full.
+    """
+    limit = _int(_read(root / "memory.max"))
+    if limit is not None:
+        usage = _int(_read(root / "memory.current")) or 0
+        return limit, max(0, usage - _stat(root / "memory.stat", "inactive_file")), "cgroup2"
+    v1 = root / "memory"
+    limit = _int(_read(v1 / "memory.limit_in_bytes"))
+    if limit is not None:
+        usage = _int(_read(v1 / "memory.usage_in_bytes")) or 0
+        return limit, max(0, usage - _stat(v1 / "memory.stat", "total_inactive_file")), "cgroup1"
+    return None
+
+
+def cgroup_cpus(root: Path = CGROUP_ROOT) -> float | None:
+    """The CPU quota in cores (quota / period), None when unlimited."""
+    v2 = _read(root / "cpu.max")  # "max 100000" or "250000 100000" (microseconds)
+    if v2:
+        quota, _, period = v2.partition(" ")
+        q, p = _int(quota), _int(period)
+        return q / p if q and p else None
+    q = _read(root / "cpu" / "cpu.cfs_quota_us")  # -1 = unlimited
+    p = _int(_read(root / "cpu" / "cpu.cfs_period_us"))
+    if q and q.lstrip("-").isdigit() and int(q) > 0 and p:
+        return int(q) / p
+    return None
+
+
+def _affinity() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not on Linux
+        return os.cpu_count() or 1
+
+
+def probe_host(root: Path = CGROUP_ROOT, meminfo: Path = MEMINFO) -> HostInfo:
+    """Host memory and CPUs available to this container."""
+    total, available = _meminfo(meminfo) or (0, 0)
+    source = "meminfo"
+    cgroup = cgroup_memory(root)
+    if cgroup:
+        limit, usage, version = cgroup
+        # The cgroup can be larger than the machine (a limit nobody lowered): the smaller wins.
+        if not total or limit <= total:
+            source = version
+        total = min(total, limit) if total else limit
+        available = min(available, limit - usage) if available else limit - usage
+    quota = cgroup_cpus(root)
+    # A quota of 2.5 cores lets 3 threads run part of the time: round up, never below 1.
+    cpus = min(_affinity(), math.ceil(quota)) if quota else _affinity()
+    return HostInfo(total_bytes=total, available_bytes=max(0, available), cpus=max(1, cpus), source=source)
