@@ -77,7 +77,9 @@ cmd_deps() {
 cmd_project() {
     dist=$1
     set -- "$dist"/jobspec-*.whl
-    [ "$#" -eq 1 ] && [ -f "$1" ] || die "expected one jobspec wheel in $dist, found: $*"
+    if [ "$#" -ne 1 ] || [ ! -f "$1" ]; then
+        die "expected one jobspec wheel in $dist, found: $*"
+    fi
     pip_install --no-deps "$1"
     python -c 'import jobspec, runner, torch, transformers, accelerate; print("jobspec", jobspec.__version__, "torch", torch.__version__)'
 }

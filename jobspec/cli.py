@@ -76,6 +76,12 @@ def cmd_schema(args: argparse.Namespace) -> int:
 
     from jobspec.spec import JobSpec
 
+    if args.markdown:
+        from jobspec.reference import markdown
+
+        print(markdown(), end="")
+        return EXIT_OK
+
     schema = JobSpec.model_json_schema()
     schema["$schema"] = "https://json-schema.org/draft/2020-12/schema"
     schema["title"] = "jobspec job spec"
@@ -133,6 +139,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_render)
 
     p = sub.add_parser("schema", parents=[common], help="print the spec's JSON Schema (for editors and CI)")
+    p.add_argument("--markdown", action="store_true", help="print the spec reference as Markdown tables instead")
     p.set_defaults(func=cmd_schema)
 
     p = sub.add_parser(

@@ -78,7 +78,7 @@ def test_plan_table_marks_auto_choice() -> None:
 def test_plan_json_matches_memory_model() -> None:
     result = run_cli("plan", SFT, "-o", "json", "--gpu-memory", "8Gi")
     report = json.loads(result.stdout)
-    assert report["gpu_bytes"] == 8 * GiB and [t["tier"] for t in report["tiers"]][0] == "fast"
+    assert report["gpu_bytes"] == 8 * GiB and report["tiers"][0]["tier"] == "fast"
     direct = plan_spec(load_spec(SFT), gpu_memory="8Gi")
     assert report["tier"] == (direct.chosen.tier if direct.chosen else None)
     for row in report["tiers"]:
