@@ -1,0 +1,261 @@
+"""What a job is doing: its phase, each index's latest pod, and the runner's last report.
+
+`build_status` is pure (Job + pods -> JobStatus) so it is tested without a server; the
+runner reports through the container's termination message (a JSON line written to
+/dev/termination-log), read tolerantly: any extra text, a traceback, or garbage is fine.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from jobspec.cluster.client import ClusterClient
+from jobspec.cluster.resources import JOB, POD
+from jobspec.contract import ANNOTATION_SPEC_HASH, KUEUE_QUEUE_LABEL
+
+COMPLETION_INDEX = "batch.kubernetes.io/job-completion-index"  # annotation (and label, 1.28+) on pods
+PROGRESS_ANNOTATION = "jobspec.dev/progress"  # optional: a JSON report on the pod, same keys
+FINISHED = ("Succeeded", "Failed")
+FAILED = ("Failed", "Failing")
+
+
+@dataclass(frozen=True)
+class Report:
+    """The runner's last word: memory tier, optimizer step, loss and why it stopped."""
+
+    tier: str | None = None
+    step: int | None = None
+    loss: float | None = None
+    reason: str | None = None
+    extra: dict[str, Any] = field(default_factory=dict)  # other scalar keys the runner wrote
+
+
+@dataclass(frozen=True)
+class IndexStatus:
+    index: int
+    pod: str | None  # the newest pod for this index
+    phase: str | None  # that pod's phase; for a pod-less index, from the Job's index lists
+    detail: str | None  # why it waits or ended: ContainerCreating, Unschedulable, OOMKilled, ...
+    restarts: int  # container restarts in the newest pod
+    attempts: int  # pods created for this index (a retry at the next memory tier is a new pod)
+    node: str | None
+    exit_code: int | None
+    report: Report | None
+
+
+@dataclass(frozen=True)
+class JobStatus:
+    name: str
+    namespace: str
+    phase: str  # Pending, Running, Suspended, Succeeding, Succeeded, Failing, Failed, Terminating
+    reason: str | None  # of the Failed or Suspended condition
+    message: str | None
+    spec_hash: str | None
+    queue: str | None
+    completions: int
+    succeeded: int
+    failed: int
+    active: int
+    start_time: str | None
+    completion_time: str | None
+    indexes: list[IndexStatus]
+    report: Report | None  # index 0's (rank 0 reports), else the first index that has one
+
+    @property
+    def failed_job(self) -> bool:
+        return self.phase in FAILED
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data with a fixed set of keys (documented as the `status -o json` format)."""
+        return asdict(self)
+
+
+def job_phase(job: dict[str, Any]) -> str:
+    status = job.get("status") or {}
+    true = {c.get("type") for c in status.get("conditions") or [] if c.get("status") == "True"}
+    if "Failed" in true:
+        return "Failed"
+    if "Complete" in true:
+        return "Succeeded"
+    if (job.get("metadata") or {}).get("deletionTimestamp"):
+        return "Terminating"
+    if "FailureTarget" in true:
+        return "Failing"
+    if "SuccessCriteriaMet" in true:
+        return "Succeeding"
+    if "Suspended" in true or ((job.get("spec") or {}).get("suspend") and not status.get("active")):
+        return "Suspended"
+    return "Running" if status.get("active") else "Pending"
+
+
+def parse_report(text: str | None) -> Report | None:
+    """A Report from a termination message: the last line that is a JSON object wins; if there
+    is none, the last non-empty line becomes the reason (e.g. a traceback's final line)."""
+    if not text or not text.strip():
+        return None
+    candidates = [text.strip(), *reversed([ln.strip() for ln in text.splitlines() if ln.strip()])]
+    for candidate in candidates:
+        if not candidate.startswith("{"):
+            continue
+        try:
+            data = json.loads(candidate)
+        except ValueError:
+            continue
+        if isinstance(data, dict):
+            return _report_from(data)
+    last = [ln.strip() for ln in text.splitlines() if ln.strip()][-1]
+    return Report(reason=last[:300])
+
+
+def _report_from(data: dict[str, Any]) -> Report:
+    def number(value: Any, kind: type) -> Any:
+        try:
+            num = kind(float(value)) if kind is int else float(value)
+        except (TypeError, ValueError, OverflowError):
+            return None
+        return num if math.isfinite(num) else None
+
+    tier, reason = data.get("tier"), data.get("reason")
+    extra = {
+        k: v for k, v in sorted(data.items())
+        if k not in ("tier", "step", "loss", "reason") and isinstance(v, (str, int, float, bool)) and v == v
+    }
+    return Report(
+        tier=str(tier) if tier is not None else None,
+        step=number(data.get("step"), int),
+        loss=number(data.get("loss"), float),
+        reason=str(reason)[:300] if reason is not None else None,
+        extra=extra,
+    )
+
+
+def pod_selector(job: dict[str, Any]) -> str:
+    """The Job's own pod selector (controller-uid: never a previous job of the same name)."""
+    match = ((job.get("spec") or {}).get("selector") or {}).get("matchLabels") or {}
+    if match:
+        return ",".join(f"{k}={v}" for k, v in sorted(match.items()))
+    return f"job-name={job['metadata']['name']}"
+
+
+def pod_index(pod: dict[str, Any]) -> int:
+    md = pod.get("metadata") or {}
+    raw = (md.get("annotations") or {}).get(COMPLETION_INDEX) or (md.get("labels") or {}).get(COMPLETION_INDEX)
+    try:
+        return int(raw)
+    except (TypeError, ValueError):
+        return 0
+
+
+def pods_by_index(pods: list[dict[str, Any]]) -> dict[int, list[dict[str, Any]]]:
+    """Pods grouped by completion index, newest first."""
+    groups: dict[int, list[dict[str, Any]]] = {}
+    for pod in pods:
+        groups.setdefault(pod_index(pod), []).append(pod)
+    for group in groups.values():
+        group.sort(key=lambda p: (p["metadata"].get("creationTimestamp") or "", p["metadata"]["name"]), reverse=True)
+    return groups
+
+
+def main_container(pod: dict[str, Any]) -> tuple[str | None, dict[str, Any]]:
+    """The first container's name and its status entry (the runner's container)."""
+    containers = (pod.get("spec") or {}).get("containers") or [{}]
+    name = containers[0].get("name")
+    statuses = (pod.get("status") or {}).get("containerStatuses") or []
+    found = next((s for s in statuses if s.get("name") == name), statuses[0] if statuses else {})
+    return name, found
+
+
+def _terminated(cstatus: dict[str, Any]) -> dict[str, Any]:
+    return (cstatus.get("state") or {}).get("terminated") or (cstatus.get("lastState") or {}).get("terminated") or {}
+
+
+def pod_detail(pod: dict[str, Any]) -> str | None:
+    if (pod.get("metadata") or {}).get("deletionTimestamp"):
+        return "Terminating"
+    _, cstatus = main_container(pod)
+    state = cstatus.get("state") or {}
+    for key in ("waiting", "terminated"):
+        if (state.get(key) or {}).get("reason"):
+            return state[key]["reason"]
+    for cond in (pod.get("status") or {}).get("conditions") or []:
+        if cond.get("type") == "PodScheduled" and cond.get("status") == "False":
+            return cond.get("reason") or "Unschedulable"
+    return (pod.get("status") or {}).get("reason")
+
+
+def pod_report(pod: dict[str, Any]) -> Report | None:
+    _, cstatus = main_container(pod)
+    for term in ((cstatus.get("state") or {}).get("terminated"), (cstatus.get("lastState") or {}).get("terminated")):
+        report = parse_report((term or {}).get("message"))
+        if report is not None:
+            return report
+    return parse_report(((pod.get("metadata") or {}).get("annotations") or {}).get(PROGRESS_ANNOTATION))
+
+
+def parse_index_set(text: str | None) -> set[int]:
+    """'0,2-4' (Job status completedIndexes / failedIndexes) -> {0, 2, 3, 4}."""
+    out: set[int] = set()
+    for part in (text or "").split(","):
+        lo, _, hi = part.strip().partition("-")
+        if lo.isdigit() and (not hi or hi.isdigit()):
+            out.update(range(int(lo), int(hi or lo) + 1))
+    return out
+
+
+def _index_status(index: int, pods: list[dict[str, Any]], done: set[int], lost: set[int]) -> IndexStatus:
+    if not pods:
+        phase = "Succeeded" if index in done else "Failed" if index in lost else None
+        return IndexStatus(index, None, phase, None, 0, 0, None, None, None)
+    newest = pods[0]
+    _, cstatus = main_container(newest)
+    code = _terminated(cstatus).get("exitCode")
+    report = next((r for r in map(pod_report, pods) if r is not None), None)
+    return IndexStatus(
+        index=index,
+        pod=newest["metadata"]["name"],
+        phase=(newest.get("status") or {}).get("phase") or "Pending",
+        detail=pod_detail(newest),
+        restarts=sum(int(s.get("restartCount") or 0) for s in (newest.get("status") or {}).get("containerStatuses") or []),
+        attempts=len(pods),
+        node=(newest.get("spec") or {}).get("nodeName"),
+        exit_code=int(code) if code is not None else None,
+        report=report,
+    )
+
+
+def build_status(job: dict[str, Any], pods: list[dict[str, Any]]) -> JobStatus:
+    md, spec, st = job["metadata"], job.get("spec") or {}, job.get("status") or {}
+    completions = int(spec.get("completions") or spec.get("parallelism") or 1)
+    groups = pods_by_index(pods)
+    done, lost = parse_index_set(st.get("completedIndexes")), parse_index_set(st.get("failedIndexes"))
+    indexes = [_index_status(i, groups.get(i, []), done, lost) for i in sorted(set(range(completions)) | set(groups))]
+    reports = [ix.report for ix in indexes if ix.report is not None]
+    cond = next(
+        (c for c in st.get("conditions") or [] if c.get("status") == "True" and c.get("type") in ("Failed", "Suspended")),
+        {},
+    )
+    return JobStatus(
+        name=md["name"],
+        namespace=md.get("namespace") or "",
+        phase=job_phase(job),
+        reason=cond.get("reason"),
+        message=cond.get("message"),
+        spec_hash=(md.get("annotations") or {}).get(ANNOTATION_SPEC_HASH),
+        queue=(md.get("labels") or {}).get(KUEUE_QUEUE_LABEL),
+        completions=completions,
+        succeeded=int(st.get("succeeded") or 0),
+        failed=int(st.get("failed") or 0),
+        active=int(st.get("active") or 0),
+        start_time=st.get("startTime"),
+        completion_time=st.get("completionTime"),
+        indexes=indexes,
+        report=reports[0] if reports else None,
+    )
+
+
+def collect_status(client: ClusterClient, namespace: str, name: str) -> JobStatus:
+    job = client.get(JOB, namespace, name)
+    return build_status(job, client.list(POD, namespace, pod_selector(job)))
