@@ -29,6 +29,15 @@ RUN_AS_GID = 1000
 # Rendezvous port for torch.distributed across nodes (headless Service port).
 RDZV_PORT = 29500
 
+# Environment the rendered pod sets for the runner (multi-node rendezvous). Users cannot set JOBSPEC_*.
+ENV_NODE_RANK = "JOBSPEC_NODE_RANK"
+ENV_NNODES = "JOBSPEC_NNODES"
+ENV_NPROC_PER_NODE = "JOBSPEC_NPROC_PER_NODE"
+ENV_MASTER_ADDR = "JOBSPEC_MASTER_ADDR"
+ENV_MASTER_PORT = "JOBSPEC_MASTER_PORT"
+ENV_SPEC_HASH = "JOBSPEC_SPEC_HASH"  # lets the runner notice a spec ConfigMap replaced under a running Job
+RESERVED_ENV_PREFIX = "JOBSPEC_"
+
 # Labels and annotations put on every rendered object.
 LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
 MANAGED_BY = "jobspec"

@@ -52,11 +52,10 @@ def _models(root: type[BaseModel]) -> list[type[BaseModel]]:
     seen: list[type[BaseModel]] = []
 
     def visit(annotation: Any) -> None:
-        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-            if annotation not in seen:
-                seen.append(annotation)
-                for field in annotation.model_fields.values():
-                    visit(field.annotation)
+        if isinstance(annotation, type) and issubclass(annotation, BaseModel) and annotation not in seen:
+            seen.append(annotation)
+            for field in annotation.model_fields.values():
+                visit(field.annotation)
         for arg in typing.get_args(annotation):
             visit(arg)
 

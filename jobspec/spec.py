@@ -15,6 +15,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
 
 from jobspec import gpus as gpu_catalogue
+from jobspec.contract import RESERVED_ENV_PREFIX
 from jobspec.presets import PRESETS
 from jobspec.units import ByteSize, CpuQuantity, parse_gpus
 
@@ -24,6 +25,8 @@ Vendor = Literal["cuda", "rocm", "cpu"]
 PresetName = Literal[tuple(PRESETS)]  # type: ignore[valid-type]
 
 _DNS_LABEL = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
+_LABEL_KEY = re.compile(r"^([a-z0-9]([-a-z0-9.]*[a-z0-9])?/)?[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$")
+_LABEL_VALUE = re.compile(r"^([A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?)?$")
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 # Names and values that mean "this is a credential": it must come from a Secret.
 _SECRET_NAME = re.compile(r"(TOKEN|SECRET|PASSWORD|PASSWD|API_?KEY|ACCESS_KEY|PRIVATE_KEY|CREDENTIAL)", re.I)
@@ -139,6 +142,10 @@ class DataSpec(Section):
         int, Field(ge=16, le=131072, description="Tokens per sample (longer samples are truncated); sizes memory.")
     ] = 512
     packing: Annotated[bool, Field(description="Pack several samples into each max_seq_len row.")] = False
+    pvc: Annotated[
+        DnsLabel | None, Field(description="PersistentVolumeClaim with the data, mounted read-only at `mount_path`.")
+    ] = None
+    mount_path: Annotated[str, Field(description="Where `pvc` is mounted in the pod.")] = "/data"
     eval_path: Annotated[str | None, Field(description="JSONL eval file; default: hold out `eval_fraction`.")] = None
     eval_fraction: Annotated[
         float, Field(ge=0, lt=0.5, description="Fraction of the training file held out for eval when no eval_path.")
@@ -279,7 +286,9 @@ class SchedulingSpec(Section):
     ttl_seconds_after_finished: Annotated[
         int | None, Field(ge=0, description="Delete the finished Job after this many seconds.")
     ] = 7 * 24 * 3600
-    backoff_limit: Annotated[int, Field(ge=0, le=100, description="Pod failures (tier retries included) allowed.")] = 6
+    backoff_limit: Annotated[
+        int, Field(ge=0, le=100, description="Pod failures allowed per node (index); a tier step-down costs one.")
+    ] = 6
     active_deadline_seconds: Annotated[int | None, Field(ge=1, description="Wall-clock limit of the Job.")] = None
     termination_grace_seconds: Annotated[
         int, Field(ge=15, description="Time to checkpoint after SIGTERM before the kill.")
@@ -323,6 +332,9 @@ class JobSpec(Section):
         for key, value in env.items():
             if not _ENV_NAME.match(key):
                 problems.append((f"env.{key}", "not a valid variable name", "use letters, digits and '_'"))
+            elif key.startswith(RESERVED_ENV_PREFIX):
+                reserved = f"names starting with {RESERVED_ENV_PREFIX} are set by jobspec"
+                problems.append((f"env.{key}", reserved, "rename it"))
             elif isinstance(value, str) and (_SECRET_NAME.search(key) or _SECRET_VALUE.match(value)):
                 problems.append((
                     f"env.{key}",
@@ -346,7 +358,8 @@ class JobSpec(Section):
 
     def to_yaml_dict(self) -> dict[str, Any]:
         """The spec as plain data that `load_spec` reads back to an equal spec."""
-        return self.model_dump(mode="json", exclude_none=True)
+        # Defaults left out keep the ConfigMap short; explicit nulls that override a default stay.
+        return self.model_dump(mode="json", exclude_defaults=True)
 
     def spec_hash(self) -> str:
         canonical = json.dumps(self.to_yaml_dict(), sort_keys=True, separators=(",", ":"))
@@ -415,6 +428,24 @@ def cross_field_problems(spec: JobSpec) -> list[tuple[str, str, str | None]]:
             f"{spec.checkpoints.dir!r} must be an absolute path when checkpoints.pvc mounts a volume there",
             "e.g. /checkpoints",
         ))
+    if hw.memory is not None and hw.shm_size > hw.memory:
+        out.append((
+            "hardware.shm_size",
+            "exceeds hardware.memory: the memory-backed /dev/shm counts against the pod's memory limit",
+            "lower shm_size or raise hardware.memory",
+        ))
+    if spec.data.pvc and not spec.data.mount_path.startswith("/"):
+        out.append(("data.mount_path", "must be an absolute path", "e.g. /data"))
+    for section in ("labels", "annotations"):
+        for key, value in getattr(spec.scheduling, section).items():
+            if not _LABEL_KEY.match(key) or len(key.rpartition("/")[2]) > 63:
+                out.append((f"scheduling.{section}.{key}", "not a valid Kubernetes key", "e.g. team, example.com/team"))
+            elif section == "labels" and (len(value) > 63 or not _LABEL_VALUE.match(value)):
+                out.append((
+                    f"scheduling.labels.{key}",
+                    "not a valid label value",
+                    "at most 63 letters, digits, '-', '_' or '.', starting and ending alphanumeric",
+                ))
     if hw.vendor == "cpu" and tr.precision == "fp16":
         out.append(("training.precision", "fp16 autocast is not supported for vendor cpu", "use bf16 or fp32"))
     return out

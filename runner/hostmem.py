@@ -125,3 +125,76 @@ def probe_host(root: Path = CGROUP_ROOT, meminfo: Path = MEMINFO) -> HostInfo:
     # A quota of 2.5 cores lets 3 threads run part of the time: round up, never below 1.
     cpus = min(_affinity(), math.ceil(quota)) if quota else _affinity()
     return HostInfo(total_bytes=total, available_bytes=max(0, available), cpus=max(1, cpus), source=source)
+
+
+# Dataloader sizing. A forked worker shares the parent's pages copy-on-write, but refcount updates
+# copy what it touches: ~0.3-0.5 GiB RSS each with torch and a tokenizer imported, plus its
+# prefetched batches (small: token ids). Budget 0.5 GiB per worker.
+WORKER_BYTES = 512 * 1024**2
+MAX_WORKERS = 8  # tokenised SFT batches are cheap to collate; more workers only cost memory and fork time
+WORKER_SHARE = 0.5  # at most half of the spare host memory goes to workers; the rest absorbs spikes
+# Per training process on a GPU node: interpreter, torch, CUDA/HIP runtime host allocations, pinned
+# staging buffers. Below this much spare memory per rank the host is "tight": no workers, no pinning.
+HOST_PROCESS_BYTES = 2 * 1024**3
+HOST_TIGHT_BYTES = 2 * 1024**3
+# Offload tiers keep optimizer state (16 bytes per trainable param / ranks) in host RAM: at most this
+# share of what is available, the rest stays for the processes, workers and page cache.
+HOST_OFFLOAD_SHARE = 0.8
+
+
+def gib(n: float) -> str:
+    """Bytes as GiB for log lines."""
+    return f"{n / 1024**3:.2f} GiB"
+
+
+def offload_fits(host_bytes_per_rank: int, local_ranks: int, host: HostInfo) -> bool:
+    """Whether `local_ranks` processes can each offload `host_bytes_per_rank` to this host."""
+    return host_bytes_per_rank * local_ranks <= HOST_OFFLOAD_SHARE * host.available_bytes
+
+
+@dataclass(frozen=True)
+class LoaderSettings:
+    num_workers: int  # DataLoader workers per rank
+    pin_memory: bool
+    reasons: tuple[str, ...]
+
+
+def loader_settings(
+    host: HostInfo, *, on_gpu: bool, local_ranks: int, need_per_rank: int, requested: int | None = None
+) -> LoaderSettings:
+    """DataLoader workers and pin_memory per rank from the container's CPUs and spare host memory.
+
+    `need_per_rank`: host bytes each training process needs besides the workers (offloaded optimizer
+    state on GPU; the whole training footprint on CPU). `requested`: the spec's number, honoured.
+    """
+    gib = 1024**3
+    spare = host.available_bytes - local_ranks * need_per_rank  # bytes left for workers, all ranks
+    tight = spare < local_ranks * HOST_TIGHT_BYTES
+    by_cpu = max(0, host.cpus // local_ranks - 1)  # one core stays with the training process
+    by_mem = 0 if tight else int(spare * WORKER_SHARE) // (local_ranks * WORKER_BYTES)
+    auto = min(by_cpu, MAX_WORKERS, by_mem)
+    why = (
+        f"min({host.cpus} cpus / {local_ranks} ranks - 1 = {by_cpu}, cap {MAX_WORKERS}, "
+        f"{spare / gib:.1f} GiB spare host memory x {WORKER_SHARE} / {WORKER_BYTES / gib:.1f} GiB per worker "
+        f"/ {local_ranks} ranks = {by_mem})"
+    )
+    if tight:
+        why = (
+            f"host memory tight: {host.available_bytes / gib:.1f} GiB available, {local_ranks} ranks x "
+            f"{need_per_rank / gib:.1f} GiB needed leaves {spare / gib:.1f} GiB < {local_ranks} x "
+            f"{HOST_TIGHT_BYTES / gib:.0f} GiB"
+        )
+    if requested is None:
+        workers, reasons = auto, [f"dataloader workers auto -> {auto}: {why}"]
+    else:
+        workers, reasons = requested, [f"dataloader workers {requested} from the spec (auto would give {auto}: {why})"]
+    left = spare - local_ranks * workers * WORKER_BYTES  # after the workers take their share
+    pin = on_gpu and left >= local_ranks * HOST_TIGHT_BYTES
+    if not on_gpu:
+        reasons.append("pin_memory off: no GPU to copy to")
+    else:
+        reasons.append(
+            f"pin_memory {'on' if pin else 'off'}: {left / gib:.1f} GiB host memory left after workers "
+            f"{'>=' if pin else '<'} {local_ranks} ranks x {HOST_TIGHT_BYTES / gib:.0f} GiB"
+        )
+    return LoaderSettings(workers, pin, tuple(reasons))

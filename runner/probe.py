@@ -9,9 +9,8 @@ boundary functions (or the vendor modules they call) to fake a GPU.
 
 from __future__ import annotations
 
-import gc
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -149,8 +148,13 @@ def probe_device(local_rank: int = 0, *, host: HostInfo | None = None) -> Device
         name, total, free = query(local_rank, key)
         source = backend
     except Exception as err:  # ImportError, NVMLError, AmdSmiException, LookupError: torch still knows
-        log.warning("%s unavailable for GPU %d (%s: %s); using torch.cuda.mem_get_info",
-                    backend, local_rank, type(err).__name__, err)
+        log.warning(
+            "%s unavailable for GPU %d (%s: %s); using torch.cuda.mem_get_info",
+            backend,
+            local_rank,
+            type(err).__name__,
+            err,
+        )
         free, total = _torch_memory(local_rank)
         name, source = view.name, "torch"
     return DeviceInfo(
@@ -184,37 +188,83 @@ def with_free(device: DeviceInfo, free_bytes: int) -> DeviceInfo:
     return replace(device, free_bytes=free_bytes)
 
 
+def resolve_precision(asked: str, device: DeviceInfo) -> tuple[str, str]:
+    """(precision, reason): `auto` is bf16 where the device has it natively, else fp16 on GPU, fp32 on CPU."""
+    if asked != "auto":
+        slow = asked == "bf16" and device.is_gpu and not device.bf16
+        return asked, f"precision {asked} from the spec" + (
+            f" ({device.name} has no native bf16: slow)" if slow else ""
+        )
+    chosen = "bf16" if device.is_gpu and device.bf16 else "fp16" if device.is_gpu else "fp32"
+    why = "native bf16" if chosen == "bf16" else "no native bf16 on this GPU" if device.is_gpu else "CPU"
+    return chosen, f"precision auto -> {chosen}: {why}"
+
+
+def largest_passing(
+    cands: Sequence[int], guess: int, ok: Callable[[int], bool], max_probes: int | None = None
+) -> tuple[int | None, dict[int, bool], bool]:
+    """The largest of the ascending `cands` for which `ok` holds, `ok` being True up to some threshold.
+
+    Probes `guess` (a member of `cands`), then its neighbour, then bisects what is left: 2 probes when
+    the guess is right to one candidate, at most 2 + ceil(log2(len(cands))) otherwise.
+    Returns (the largest passing candidate or None, {candidate: outcome}, whether the search finished
+    before `max_probes` ran out).
+    """
+    seen: dict[int, bool] = {}
+
+    def probe(i: int) -> bool:
+        seen[cands[i]] = ok(cands[i])
+        return seen[cands[i]]
+
+    def more() -> bool:
+        return max_probes is None or len(seen) < max_probes
+
+    lo, hi = -1, len(cands)  # index of the largest known pass / the smallest known failure
+    g = list(cands).index(guess)
+    if probe(g):
+        lo = g
+        if g + 1 < hi and more():
+            lo, hi = (g + 1, hi) if probe(g + 1) else (lo, g + 1)
+    else:
+        hi = g
+        if g > 0 and more():
+            lo, hi = (g - 1, hi) if probe(g - 1) else (lo, g - 1)
+    while hi - lo > 1 and more():
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if probe(mid) else (lo, mid)
+    return (cands[lo] if lo >= 0 else None), seen, hi - lo <= 1
+
+
 def oom_guard(step: Callable[[int], Any], *, budget_bytes: int | None = None) -> Callable[[int], bool]:
     """Turn a probe step into `try_step(mbs) -> bool` for `runner.plan.verify_micro_batch`.
 
-    `step(mbs)` runs forward, backward and optimizer.step() at the longest sequence length and must
-    zero its gradients (set_to_none) before returning. OOM -> False. Memory is freed AFTER the except
-    block: inside it the traceback still pins every tensor of the failed step (accelerate's bug).
-    With `budget_bytes`, a step whose peak reserved memory exceeds it also counts as not fitting, so
-    the search respects `memory.target_utilization` instead of filling the GPU to the last byte.
+    `step(mbs)` runs forward, backward and optimizer.step() at the longest sequence length and zeroes
+    its gradients (set_to_none) before returning. An OOM (`runner.oom.is_oom`) gives False, with memory
+    released after the except block (`runner.oom.guarded`). With `budget_bytes`, a step whose peak
+    reserved memory exceeds it also counts as no fit, so the search respects
+    `memory.target_utilization` instead of filling the GPU to the last byte.
     """
     import torch
+
+    from runner.oom import guarded
 
     def try_step(mbs: int) -> bool:
         on_gpu = torch.cuda.is_available()
         if on_gpu:
             torch.cuda.reset_peak_memory_stats()
-        oom = False
-        try:
-            step(mbs)
-        except torch.OutOfMemoryError:
-            oom = True
-        gc.collect()  # drop the failed step's frames and tensors now that the exception is gone
-        if not on_gpu:
-            return not oom
-        peak = torch.cuda.max_memory_reserved()
+        if guarded(lambda: step(mbs)).oom:
+            return False
+        if not on_gpu or budget_bytes is None:
+            return True
+        peak = torch.cuda.max_memory_reserved()  # bytes, this process's caching allocator
         torch.cuda.empty_cache()
-        if oom:
-            return False
-        if budget_bytes is not None and peak > budget_bytes:
-            log.info("micro-batch %d ran but peaked at %.2f GiB reserved > budget %.2f GiB: counts as no fit",
-                     mbs, peak / GiB, budget_bytes / GiB)
-            return False
-        return True
+        if peak > budget_bytes:
+            log.info(
+                "micro-batch %d ran but reserved %.2f GiB > budget %.2f GiB: no fit",
+                mbs,
+                peak / GiB,
+                budget_bytes / GiB,
+            )
+        return peak <= budget_bytes
 
     return try_step

@@ -125,7 +125,11 @@ def call(fn: Callable[[], T], policy: RetryPolicy, op: Op) -> T:
         delay = state.next_action.sleep if state.next_action else 0.0
         log.warning(
             "%s: %s; retrying in %.1f s (attempt %d of %d)",
-            op.describe(), _why(exc), delay, state.attempt_number + 1, policy.attempts,
+            op.describe(),
+            _why(exc),
+            delay,
+            state.attempt_number + 1,
+            policy.attempts,
         )
 
     retrying = tenacity.Retrying(

@@ -120,7 +120,8 @@ def _report_from(data: dict[str, Any]) -> Report:
 
     tier, reason = data.get("tier"), data.get("reason")
     extra = {
-        k: v for k, v in sorted(data.items())
+        k: v
+        for k, v in sorted(data.items())
         if k not in ("tier", "step", "loss", "reason") and isinstance(v, (str, int, float, bool)) and v == v
     }
     return Report(
@@ -212,13 +213,14 @@ def _index_status(index: int, pods: list[dict[str, Any]], done: set[int], lost: 
     newest = pods[0]
     _, cstatus = main_container(newest)
     code = _terminated(cstatus).get("exitCode")
+    statuses = (newest.get("status") or {}).get("containerStatuses") or []
     report = next((r for r in map(pod_report, pods) if r is not None), None)
     return IndexStatus(
         index=index,
         pod=newest["metadata"]["name"],
         phase=(newest.get("status") or {}).get("phase") or "Pending",
         detail=pod_detail(newest),
-        restarts=sum(int(s.get("restartCount") or 0) for s in (newest.get("status") or {}).get("containerStatuses") or []),
+        restarts=sum(int(s.get("restartCount") or 0) for s in statuses),
         attempts=len(pods),
         node=(newest.get("spec") or {}).get("nodeName"),
         exit_code=int(code) if code is not None else None,
@@ -233,10 +235,8 @@ def build_status(job: dict[str, Any], pods: list[dict[str, Any]]) -> JobStatus:
     done, lost = parse_index_set(st.get("completedIndexes")), parse_index_set(st.get("failedIndexes"))
     indexes = [_index_status(i, groups.get(i, []), done, lost) for i in sorted(set(range(completions)) | set(groups))]
     reports = [ix.report for ix in indexes if ix.report is not None]
-    cond = next(
-        (c for c in st.get("conditions") or [] if c.get("status") == "True" and c.get("type") in ("Failed", "Suspended")),
-        {},
-    )
+    explained = ("Failed", "Suspended")
+    cond = next((c for c in st.get("conditions") or [] if c.get("status") == "True" and c.get("type") in explained), {})
     return JobStatus(
         name=md["name"],
         namespace=md.get("namespace") or "",

@@ -1,0 +1,7 @@
+"""Talking to a Kubernetes cluster: submit, status, logs, cancel, list.
+
+Modules: `kubeconfig` (where and who), `client` (the HTTP boundary, in dicts), `retry`
+(what is retried and how long), `errors` (ClusterError subtypes), `submit`, `status`,
+`logs`, `cancel`, `listing` (the operations), `output` (tables and JSON), `cli` (argparse).
+Importing this package imports nothing heavy: the kubernetes client loads on first use.
+"""

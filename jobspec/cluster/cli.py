@@ -1,0 +1,281 @@
+"""The cluster subcommands: submit, status, logs, cancel, list.
+
+`jobspec.cli` calls `add_cluster_commands(subparsers, common_parent)`. Each handler takes the
+parsed args, returns the exit code, and raises JobspecError subclasses for failures (the main
+entry point prints those without a traceback). Heavy imports (the kubernetes client) happen
+inside the handlers, so `jobspec render` and `--help` stay fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import re
+import shlex
+import sys
+from typing import Any
+
+from jobspec.contract import EXIT_CLUSTER, EXIT_CONFIG, EXIT_FAILED, EXIT_OK
+from jobspec.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+EXIT_CODES = f"""exit codes:
+  {EXIT_OK}  ok
+  {EXIT_FAILED}  the job failed (status of a failed job)
+  {EXIT_CONFIG}  bad input: spec, flag, kubeconfig
+  {EXIT_CLUSTER}  cluster or API error: refused (RBAC), not found, unreachable, timed out, conflict
+"""
+DRY_RUN_MODES = ("client", "server", "none")
+_NAME = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
+
+
+def add_cluster_commands(subparsers: Any, common_parent: argparse.ArgumentParser) -> None:
+    """Register submit, status, logs, cancel and list on `subparsers` (from add_subparsers())."""
+    conn = _connection_parent()
+    fmt = argparse.RawDescriptionHelpFormatter
+
+    def add(name: str, help_: str, description: str) -> argparse.ArgumentParser:
+        return subparsers.add_parser(
+            name,
+            parents=[common_parent, conn],
+            help=help_,
+            description=description,
+            epilog=EXIT_CODES,
+            formatter_class=fmt,
+        )
+
+    p = add(
+        "submit",
+        "create the job on the cluster",
+        "Render SPEC and create its ConfigMap, Service and Job with server-side apply.\n"
+        "Submitting the same spec again changes nothing and says so; a changed spec for an\n"
+        "existing job is refused unless --replace (which deletes the old job first).",
+    )
+    p.add_argument("spec", nargs="?", metavar="SPEC", help="job spec YAML file")
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        dest="overrides",
+        metavar="KEY.PATH=VALUE",
+        help="override a spec field (repeatable), e.g. --set training.global_batch=64",
+    )
+    p.add_argument(
+        "--dry-run",
+        nargs="?",
+        const="client",
+        default="none",
+        metavar="{client,server}",
+        help="client (the default when given bare): print the objects, contact nothing; "
+        "server: ask the API server to check them (dryRun=All), persist nothing",
+    )
+    p.add_argument(
+        "--replace", action="store_true", help="delete an existing job of this name (and its pods) first, then submit"
+    )
+    p.set_defaults(func=cmd_submit)
+
+    p = add(
+        "status",
+        "show a job's phase, pods and last report",
+        "Job phase, each index's newest pod (phase, restarts, attempts), and the runner's last\n"
+        "reported tier, step and loss. Exits 1 when the job failed.",
+    )
+    p.add_argument("name", metavar="NAME", help="job name")
+    p.add_argument("-o", "--output", choices=("table", "json"), default="table", help="output format")
+    p.set_defaults(func=cmd_status)
+
+    p = add(
+        "logs",
+        "print or follow a job's log",
+        "Print the log of one index's newest pod; -f follows it until that pod ends.",
+    )
+    p.add_argument("name", metavar="NAME", help="job name")
+    p.add_argument("-f", "--follow", action="store_true", help="stream until the pod ends (waits for it to start)")
+    p.add_argument("--index", type=int, default=0, metavar="N", help="completion index (node rank); default 0")
+    p.add_argument(
+        "--previous",
+        action="store_true",
+        help="the previous run: a restarted container's, else the index's previous pod",
+    )
+    p.set_defaults(func=cmd_logs)
+
+    p = add(
+        "cancel",
+        "delete a job, its pods, Service and ConfigMap",
+        "Delete everything jobspec created for NAME (found by its job label).",
+    )
+    p.add_argument("name", metavar="NAME", help="job name")
+    p.add_argument("--wait", action="store_true", help="return only once the job's pods are gone")
+    p.set_defaults(func=cmd_cancel)
+
+    p = add("list", "list the jobs jobspec created", "Jobs carrying the label app.kubernetes.io/managed-by=jobspec.")
+    p.add_argument("-A", "--all-namespaces", action="store_true", help="every namespace (needs cluster-wide list)")
+    p.add_argument("-o", "--output", choices=("table", "json"), default="table", help="output format")
+    p.set_defaults(func=cmd_list)
+
+
+def _connection_parent() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(add_help=False)
+    g = p.add_argument_group("cluster connection")
+    g.add_argument(
+        "--kubeconfig",
+        metavar="PATH",
+        help="kubeconfig file (default: $KUBECONFIG, ~/.kube/config, then the in-cluster service account)",
+    )
+    g.add_argument("--context", metavar="NAME", help="kubeconfig context (default: its current-context)")
+    g.add_argument(
+        "-n",
+        "--namespace",
+        metavar="NS",
+        help="namespace (default: the spec's, for submit; then the context's; then 'default')",
+    )
+    g.add_argument(
+        "--request-timeout",
+        type=_seconds,
+        default=30.0,
+        metavar="SECONDS",
+        help="per-request timeout, e.g. 30, 30s, 2m (default 30s)",
+    )
+    return p
+
+
+def _seconds(text: str) -> float:
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*(ms|s|m)?\s*", text)
+    value = float(m.group(1)) * {"ms": 0.001, "s": 1.0, "m": 60.0, None: 1.0}[m.group(2)] if m else 0.0
+    if not 0 < value <= 3600:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a duration from 1ms to 60m, e.g. 30 or 30s or 2m")
+    return value
+
+
+def _name(args: argparse.Namespace) -> str:
+    if not _NAME.match(args.name):
+        raise ConfigError(f"{args.name!r} is not a valid job name (lower-case letters, digits and '-')")
+    return args.name
+
+
+def _connect(args: argparse.Namespace) -> tuple[Any, str]:
+    """(client, namespace) for commands that work on existing objects."""
+    from jobspec.cluster.kubeconfig import load_connection, validate_namespace
+
+    conn = load_connection(args.kubeconfig, args.context)
+    namespace = validate_namespace(args.namespace or conn.namespace or "default")
+    return _client(args, conn), namespace
+
+
+def _client(args: argparse.Namespace, conn: Any) -> Any:
+    from jobspec.cluster.client import ClusterClient
+
+    log.debug("cluster: %s", conn.describe())
+    # retry_policy: a seam for tests (no sleeping); never set by the parser.
+    return ClusterClient(conn, timeout=args.request_timeout, policy=getattr(args, "retry_policy", None))
+
+
+def _extra_flags(args: argparse.Namespace) -> str:
+    flags = [f" --{k} {shlex.quote(v)}" for k, v in (("context", args.context), ("kubeconfig", args.kubeconfig)) if v]
+    return "".join(flags)
+
+
+def _dry_run_mode(args: argparse.Namespace) -> str:
+    mode = args.dry_run
+    if mode not in DRY_RUN_MODES and args.spec is None:  # `--dry-run spec.yaml`: the bare flag took the path
+        args.spec, mode = mode, "client"
+    if mode not in DRY_RUN_MODES:
+        raise ConfigError(f"--dry-run={mode}: expected client or server")
+    if args.spec is None:
+        raise ConfigError("submit needs a SPEC file, e.g. jobspec submit examples/sft_fast.yaml")
+    return mode
+
+
+def cmd_submit(args: argparse.Namespace) -> int:
+    from jobspec.cluster.kubeconfig import context_namespace, load_connection, validate_namespace
+    from jobspec.cluster.output import format_submit, to_yaml
+    from jobspec.cluster.submit import in_namespace, submit
+    from jobspec.loader import load_spec
+    from jobspec.render import render
+
+    mode = _dry_run_mode(args)
+    spec = load_spec(args.spec, args.overrides)
+    # The spec's namespace counts only when written in it (or --set); its default must not hide the context's.
+    chosen = args.namespace or (
+        spec.namespace if "namespace" in getattr(spec, "model_fields_set", {"namespace"}) else None
+    )
+    conn = None
+    if mode == "client":
+        chosen = chosen or context_namespace(args.kubeconfig, args.context)
+    else:
+        conn = load_connection(args.kubeconfig, args.context)
+        chosen = chosen or conn.namespace
+    namespace = validate_namespace(chosen or spec.namespace or "default")
+    if spec.namespace != namespace:
+        spec = load_spec(args.spec, [*args.overrides, f"namespace={namespace}"])
+    objects = in_namespace(render(spec), namespace)
+    if mode == "client":
+        sys.stdout.write(to_yaml(objects))
+        return EXIT_OK
+    with _client(args, conn) as client:
+        result = submit(client, objects, namespace, replace=args.replace, dry_run=mode == "server")
+    sys.stdout.write(format_submit(result, _extra_flags(args)))
+    return EXIT_OK
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from jobspec.cluster.output import format_status, to_json
+    from jobspec.cluster.status import collect_status
+
+    name = _name(args)
+    client, namespace = _connect(args)
+    with client:
+        st = collect_status(client, namespace, name)
+    sys.stdout.write(to_json(st.to_dict()) if args.output == "json" else format_status(st))
+    return EXIT_FAILED if st.failed_job else EXIT_OK
+
+
+def cmd_logs(args: argparse.Namespace) -> int:
+    from jobspec.cluster.logs import follow_log, print_log
+
+    name = _name(args)
+    if args.index < 0:
+        raise ConfigError(f"--index {args.index}: expected 0 or more")
+    if args.follow and args.previous:
+        raise ConfigError("--follow and --previous cannot be combined: a previous run has ended")
+
+    def note(text: str) -> None:
+        print(text, file=sys.stderr, flush=True)
+
+    client, namespace = _connect(args)
+    with client:
+        if not args.follow:
+            print_log(client, namespace, name, args.index, sys.stdout, previous=args.previous, note=note)
+            return EXIT_OK
+        try:
+            follow_log(client, namespace, name, args.index, sys.stdout, note=note)
+        except KeyboardInterrupt:
+            return 130
+    return EXIT_OK
+
+
+def cmd_cancel(args: argparse.Namespace) -> int:
+    from jobspec.cluster.cancel import cancel
+    from jobspec.cluster.output import format_cancel
+
+    name = _name(args)
+    client, namespace = _connect(args)
+    with client:
+        result = cancel(client, namespace, name, wait=args.wait)
+    sys.stdout.write(format_cancel(result))
+    return EXIT_OK
+
+
+def cmd_list(args: argparse.Namespace) -> int:
+    from jobspec.cluster.listing import list_jobs
+    from jobspec.cluster.output import format_list, to_json
+
+    client, namespace = _connect(args)
+    with client:
+        jobs = list_jobs(client, None if args.all_namespaces else namespace)
+    if args.output == "json":
+        sys.stdout.write(to_json([j.to_dict() for j in jobs]))
+    else:
+        sys.stdout.write(format_list(jobs, all_namespaces=args.all_namespaces))
+    return EXIT_OK

@@ -1,0 +1,72 @@
+"""Render a JobSpec into plain Kubernetes objects: the spec ConfigMap, a headless Service, an Indexed Job.
+
+Pure: no I/O, no cluster, no torch, no kubernetes client; the same spec always gives equal dicts.
+`to_yaml` / `to_json` print them for `kubectl apply -f -`; the submitter sends the dicts as they are.
+
+    objs = render(load_spec("examples/sft_fast.yaml"))
+    print(to_yaml(objs))
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from jobspec.render.env import (
+    ENV_MASTER_ADDR,
+    ENV_MASTER_PORT,
+    ENV_NNODES,
+    ENV_NODE_RANK,
+    ENV_NPROC_PER_NODE,
+    ENV_SPEC_HASH,
+    SCRATCH_DIR,
+    master_addr,
+)
+from jobspec.render.images import DEFAULT_IMAGES, IMAGE_REPOSITORY, default_image, image_for
+from jobspec.render.objects import headless_service, indexed_job, pod_failure_policy, spec_configmap
+from jobspec.render.output import to_json, to_yaml
+from jobspec.render.pod import (
+    CONTAINER_NAME,
+    GPU_RESOURCES,
+    ROCM_SUPPLEMENTAL_GROUPS,
+    WORKDIR,
+    checkpoint_mount_path,
+    configmap_name,
+)
+from jobspec.spec import JobSpec
+
+__all__ = [
+    "CONTAINER_NAME",
+    "DEFAULT_IMAGES",
+    "ENV_MASTER_ADDR",
+    "ENV_MASTER_PORT",
+    "ENV_NNODES",
+    "ENV_NODE_RANK",
+    "ENV_NPROC_PER_NODE",
+    "ENV_SPEC_HASH",
+    "GPU_RESOURCES",
+    "IMAGE_REPOSITORY",
+    "ROCM_SUPPLEMENTAL_GROUPS",
+    "SCRATCH_DIR",
+    "WORKDIR",
+    "checkpoint_mount_path",
+    "configmap_name",
+    "default_image",
+    "headless_service",
+    "image_for",
+    "indexed_job",
+    "master_addr",
+    "pod_failure_policy",
+    "render",
+    "spec_configmap",
+    "to_json",
+    "to_yaml",
+]
+
+
+def render(spec: JobSpec) -> list[dict[str, Any]]:
+    """The objects for one job, in apply order: ConfigMap (the spec), headless Service, Indexed Job.
+
+    Raises ConfigError for the few specs that validate but cannot become a pod (a reserved
+    JOBSPEC_* env name, a checkpoints.dir on top of one of the pod's own mounts).
+    """
+    return [spec_configmap(spec), headless_service(spec), indexed_job(spec)]

@@ -1,0 +1,77 @@
+"""The runner container's environment: cache locations, allocator settings, the user's env, rendezvous."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from types import MappingProxyType
+from typing import Any
+
+from jobspec.contract import (
+    ENV_MASTER_ADDR,
+    ENV_MASTER_PORT,
+    ENV_NNODES,
+    ENV_NODE_RANK,
+    ENV_NPROC_PER_NODE,
+    ENV_SPEC_HASH,
+    RDZV_PORT,
+)
+from jobspec.spec import JobSpec, SecretRef
+
+SCRATCH_DIR = "/tmp"  # an emptyDir: with a read-only root, the only writable place besides checkpoints and shm
+COMPLETION_INDEX_ANNOTATION = "batch.kubernetes.io/job-completion-index"
+
+# expandable_segments cuts fragmentation, so the micro-batch the planner measured keeps fitting.
+# torch >= 2.9 reads PYTORCH_ALLOC_CONF first and then skips the deprecated vendor names (no
+# warning); older torch reads only the vendor name. No NCCL_* / HSA_* defaults: NCCL and RCCL pick
+# interfaces and transports themselves, and a wrong guess is worse than none (users add them in `env`).
+_ALLOC_CONF = "expandable_segments:True"
+VENDOR_ENV: Mapping[str, Mapping[str, str]] = MappingProxyType({
+    "cuda": {"PYTORCH_ALLOC_CONF": _ALLOC_CONF, "PYTORCH_CUDA_ALLOC_CONF": _ALLOC_CONF},
+    "rocm": {"PYTORCH_ALLOC_CONF": _ALLOC_CONF, "PYTORCH_HIP_ALLOC_CONF": _ALLOC_CONF},
+    "cpu": {},
+})  # fmt: skip
+
+# The root filesystem is read-only, so caches that default to $HOME or /tmp/<user> go to the /tmp
+# emptyDir: the HF hub (via XDG_CACHE_HOME), Triton and Inductor kernels, MIOpen and the CUDA JIT cache
+# (via HOME). The user's `env` overrides any of these (e.g. HF_HOME on the checkpoint volume).
+SCRATCH_ENV: Mapping[str, str] = MappingProxyType({
+    "HOME": SCRATCH_DIR,
+    "XDG_CACHE_HOME": f"{SCRATCH_DIR}/.cache",
+    "TRITON_CACHE_DIR": f"{SCRATCH_DIR}/.triton",
+    "TORCHINDUCTOR_CACHE_DIR": f"{SCRATCH_DIR}/torchinductor",
+})  # fmt: skip
+
+
+def master_addr(spec: JobSpec) -> str:
+    # Index 0's pod hostname is `<job>-0`; the headless Service, named like the Job, is its subdomain.
+    return f"{spec.name}-0.{spec.name}"
+
+
+def container_env(spec: JobSpec) -> list[dict[str, Any]]:
+    """Runtime defaults, then the user's env (wins over defaults), then the rendezvous contract."""
+    env = {name: _plain(name, value) for name, value in {**SCRATCH_ENV, **VENDOR_ENV[spec.hardware.vendor]}.items()}
+    env.update({name: _user_var(name, value) for name, value in spec.env.items()})
+    index_path = f"metadata.annotations['{COMPLETION_INDEX_ANNOTATION}']"
+    env[ENV_NODE_RANK] = {"name": ENV_NODE_RANK, "valueFrom": {"fieldRef": {"fieldPath": index_path}}}
+    contract = {
+        ENV_NNODES: str(spec.hardware.nodes),
+        ENV_NPROC_PER_NODE: str(spec.hardware.gpus.count),
+        ENV_MASTER_ADDR: master_addr(spec),
+        ENV_MASTER_PORT: str(RDZV_PORT),
+        ENV_SPEC_HASH: spec.spec_hash(),
+    }
+    env.update({name: _plain(name, value) for name, value in contract.items()})
+    return list(env.values())
+
+
+def _plain(name: str, value: str) -> dict[str, Any]:
+    return {"name": name, "value": value}
+
+
+def _user_var(name: str, value: str | SecretRef) -> dict[str, Any]:
+    if isinstance(value, SecretRef):  # by reference only: the value never enters the manifest
+        ref: dict[str, Any] = {"name": value.secret, "key": value.key}
+        if value.optional:
+            ref["optional"] = True
+        return {"name": name, "valueFrom": {"secretKeyRef": ref}}
+    return _plain(name, value)

@@ -1,0 +1,173 @@
+"""The pod of the Indexed Job: one runner container, Pod Security "restricted", GPUs by vendor."""
+
+from __future__ import annotations
+
+import posixpath
+from collections.abc import Mapping
+from types import MappingProxyType
+from typing import Any
+
+from jobspec.contract import (
+    RDZV_PORT,
+    RUN_AS_GID,
+    RUN_AS_UID,
+    SHM_MOUNT,
+    SPEC_MOUNT_DIR,
+    SPEC_PATH,
+    TERMINATION_MESSAGE_PATH,
+)
+from jobspec.errors import ConfigError
+from jobspec.render.env import SCRATCH_DIR, container_env
+from jobspec.render.images import image_for
+from jobspec.spec import JobSpec, Toleration
+from jobspec.units import format_bytes
+
+Obj = dict[str, Any]
+
+CONTAINER_NAME = "runner"
+WORKDIR = "/workspace"  # the container's working directory: relative spec paths resolve here
+GPU_RESOURCES: Mapping[str, str] = MappingProxyType({"cuda": "nvidia.com/gpu", "rocm": "amd.com/gpu"})
+ROCM_SUPPLEMENTAL_GROUPS = (44, 109)  # video, render: owners of /dev/dri and /dev/kfd on common distros
+
+
+def configmap_name(spec: JobSpec) -> str:
+    return f"{spec.name}-spec"
+
+
+def pod_spec(spec: JobSpec) -> Obj:
+    sched = spec.scheduling
+    volumes, mounts = _volumes(spec)
+    pod: Obj = {
+        "restartPolicy": "Never",
+        # With subdomain set, an Indexed Job's pods get hostname `<job>-<index>`, resolvable in the Service.
+        "subdomain": spec.name,
+        "enableServiceLinks": False,  # no env var per Service in the namespace
+        "automountServiceAccountToken": False,
+        "terminationGracePeriodSeconds": sched.termination_grace_seconds,  # SIGTERM -> checkpoint -> exit
+        "securityContext": _pod_security_context(spec),
+        "containers": [_container(spec, mounts)],
+        "volumes": volumes,
+    }
+    if sched.service_account:
+        pod["serviceAccountName"] = sched.service_account
+    if sched.priority_class:
+        pod["priorityClassName"] = sched.priority_class
+    if sched.node_selector:
+        pod["nodeSelector"] = dict(sched.node_selector)
+    if sched.tolerations:
+        pod["tolerations"] = [_toleration(t) for t in sched.tolerations]
+    if spec.image.pull_secrets:
+        pod["imagePullSecrets"] = [{"name": name} for name in spec.image.pull_secrets]
+    return pod
+
+
+def _pod_security_context(spec: JobSpec) -> Obj:
+    # Pod Security "restricted", pod half: non-root, seccomp RuntimeDefault.
+    context: Obj = {
+        "runAsNonRoot": True,
+        "runAsUser": RUN_AS_UID,
+        "runAsGroup": RUN_AS_GID,
+        "fsGroup": RUN_AS_GID,
+        # Without this every pod start chowns the whole checkpoint PVC: minutes once it holds checkpoints.
+        "fsGroupChangePolicy": "OnRootMismatch",
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
+    groups = spec.hardware.supplemental_groups
+    if groups is None and spec.hardware.vendor == "rocm":
+        groups = list(ROCM_SUPPLEMENTAL_GROUPS)  # a non-root user needs them to open /dev/kfd and /dev/dri
+    if groups:
+        context["supplementalGroups"] = list(groups)
+    return context
+
+
+def _container_security_context() -> Obj:
+    # Pod Security "restricted", container half: no escalation, no capabilities.
+    return {
+        "allowPrivilegeEscalation": False,
+        "capabilities": {"drop": ["ALL"]},
+        "runAsNonRoot": True,
+        # The runner writes only to the checkpoint dir, /dev/shm and the /tmp emptyDir (caches are sent
+        # there by env.SCRATCH_ENV), so a read-only root costs nothing and a stray write fails loudly
+        # instead of filling the node's container layer.
+        "readOnlyRootFilesystem": True,
+    }
+
+
+def _container(spec: JobSpec, mounts: list[Obj]) -> Obj:
+    container: Obj = {
+        "name": CONTAINER_NAME,
+        "image": image_for(spec),
+        "imagePullPolicy": spec.image.pull_policy,
+        "args": [SPEC_PATH],  # the image's ENTRYPOINT is `python -m runner`
+        "workingDir": WORKDIR,
+        "env": container_env(spec),
+        "ports": [{"name": "rdzv", "containerPort": RDZV_PORT, "protocol": "TCP"}],
+        "resources": _resources(spec),
+        "volumeMounts": mounts,
+        "securityContext": _container_security_context(),
+        "terminationMessagePath": TERMINATION_MESSAGE_PATH,  # the runner writes its failure reason here
+        "terminationMessagePolicy": "FallbackToLogsOnError",
+    }
+    if spec.env_from_secrets:
+        container["envFrom"] = [{"secretRef": {"name": name}} for name in spec.env_from_secrets]
+    return container
+
+
+def _resources(spec: JobSpec) -> Obj:
+    hw = spec.hardware
+    requests: Obj = {}
+    limits: Obj = {}
+    if hw.cpu is not None:
+        requests["cpu"] = hw.cpu  # no CPU limit: throttling stalls dataloaders and collectives
+    if hw.memory is not None:
+        # request = limit, so the pod is never the first evicted; the /dev/shm emptyDir counts against it.
+        requests["memory"] = limits["memory"] = format_bytes(hw.memory)
+    if hw.vendor in GPU_RESOURCES:
+        requests[GPU_RESOURCES[hw.vendor]] = limits[GPU_RESOURCES[hw.vendor]] = hw.gpus.count
+    return {key: value for key, value in (("requests", requests), ("limits", limits)) if value}
+
+
+def checkpoint_mount_path(spec: JobSpec) -> str:
+    """Where `checkpoints.dir` is in the pod: a relative dir resolves against WORKDIR, the runner's cwd."""
+    return posixpath.normpath(posixpath.join(WORKDIR, spec.checkpoints.dir))
+
+
+def _volumes(spec: JobSpec) -> tuple[list[Obj], list[Obj]]:
+    """Volumes and their mounts, of the types Pod Security "restricted" allows (configMap, emptyDir, PVC)."""
+    checkpoint_dir = checkpoint_mount_path(spec)
+    if checkpoint_dir in (SPEC_MOUNT_DIR, SHM_MOUNT, SCRATCH_DIR):
+        raise ConfigError(
+            f"checkpoints.dir: {spec.checkpoints.dir!r} would hide the pod's own {checkpoint_dir} mount; "
+            "use a directory of its own, e.g. /checkpoints"
+        )
+    pvc = spec.checkpoints.pvc
+    # Without a PVC the checkpoints live (and die) with the pod, but the run directory stays writable.
+    checkpoints = {"persistentVolumeClaim": {"claimName": pvc}} if pvc else {"emptyDir": {}}
+    volumes = [
+        {"name": "spec", "configMap": {"name": configmap_name(spec)}},
+        # Docker's 64 MB /dev/shm breaks DataLoader workers and NCCL: memory-backed, with a limit.
+        {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": format_bytes(spec.hardware.shm_size)}},
+        {"name": "scratch", "emptyDir": {}},
+        {"name": "checkpoints", **checkpoints},
+    ]
+    mounts = [
+        {"name": "spec", "mountPath": SPEC_MOUNT_DIR, "readOnly": True},
+        {"name": "dshm", "mountPath": SHM_MOUNT},
+        {"name": "scratch", "mountPath": SCRATCH_DIR},
+        {"name": "checkpoints", "mountPath": checkpoint_dir},
+    ]
+    if spec.data.pvc:  # training data, read-only: a bug in the runner cannot damage the data set
+        volumes.append({"name": "data", "persistentVolumeClaim": {"claimName": spec.data.pvc, "readOnly": True}})
+        mounts.append({"name": "data", "mountPath": spec.data.mount_path, "readOnly": True})
+    return volumes, mounts
+
+
+def _toleration(t: Toleration) -> Obj:
+    fields = {
+        "key": t.key,
+        "operator": t.operator,
+        "value": t.value,
+        "effect": t.effect,
+        "tolerationSeconds": t.toleration_seconds,
+    }
+    return {name: value for name, value in fields.items() if value is not None}

@@ -1,0 +1,89 @@
+"""Who this process is, the process group, and the small CPU-side collectives the loop agrees on.
+
+Control values (the stop flag, a step's token counts, plan agreement, OOM flags) go through a gloo
+group even when training runs on NCCL: they live on the CPU, so agreeing on them never waits for the
+GPU stream (no `.item()` sync per micro-step). With one process every collective is the identity.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+log = logging.getLogger("jobspec.runner")
+_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    """This process's place in the job, from the torchrun-style variables the supervisor sets."""
+
+    rank: int = 0
+    local_rank: int = 0
+    world_size: int = 1
+    local_world_size: int = 1
+
+    @classmethod
+    def from_env(cls) -> DistEnv:
+        get = os.environ.get
+        world = int(get("WORLD_SIZE", "1"))
+        return cls(int(get("RANK", "0")), int(get("LOCAL_RANK", "0")), world, int(get("LOCAL_WORLD_SIZE", world)))
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def init_process_group(env: DistEnv, device: torch.device, *, needed: bool) -> bool:
+    """Join the job's process group (NCCL/RCCL on GPU, gloo on CPU) when there are several ranks or
+    `needed` (FSDP wants a group even alone). Returns whether a group exists."""
+    if dist.is_initialized():
+        return True
+    if env.world_size == 1 and not needed:
+        return False
+    timeout = timedelta(seconds=float(os.environ.get("JOBSPEC_DIST_TIMEOUT_S", "1800")))
+    backend = "nccl" if device.type == "cuda" else "gloo"  # torch maps "nccl" to RCCL on ROCm builds
+    kwargs: dict = {"device_id": device} if device.type == "cuda" else {}
+    if env.world_size == 1 and "MASTER_ADDR" not in os.environ:
+        kwargs["store"] = dist.HashStore()  # alone and in-process (tests): no rendezvous needed
+    dist.init_process_group(backend, rank=env.rank, world_size=env.world_size, timeout=timeout, **kwargs)
+    log.info("process group: %s, rank %d of %d", backend, env.rank, env.world_size)
+    return True
+
+
+class Control:
+    """CPU collectives over all ranks (float64 values: exact for integers below 2**53)."""
+
+    def __init__(self, world_size: int):
+        self.world_size = world_size
+        self.group = None
+        if world_size > 1 and dist.get_backend() != "gloo":
+            self.group = dist.new_group(backend="gloo")  # every rank calls this, in the same order
+
+    def all_reduce(self, values: list[float], op: str = "sum") -> list[float]:
+        if self.world_size == 1:
+            return list(values)
+        t = torch.tensor(values, dtype=torch.float64)
+        dist.all_reduce(t, op=_OPS[op], group=self.group)
+        return t.tolist()
+
+    def any(self, flag: bool) -> bool:
+        """True on every rank when it is True on any rank (all-reduce MAX)."""
+        return bool(self.all_reduce([float(flag)], "max")[0])
+
+    def reduce_min(self, value: int) -> int:
+        return int(self.all_reduce([float(value)], "min")[0])
+
+    def barrier(self) -> None:
+        if self.world_size > 1:
+            dist.barrier(group=self.group)
+
+
+def destroy_process_group() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()

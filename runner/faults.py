@@ -1,0 +1,182 @@
+"""Fault injection for tests and demos: `JOBSPEC_FAULT_OOM` makes chosen forwards raise a real OOM.
+
+Comma-separated rules, all optional, combined with OR (any matching rule fires); `rank=R` narrows
+all of them to one global rank:
+
+    mbs>N      a micro-batch of more than N samples runs out of memory (every time)
+    tier=NAME  every step at memory tier NAME runs out of memory (repeatable: tier=fast,tier=zero2)
+    step=K     optimizer step K runs out of memory once (repeatable); "once" survives a restart
+    rank=R     only global rank R injects; the other ranks run clean
+
+Example: `JOBSPEC_FAULT_OOM="mbs>2,rank=1"`. The error raised is a real `torch.OutOfMemoryError`,
+from a forward pre-hook on the model, so it takes the same path as an allocator failure. Steps
+that fired are recorded per rank in `FIRED_FILE_TEMPLATE` in the run directory.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from jobspec.errors import ConfigError
+from jobspec.memory import TIERS
+
+log = logging.getLogger("jobspec.runner")
+
+ENV_VAR = "JOBSPEC_FAULT_OOM"
+FIRED_FILE_TEMPLATE = "fault_oom_fired.rank{rank}.json"
+_RULE = re.compile(r"^\s*(?:(mbs)\s*>\s*(\d+)|(tier|step|rank)\s*=\s*([A-Za-z0-9_]+))\s*$")
+_SYNTAX = "rules are mbs>N, tier=NAME, step=K, rank=R, separated by commas"
+
+
+@dataclass(frozen=True)
+class FaultRules:
+    """Parsed `JOBSPEC_FAULT_OOM`. `reason()` is pure: no state, no I/O."""
+
+    mbs_above: int | None = None
+    tiers: frozenset[str] = frozenset()
+    steps: frozenset[int] = frozenset()
+    rank: int | None = None
+
+    def reason(self, *, rank: int, tier: str, step: int, micro_batch: int, fired: frozenset[int] = frozenset()) -> str:
+        """Why this forward must run out of memory; "" when no rule fires. `fired`: steps already used."""
+        if self.rank is not None and rank != self.rank:
+            return ""
+        if self.mbs_above is not None and micro_batch > self.mbs_above:
+            return f"mbs>{self.mbs_above} (micro-batch {micro_batch})"
+        if tier in self.tiers:
+            return f"tier={tier}"
+        if step in self.steps and step not in fired:
+            return f"step={step}"
+        return ""
+
+
+def parse_rules(text: str | None) -> FaultRules | None:
+    """`JOBSPEC_FAULT_OOM` text -> rules; None when unset or blank. Bad text raises ConfigError."""
+    if text is None or not text.strip():
+        return None
+    mbs: int | None = None
+    rank: int | None = None
+    tiers: set[str] = set()
+    steps: set[int] = set()
+    for raw in text.split(","):
+        m = _RULE.match(raw)
+        if not m:
+            raise ConfigError(f"{ENV_VAR}={text!r}: cannot read rule {raw.strip()!r}; {_SYNTAX}")
+        if m.group(1):
+            if mbs is not None:
+                raise ConfigError(f"{ENV_VAR}={text!r}: mbs>N is given twice; keep one")
+            mbs = int(m.group(2))
+            continue
+        key, value = m.group(3), m.group(4)
+        if key == "tier":
+            if value not in TIERS:
+                raise ConfigError(f"{ENV_VAR}={text!r}: unknown tier {value!r}; expected one of {', '.join(TIERS)}")
+            tiers.add(value)
+        elif not value.isdigit():
+            raise ConfigError(f"{ENV_VAR}={text!r}: {key}={value!r} needs a non-negative integer")
+        elif key == "step":
+            steps.add(int(value))
+        elif rank is not None:
+            raise ConfigError(f"{ENV_VAR}={text!r}: rank=R is given twice; keep one")
+        else:
+            rank = int(value)
+    if mbs is None and not tiers and not steps:
+        raise ConfigError(f"{ENV_VAR}={text!r}: rank=R alone injects nothing; add mbs>N, tier=NAME or step=K")
+    return FaultRules(mbs, frozenset(tiers), frozenset(steps), rank)
+
+
+def rules_from_env(env: Mapping[str, str] | None = None) -> FaultRules | None:
+    """The rules in the environment (`os.environ` by default)."""
+    return parse_rules((os.environ if env is None else env).get(ENV_VAR))
+
+
+def _micro_batch_of(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
+    """Samples in a forward call: the first dimension of input_ids (or of the first tensor argument)."""
+    for value in (kwargs.get("input_ids"), kwargs.get("inputs_embeds"), *args, *kwargs.values()):
+        if isinstance(value, torch.Tensor) and value.dim() > 0:
+            return int(value.shape[0])
+    return 0
+
+
+@dataclass
+class FaultInjector:
+    """Applies `rules` on one rank. The loop sets `step` (and `tier`) before each optimizer step.
+
+    `run_dir` makes `step=K` fire once across restarts: a fired step is written to a per-rank file
+    there before the error is raised, and read back when the injector is built.
+    """
+
+    rules: FaultRules
+    rank: int
+    tier: str
+    run_dir: Path | None = None
+    step: int = 0
+    fired: set[int] = field(default_factory=set)
+    injected: int = 0  # errors raised so far (for tests and the benchmark)
+
+    def __post_init__(self) -> None:
+        path = self._fired_path()
+        if path is not None and path.exists():
+            try:
+                self.fired |= {int(s) for s in json.loads(path.read_text())["fired_steps"]}
+            except (OSError, ValueError, KeyError, TypeError) as exc:
+                log.warning("fault injection: ignoring unreadable %s (%s)", path, exc)
+
+    def _fired_path(self) -> Path | None:
+        return None if self.run_dir is None else Path(self.run_dir) / FIRED_FILE_TEMPLATE.format(rank=self.rank)
+
+    def check(self, micro_batch: int) -> None:
+        """Raise `torch.OutOfMemoryError` when a rule fires for a forward of `micro_batch` samples."""
+        why = self.rules.reason(
+            rank=self.rank, tier=self.tier, step=self.step, micro_batch=micro_batch, fired=frozenset(self.fired)
+        )
+        if not why:
+            return
+        if why.startswith("step="):
+            self.fired.add(self.step)
+            self._persist_fired()
+        self.injected += 1
+        raise torch.OutOfMemoryError(
+            f"CUDA out of memory (injected by {ENV_VAR}: {why}; rank {self.rank}, tier {self.tier}, "
+            f"step {self.step}, micro-batch {micro_batch})"
+        )
+
+    def _persist_fired(self) -> None:
+        path = self._fired_path()
+        if path is None:
+            return
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(json.dumps({"fired_steps": sorted(self.fired)}))
+        os.replace(tmp, path)
+
+    def install(self, model: torch.nn.Module) -> torch.utils.hooks.RemovableHandle:
+        """Hook `check` in front of `model`'s forward (prepended: it fires before FSDP's gathers)."""
+
+        def hook(_module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+            self.check(_micro_batch_of(args, kwargs))
+
+        return model.register_forward_pre_hook(hook, with_kwargs=True, prepend=True)
+
+
+def install_from_env(
+    model: torch.nn.Module, *, rank: int, tier: str, run_dir: Path | None, env: Mapping[str, str] | None = None
+) -> FaultInjector | None:
+    """Build and install the injector when `JOBSPEC_FAULT_OOM` is set; None (nothing installed) when not."""
+    rules = rules_from_env(env)
+    if rules is None:
+        return None
+    injector = FaultInjector(rules, rank=rank, tier=tier, run_dir=run_dir)
+    if rules.rank is None or rules.rank == rank:
+        injector.install(model)
+        log.warning("fault injection on rank %d: %s=%r", rank, ENV_VAR, (os.environ if env is None else env)[ENV_VAR])
+    return injector

@@ -1,0 +1,293 @@
+"""The memory-tier ladder: which tier a (re)started run uses, and what happens when a tier fails.
+
+State lives in `TIER_STATE_FILE` in the run directory, beside the checkpoints, so every rank and
+every pod of a restarted Job reads the same tier. Only one process writes it (global rank 0, or the
+supervisor); writes are atomic (temp file, fsync, rename) and `record_failure` is idempotent, so a
+second writer that reports the same failed tier does not step down twice.
+
+One node: the in-pod supervisor relaunches the workers at the next tier (`relaunch_policy`, built
+with tenacity). Several nodes: each pod exits with EXIT_OOM_RETRY_TIER, the Job's podFailurePolicy
+counts it and recreates the pods, and `current_tier` points them all at the persisted tier.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tenacity import RetryCallState, Retrying, retry_if_exception_type, stop_after_attempt, wait_fixed
+
+from jobspec.contract import EXIT_OOM_LAST_TIER, EXIT_OOM_RETRY_TIER, TIER_STATE_FILE
+from jobspec.errors import ConfigError
+from jobspec.memory import TIERS
+
+log = logging.getLogger("jobspec.runner")
+STATE_VERSION = 1
+MESSAGE_LIMIT = 4096  # Kubernetes keeps at most 4096 bytes of a termination message
+SHARD_ONLY = ("zero2", "zero3")  # save nothing on one rank (DESIGN.md, "Memory tiers")
+
+
+@dataclass(frozen=True)
+class TierFailure:
+    tier: str
+    reason: str
+    at: float  # unix time
+
+
+@dataclass
+class TierState:
+    """What `TIER_STATE_FILE` holds."""
+
+    tier: str  # the tier the next start must use
+    failed: list[TierFailure] = field(default_factory=list)
+    attempts: int = 0  # starts recorded by the supervisor (`record_attempt`)
+    exhausted: bool = False  # the last tier failed too (or fallback is off): nothing left to try
+    version: int = STATE_VERSION
+
+    def failed_tiers(self) -> list[str]:
+        return [f.tier for f in self.failed]
+
+
+def state_path(run_dir: str | Path) -> Path:
+    return Path(run_dir) / TIER_STATE_FILE
+
+
+def load_state(run_dir: str | Path) -> TierState | None:
+    """The persisted state; None when there is none. A corrupt file is a ConfigError naming it."""
+    path = state_path(run_dir)
+    if not path.exists():
+        return None
+    try:
+        raw: dict[str, Any] = json.loads(path.read_text())
+        failed = [TierFailure(str(f["tier"]), str(f["reason"]), float(f["at"])) for f in raw.get("failed", [])]
+        state = TierState(str(raw["tier"]), failed, int(raw.get("attempts", 0)), bool(raw.get("exhausted", False)))
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ConfigError(f"{path}: unreadable tier state ({exc}); delete it to start from the spec's tier") from exc
+    if state.tier not in TIERS:
+        raise ConfigError(f"{path}: unknown tier {state.tier!r}; delete the file to start from the spec's tier")
+    return state
+
+
+def save_state(run_dir: str | Path, state: TierState) -> None:
+    """Write atomically: a reader sees the old file or the new one, never half of one."""
+    path = state_path(run_dir)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with open(tmp, "w") as fh:
+        json.dump(asdict(state), fh, indent=2)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+    try:  # make the rename itself durable (a no-op where directories cannot be opened)
+        fd = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError:
+        pass
+
+
+def next_tier(tier: str, world_size: int = 1) -> str | None:
+    """The tier after `tier`; on one rank the shard-only tiers (zero2, zero3) are skipped."""
+    if tier not in TIERS:
+        raise ConfigError(f"unknown memory tier {tier!r}; expected one of {', '.join(TIERS)}")
+    for candidate in TIERS[TIERS.index(tier) + 1 :]:
+        if world_size > 1 or candidate not in SHARD_ONLY:
+            return candidate
+    return None
+
+
+def tiers_left(tier: str, world_size: int = 1) -> int:
+    """How many more tiers the ladder can step down to from `tier`."""
+    n, t = 0, next_tier(tier, world_size)
+    while t is not None:
+        n, t = n + 1, next_tier(t, world_size)
+    return n
+
+
+def current_tier(run_dir: str | Path, spec_tier: str) -> str:
+    """The tier this start must use: the persisted one, unless the spec asks for a later (safer) one.
+
+    `spec_tier` is `memory.tier` ("auto" or a tier). Without state the spec's value is returned as
+    is ("auto" lets the planner choose). Every rank and pod calls this at start, so all agree.
+    """
+    state = load_state(run_dir)
+    if state is None:
+        return spec_tier
+    if spec_tier != "auto" and spec_tier in TIERS and TIERS.index(spec_tier) > TIERS.index(state.tier):
+        log.info("memory tier %s from the spec (persisted state says %s, an earlier one)", spec_tier, state.tier)
+        return spec_tier
+    if spec_tier != state.tier:
+        failed = ", ".join(state.failed_tiers()) or "none"
+        log.info("memory tier %s from %s (spec: %s; failed: %s)", state.tier, state_path(run_dir), spec_tier, failed)
+    return state.tier
+
+
+def record_failure(
+    run_dir: str | Path, tier: str, reason: str, *, world_size: int = 1, fallback: bool = True
+) -> str | None:
+    """Persist "tier X failed: reason"; return the tier to restart at, or None when none is left.
+
+    Idempotent: reporting a tier that is already recorded as failed changes nothing and returns what
+    the state says. With `fallback=False` the ladder is off: the failure is recorded, None returned.
+    """
+    state = load_state(run_dir) or TierState(tier)
+    if tier in state.failed_tiers():
+        return None if state.exhausted else state.tier
+    state.failed.append(TierFailure(tier, reason, time.time()))
+    nxt = next_tier(tier, world_size) if fallback else None
+    state.tier, state.exhausted = (nxt, False) if nxt else (tier, True)
+    save_state(run_dir, state)
+    if nxt:
+        log.warning("memory tier %s failed (%s); the next start uses tier %s", tier, reason, nxt)
+    else:
+        why = "memory.fallback is false" if not fallback else "it is the last tier"
+        log.error("memory tier %s failed (%s) and %s: giving up", tier, reason, why)
+    return nxt
+
+
+def record_attempt(run_dir: str | Path, tier: str) -> TierState:
+    """Count one start (the supervisor calls it before each launch)."""
+    state = load_state(run_dir) or TierState(tier)
+    state.attempts += 1
+    save_state(run_dir, state)
+    return state
+
+
+def exit_code_for(next_tier_: str | None) -> int:
+    """What a worker exits with after `record_failure`: retry at the next tier, or the last-tier code."""
+    return EXIT_OOM_RETRY_TIER if next_tier_ else EXIT_OOM_LAST_TIER
+
+
+def termination_message(run_dir: str | Path, *, fallback: bool = True) -> str:
+    """The text for the termination message when the ladder ends in OOM (at most MESSAGE_LIMIT bytes)."""
+    state = load_state(run_dir)
+    if state is None or not state.failed:
+        return "out of memory: no tier failure recorded"
+    last = state.failed[-1]
+    head = (
+        f"out of memory at tier {last.tier} with micro-batch 1 and memory.fallback is false: {last.reason}"
+        if not fallback
+        else f"out of memory at the last memory tier ({last.tier}) with micro-batch 1: {last.reason}"
+    )
+    tried = "; ".join(f"{f.tier}: {f.reason}" for f in state.failed[:-1])
+    fix = (
+        "set memory.fallback: true to step down to the next tier, or "
+        if not fallback
+        else "fix: a GPU with more memory, more GPUs, "
+    ) + "a shorter data.max_seq_len, LoRA (model.lora), or a smaller model"
+    text = "\n".join(x for x in (head, f"tiers tried before: {tried}" if tried else "", fix) if x)
+    data = text.encode()
+    return text if len(data) <= MESSAGE_LIMIT else data[: MESSAGE_LIMIT - 3].decode(errors="ignore") + "..."
+
+
+class RetryAtNextTier(Exception):
+    """A launch ended with EXIT_OOM_RETRY_TIER and the state names a tier to retry at."""
+
+    def __init__(self, failed_tier: str, next_tier_: str):
+        super().__init__(f"tier {failed_tier} ran out of memory; relaunching at {next_tier_}")
+        self.failed_tier, self.next_tier = failed_tier, next_tier_
+
+
+def relaunch_policy(
+    tier: str, world_size: int = 1, *, wait_s: float = 1.0, max_launches: int | None = None
+) -> Retrying:
+    """Tenacity policy for the supervisor's launch loop.
+
+    Retries only `RetryAtNextTier` (any other outcome returns or raises at once), at most
+    1 + tiers_left(tier) launches (capped by `max_launches`), with a short fixed wait so the device
+    releases the dead workers' memory. Usage:
+
+        for attempt in relaunch_policy(tier):
+            with attempt:
+                code = launch(current_tier(run_dir, spec_tier)) ...  # raise RetryAtNextTier on 75
+    """
+    launches = 1 + tiers_left(tier, world_size) if tier in TIERS else 1 + len(TIERS)
+    if max_launches is not None:
+        launches = max(1, min(launches, max_launches))
+
+    def _log(rs: RetryCallState) -> None:
+        exc = rs.outcome.exception() if rs.outcome else None
+        log.warning("relaunch %d of at most %d: %s", rs.attempt_number, launches - 1, exc)
+
+    return Retrying(
+        retry=retry_if_exception_type(RetryAtNextTier),
+        stop=stop_after_attempt(launches),
+        wait=wait_fixed(wait_s),
+        before_sleep=_log,
+        reraise=True,
+    )
+
+
+def fail_tier(
+    run_dir: str | Path, tier: str, reason: str, *, world_size: int = 1, fallback: bool = True, writer: bool = True
+) -> int:
+    """A worker whose micro-batch 1 ran out at `tier`: persist it (writer only) and return its exit code.
+
+    Every rank calls this with the same arguments and gets the same code (the next tier is a pure
+    function of tier, world size and fallback); only `writer` (global rank 0) touches the file.
+    """
+    if writer:
+        nxt = record_failure(run_dir, tier, reason, world_size=world_size, fallback=fallback)
+    else:
+        nxt = next_tier(tier, world_size) if fallback else None
+    return exit_code_for(nxt)
+
+
+@dataclass(frozen=True)
+class LadderResult:
+    exit_code: int
+    message: str  # termination message ("" on success)
+    launches: int
+    tier: str  # the tier of the last launch
+
+
+def supervise(
+    launch: Callable[[str], int],
+    run_dir: str | Path,
+    spec_tier: str,
+    *,
+    world_size: int = 1,
+    fallback: bool = True,
+    relaunch: bool = True,
+    wait_s: float = 1.0,
+    max_launches: int | None = None,
+) -> LadderResult:
+    """The supervisor's launch loop: `launch(tier) -> exit code`, relaunched at the next tier on 75.
+
+    `relaunch=False` (several nodes: the Job restarts the pods) passes EXIT_OOM_RETRY_TIER through
+    after one launch. A 75 whose tier state did not move on (a worker that did not record its tier)
+    ends as EXIT_OOM_LAST_TIER rather than looping.
+    """
+    launched, tier = 0, current_tier(run_dir, spec_tier)
+    policy = relaunch_policy(tier, world_size, wait_s=wait_s, max_launches=max_launches if relaunch else 1)
+    try:
+        for attempt in policy:
+            with attempt:
+                tier = current_tier(run_dir, spec_tier)
+                if tier in TIERS:
+                    record_attempt(run_dir, tier)
+                launched += 1
+                code = launch(tier)
+                if code != EXIT_OOM_RETRY_TIER:
+                    msg = termination_message(run_dir, fallback=fallback) if code == EXIT_OOM_LAST_TIER else ""
+                    return LadderResult(code, msg, launched, tier)
+                state = load_state(run_dir)
+                if state is None or state.exhausted or state.tier == tier or not state.failed:
+                    why = "the worker asked for the next tier but the tier state names none"
+                    return LadderResult(EXIT_OOM_LAST_TIER, f"out of memory at tier {tier}: {why}", launched, tier)
+                if not relaunch:
+                    msg = f"out of memory at tier {state.failed[-1].tier}; the next start uses tier {state.tier}"
+                    return LadderResult(EXIT_OOM_RETRY_TIER, msg, launched, tier)
+                raise RetryAtNextTier(state.failed[-1].tier, state.tier)
+    except RetryAtNextTier as exc:
+        msg = f"out of memory at tier {exc.failed_tier}; relaunch limit ({launched} launches) reached"
+        return LadderResult(EXIT_OOM_LAST_TIER, msg, launched, tier)
+    raise AssertionError("unreachable: the retry loop either returns or raises")  # pragma: no cover

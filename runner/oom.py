@@ -1,0 +1,148 @@
+"""Out-of-memory detection and in-process recovery helpers.
+
+The check (`is_oom`) is kept apart from the action (`guarded`, `agree_oom`, `next_micro_batch`),
+as in accelerate's `utils/memory.py`, but without its three bugs:
+
+- memory is released *after* the `except` block: inside it, the traceback's frames still pin every
+  tensor the failed step allocated, so `empty_cache()` there frees nothing;
+- every rank agrees on the outcome (an all-reduce MAX of the OOM flag), so a rank that ran out does
+  not leave the others waiting in a collective it will never join;
+- the micro-batch moves to the next smaller divisor of the per-rank batch and gradient accumulation
+  grows to match: the effective batch never changes (accelerate multiplies the batch by 0.9).
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
+
+import torch
+
+from jobspec.memory import divisors
+
+log = logging.getLogger("jobspec.runner")
+T = TypeVar("T")
+
+# Messages of allocation failures that reach Python as a plain RuntimeError (or torch.AcceleratorError)
+# instead of torch.OutOfMemoryError: kernel-launch OOMs ("CUDA error: out of memory"), ROCm's
+# "HIP out of memory", library workspaces that cuBLAS / cuDNN / MIOpen fail to allocate.
+OOM_MARKERS: tuple[str, ...] = (
+    " out of memory",  # "CUDA out of memory.", "CUDA error: out of memory", "HIP out of memory."
+    "CUBLAS_STATUS_ALLOC_FAILED",
+    "CUDNN_STATUS_ALLOC_FAILED",
+    "CUDNN_STATUS_NOT_ENOUGH_WORKSPACE",
+    "hipErrorOutOfMemory",
+    "HIPBLAS_STATUS_ALLOC_FAILED",
+)
+_CHAIN_LIMIT = 8  # __cause__ / __context__ links followed (torch.compile and DDP wrap the original error)
+
+
+def is_oom(exc: BaseException | None) -> bool:
+    """True when `exc` (or an error it was raised from) is a device out-of-memory error.
+
+    Only `RuntimeError`s count (torch.OutOfMemoryError and torch.AcceleratorError are subclasses): a
+    `ValueError` whose text happens to say "out of memory" is not an allocation failure. Host memory
+    errors (`MemoryError`, the kernel's OOM kill) are not: shrinking the micro-batch does not help an
+    offload tier that ran the host out of RAM, and a killed process raises nothing.
+    """
+    seen = 0
+    while exc is not None and seen < _CHAIN_LIMIT:
+        if isinstance(exc, torch.OutOfMemoryError):
+            return True
+        if isinstance(exc, RuntimeError) and any(m in str(exc) for m in OOM_MARKERS):
+            return True
+        exc = exc.__cause__ or exc.__context__
+        seen += 1
+    return False
+
+
+def describe(exc: BaseException) -> str:
+    """One line for logs and the tier state: the exception type and the first line of its message."""
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    text = text if len(text) <= 300 else text[:297] + "..."
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+def release_memory() -> None:
+    """Collect garbage and return the caching allocator's free blocks to the device.
+
+    Call it where no exception is being handled (see `guarded`); a no-op for the device cache on CPU.
+    """
+    gc.collect()
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()  # HIP builds expose the same API
+
+
+@dataclass(frozen=True)
+class Guarded(Generic[T]):
+    """What `guarded` gives back: the step's value, or `oom=True` and the reason it ran out."""
+
+    value: T | None
+    oom: bool
+    reason: str = ""
+
+
+def guarded(step: Callable[[], T]) -> Guarded[T]:
+    """Run `step`; an OOM comes back as a flag instead of an exception, with its memory released.
+
+    Any other exception propagates unchanged. Inside the `except` block only the message is kept and
+    the traceback's frames are cleared (their locals are the failed step's tensors); the exception
+    object is dropped when the block ends, and only then are `gc.collect()` and `empty_cache()` run.
+    The caller still owns the partial gradients of the failed step and must zero them.
+    """
+    try:
+        return Guarded(step(), False)
+    except Exception as exc:
+        if not is_oom(exc):
+            raise
+        reason = describe(exc)
+        release_memory()
+        return Guarded(None, True, reason)
+    # Out of the except block: no frame, traceback or exception refers to the step's tensors now.
+    release_memory()
+    return Guarded(None, True, reason)
+
+
+def agree_oom(flag: bool, group: Any = None, device: torch.device | str | None = None) -> bool:
+    """True on every rank when any rank ran out of memory (all-reduce MAX of the flag).
+
+    Every rank must call this at the same point of every step, OOM or not, and where no other
+    collective can be pending (outside DDP's synchronising backward, FSDP's gathers): that is what
+    keeps one rank's OOM from hanging the others. Without an initialised process group (or with one
+    rank) the flag is returned as is. `device` defaults to the current CUDA device for NCCL and to
+    the CPU otherwise (gloo).
+    """
+    dist = torch.distributed
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
+        return flag
+    if device is None:
+        backend = str(dist.get_backend(group)).lower()
+        on_gpu = "nccl" in backend or "rccl" in backend
+        device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
+    t = torch.tensor([1 if flag else 0], dtype=torch.int32, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return bool(t.item())
+
+
+def next_micro_batch(current: int, per_rank_batch: int) -> int | None:
+    """The largest divisor of `per_rank_batch` below `current`; None when `current` is already 1.
+
+    Divisors keep grad_accum = per_rank_batch / micro_batch an integer, so the effective batch stays
+    exact. For per_rank_batch 24 and current 8 that is 6 (then 4, 3, 2, 1): the smallest step down,
+    which keeps as much throughput as fits.
+    """
+    if current < 1 or per_rank_batch < 1:
+        raise ValueError(f"micro-batch {current} and per-rank batch {per_rank_batch} must be >= 1")
+    smaller = [d for d in divisors(per_rank_batch) if d < current]
+    return smaller[-1] if smaller else None
+
+
+def grad_accum_for(micro_batch: int, per_rank_batch: int) -> int:
+    """Micro-steps per optimizer step so that micro_batch * grad_accum == per_rank_batch exactly."""
+    if micro_batch < 1 or per_rank_batch % micro_batch:
+        raise ValueError(f"micro-batch {micro_batch} does not divide the per-rank batch {per_rank_batch}")
+    return per_rank_batch // micro_batch

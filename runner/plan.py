@@ -1,0 +1,298 @@
+"""The run's plan: tier, micro-batch, gradient accumulation, precision and dataloader settings.
+
+`initial_plan` asks the memory model for the cheapest tier and largest micro-batch that fit the probed
+device, `verify_micro_batch` checks the guess with real steps, `agree` makes all ranks use one plan. The
+effective batch never changes: micro_batch (a divisor of the per-rank batch) * grad_accum * world_size ==
+global_batch. Every decision is logged ("jobspec.runner") and kept in `Plan.reasons` with its numbers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from jobspec import memory
+from jobspec.contract import EXIT_OOM_LAST_TIER, EXIT_OOM_RETRY_TIER
+from jobspec.errors import ConfigError, JobspecError
+from jobspec.plan import lora_shape, model_shape
+from jobspec.spec import JobSpec
+from runner.hostmem import HOST_OFFLOAD_SHARE, HOST_PROCESS_BYTES, HostInfo, gib, loader_settings, offload_fits
+from runner.probe import DeviceInfo, largest_passing, resolve_precision
+
+log = logging.getLogger("jobspec.runner")
+PRECISIONS = ("bf16", "fp16", "fp32")
+
+
+class NoFit(JobspecError):
+    """Micro-batch 1 does not fit at this tier: the OOM ladder moves to `next_tier` (None: nothing left)."""
+
+    def __init__(self, tier: str, message: str):
+        super().__init__(message)
+        self.tier = tier
+        self.next_tier = memory.next_tier(tier)
+        self.exit_code = EXIT_OOM_RETRY_TIER if self.next_tier else EXIT_OOM_LAST_TIER
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What one rank runs. Persisted with the checkpoints (`to_dict`) so a resume uses the same plan."""
+
+    tier: str
+    micro_batch: int  # samples per forward pass on one rank
+    grad_accum: int  # micro-batches per optimizer step
+    global_batch: int  # samples per optimizer step over all ranks (the spec's, never changed)
+    world_size: int
+    checkpointing: bool  # activation (gradient) checkpointing
+    precision: str  # autocast dtype: bf16 | fp16 | fp32
+    num_workers: int  # DataLoader workers per rank
+    pin_memory: bool
+    seq_len: int  # the longest sequence: what the plan and the probe steps are sized at
+    estimated_bytes: int  # memory model's GPU bytes at micro_batch (host bytes on CPU)
+    budget_bytes: int  # target_utilization x free memory at probe time
+    fixed_bytes: int = 0  # model's bytes at micro-batch 0: states + overhead
+    per_sample_bytes: int = 0  # model's bytes each sample of the micro-batch adds
+    model_max_micro_batch: int = 0  # largest micro-batch the model says fits, before rounding to a divisor
+    micro_batch_fixed: bool = False  # set in the spec: never raised, only lowered when it does not fit
+    probes: int = 0  # real probe steps run by verify_micro_batch
+    reasons: tuple[str, ...] = field(default_factory=tuple)
+
+    def __post_init__(self) -> None:
+        if self.tier not in memory.TIERS or self.precision not in PRECISIONS:
+            raise ValueError(f"plan: tier {self.tier!r} / precision {self.precision!r} unknown")
+        if self.world_size < 1 or self.global_batch % self.world_size:
+            raise ValueError(f"plan: global batch {self.global_batch} does not split over {self.world_size} ranks")
+        if self.micro_batch < 1 or self.micro_batch * self.grad_accum * self.world_size != self.global_batch:
+            raise ValueError(
+                f"plan: micro-batch {self.micro_batch} x accumulation {self.grad_accum} x {self.world_size} ranks "
+                f"!= global batch {self.global_batch}"
+            )
+
+    @property
+    def per_rank(self) -> int:
+        return self.global_batch // self.world_size
+
+    def to_dict(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        out["reasons"] = list(self.reasons)
+        return out
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Plan:
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - names)
+        if unknown:
+            raise ValueError(f"plan: unknown keys {unknown} (written by a newer jobspec?)")
+        return cls(**{**data, "reasons": tuple(data.get("reasons", ()))})
+
+
+def _note(reasons: list[str], text: str) -> None:
+    log.info("plan: %s", text)
+    reasons.append(text)
+
+
+def _amend(plan: Plan, reason: str, **changes: Any) -> Plan:
+    reasons = list(plan.reasons)
+    _note(reasons, reason)
+    return dataclasses.replace(plan, reasons=tuple(reasons), **changes)
+
+
+def with_micro_batch(plan: Plan, micro_batch: int, reason: str, **changes: Any) -> Plan:
+    """The plan at another micro-batch (a divisor of the per-rank batch, else ValueError), accumulation recomputed."""
+    est = plan.fixed_bytes + plan.per_sample_bytes * micro_batch  # the model is linear in micro-batch
+    return _amend(
+        plan, reason, micro_batch=micro_batch, grad_accum=plan.per_rank // micro_batch, estimated_bytes=est, **changes
+    )
+
+
+def _local(device: DeviceInfo, world_size: int, local_ranks: int | None) -> int:
+    """Training processes on this node: given, else one per visible GPU (all of them on CPU)."""
+    return local_ranks or (max(1, min(world_size, device.count)) if device.is_gpu else world_size)
+
+
+def _inputs(spec: JobSpec, device: DeviceInfo, world_size: int, local: int) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(memory.estimate keywords, plan_tier's budget keywords), the same for every tier."""
+    gc = spec.training.gradient_checkpointing
+    ckpt, lora, attention = None if gc == "auto" else gc == "on", lora_shape(spec), spec.model.attention
+    est = dict(world_size=world_size, seq_len=spec.data.max_seq_len, lora=lora, checkpointing=ckpt, attention=attention)
+    # On CPU the ranks of this node share the host memory the probe reported.
+    free = device.free_bytes if device.is_gpu else device.free_bytes // local
+    return est, dict(
+        gpu_bytes=free, global_batch=spec.training.global_batch, utilization=spec.memory.target_utilization
+    )
+
+
+def _micro_batch(asked: int | str, per_rank: int, tp: memory.TierPlan, per_sample: int, budget: str) -> tuple[int, str]:
+    """(micro-batch, reason): the spec's number, or the model's largest divisor of `per_rank` that fits."""
+    if isinstance(asked, int):
+        fit = "fits" if asked <= tp.max_micro_batch else "does NOT fit; probe steps decide"
+        return asked, f"micro-batch {asked} from the spec: the model {fit} (max {tp.max_micro_batch}, {budget})"
+    if not tp.fits:
+        return 1, f"micro-batch auto -> 1 at tier {tp.tier}: the model says none fits ({tp.reason}); probes decide"
+    mbs, top = tp.micro_batch, tp.max_micro_batch
+    cap = (
+        ""
+        if mbs == top
+        else f", capped at the per-rank batch {per_rank}"
+        if mbs == per_rank
+        else (f" -> {mbs}, the largest divisor of the per-rank batch {per_rank} at or below it")
+    )
+    return mbs, f"micro-batch auto -> {mbs}: {budget} / {gib(per_sample)} per sample = {top}{cap}"
+
+
+def size_for_tier(
+    spec: JobSpec,
+    device: DeviceInfo,
+    host: HostInfo,
+    world_size: int,
+    tier: str,
+    *,
+    local_ranks: int | None = None,
+    reasons: Iterable[str] = (),
+) -> Plan:
+    """The plan at a given tier (the OOM ladder re-plans here after stepping down a tier)."""
+    gb = spec.training.global_batch
+    if world_size < 1 or gb % world_size:
+        raise ConfigError(f"training.global_batch {gb} does not split over {world_size} ranks")
+    per_rank_batch, local, notes = gb // world_size, _local(device, world_size, local_ranks), list(reasons)
+    if isinstance(spec.training.micro_batch, int) and per_rank_batch % spec.training.micro_batch:
+        raise ConfigError(
+            f"training.micro_batch {spec.training.micro_batch} does not divide the per-rank batch "
+            f"{per_rank_batch} (global_batch {gb} / {world_size} ranks)"
+        )
+    shape = model_shape(spec)
+    kw, bkw = _inputs(spec, device, world_size, local)
+    tp = memory.plan_tier(shape, tier=tier, **kw, **bkw)
+    fixed = memory.estimate(shape, tier=tier, micro_batch=0, **kw).gpu_bytes  # states + overhead
+    per_sample = memory.estimate(shape, tier=tier, micro_batch=1, **kw).gpu_bytes - fixed  # seq_len tokens
+    where = "free" if device.is_gpu else f"host / {local} ranks"
+    budget = (
+        f"({gib(tp.budget)} budget [{bkw['utilization']:.2f} x {gib(bkw['gpu_bytes'])} {where}] - "
+        f"{gib(fixed)} states+overhead) at seq {kw['seq_len']}"
+    )
+    mbs, why = _micro_batch(spec.training.micro_batch, per_rank_batch, tp, per_sample, budget)
+    _note(notes, why)
+    offload = f"tier {tier} offloads {gib(tp.estimate.host)} per rank x {local} to {gib(host.available_bytes)} of host"
+    if tp.estimate.host and not offload_fits(tp.estimate.host, local, host):
+        _note(notes, offload + ": expect a host OOM")
+    precision, why = resolve_precision(spec.training.precision, device)
+    _note(notes, why)
+    need = HOST_PROCESS_BYTES + tp.estimate.host if device.is_gpu else fixed + per_sample * mbs
+    nw = spec.data.num_workers
+    loader = loader_settings(
+        host, on_gpu=device.is_gpu, local_ranks=local, need_per_rank=need, requested=None if nw == "auto" else nw
+    )
+    for text in loader.reasons:
+        _note(notes, text)
+    return Plan(
+        tier=tier, micro_batch=mbs, grad_accum=per_rank_batch // mbs, global_batch=gb, world_size=world_size,
+        checkpointing=tp.estimate.checkpointing, precision=precision, num_workers=loader.num_workers,
+        pin_memory=loader.pin_memory, seq_len=spec.data.max_seq_len, estimated_bytes=fixed + per_sample * mbs,
+        budget_bytes=tp.budget, fixed_bytes=fixed, per_sample_bytes=per_sample,
+        model_max_micro_batch=tp.max_micro_batch, micro_batch_fixed=isinstance(spec.training.micro_batch, int),
+        reasons=tuple(notes),
+    )  # fmt: skip
+
+
+def choose_tier(spec: JobSpec, device: DeviceInfo, host: HostInfo, world_size: int, local: int) -> tuple[str, str]:
+    """(tier, reason): the spec's tier, or for `auto` the cheapest the memory model says fits."""
+    if spec.memory.tier != "auto":
+        return spec.memory.tier, f"tier {spec.memory.tier} from the spec"
+    if not device.is_gpu:
+        return "fast", "tier auto -> fast: CPU, one process per rank, nothing to shard or offload"
+    kw, bkw = _inputs(spec, device, world_size, local)
+    plans = memory.plan_all(model_shape(spec), **kw, **bkw)
+    skipped: list[str] = []
+    for tp in plans:
+        if tp.useful and tp.fits and offload_fits(tp.estimate.host, local, host):
+            why = "; ".join(skipped) or "the cheapest"
+            return tp.tier, (
+                f"tier auto -> {tp.tier}: {gib(tp.estimate.gpu_bytes)} at micro-batch {tp.micro_batch} "
+                f"of {gib(tp.budget)} budget ({why})"
+            )
+        host_why = f"host RAM {gib(tp.estimate.host * local)} > {HOST_OFFLOAD_SHARE} x {gib(host.available_bytes)}"
+        skipped.append(f"{tp.tier}: {tp.reason or host_why}")
+    last = next(tp.tier for tp in reversed(plans) if tp.useful)
+    return last, f"tier auto -> {last}: no tier fits per the model ({'; '.join(skipped)}); probe steps decide"
+
+
+def initial_plan(
+    spec: JobSpec, device: DeviceInfo, host: HostInfo, world_size: int, *, local_ranks: int | None = None
+) -> Plan:
+    """Tier, micro-batch, accumulation, precision and loader settings from the spec and the probes.
+
+    `local_ranks`: training processes on this node (default: one per visible GPU up to world_size;
+    on CPU all of world_size), which share the host's CPUs and memory.
+    """
+    local = _local(device, world_size, local_ranks)
+    tier, why = choose_tier(spec, device, host, world_size, local)
+    log.info("plan: %s", why)
+    return size_for_tier(spec, device, host, world_size, tier, local_ranks=local, reasons=[why])
+
+
+def verify_micro_batch(
+    plan: Plan,
+    try_step: Callable[[int], bool],
+    *,
+    max_probes: int | None = None,
+    reduce_min: Callable[[int], int] | None = None,
+) -> Plan:
+    """Check the model's micro-batch with real steps; return the largest divisor of the per-rank batch that ran.
+
+    `try_step(mbs)` runs forward, backward and optimizer.step() at `plan.seq_len` and returns False on
+    OOM (see `runner.probe.oom_guard`). Candidates: divisors of the per-rank batch up to
+    min(per-rank batch, 2 x the model's max), or up to the spec's micro-batch when it was fixed.
+    The guess, then its neighbour, then bisection: the model is usually within one divisor, and
+    the worst case is 2 + ceil(log2(#candidates)) <= log2(per-rank batch) + 3 probes.
+    `reduce_min`: an all-reduce MIN, so that every rank sees the same outcomes and ends on the same
+    micro-batch. Raises NoFit when micro-batch 1 fails.
+    """
+    upper = plan.micro_batch if plan.micro_batch_fixed else 2 * max(plan.model_max_micro_batch, plan.micro_batch)
+    cands = [d for d in memory.divisors(plan.per_rank) if d <= upper]
+
+    def probe(mbs: int) -> bool:
+        ok = bool(try_step(mbs))
+        if reduce_min is not None:
+            ok = bool(reduce_min(int(ok)))
+        log.info("plan: probe step micro-batch %d at seq %d: %s", mbs, plan.seq_len, "ok" if ok else "OOM")
+        return ok
+
+    found, results, done = largest_passing(cands, plan.micro_batch, probe, max_probes)
+    tried = ", ".join(f"{m} {'ok' if ok else 'OOM'}" for m, ok in sorted(results.items()))
+    if found is None:
+        msg = f"tier {plan.tier}: no micro-batch fits at seq {plan.seq_len} ({len(results)} probe steps: {tried})"
+        raise NoFit(plan.tier, msg)
+    note = f"micro-batch {plan.micro_batch} -> {found} by {len(results)} probe steps at seq {plan.seq_len} ({tried})"
+    if not done:
+        note += f"; stopped at the probe limit {max_probes}"
+    elif found == cands[-1] and found < plan.per_rank:
+        note += f"; upper bound {upper} reached (2 x the model's {plan.model_max_micro_batch})"
+    return with_micro_batch(plan, found, note, probes=plan.probes + len(results))
+
+
+def agree(plan: Plan, reduce_min: Callable[[int], int], *, replan: Callable[[str], Plan] | None = None) -> Plan:
+    """The plan every rank uses: the most conservative tier, then the smallest micro-batch.
+
+    `reduce_min(x)` is an all-reduce MIN over ranks; it is called the same number of times (three)
+    on every rank. When this rank's tier differs from the agreed one, `replan(tier)` re-sizes it
+    (e.g. `size_for_tier`); without it the micro-batch is kept (a later tier never needs more memory).
+    """
+    tier = memory.TIERS[-reduce_min(-memory.TIERS.index(plan.tier))]
+    if tier != plan.tier:
+        why = f"tier {plan.tier} -> {tier}: another rank's plan needs it"
+        if replan is not None:
+            new = replan(tier)
+            plan = _amend(dataclasses.replace(new, reasons=plan.reasons + new.reasons), why)
+        else:
+            plan = _amend(plan, why, tier=tier, checkpointing=plan.checkpointing or memory.CHECKPOINTING[tier])
+    order = ("fp32", "fp16", "bf16")  # least capable first: the MIN over ranks is what all can run
+    precision = order[reduce_min(order.index(plan.precision))]
+    if precision != plan.precision:
+        plan = _amend(plan, f"precision {plan.precision} -> {precision}: another rank lacks it", precision=precision)
+    mbs = reduce_min(plan.micro_batch)
+    if mbs != plan.micro_batch:
+        why = f"micro-batch {plan.micro_batch} -> {mbs}: the smallest over {plan.world_size} ranks"
+        plan = with_micro_batch(plan, mbs, f"{why}; accumulation {plan.grad_accum} -> {plan.per_rank // mbs}")
+    return plan

@@ -1,0 +1,83 @@
+"""Fixtures: a fake API server, a kubeconfig pointing at it, a client that never really sleeps."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from jobspec.cluster.client import ClusterClient
+from jobspec.cluster.cli import add_cluster_commands
+from jobspec.cluster.kubeconfig import load_connection
+from jobspec.cluster.retry import RetryPolicy
+from jobspec.errors import JobspecError
+
+from .fake_api import FakeApi
+
+
+@pytest.fixture(autouse=True)
+def _isolated_env(monkeypatch: pytest.MonkeyPatch, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """No real kubeconfig or service account may leak into these tests."""
+    monkeypatch.delenv("KUBECONFIG", raising=False)
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path_factory.mktemp("home")))
+
+
+@pytest.fixture
+def api() -> Iterator[FakeApi]:
+    fake = FakeApi().start()
+    yield fake
+    fake.stop()
+
+
+@pytest.fixture
+def kubeconfig(api: FakeApi, tmp_path: Path) -> Path:
+    return api.kubeconfig(tmp_path)
+
+
+@pytest.fixture
+def sleeps() -> list[float]:
+    """Every wait the code asked for, in seconds (nothing really sleeps)."""
+    return []
+
+
+@pytest.fixture
+def policy(sleeps: list[float]) -> RetryPolicy:
+    return RetryPolicy(attempts=4, sleep=sleeps.append)
+
+
+@pytest.fixture
+def client(kubeconfig: Path, policy: RetryPolicy) -> Iterator[ClusterClient]:
+    with ClusterClient(load_connection(str(kubeconfig)), timeout=2.0, policy=policy, follow_idle=2.0) as c:
+        yield c
+
+
+CliRun = Callable[..., tuple[int, str, str]]
+
+
+@pytest.fixture
+def cli(capsys: pytest.CaptureFixture[str], policy: RetryPolicy) -> CliRun:
+    """Run `jobspec <argv>` the way jobspec.cli.main does: exit code, stdout, stderr."""
+
+    def run(*argv: str) -> tuple[int, str, str]:
+        common = argparse.ArgumentParser(add_help=False)
+        common.add_argument("--debug", action="store_true")
+        parser = argparse.ArgumentParser(prog="jobspec")
+        add_cluster_commands(parser.add_subparsers(dest="command"), common)
+        capsys.readouterr()
+        args = parser.parse_args(argv)
+        if args.debug:
+            logging.getLogger().setLevel(logging.DEBUG)
+        args.retry_policy = policy
+        try:
+            code = args.func(args)
+        except JobspecError as err:
+            print(f"error: {err}", file=__import__("sys").stderr)
+            code = err.exit_code
+        out, err = capsys.readouterr()
+        return code, out, err
+
+    return run

@@ -1,0 +1,342 @@
+"""A small fake Kubernetes API server on 127.0.0.1, for the paths jobspec uses.
+
+Real HTTP (http.server in a thread), real kubernetes client on the other side (pointed at it
+by a generated kubeconfig). It stores objects in memory, records every request, checks the
+bearer token, and plays scripted faults: an error status (with headers such as Retry-After),
+a connection reset, or a delay (to trip the client's read timeout).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import re
+import socket
+import struct
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+from urllib.parse import parse_qs, unquote, urlsplit
+
+import yaml
+
+TOKEN = "tok-S3CRET-do-not-print-0123456789"
+CONTROLLER_UID = "batch.kubernetes.io/controller-uid"
+INDEX = "batch.kubernetes.io/job-completion-index"
+
+_CORE = re.compile(r"^/api/v1/namespaces/(?P<ns>[^/]+)/(?P<plural>configmaps|services|pods)(?:/(?P<name>[^/]+))?"
+                   r"(?P<log>/log)?$")
+_BATCH = re.compile(r"^/apis/batch/v1/namespaces/(?P<ns>[^/]+)/(?P<plural>jobs)(?:/(?P<name>[^/]+))?$")
+_ALL_JOBS = re.compile(r"^/apis/batch/v1/(?P<plural>jobs)$")
+
+
+@dataclass
+class Request:
+    method: str
+    path: str
+    query: dict[str, str]
+    headers: dict[str, str]  # lower-case names
+    body: Any
+    created: bool = False  # a server-side apply that created the object (RBAC: create)
+
+
+@dataclass
+class Fault:
+    method: str
+    path: re.Pattern[str]
+    times: int = 1
+    status: int = 500
+    headers: dict[str, str] = field(default_factory=dict)
+    message: str = "injected failure"
+    reset: bool = False
+    delay: float = 0.0
+
+
+def status_body(code: int, message: str, reason: str = "") -> dict[str, Any]:
+    return {"kind": "Status", "apiVersion": "v1", "status": "Failure", "message": message, "reason": reason,
+            "code": code}
+
+
+class FakeApi:
+    def __init__(self) -> None:
+        self.objects: dict[tuple[str, str, str], dict[str, Any]] = {}  # (plural, namespace, name)
+        self.requests: list[Request] = []
+        self.faults: list[Fault] = []
+        self.logs: dict[tuple[str, str], bytes] = {}  # (namespace, pod) -> whole log
+        self.previous_logs: dict[tuple[str, str], bytes] = {}
+        # (namespace, pod) -> scripts, one per follow request: bytes to send, a float to pause,
+        # or a callable run at that point (e.g. to mark the pod finished).
+        self.streams: dict[tuple[str, str], list[list[Any]]] = {}
+        self.lock = threading.RLock()
+        self._server: ThreadingHTTPServer | None = None
+        self._counter = 0
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    def start(self) -> FakeApi:
+        api = self
+
+        class Handler(_Handler):
+            fake = api
+
+        self._server = _Server(("127.0.0.1", 0), Handler)
+        threading.Thread(target=self._server.serve_forever, daemon=True).start()
+        return self
+
+    def stop(self) -> None:
+        if self._server:
+            self._server.shutdown()
+            self._server.server_close()
+
+    @property
+    def url(self) -> str:
+        assert self._server is not None
+        return f"http://127.0.0.1:{self._server.server_address[1]}"
+
+    def kubeconfig(self, directory: Path, namespace: str | None = "ml", token: str = TOKEN) -> Path:
+        """A kubeconfig with context `fake` (namespace `namespace`) and `other` (namespace `other-ns`)."""
+        ctx: dict[str, Any] = {"cluster": "fake", "user": "fake-user"}
+        if namespace:
+            ctx["namespace"] = namespace
+        cfg = {
+            "apiVersion": "v1", "kind": "Config", "current-context": "fake",
+            "clusters": [{"name": "fake", "cluster": {"server": self.url}}],
+            "users": [{"name": "fake-user", "user": {"token": token}}],
+            "contexts": [{"name": "fake", "context": ctx},
+                         {"name": "other", "context": {"cluster": "fake", "user": "fake-user", "namespace": "other-ns"}}],
+        }
+        path = directory / "kubeconfig.yaml"
+        path.write_text(yaml.safe_dump(cfg))
+        return path
+
+    # -- scripting ---------------------------------------------------------------------------
+
+    def fail(self, method: str, path: str, status: int = 500, **kwargs: Any) -> Fault:
+        fault = Fault(method, re.compile(path), status=status, **kwargs)
+        self.faults.append(fault)
+        return fault
+
+    def put(self, obj: dict[str, Any]) -> dict[str, Any]:
+        obj = copy.deepcopy(obj)
+        plural = {"ConfigMap": "configmaps", "Service": "services", "Job": "jobs", "Pod": "pods"}[obj["kind"]]
+        md = obj["metadata"]
+        md.setdefault("uid", str(uuid.uuid4()))
+        md.setdefault("creationTimestamp", "2025-01-01T00:00:00Z")
+        with self.lock:
+            self.objects[(plural, md["namespace"], md["name"])] = obj
+        return obj
+
+    def get(self, plural: str, namespace: str, name: str) -> dict[str, Any] | None:
+        with self.lock:
+            return self.objects.get((plural, namespace, name))
+
+    def add_pod(
+        self, namespace: str, job: str, index: int = 0, *, phase: str = "Running", name: str | None = None,
+        created: str = "2025-01-01T00:01:00Z", restarts: int = 0, state: dict[str, Any] | None = None,
+        last_state: dict[str, Any] | None = None, node: str = "node-1",
+    ) -> dict[str, Any]:
+        owner = self.get("jobs", namespace, job)
+        uid = owner["metadata"]["uid"] if owner else "no-job"
+        if state is None:
+            state = {"running": {"startedAt": created}} if phase == "Running" else {"waiting": {"reason": "ContainerCreating"}}
+        pod = {
+            "apiVersion": "v1", "kind": "Pod",
+            "metadata": {
+                "name": name or f"{job}-{index}-{uuid.uuid4().hex[:5]}", "namespace": namespace,
+                "creationTimestamp": created,
+                "labels": {CONTROLLER_UID: uid, "job-name": job, INDEX: str(index)},
+                "annotations": {INDEX: str(index)},
+            },
+            "spec": {"containers": [{"name": "runner", "image": "x"}], "nodeName": node},
+            "status": {"phase": phase, "containerStatuses": [
+                {"name": "runner", "restartCount": restarts, "state": state, "lastState": last_state or {}}]},
+        }
+        return self.put(pod)
+
+    def set_pod(self, namespace: str, name: str, phase: str, state: dict[str, Any]) -> None:
+        with self.lock:
+            pod = self.objects[("pods", namespace, name)]
+            pod["status"]["phase"] = phase
+            pod["status"]["containerStatuses"][0]["state"] = state
+
+    def calls(self, method: str | None = None, path_contains: str = "") -> list[Request]:
+        return [r for r in self.requests if (method is None or r.method == method) and path_contains in r.path]
+
+    # -- request handling (called from server threads) ---------------------------------------
+
+    def _fault_for(self, method: str, path: str) -> Fault | None:
+        with self.lock:
+            for fault in self.faults:
+                if fault.times > 0 and fault.method == method and fault.path.search(path):
+                    fault.times -= 1
+                    return fault
+        return None
+
+    def handle(self, req: Request) -> tuple[int, dict[str, str], Any]:
+        """-> (status, headers, body): a dict (JSON), bytes, or a list (a follow stream script)."""
+        if req.headers.get("authorization") != f"Bearer {TOKEN}":
+            return 401, {}, status_body(401, "Unauthorized", "Unauthorized")
+        m = _CORE.match(req.path) or _BATCH.match(req.path) or _ALL_JOBS.match(req.path)
+        if not m:
+            return 404, {}, status_body(404, f"the server could not find the requested resource ({req.path})", "NotFound")
+        parts = m.groupdict()
+        plural, ns, name = parts["plural"], parts.get("ns"), parts.get("name")
+        with self.lock:
+            if parts.get("log"):
+                return self._log(ns, name, req)
+            if req.method == "GET" and name is None:
+                return 200, {}, self._list(plural, ns, req.query)
+            if req.method == "GET":
+                obj = self.objects.get((plural, ns, name))
+                return (200, {}, obj) if obj else self._not_found(plural, name)
+            if req.method == "PATCH":
+                return self._apply(plural, ns, name, req)
+            if req.method == "DELETE":
+                return self._delete(plural, ns, name, req)
+        return 405, {}, status_body(405, "method not allowed", "MethodNotAllowed")
+
+    def _not_found(self, plural: str, name: str | None) -> tuple[int, dict[str, str], Any]:
+        group = "jobs.batch" if plural == "jobs" else plural
+        return 404, {}, status_body(404, f'{group} "{name}" not found', "NotFound")
+
+    def _list(self, plural: str, ns: str | None, query: dict[str, str]) -> dict[str, Any]:
+        wanted = dict(kv.split("=", 1) for kv in query.get("labelSelector", "").split(",") if kv)
+        items = [
+            o for (p, n, _), o in sorted(self.objects.items())
+            if p == plural and (ns is None or n == ns)
+            and all((o["metadata"].get("labels") or {}).get(k) == v for k, v in wanted.items())
+        ]
+        start = int(query.get("continue") or 0)
+        limit = int(query.get("limit") or len(items) or 1)
+        page = items[start:start + limit]
+        token = str(start + limit) if start + limit < len(items) else ""
+        return {"kind": "List", "apiVersion": "v1", "metadata": {"continue": token} if token else {}, "items": page}
+
+    def _apply(self, plural: str, ns: str, name: str, req: Request) -> tuple[int, dict[str, str], Any]:
+        if req.headers.get("content-type") != "application/apply-patch+yaml" or not req.query.get("fieldManager"):
+            return 415, {}, status_body(415, "expected a server-side apply patch with a fieldManager", "UnsupportedMediaType")
+        body = req.body
+        if body["metadata"]["name"] != name or body["metadata"]["namespace"] != ns:
+            return 400, {}, status_body(400, "name or namespace in the body does not match the URL", "BadRequest")
+        old = self.objects.get((plural, ns, name))
+        new = copy.deepcopy(body)
+        if old is None:
+            req.created = True
+            self._counter += 1
+            new["metadata"].update(uid=str(uuid.uuid4()), creationTimestamp="2025-01-01T00:00:00Z",
+                                   resourceVersion=str(self._counter))
+            if plural == "jobs":
+                sel = {CONTROLLER_UID: new["metadata"]["uid"]}
+                new["spec"]["selector"] = {"matchLabels": sel}
+                new["spec"]["template"].setdefault("metadata", {}).setdefault("labels", {}).update(sel)
+                new["status"] = {}
+        else:
+            for key in ("uid", "creationTimestamp"):
+                new["metadata"][key] = old["metadata"][key]
+            if plural == "jobs":
+                new["spec"]["selector"] = old["spec"]["selector"]
+                new["status"] = old.get("status", {})
+        if req.query.get("dryRun") != "All":
+            self.objects[(plural, ns, name)] = new
+        return (201 if old is None else 200), {}, new
+
+    def _delete(self, plural: str, ns: str, name: str, req: Request) -> tuple[int, dict[str, str], Any]:
+        obj = self.objects.get((plural, ns, name))
+        if obj is None:
+            return self._not_found(plural, name)
+        if req.query.get("dryRun") != "All":
+            del self.objects[(plural, ns, name)]
+            if plural == "jobs":  # the garbage collector, instantly
+                uid = obj["metadata"]["uid"]
+                for key in [k for k, o in self.objects.items()
+                            if k[0] == "pods" and o["metadata"]["labels"].get(CONTROLLER_UID) == uid]:
+                    del self.objects[key]
+        return 200, {}, {"kind": "Status", "apiVersion": "v1", "status": "Success", "details": {"name": name}}
+
+    def _log(self, ns: str, pod: str, req: Request) -> tuple[int, dict[str, str], Any]:
+        if ("pods", ns, pod) not in self.objects:
+            return self._not_found("pods", pod)
+        if req.query.get("follow") == "true":
+            scripts = self.streams.get((ns, pod)) or [[]]
+            return 200, {"Content-Type": "text/plain"}, scripts.pop(0) if len(scripts) > 1 else scripts[0]
+        source = self.previous_logs if req.query.get("previous") == "true" else self.logs
+        if (ns, pod) not in source:
+            return 400, {}, status_body(400, f'previous terminated container "runner" in pod "{pod}" not found',
+                                        "BadRequest")
+        return 200, {"Content-Type": "text/plain"}, source[(ns, pod)]
+
+
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        pass  # resets and clients that hang up are part of the script
+
+
+class _Handler(BaseHTTPRequestHandler):
+    fake: FakeApi
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+    def _serve(self) -> None:
+        split = urlsplit(self.path)
+        path = unquote(split.path)
+        query = {k: v[-1] for k, v in parse_qs(split.query).items()}
+        length = int(self.headers.get("Content-Length") or 0)
+        raw = self.rfile.read(length) if length else b""
+        body = json.loads(raw) if raw else None
+        req = Request(self.command, path, query, {k.lower(): v for k, v in self.headers.items()}, body)
+        with self.fake.lock:
+            self.fake.requests.append(req)
+        fault = self.fake._fault_for(self.command, path)
+        if fault and fault.delay:
+            time.sleep(fault.delay)
+        if fault and fault.reset:
+            self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            self.close_connection = True
+            self.connection.close()
+            return
+        if fault and not fault.delay:
+            return self._send(fault.status, fault.headers, status_body(fault.status, fault.message))
+        status, headers, payload = self.fake.handle(req)
+        if isinstance(payload, list):
+            return self._stream(payload)
+        self._send(status, headers, payload)
+
+    do_GET = do_PATCH = do_DELETE = do_POST = do_PUT = _serve
+
+    def _send(self, status: int, headers: dict[str, str], payload: Any) -> None:
+        data = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", headers.pop("Content-Type", "application/json"))
+        for key, value in headers.items():
+            self.send_header(key, value)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def _stream(self, script: list[Any]) -> None:
+        """A follow: no Content-Length, the body ends when the connection closes."""
+        self.send_response(200)
+        self.send_header("Content-Type", "text/plain")
+        self.send_header("Connection", "close")
+        self.end_headers()
+        self.close_connection = True
+        for step in script:
+            if isinstance(step, bytes):
+                self.wfile.write(step)
+                self.wfile.flush()
+            elif isinstance(step, (int, float)):
+                time.sleep(step)
+            elif callable(step):
+                step()
+
+
+Step = bytes | float | Callable[[], None]

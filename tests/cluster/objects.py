@@ -1,0 +1,40 @@
+"""Hand-written objects of the shape `jobspec.render.render` returns (ConfigMap, Service, Job)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from jobspec.contract import ANNOTATION_SPEC_HASH, KUEUE_QUEUE_LABEL, LABEL_JOB, LABEL_MANAGED_BY, MANAGED_BY
+
+
+def make_objects(
+    name: str = "train", namespace: str | None = "ml", spec_hash: str = "hash-1", queue: str | None = None
+) -> list[dict[str, Any]]:
+    labels = {LABEL_MANAGED_BY: MANAGED_BY, LABEL_JOB: name}
+    if queue:
+        labels[KUEUE_QUEUE_LABEL] = queue
+
+    def meta(obj_name: str) -> dict[str, Any]:
+        md: dict[str, Any] = {"name": obj_name, "labels": dict(labels), "annotations": {ANNOTATION_SPEC_HASH: spec_hash}}
+        if namespace is not None:
+            md["namespace"] = namespace
+        return md
+
+    return [
+        {"apiVersion": "v1", "kind": "ConfigMap", "metadata": meta(f"{name}-spec"), "data": {"spec.yaml": f"name: {name}\n"}},
+        {
+            "apiVersion": "v1", "kind": "Service", "metadata": meta(name),
+            "spec": {"clusterIP": "None", "selector": {LABEL_JOB: name}, "ports": [{"name": "rdzv", "port": 29500}]},
+        },
+        {
+            "apiVersion": "batch/v1", "kind": "Job", "metadata": meta(name),
+            "spec": {
+                "completionMode": "Indexed", "completions": 2, "parallelism": 2, "backoffLimit": 2,
+                "template": {
+                    "metadata": {"labels": dict(labels)},
+                    "spec": {"restartPolicy": "Never", "subdomain": name,
+                             "containers": [{"name": "runner", "image": "runner:cpu", "args": ["/etc/jobspec/spec.yaml"]}]},
+                },
+            },
+        },
+    ]

@@ -1,0 +1,167 @@
+"""runner.oom: detection, release after the except block, rank agreement, the micro-batch ladder."""
+
+from __future__ import annotations
+
+import gc
+import os
+import socket
+import weakref
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from runner import oom
+from runner.oom import OOM_MARKERS, agree_oom, describe, grad_accum_for, guarded, is_oom, next_micro_batch
+
+
+@pytest.mark.parametrize(
+    "exc",
+    [
+        torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"),
+        torch.cuda.OutOfMemoryError("anything"),  # the same class; the type alone decides
+        RuntimeError("CUDA error: out of memory\nCUDA kernel errors might be asynchronously reported"),
+        RuntimeError("HIP out of memory. Tried to allocate 20.00 MiB (GPU 0; 63.98 GiB total capacity)"),
+        RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`"),
+        RuntimeError("cuDNN error: CUDNN_STATUS_ALLOC_FAILED"),
+        RuntimeError("cuDNN error: CUDNN_STATUS_NOT_ENOUGH_WORKSPACE"),
+        RuntimeError("HIP error: hipErrorOutOfMemory"),
+    ],
+)
+def test_is_oom_recognises_every_form(exc: BaseException) -> None:
+    assert is_oom(exc)
+
+
+@pytest.mark.parametrize(
+    "exc",
+    [
+        RuntimeError("Expected all tensors to be on the same device"),
+        ValueError("ran out of memory"),  # not a RuntimeError: not an allocator failure
+        MemoryError(),  # host RAM: the micro-batch ladder cannot help an offload tier
+        KeyboardInterrupt(),
+        None,
+    ],
+)
+def test_is_oom_rejects_other_errors(exc: BaseException | None) -> None:
+    assert not is_oom(exc)
+
+
+def test_is_oom_follows_the_cause_chain() -> None:
+    try:
+        try:
+            raise torch.OutOfMemoryError("CUDA out of memory.")
+        except RuntimeError as inner:
+            raise ValueError("backend compiler failed") from inner
+    except ValueError as outer:
+        assert is_oom(outer)
+
+
+def test_markers_cover_the_documented_strings() -> None:
+    for needle in ("CUBLAS_STATUS_ALLOC_FAILED", "CUDNN_STATUS_ALLOC_FAILED", "hipErrorOutOfMemory"):
+        assert needle in OOM_MARKERS
+
+
+def test_describe_is_one_line_and_bounded() -> None:
+    text = describe(torch.OutOfMemoryError("CUDA out of memory. " + "x" * 1000 + "\nsecond line"))
+    assert text.startswith("OutOfMemoryError: CUDA out of memory.")
+    assert "\n" not in text and len(text) < 350
+
+
+def test_guarded_returns_the_value_when_nothing_fails() -> None:
+    out = guarded(lambda: 41 + 1)
+    assert (out.value, out.oom, out.reason) == (42, False, "")
+
+
+def test_guarded_reraises_other_errors_unchanged() -> None:
+    def step() -> None:
+        raise KeyError("not memory")
+
+    with pytest.raises(KeyError, match="not memory"):
+        guarded(step)
+
+
+class _Big:
+    """Stands for a step's activations: must be collectable once guarded() returns."""
+
+
+def test_guarded_releases_memory_after_the_step_tensors_are_unreferenced(monkeypatch: pytest.MonkeyPatch) -> None:
+    refs: list[weakref.ref[_Big]] = []
+    alive_at_release: list[bool] = []
+    monkeypatch.setattr(oom, "release_memory", lambda: alive_at_release.append(refs[0]() is not None))
+
+    def step() -> None:
+        activations = _Big()  # held only by this frame (and, while handled, the traceback)
+        refs.append(weakref.ref(activations))
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.00 GiB")
+
+    gc.disable()  # no lucky gc pass: the references must be gone by construction
+    try:
+        out = guarded(step)
+    finally:
+        gc.enable()
+    assert out.oom and out.value is None and "Tried to allocate 1.00 GiB" in out.reason
+    # empty_cache() ran once, when nothing pinned the failed step's tensors any more (accelerate
+    # calls it inside the except block, where the traceback still holds them).
+    assert alive_at_release == [False]
+
+
+def test_guarded_releases_tensors_of_a_failed_forward() -> None:
+    model = torch.nn.Linear(4, 4)
+    refs: list[weakref.ref[torch.Tensor]] = []
+
+    def step() -> None:
+        hidden = model(torch.randn(8, 4))
+        refs.append(weakref.ref(hidden))
+        raise RuntimeError("CUDA error: out of memory")
+
+    assert guarded(step).oom
+    assert refs[0]() is None
+
+
+@pytest.mark.parametrize(
+    ("current", "per_rank", "expected"),
+    [(8, 8, 4), (4, 8, 2), (2, 8, 1), (1, 8, None), (8, 24, 6), (6, 24, 4), (3, 24, 2), (12, 12, 6), (7, 12, 6)],
+)
+def test_next_micro_batch_is_the_next_smaller_divisor(current: int, per_rank: int, expected: int | None) -> None:
+    nxt = next_micro_batch(current, per_rank)
+    assert nxt == expected
+    if nxt is not None:
+        assert per_rank % nxt == 0 and nxt * grad_accum_for(nxt, per_rank) == per_rank
+
+
+def test_next_micro_batch_rejects_nonsense() -> None:
+    with pytest.raises(ValueError):
+        next_micro_batch(0, 8)
+    with pytest.raises(ValueError, match="does not divide"):
+        grad_accum_for(3, 8)
+
+
+def test_agree_oom_without_a_process_group_returns_the_flag() -> None:
+    assert not dist.is_initialized()
+    assert agree_oom(True) is True and agree_oom(False) is False
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _agree_worker(rank: int, port: int, flags: list[bool], out: dict[int, list[bool]]) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        # Each round: only this rank's flag differs; everyone must see the MAX.
+        out[rank] = [agree_oom(flags[i] if rank == i % 2 else False) for i in range(len(flags))]
+    finally:
+        dist.destroy_process_group()
+
+
+def test_agree_oom_makes_every_rank_see_one_ranks_oom() -> None:
+    flags = [True, False, False, True]  # round 0: rank 0 OOMs; round 3: rank 1 OOMs
+    with mp.Manager() as manager:
+        out = manager.dict()
+        mp.start_processes(_agree_worker, args=(_free_port(), flags, out), nprocs=2, start_method="spawn")
+        result = dict(out)
+    assert result[0] == result[1] == [True, False, False, True]
