@@ -100,8 +100,7 @@ def guarded(step: Callable[[], T]) -> Guarded[T]:
         if not is_oom(exc):
             raise
         reason = describe(exc)
-        release_memory()
-        return Guarded(None, True, reason)
+        traceback.clear_frames(exc.__traceback__)
     # Out of the except block: no frame, traceback or exception refers to the step's tensors now.
     release_memory()
     return Guarded(None, True, reason)

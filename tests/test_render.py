@@ -503,7 +503,7 @@ def test_to_yaml_is_multi_document_and_to_json_a_list() -> None:
 
 
 def test_data_pvc_is_mounted_read_only() -> None:
-    pod = rendered(SFT)[2]["spec"]["template"]["spec"]
+    pod = pod_of(rendered(SFT))
     volume = next(v for v in pod["volumes"] if v["name"] == "data")
     assert volume["persistentVolumeClaim"] == {"claimName": "sft-data", "readOnly": True}
     mount = next(m for m in container_of(rendered(SFT))["volumeMounts"] if m["name"] == "data")
