@@ -38,8 +38,10 @@ LABEL org.opencontainers.image.title="jobspec-runner-cuda" \
       org.opencontainers.image.base.name="${BASE_IMAGE}" \
       dev.jobspec.vendor="cuda"
 # expandable_segments: fewer fragmentation OOMs when the micro-batch probe grows and shrinks batches.
+# torch >= 2.9 reads PYTORCH_ALLOC_CONF, older torch only the vendor's name; the pod sets the same.
 # PYTHONUNBUFFERED: log lines reach `kubectl logs` as they are written.
-ENV PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True \
+ENV PYTORCH_ALLOC_CONF=expandable_segments:True \
+    PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True \
     PYTHONUNBUFFERED=1 \
     PYTHONDONTWRITEBYTECODE=1
 
@@ -54,6 +56,7 @@ RUN sh /tmp/jobspec/jobspec-image.sh project /tmp/jobspec && rm -rf /tmp/jobspec
 
 # Numeric, so that a pod's runAsNonRoot can be checked against the image (contract.RUN_AS_UID/GID).
 USER 1000:1000
-WORKDIR /home/jobspec
+# The rendered pod's workingDir: a relative checkpoints.dir resolves here.
+WORKDIR /workspace
 ENTRYPOINT ["python", "-m", "runner"]
 CMD ["/etc/jobspec/spec.yaml"]

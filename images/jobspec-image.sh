@@ -59,8 +59,9 @@ cmd_user() {
     getent group "$name" >/dev/null || groupadd --gid "$gid" "$name"
     getent passwd "$name" >/dev/null ||
         useradd --uid "$uid" --gid "$gid" --create-home --home-dir "/home/$name" --shell /bin/sh "$name"
-    # The spec's default checkpoints.dir: writable without a volume, so `docker run` works bare.
-    install -d -o "$uid" -g "$gid" -m 0775 /checkpoints
+    # The working directory (the pod's workingDir) and the spec's default checkpoints.dir: writable
+    # without a volume, so that a bare `docker run` works.
+    install -d -o "$uid" -g "$gid" -m 0775 /workspace /checkpoints
 }
 
 cmd_deps() {

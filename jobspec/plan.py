@@ -28,7 +28,15 @@ def model_shape(spec: JobSpec) -> ModelShape:
     if model.architecture:
         a = model.architecture
         return ModelShape(
-            a.family, a.layers, a.hidden, a.heads, a.vocab, a.max_positions, a.intermediate, a.kv_heads
+            a.family,
+            a.layers,
+            a.hidden,
+            a.heads,
+            a.vocab,
+            a.max_positions,
+            a.intermediate,
+            a.kv_heads,
+            tie_embeddings=a.tie_embeddings,
         )
     config = Path(model.path or "") / "config.json"
     if not config.is_file():
@@ -62,7 +70,7 @@ def shape_from_config(cfg: dict[str, Any]) -> ModelShape:
             vocab=cfg["vocab_size"],
             max_positions=cfg.get("max_position_embeddings", 2048),
             intermediate=cfg["intermediate_size"],
-            tie_embeddings=cfg.get("tie_word_embeddings", True),
+            tie_embeddings=cfg.get("tie_word_embeddings", False),  # transformers' Llama default
         )
     except KeyError as err:
         raise ConfigError(f"config.json has no {err.args[0]!r}: add model.architecture to the spec") from None
@@ -152,15 +160,17 @@ def plan_table(report: PlanReport) -> str:
     rows = [("tier", "GiB/GPU", "host GiB", "fits", "micro", "accum", "note")]
     for p in report.plans:
         mark = "  <- " + ("auto" if spec.memory.tier == "auto" else "spec") if p is report.chosen else ""
-        rows.append((
-            p.tier,
-            f"{p.estimate.gpu_bytes / GiB:.1f}",
-            f"{p.estimate.host / GiB:.1f}" if p.estimate.host else "-",
-            "yes" if p.fits else "no",
-            str(p.micro_batch or "-"),
-            str(p.grad_accum or "-"),
-            (p.reason or "") + mark,
-        ))
+        rows.append(
+            (
+                p.tier,
+                f"{p.estimate.gpu_bytes / GiB:.1f}",
+                f"{p.estimate.host / GiB:.1f}" if p.estimate.host else "-",
+                "yes" if p.fits else "no",
+                str(p.micro_batch or "-"),
+                str(p.grad_accum or "-"),
+                (p.reason or "") + mark,
+            )
+        )
     widths = [max(len(r[i]) for r in rows) for i in range(6)]
     lines = [head, ""] + ["  ".join(c.ljust(w) for c, w in zip(r[:6], widths, strict=True)) + "  " + r[6] for r in rows]
     if report.chosen is None or not report.chosen.fits:

@@ -95,6 +95,9 @@ class Architecture(Section):
     intermediate: Annotated[int, Field(ge=1, description="MLP inner width.")]
     max_positions: Annotated[int, Field(ge=1, description="Longest sequence the model supports.")] = 2048
     kv_heads: Annotated[int | None, Field(ge=1, description="Key/value heads (grouped-query attention).")] = None
+    tie_embeddings: Annotated[
+        bool, Field(description="Output head shares the input embedding (always true for gpt2).")
+    ] = False
 
 
 class ModelSpec(Section):

@@ -5,7 +5,8 @@ all of them to one global rank:
 
     mbs>N      a micro-batch of more than N samples runs out of memory (every time)
     tier=NAME  every step at memory tier NAME runs out of memory (repeatable: tier=fast,tier=zero2)
-    step=K     optimizer step K runs out of memory once (repeatable); "once" survives a restart
+    step=K     optimizer step K (1-based, as in metrics.jsonl) runs out of memory once (repeatable);
+               "once" survives a restart
     rank=R     only global rank R injects; the other ranks run clean
 
 Example: `JOBSPEC_FAULT_OOM="mbs>2,rank=1"`. The error raised is a real `torch.OutOfMemoryError`,
@@ -84,6 +85,8 @@ def parse_rules(text: str | None) -> FaultRules | None:
         elif not value.isdigit():
             raise ConfigError(f"{ENV_VAR}={text!r}: {key}={value!r} needs a non-negative integer")
         elif key == "step":
+            if int(value) < 1:
+                raise ConfigError(f"{ENV_VAR}={text!r}: step=K counts from 1 (the `step` of metrics.jsonl)")
             steps.add(int(value))
         elif rank is not None:
             raise ConfigError(f"{ENV_VAR}={text!r}: rank=R is given twice; keep one")
@@ -109,7 +112,7 @@ def _micro_batch_of(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
 
 @dataclass
 class FaultInjector:
-    """Applies `rules` on one rank. The loop sets `step` (and `tier`) before each optimizer step.
+    """Applies `rules` on one rank. The loop sets `step` (1-based: the step being computed) before each one.
 
     `run_dir` makes `step=K` fire once across restarts: a fired step is written to a per-rank file
     there before the error is raised, and read back when the injector is built.

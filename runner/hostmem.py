@@ -15,6 +15,7 @@ from pathlib import Path
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 MEMINFO = Path("/proc/meminfo")
+PROC_CGROUP = Path("/proc/self/cgroup")
 # cgroup v1 writes "no limit" as a huge page-aligned number (2^63 - 4096 on x86-64); anything at or
 # above 2^60 bytes (1 EiB) is no limit in practice.
 _UNLIMITED = 1 << 60
@@ -70,36 +71,61 @@ def _meminfo(path: Path) -> tuple[int, int] | None:
     return values["MemTotal"], values.get("MemAvailable", values.get("MemFree", values["MemTotal"]))
 
 
-def cgroup_memory(root: Path = CGROUP_ROOT) -> tuple[int, int, str] | None:
-    """(limit, usage, version) of the container's memory cgroup in bytes; None when unlimited.
+def _chain(base: Path, proc_cgroup: Path, controller: str) -> list[Path]:
+    """This process's cgroup directory under `base` and its ancestors, innermost first.
+
+    With a cgroup namespace (Kubernetes, Docker on v2) /proc/self/cgroup says "/" and `base` is the
+    container's own cgroup; without one the host hierarchy is mounted and the path leads to it.
+    Limits nest, so every level counts. Levels missing from the mount are skipped.
+    """
+    rel = "/"
+    for line in (_read(proc_cgroup) or "").splitlines():  # "0::/path" (v2) or "4:memory:/path" (v1)
+        _, controllers, path = line.split(":", 2) if line.count(":") >= 2 else ("", "-", "")
+        if controller in controllers.split(","):  # v2's line has no controllers: ""
+            rel = path
+    parts = [p for p in rel.strip("/").split("/") if p and p != ".."]
+    dirs = [base.joinpath(*parts[:i]) for i in range(len(parts), -1, -1)]
+    return [d for d in dirs if d.is_dir()]
+
+
+def cgroup_memory(root: Path = CGROUP_ROOT, proc_cgroup: Path = PROC_CGROUP) -> tuple[int, int, str] | None:
+    """(limit, usage, version) of the tightest memory cgroup over this process, in bytes; None: unlimited.
 
     Usage excludes inactive file cache, which the kernel reclaims before it OOM-kills (the kubelet's
     "working set" does the same): counting it would make a pod that read its data set look full.
     """
-    limit = _int(_read(root / "memory.max"))
-    if limit is not None:
-        usage = _int(_read(root / "memory.current")) or 0
-        return limit, max(0, usage - _stat(root / "memory.stat", "inactive_file")), "cgroup2"
-    v1 = root / "memory"
-    limit = _int(_read(v1 / "memory.limit_in_bytes"))
-    if limit is not None:
-        usage = _int(_read(v1 / "memory.usage_in_bytes")) or 0
-        return limit, max(0, usage - _stat(v1 / "memory.stat", "total_inactive_file")), "cgroup1"
+    layouts = (
+        ("cgroup2", root, "", "memory.max", "memory.current", "inactive_file"),
+        ("cgroup1", root / "memory", "memory", "memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file"),
+    )
+    for version, base, controller, limit_file, usage_file, cache in layouts:
+        best: tuple[int, int, str] | None = None
+        for d in _chain(base, proc_cgroup, controller):
+            limit = _int(_read(d / limit_file))
+            if limit is None:
+                continue
+            usage = max(0, (_int(_read(d / usage_file)) or 0) - _stat(d / "memory.stat", cache))
+            if best is None or limit - usage < best[0] - best[1]:  # the least headroom binds
+                best = (limit, usage, version)
+        if best:
+            return best
     return None
 
 
-def cgroup_cpus(root: Path = CGROUP_ROOT) -> float | None:
-    """The CPU quota in cores (quota / period), None when unlimited."""
-    v2 = _read(root / "cpu.max")  # "max 100000" or "250000 100000" (microseconds)
-    if v2:
-        quota, _, period = v2.partition(" ")
+def cgroup_cpus(root: Path = CGROUP_ROOT, proc_cgroup: Path = PROC_CGROUP) -> float | None:
+    """The tightest CPU quota over this process in cores (quota / period), None when unlimited."""
+    quotas: list[float] = []
+    for d in _chain(root, proc_cgroup, ""):
+        quota, _, period = (_read(d / "cpu.max") or "").partition(" ")  # "max 100000", "250000 100000" (us)
         q, p = _int(quota), _int(period)
-        return q / p if q and p else None
-    q = _read(root / "cpu" / "cpu.cfs_quota_us")  # -1 = unlimited
-    p = _int(_read(root / "cpu" / "cpu.cfs_period_us"))
-    if q and q.lstrip("-").isdigit() and int(q) > 0 and p:
-        return int(q) / p
-    return None
+        if q and p:
+            quotas.append(q / p)
+    v1 = [] if quotas else _chain(root / "cpu", proc_cgroup, "cpu")  # v1's cpu (often co-mounted with cpuacct)
+    for d in v1:
+        q, p = _read(d / "cpu.cfs_quota_us"), _int(_read(d / "cpu.cfs_period_us"))  # quota -1: unlimited
+        if q and q.lstrip("-").isdigit() and int(q) > 0 and p:
+            quotas.append(int(q) / p)
+    return min(quotas) if quotas else None
 
 
 def _affinity() -> int:
@@ -109,11 +135,11 @@ def _affinity() -> int:
         return os.cpu_count() or 1
 
 
-def probe_host(root: Path = CGROUP_ROOT, meminfo: Path = MEMINFO) -> HostInfo:
-    """Host memory and CPUs available to this container."""
+def probe_host(root: Path = CGROUP_ROOT, meminfo: Path = MEMINFO, proc_cgroup: Path = PROC_CGROUP) -> HostInfo:
+    """Host memory and CPUs available to this container (paths injectable for tests)."""
     total, available = _meminfo(meminfo) or (0, 0)
     source = "meminfo"
-    cgroup = cgroup_memory(root)
+    cgroup = cgroup_memory(root, proc_cgroup)
     if cgroup:
         limit, usage, version = cgroup
         # The cgroup can be larger than the machine (a limit nobody lowered): the smaller wins.
@@ -121,7 +147,7 @@ def probe_host(root: Path = CGROUP_ROOT, meminfo: Path = MEMINFO) -> HostInfo:
             source = version
         total = min(total, limit) if total else limit
         available = min(available, limit - usage) if available else limit - usage
-    quota = cgroup_cpus(root)
+    quota = cgroup_cpus(root, proc_cgroup)
     # A quota of 2.5 cores lets 3 threads run part of the time: round up, never below 1.
     cpus = min(_affinity(), math.ceil(quota)) if quota else _affinity()
     return HostInfo(total_bytes=total, available_bytes=max(0, available), cpus=max(1, cpus), source=source)

@@ -67,7 +67,8 @@ class Metrics:
         self.file = None
         if enabled:
             path.parent.mkdir(parents=True, exist_ok=True)
-            self.file = open(path, "a", buffering=1, encoding="utf-8")  # line-buffered: every record lands
+            # Held for the whole run; line-buffered so that every record lands even if the process dies.
+            self.file = open(path, "a", buffering=1, encoding="utf-8")  # noqa: SIM115
 
     def write(self, record: dict[str, Any]) -> None:
         if self.file is None:
@@ -85,6 +86,10 @@ def format_line(r: dict[str, Any]) -> str:
     """The human form of a record: `step 50/150 | loss 1.234 | lr 2.9e-03 | 12,345 tok/s | mbs 16 x 1 | ...`."""
     if r.get("kind") == "eval":
         return f"eval step {r['step']} | eval_loss {r['eval_loss']:.4f} | {r['eval_tokens']} tokens"
+    if r.get("kind") == "plan":
+        return (f"plan: tier {r['tier']}, micro-batch {r['micro_batch']} x {r['grad_accum']} accumulation x "
+                f"{r['world_size']} ranks = {r['global_batch']}, {r['precision']}, checkpointing "
+                f"{'on' if r['checkpointing'] else 'off'}, from step {r['step']} of {r['total_steps']}")
     if r.get("kind") != "train":
         return json.dumps(r)
     mem = ""

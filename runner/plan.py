@@ -18,6 +18,7 @@ from jobspec import memory
 from jobspec.contract import EXIT_OOM_LAST_TIER, EXIT_OOM_RETRY_TIER
 from jobspec.errors import ConfigError, JobspecError
 from jobspec.plan import lora_shape, model_shape
+from jobspec.presets import ModelShape
 from jobspec.spec import JobSpec
 from runner.hostmem import HOST_OFFLOAD_SHARE, HOST_PROCESS_BYTES, HostInfo, gib, loader_settings, offload_fits
 from runner.probe import DeviceInfo, largest_passing, resolve_precision
@@ -75,15 +76,11 @@ class Plan:
         return self.global_batch // self.world_size
 
     def to_dict(self) -> dict[str, Any]:
-        out = dataclasses.asdict(self)
-        out["reasons"] = list(self.reasons)
-        return out
+        return {**dataclasses.asdict(self), "reasons": list(self.reasons)}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Plan:
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - names)
-        if unknown:
+        if unknown := sorted(set(data) - {f.name for f in dataclasses.fields(cls)}):
             raise ValueError(f"plan: unknown keys {unknown} (written by a newer jobspec?)")
         return cls(**{**data, "reasons": tuple(data.get("reasons", ()))})
 
@@ -94,17 +91,15 @@ def _note(reasons: list[str], text: str) -> None:
 
 
 def _amend(plan: Plan, reason: str, **changes: Any) -> Plan:
-    reasons = list(plan.reasons)
-    _note(reasons, reason)
+    _note(reasons := list(plan.reasons), reason)
     return dataclasses.replace(plan, reasons=tuple(reasons), **changes)
 
 
 def with_micro_batch(plan: Plan, micro_batch: int, reason: str, **changes: Any) -> Plan:
     """The plan at another micro-batch (a divisor of the per-rank batch, else ValueError), accumulation recomputed."""
-    est = plan.fixed_bytes + plan.per_sample_bytes * micro_batch  # the model is linear in micro-batch
-    return _amend(
-        plan, reason, micro_batch=micro_batch, grad_accum=plan.per_rank // micro_batch, estimated_bytes=est, **changes
-    )
+    est = plan.fixed_bytes + plan.per_sample_bytes * micro_batch  # the model is linear in micro-batch (+-1 byte)
+    accum = plan.per_rank // micro_batch
+    return _amend(plan, reason, micro_batch=micro_batch, grad_accum=accum, estimated_bytes=est, **changes)
 
 
 def _local(device: DeviceInfo, world_size: int, local_ranks: int | None) -> int:
@@ -113,18 +108,22 @@ def _local(device: DeviceInfo, world_size: int, local_ranks: int | None) -> int:
 
 
 def _inputs(spec: JobSpec, device: DeviceInfo, world_size: int, local: int) -> tuple[dict[str, Any], dict[str, Any]]:
-    """(memory.estimate keywords, plan_tier's budget keywords), the same for every tier."""
+    """(memory.estimate keywords, plan_tier's budget keywords), the same for every tier; checks the batch."""
+    gb, mbs = spec.training.global_batch, spec.training.micro_batch
+    if world_size < 1 or gb % world_size:
+        raise ConfigError(f"training.global_batch {gb} does not split over {world_size} ranks")
+    if isinstance(mbs, int) and (gb // world_size) % mbs:
+        msg = f"training.micro_batch {mbs} does not divide the per-rank batch {gb // world_size} ({gb} / {world_size})"
+        raise ConfigError(msg)
     gc = spec.training.gradient_checkpointing
     ckpt, lora, attention = None if gc == "auto" else gc == "on", lora_shape(spec), spec.model.attention
     est = dict(world_size=world_size, seq_len=spec.data.max_seq_len, lora=lora, checkpointing=ckpt, attention=attention)
     # On CPU the ranks of this node share the host memory the probe reported.
     free = device.free_bytes if device.is_gpu else device.free_bytes // local
-    return est, dict(
-        gpu_bytes=free, global_batch=spec.training.global_batch, utilization=spec.memory.target_utilization
-    )
+    return est, dict(gpu_bytes=free, global_batch=gb, utilization=spec.memory.target_utilization)
 
 
-def _micro_batch(asked: int | str, per_rank: int, tp: memory.TierPlan, per_sample: int, budget: str) -> tuple[int, str]:
+def _micro_batch(asked: int | str, per_rank: int, tp: memory.TierPlan, per_sample: str, budget: str) -> tuple[int, str]:
     """(micro-batch, reason): the spec's number, or the model's largest divisor of `per_rank` that fits."""
     if isinstance(asked, int):
         fit = "fits" if asked <= tp.max_micro_batch else "does NOT fit; probe steps decide"
@@ -132,14 +131,27 @@ def _micro_batch(asked: int | str, per_rank: int, tp: memory.TierPlan, per_sampl
     if not tp.fits:
         return 1, f"micro-batch auto -> 1 at tier {tp.tier}: the model says none fits ({tp.reason}); probes decide"
     mbs, top = tp.micro_batch, tp.max_micro_batch
-    cap = (
-        ""
-        if mbs == top
-        else f", capped at the per-rank batch {per_rank}"
-        if mbs == per_rank
-        else (f" -> {mbs}, the largest divisor of the per-rank batch {per_rank} at or below it")
-    )
-    return mbs, f"micro-batch auto -> {mbs}: {budget} / {gib(per_sample)} per sample = {top}{cap}"
+    cap = "" if mbs == top else ", capped at the per-rank batch" if mbs == per_rank else f" -> {mbs}, largest divisor"
+    return mbs, f"micro-batch auto -> {mbs} of {per_rank}: {budget} / {per_sample} = {top}{cap}"
+
+
+def _sized(shape: ModelShape, tier: str, kw: dict[str, Any], bkw: dict[str, Any], per_rank: int, fp32: bool,
+           ) -> tuple[memory.TierPlan, int, int, int]:  # fmt: skip
+    """(tier plan, fixed bytes, bytes per sample, fp32 extra per sample) from the memory model.
+
+    The model counts 16-bit activations (34 B per token and hidden unit); fp32 keeps twice that, so
+    for fp32 each sample costs its activations once more and the micro-batch is re-derived here.
+    """
+    tp = memory.plan_tier(shape, tier=tier, **kw, **bkw)
+    e0, e1 = (memory.estimate(shape, tier=tier, micro_batch=m, **kw) for m in (0, 1))
+    fixed, per_sample = e0.gpu_bytes, e1.gpu_bytes - e0.gpu_bytes
+    if not fp32:
+        return tp, fixed, per_sample, 0
+    extra = (e1.activations - e0.activations) * (100 + memory.OVERHEAD_PERCENT) // 100
+    top = max(0, (tp.budget - fixed) // (per_sample + extra))
+    mbs = max((d for d in memory.divisors(per_rank) if d <= top), default=0)
+    tp = dataclasses.replace(tp, fits=mbs > 0, max_micro_batch=top, micro_batch=mbs, grad_accum=mbs and per_rank // mbs)
+    return tp, fixed, per_sample + extra, extra
 
 
 def size_for_tier(
@@ -153,43 +165,30 @@ def size_for_tier(
     reasons: Iterable[str] = (),
 ) -> Plan:
     """The plan at a given tier (the OOM ladder re-plans here after stepping down a tier)."""
-    gb = spec.training.global_batch
-    if world_size < 1 or gb % world_size:
-        raise ConfigError(f"training.global_batch {gb} does not split over {world_size} ranks")
-    per_rank_batch, local, notes = gb // world_size, _local(device, world_size, local_ranks), list(reasons)
-    if isinstance(spec.training.micro_batch, int) and per_rank_batch % spec.training.micro_batch:
-        raise ConfigError(
-            f"training.micro_batch {spec.training.micro_batch} does not divide the per-rank batch "
-            f"{per_rank_batch} (global_batch {gb} / {world_size} ranks)"
-        )
-    shape = model_shape(spec)
+    gb, local, notes = spec.training.global_batch, _local(device, world_size, local_ranks), list(reasons)
     kw, bkw = _inputs(spec, device, world_size, local)
-    tp = memory.plan_tier(shape, tier=tier, **kw, **bkw)
-    fixed = memory.estimate(shape, tier=tier, micro_batch=0, **kw).gpu_bytes  # states + overhead
-    per_sample = memory.estimate(shape, tier=tier, micro_batch=1, **kw).gpu_bytes - fixed  # seq_len tokens
-    where = "free" if device.is_gpu else f"host / {local} ranks"
-    budget = (
-        f"({gib(tp.budget)} budget [{bkw['utilization']:.2f} x {gib(bkw['gpu_bytes'])} {where}] - "
-        f"{gib(fixed)} states+overhead) at seq {kw['seq_len']}"
-    )
-    mbs, why = _micro_batch(spec.training.micro_batch, per_rank_batch, tp, per_sample, budget)
+    per_rank_batch, shape = gb // world_size, model_shape(spec)
+    precision, why_precision = resolve_precision(spec.training.precision, device)
+    tp, fixed, per_sample, extra = _sized(shape, tier, kw, bkw, per_rank_batch, precision == "fp32")
+    free, where = gib(bkw["gpu_bytes"]), "free" if device.is_gpu else f"host / {local} ranks"
+    budget = f"({gib(tp.budget)} budget [{bkw['utilization']:.2f} x {free} {where}] - {gib(fixed)} states+overhead)"
+    sample = f"{gib(per_sample)} per sample at seq {kw['seq_len']}" + (" (fp32: activations x2)" if extra else "")
+    mbs, why = _micro_batch(spec.training.micro_batch, per_rank_batch, tp, sample, budget)
     _note(notes, why)
     offload = f"tier {tier} offloads {gib(tp.estimate.host)} per rank x {local} to {gib(host.available_bytes)} of host"
     if tp.estimate.host and not offload_fits(tp.estimate.host, local, host):
         _note(notes, offload + ": expect a host OOM")
-    precision, why = resolve_precision(spec.training.precision, device)
-    _note(notes, why)
-    need = HOST_PROCESS_BYTES + tp.estimate.host if device.is_gpu else fixed + per_sample * mbs
-    nw = spec.data.num_workers
-    loader = loader_settings(
-        host, on_gpu=device.is_gpu, local_ranks=local, need_per_rank=need, requested=None if nw == "auto" else nw
-    )
+    _note(notes, why_precision)
+    estimated = memory.estimate(shape, tier=tier, micro_batch=mbs, **kw).gpu_bytes + extra * mbs
+    need = HOST_PROCESS_BYTES + tp.estimate.host if device.is_gpu else estimated
+    nw = None if spec.data.num_workers == "auto" else spec.data.num_workers
+    loader = loader_settings(host, on_gpu=device.is_gpu, local_ranks=local, need_per_rank=need, requested=nw)
     for text in loader.reasons:
         _note(notes, text)
     return Plan(
         tier=tier, micro_batch=mbs, grad_accum=per_rank_batch // mbs, global_batch=gb, world_size=world_size,
         checkpointing=tp.estimate.checkpointing, precision=precision, num_workers=loader.num_workers,
-        pin_memory=loader.pin_memory, seq_len=spec.data.max_seq_len, estimated_bytes=fixed + per_sample * mbs,
+        pin_memory=loader.pin_memory, seq_len=spec.data.max_seq_len, estimated_bytes=estimated,
         budget_bytes=tp.budget, fixed_bytes=fixed, per_sample_bytes=per_sample,
         model_max_micro_batch=tp.max_micro_batch, micro_batch_fixed=isinstance(spec.training.micro_batch, int),
         reasons=tuple(notes),
@@ -239,15 +238,12 @@ def verify_micro_batch(
     max_probes: int | None = None,
     reduce_min: Callable[[int], int] | None = None,
 ) -> Plan:
-    """Check the model's micro-batch with real steps; return the largest divisor of the per-rank batch that ran.
+    """The largest divisor of the per-rank batch that real steps run, from the model's guess; NoFit if not even 1.
 
-    `try_step(mbs)` runs forward, backward and optimizer.step() at `plan.seq_len` and returns False on
-    OOM (see `runner.probe.oom_guard`). Candidates: divisors of the per-rank batch up to
-    min(per-rank batch, 2 x the model's max), or up to the spec's micro-batch when it was fixed.
-    The guess, then its neighbour, then bisection: the model is usually within one divisor, and
-    the worst case is 2 + ceil(log2(#candidates)) <= log2(per-rank batch) + 3 probes.
-    `reduce_min`: an all-reduce MIN, so that every rank sees the same outcomes and ends on the same
-    micro-batch. Raises NoFit when micro-batch 1 fails.
+    `try_step(mbs)`: forward, backward and optimizer.step() at `plan.seq_len`, False on OOM (`probe.oom_guard`).
+    Candidates: divisors up to 2 x the model's max (up to the spec's micro-batch when fixed). The guess, its
+    neighbour, then bisection: at most 2 + ceil(log2(#candidates)) <= log2(per-rank batch) + 3 probes.
+    `reduce_min` (all-reduce MIN) agrees each outcome, so every rank ends on the same micro-batch.
     """
     upper = plan.micro_batch if plan.micro_batch_fixed else 2 * max(plan.model_max_micro_batch, plan.micro_batch)
     cands = [d for d in memory.divisors(plan.per_rank) if d <= upper]

@@ -74,7 +74,7 @@ class HFTokenizer:
         eos = getattr(tokenizer, "eos_token_id", None)
         pad = getattr(tokenizer, "pad_token_id", None)
         if eos is None:
-            raise ConfigError(f"model.path {path!r}: the tokenizer has no eos_token; the runner needs one to end replies")
+            raise ConfigError(f"model.path {path!r}: the tokenizer has no eos_token (needed to end replies)")
         self.eos_id = int(eos)
         self.pad_id = int(pad if pad is not None else eos)  # padded positions are never targets
         self.has_template = bool(getattr(tokenizer, "chat_template", None))
@@ -99,7 +99,7 @@ class HFTokenizer:
                 continue
             prompt, full = self._chat(messages[:i], True), self._chat(messages[: i + 1], False)
             if not (prompt.startswith(done) and full.startswith(prompt)):
-                raise ConfigError(f"tokenizer {self.name}: its chat template is not incremental; use prompt/response data")
+                raise ConfigError(f"tokenizer {self.name}: chat template is not incremental; use prompt/response data")
             segments += [(self.encode(prompt[len(done) :]), False), (self.encode(full[len(prompt) :]), True)]
             done = full
         segments.append((self.encode(self._chat(messages, False)[len(done) :]), False))

@@ -8,12 +8,15 @@ are never deleted.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from jobspec.cluster.client import ClusterClient
 from jobspec.cluster.errors import NotFound, NotManaged, Op
 from jobspec.cluster.resources import JOB, OWNED_KINDS
 from jobspec.cluster.submit import is_managed, wait_gone
 from jobspec.contract import LABEL_JOB, LABEL_MANAGED_BY, MANAGED_BY
+
+if TYPE_CHECKING:  # the client module pulls in urllib3 and tenacity: only for commands that connect
+    from jobspec.cluster.client import ClusterClient
 
 CANCEL_WAIT = 180.0
 

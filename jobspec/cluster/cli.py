@@ -208,7 +208,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
         chosen = chosen or conn.namespace
     namespace = validate_namespace(chosen or spec.namespace or "default")
     if spec.namespace != namespace:
-        spec = load_spec(args.spec, [*args.overrides, f"namespace={namespace}"])
+        spec = load_spec(args.spec, [*args.overrides, f'namespace="{namespace}"'])  # quoted: "no" is no bool
     objects = in_namespace(render(spec), namespace)
     if mode == "client":
         sys.stdout.write(to_yaml(objects))

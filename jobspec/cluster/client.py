@@ -1,6 +1,8 @@
-"""A thin client over the kubernetes library's HTTP layer, working in plain dicts.
+"""A thin Kubernetes API client working in plain dicts.
 
-This is the boundary: the only module that sees the library's and urllib3's exceptions.
+This is the boundary: the only module that sees urllib3's exceptions. From the kubernetes
+library it takes the configuration (kubeconfig, in-cluster) and the connection pool built
+from it; requests and JSON are handled here, in dicts.
 Each request runs under the retry policy, with a bounded timeout, and every failure leaves
 here as a `ClusterError` subclass (errors.py) naming the operation.
 """
@@ -11,6 +13,7 @@ import json
 import logging
 from collections.abc import Iterator, Sequence
 from typing import Any
+from urllib.parse import urlencode
 
 from jobspec.cluster import retry
 from jobspec.cluster.errors import ApiTimeout, NotFound, Op, Unreachable, error_for_status
@@ -40,7 +43,10 @@ class ClusterClient:
         policy: RetryPolicy | None = None,
         follow_idle: float = FOLLOW_IDLE,
     ) -> None:
-        from kubernetes.client import ApiClient
+        # Only the library's configured connection pool is used (TLS, client certificates,
+        # proxy from the kubeconfig): its request and model layers changed shape across
+        # releases, this did not.
+        from kubernetes.client.rest import RESTClientObject
 
         from jobspec import __version__
 
@@ -48,11 +54,12 @@ class ClusterClient:
         self.timeout = timeout
         self.follow_idle = follow_idle
         self.policy = policy or RetryPolicy()
-        self._api = ApiClient(connection.configuration)
-        self._api.user_agent = f"jobspec/{__version__}"
+        self._pool = RESTClientObject(connection.configuration).pool_manager
+        self._host = connection.configuration.host.rstrip("/")
+        self._agent = f"jobspec/{__version__}"
 
     def close(self) -> None:
-        self._api.close()
+        self._pool.clear()
 
     def __enter__(self) -> ClusterClient:
         return self
@@ -61,6 +68,11 @@ class ClusterClient:
         self.close()
 
     # -- the boundary -------------------------------------------------------------------------
+
+    def _auth_headers(self) -> dict[str, str]:
+        # auth_settings() refreshes expiring tokens (exec plugins, OIDC) before handing them out.
+        settings = self.connection.configuration.auth_settings().values()
+        return {s["key"]: s["value"] for s in settings if s.get("in") == "header" and s.get("value")}
 
     def _send(
         self,
@@ -77,28 +89,36 @@ class ClusterClient:
     ) -> Any:
         """One request under the retry policy. Returns the body (bytes), or the open urllib3
         response when `stream` is set. Raises only ClusterError subclasses."""
-        from kubernetes.client.exceptions import ApiException
+        import urllib3
 
-        timeout = (min(10.0, self.timeout), read_timeout or self.timeout)
-        headers = {"Accept": accept}
-        if content_type:
-            headers["Content-Type"] = content_type
+        timeout = urllib3.Timeout(connect=min(10.0, self.timeout), read=read_timeout or self.timeout)
+        url = self._host + path + (f"?{urlencode(list(query))}" if query else "")
+        data = json.dumps(body).encode() if body is not None else None
 
         def attempt() -> Any:
-            request = self._api.param_serialize(
-                method=method,
-                resource_path=path,
-                query_params=list(query),
-                header_params=dict(headers),
-                body=body,
-                auth_settings=["BearerToken"],
+            headers = {"Accept": accept, "User-Agent": self._agent, **self._auth_headers()}
+            if content_type:
+                headers["Content-Type"] = content_type
+            resp = self._pool.request(
+                method,
+                url,
+                body=data,
+                headers=headers,
+                timeout=timeout,
+                retries=False,
+                redirect=False,
+                preload_content=False,
             )
-            resp = self._api.call_api(*request, _request_timeout=timeout)
             if not 200 <= resp.status <= 299:
-                data = resp.read()
-                raise HttpStatus(resp.status, resp.reason or "", data, dict(resp.headers))
+                raw = resp.read()
+                resp.release_conn()
+                raise HttpStatus(resp.status, resp.reason or "", raw, dict(resp.headers))
             log.debug("%s %s -> %s", method, path, resp.status)
-            return resp.response if stream else resp.read()
+            if stream:
+                return resp
+            raw = resp.read()
+            resp.release_conn()
+            return raw
 
         try:
             return retry.call(attempt, self.policy, op)
@@ -106,11 +126,9 @@ class ClusterClient:
             raise self._translate(ex.last, op, ex.attempts) from ex.last
         except (HttpStatus, *retry.TRANSIENT_ERRORS) as ex:
             raise self._translate(ex, op, 1) from ex
-        except ApiException as ex:  # the library's wrapper of TLS errors (status 0)
-            raise Unreachable(
-                f"cannot {op.describe()}: TLS failure talking to {self.connection.server}: "
-                f"{(ex.reason or '').splitlines()[0]}"
-            ) from ex
+        except urllib3.exceptions.HTTPError as ex:  # TLS failures and the like: retrying cannot help
+            reason = str(getattr(ex, "reason", None) or ex).splitlines()[0]
+            raise Unreachable(f"cannot {op.describe()}: failure talking to {self.connection.server}: {reason}") from ex
 
     def _translate(self, exc: BaseException, op: Op, attempts: int) -> ClusterError:
         if isinstance(exc, HttpStatus):
@@ -118,7 +136,8 @@ class ClusterClient:
         tried = f" (gave up after {attempts} attempts)" if attempts > 1 else ""
         import urllib3
 
-        if isinstance(exc, (urllib3.exceptions.TimeoutError, TimeoutError)):
+        timed_out = isinstance(exc, (urllib3.exceptions.TimeoutError, TimeoutError))
+        if timed_out and not isinstance(exc, urllib3.exceptions.NewConnectionError):  # a subclass, oddly
             return ApiTimeout(
                 f"no answer from the Kubernetes API at {self.connection.server} within "
                 f"{self.timeout:g} s to {op.describe()}{tried}; raise --request-timeout if the server is slow"
@@ -150,13 +169,15 @@ class ClusterClient:
         except NotFound:
             return None
 
-    def list(self, kind: Kind, namespace: str | None, selector: str | None = None) -> list[dict[str, Any]]:
+    def list(
+        self, kind: Kind, namespace: str | None, selector: str | None = None, *, page_size: int = 500
+    ) -> list[dict[str, Any]]:
         """Every object of `kind` matching the label selector (namespace None: all namespaces)."""
         op = Op("list", kind.plural, kind.group, namespace)
         items: list[dict[str, Any]] = []
         token = ""
         while True:
-            query = [("limit", "500")]
+            query = [("limit", str(page_size))]
             if selector:
                 query.append(("labelSelector", selector))
             if token:

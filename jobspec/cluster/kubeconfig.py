@@ -114,7 +114,7 @@ def _load_kubeconfig(paths: str, context: str | None) -> Connection:
         raise ConfigError(f"kubeconfig {paths}: cannot read it ({err.strerror})") from None
     ctx = loader.current_context or {}
     namespace = (ctx.get("context") or {}).get("namespace")
-    return Connection(_harden(cfg), f"kubeconfig {paths}", ctx.get("name"), namespace or None)
+    return Connection(cfg, f"kubeconfig {paths}", ctx.get("name"), namespace or None)
 
 
 def _load_in_cluster() -> Connection:
@@ -131,14 +131,7 @@ def _load_in_cluster() -> Connection:
         namespace = Path(IN_CLUSTER_NAMESPACE_FILE).read_text().strip() or None
     except OSError:
         namespace = None
-    return Connection(_harden(cfg), "in-cluster service account", None, namespace)
-
-
-def _harden(cfg: Any) -> Any:
-    # Retries are ours (retry.py): urllib3's own would multiply them and hide the cause.
-    cfg.retries = False
-    cfg.client_go_retries = False
-    return cfg
+    return Connection(cfg, "in-cluster service account", None, namespace)
 
 
 def _first_line(err: BaseException) -> str:

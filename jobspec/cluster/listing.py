@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from jobspec.cluster.client import ClusterClient
 from jobspec.cluster.resources import JOB
 from jobspec.cluster.status import build_status
 from jobspec.contract import LABEL_MANAGED_BY, MANAGED_BY
+
+if TYPE_CHECKING:  # the client module pulls in urllib3 and tenacity: only for commands that connect
+    from jobspec.cluster.client import ClusterClient
 
 
 @dataclass(frozen=True)

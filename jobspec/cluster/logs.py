@@ -10,12 +10,14 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
-from jobspec.cluster.client import ClusterClient
 from jobspec.cluster.errors import NotReady
 from jobspec.cluster.resources import JOB, POD
 from jobspec.cluster.status import FINISHED, job_phase, main_container, pod_detail, pod_selector, pods_by_index
+
+if TYPE_CHECKING:  # the client module pulls in urllib3 and tenacity: only for commands that connect
+    from jobspec.cluster.client import ClusterClient
 
 log = logging.getLogger(__name__)
 
@@ -26,14 +28,14 @@ POLL = 2.0
 def _started(pod: dict[str, Any]) -> bool:
     _, cstatus = main_container(pod)
     state = cstatus.get("state") or {}
-    return bool(state.get("running") or state.get("terminated") or (cstatus.get("lastState") or {}).get("terminated"))
+    return "running" in state or "terminated" in state or "terminated" in (cstatus.get("lastState") or {})
 
 
 def _ended(pod: dict[str, Any] | None) -> bool:
     if pod is None or (pod.get("status") or {}).get("phase") in FINISHED:
         return True
     _, cstatus = main_container(pod)
-    return bool((cstatus.get("state") or {}).get("terminated"))
+    return "terminated" in (cstatus.get("state") or {})
 
 
 def index_pods(client: ClusterClient, namespace: str, name: str, index: int) -> tuple[dict[str, Any], list[dict]]:

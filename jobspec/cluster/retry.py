@@ -24,8 +24,8 @@ from jobspec.cluster.errors import Op
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-# Transport failures worth another try. urllib3's own retries are switched off (see
-# kubeconfig.py), so these arrive unwrapped.
+# Transport failures worth another try. Requests go out with urllib3's own retries off
+# (client.py), so these arrive unwrapped.
 TRANSIENT_ERRORS: tuple[type[BaseException], ...] = (
     urllib3.exceptions.ProtocolError,  # connection reset or closed mid-answer
     urllib3.exceptions.NewConnectionError,  # refused, DNS
@@ -100,6 +100,9 @@ def retry_after(exc: BaseException | None) -> float | None:
 def _why(exc: BaseException | None) -> str:
     if isinstance(exc, HttpStatus):
         return f"{exc.status} {exc.reason}"
+    for err in (exc, getattr(exc, "reason", None), *getattr(exc, "args", ())):
+        if isinstance(err, OSError) and err.strerror:
+            return err.strerror.lower()
     return type(exc).__name__ if exc is not None else "?"
 
 

@@ -10,11 +10,13 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from jobspec.cluster.client import ClusterClient
 from jobspec.cluster.resources import JOB, POD
 from jobspec.contract import ANNOTATION_SPEC_HASH, KUEUE_QUEUE_LABEL
+
+if TYPE_CHECKING:  # the client module pulls in urllib3 and tenacity: only for commands that connect
+    from jobspec.cluster.client import ClusterClient
 
 COMPLETION_INDEX = "batch.kubernetes.io/job-completion-index"  # annotation (and label, 1.28+) on pods
 PROGRESS_ANNOTATION = "jobspec.dev/progress"  # optional: a JSON report on the pod, same keys

@@ -11,14 +11,16 @@ Decision table, keyed on the Job that already has this name:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from jobspec.cluster.client import ClusterClient
 from jobspec.cluster.errors import Conflict, NotManaged, SpecChanged
 from jobspec.cluster.resources import JOB, kind_of, ref
 from jobspec.cluster.status import FINISHED, job_phase
 from jobspec.contract import ANNOTATION_SPEC_HASH, LABEL_MANAGED_BY, MANAGED_BY
 from jobspec.errors import ClusterError, ConfigError
+
+if TYPE_CHECKING:  # the client module pulls in urllib3 and tenacity: only for commands that connect
+    from jobspec.cluster.client import ClusterClient
 
 REPLACE_WAIT = 180.0  # seconds to wait for a replaced Job's pods to be gone
 

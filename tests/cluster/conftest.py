@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from jobspec.cluster.client import ClusterClient
 from jobspec.cluster.cli import add_cluster_commands
+from jobspec.cluster.client import ClusterClient
 from jobspec.cluster.kubeconfig import load_connection
 from jobspec.cluster.retry import RetryPolicy
 from jobspec.errors import JobspecError

@@ -9,57 +9,28 @@ a connection reset, or a delay (to trip the client's read timeout).
 from __future__ import annotations
 
 import copy
-import json
 import re
-import socket
-import struct
 import threading
-import time
 import uuid
-from collections.abc import Callable
-from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
-from urllib.parse import parse_qs, unquote, urlsplit
 
 import yaml
+
+from .fake_http import Fault, Handler, Request, Server, status_body
+
+__all__ = ["TOKEN", "FakeApi", "Request"]
 
 TOKEN = "tok-S3CRET-do-not-print-0123456789"
 CONTROLLER_UID = "batch.kubernetes.io/controller-uid"
 INDEX = "batch.kubernetes.io/job-completion-index"
 
-_CORE = re.compile(r"^/api/v1/namespaces/(?P<ns>[^/]+)/(?P<plural>configmaps|services|pods)(?:/(?P<name>[^/]+))?"
-                   r"(?P<log>/log)?$")
+_CORE = re.compile(
+    r"^/api/v1/namespaces/(?P<ns>[^/]+)/(?P<plural>configmaps|services|pods)(?:/(?P<name>[^/]+))?"
+    r"(?P<log>/log)?$"
+)
 _BATCH = re.compile(r"^/apis/batch/v1/namespaces/(?P<ns>[^/]+)/(?P<plural>jobs)(?:/(?P<name>[^/]+))?$")
 _ALL_JOBS = re.compile(r"^/apis/batch/v1/(?P<plural>jobs)$")
-
-
-@dataclass
-class Request:
-    method: str
-    path: str
-    query: dict[str, str]
-    headers: dict[str, str]  # lower-case names
-    body: Any
-    created: bool = False  # a server-side apply that created the object (RBAC: create)
-
-
-@dataclass
-class Fault:
-    method: str
-    path: re.Pattern[str]
-    times: int = 1
-    status: int = 500
-    headers: dict[str, str] = field(default_factory=dict)
-    message: str = "injected failure"
-    reset: bool = False
-    delay: float = 0.0
-
-
-def status_body(code: int, message: str, reason: str = "") -> dict[str, Any]:
-    return {"kind": "Status", "apiVersion": "v1", "status": "Failure", "message": message, "reason": reason,
-            "code": code}
 
 
 class FakeApi:
@@ -73,7 +44,7 @@ class FakeApi:
         # or a callable run at that point (e.g. to mark the pod finished).
         self.streams: dict[tuple[str, str], list[list[Any]]] = {}
         self.lock = threading.RLock()
-        self._server: ThreadingHTTPServer | None = None
+        self._server: Server | None = None
         self._counter = 0
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -81,11 +52,11 @@ class FakeApi:
     def start(self) -> FakeApi:
         api = self
 
-        class Handler(_Handler):
+        class Bound(Handler):
             fake = api
 
-        self._server = _Server(("127.0.0.1", 0), Handler)
-        threading.Thread(target=self._server.serve_forever, daemon=True).start()
+        self._server = Server(("127.0.0.1", 0), Bound)
+        threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.02}, daemon=True).start()
         return self
 
     def stop(self) -> None:
@@ -104,11 +75,15 @@ class FakeApi:
         if namespace:
             ctx["namespace"] = namespace
         cfg = {
-            "apiVersion": "v1", "kind": "Config", "current-context": "fake",
+            "apiVersion": "v1",
+            "kind": "Config",
+            "current-context": "fake",
             "clusters": [{"name": "fake", "cluster": {"server": self.url}}],
             "users": [{"name": "fake-user", "user": {"token": token}}],
-            "contexts": [{"name": "fake", "context": ctx},
-                         {"name": "other", "context": {"cluster": "fake", "user": "fake-user", "namespace": "other-ns"}}],
+            "contexts": [
+                {"name": "fake", "context": ctx},
+                {"name": "other", "context": {"cluster": "fake", "user": "fake-user", "namespace": "other-ns"}},
+            ],
         }
         path = directory / "kubeconfig.yaml"
         path.write_text(yaml.safe_dump(cfg))
@@ -136,25 +111,44 @@ class FakeApi:
             return self.objects.get((plural, namespace, name))
 
     def add_pod(
-        self, namespace: str, job: str, index: int = 0, *, phase: str = "Running", name: str | None = None,
-        created: str = "2025-01-01T00:01:00Z", restarts: int = 0, state: dict[str, Any] | None = None,
-        last_state: dict[str, Any] | None = None, node: str = "node-1",
+        self,
+        namespace: str,
+        job: str,
+        index: int = 0,
+        *,
+        phase: str = "Running",
+        name: str | None = None,
+        created: str = "2025-01-01T00:01:00Z",
+        restarts: int = 0,
+        state: dict[str, Any] | None = None,
+        last_state: dict[str, Any] | None = None,
+        node: str = "node-1",
     ) -> dict[str, Any]:
         owner = self.get("jobs", namespace, job)
         uid = owner["metadata"]["uid"] if owner else "no-job"
         if state is None:
-            state = {"running": {"startedAt": created}} if phase == "Running" else {"waiting": {"reason": "ContainerCreating"}}
+            state = (
+                {"running": {"startedAt": created}}
+                if phase == "Running"
+                else {"waiting": {"reason": "ContainerCreating"}}
+            )
         pod = {
-            "apiVersion": "v1", "kind": "Pod",
+            "apiVersion": "v1",
+            "kind": "Pod",
             "metadata": {
-                "name": name or f"{job}-{index}-{uuid.uuid4().hex[:5]}", "namespace": namespace,
+                "name": name or f"{job}-{index}-{uuid.uuid4().hex[:5]}",
+                "namespace": namespace,
                 "creationTimestamp": created,
                 "labels": {CONTROLLER_UID: uid, "job-name": job, INDEX: str(index)},
                 "annotations": {INDEX: str(index)},
             },
             "spec": {"containers": [{"name": "runner", "image": "x"}], "nodeName": node},
-            "status": {"phase": phase, "containerStatuses": [
-                {"name": "runner", "restartCount": restarts, "state": state, "lastState": last_state or {}}]},
+            "status": {
+                "phase": phase,
+                "containerStatuses": [
+                    {"name": "runner", "restartCount": restarts, "state": state, "lastState": last_state or {}}
+                ],
+            },
         }
         return self.put(pod)
 
@@ -169,7 +163,7 @@ class FakeApi:
 
     # -- request handling (called from server threads) ---------------------------------------
 
-    def _fault_for(self, method: str, path: str) -> Fault | None:
+    def take_fault(self, method: str, path: str) -> Fault | None:
         with self.lock:
             for fault in self.faults:
                 if fault.times > 0 and fault.method == method and fault.path.search(path):
@@ -183,7 +177,11 @@ class FakeApi:
             return 401, {}, status_body(401, "Unauthorized", "Unauthorized")
         m = _CORE.match(req.path) or _BATCH.match(req.path) or _ALL_JOBS.match(req.path)
         if not m:
-            return 404, {}, status_body(404, f"the server could not find the requested resource ({req.path})", "NotFound")
+            return (
+                404,
+                {},
+                status_body(404, f"the server could not find the requested resource ({req.path})", "NotFound"),
+            )
         parts = m.groupdict()
         plural, ns, name = parts["plural"], parts.get("ns"), parts.get("name")
         with self.lock:
@@ -207,19 +205,25 @@ class FakeApi:
     def _list(self, plural: str, ns: str | None, query: dict[str, str]) -> dict[str, Any]:
         wanted = dict(kv.split("=", 1) for kv in query.get("labelSelector", "").split(",") if kv)
         items = [
-            o for (p, n, _), o in sorted(self.objects.items())
-            if p == plural and (ns is None or n == ns)
+            o
+            for (p, n, _), o in sorted(self.objects.items())
+            if p == plural
+            and (ns is None or n == ns)
             and all((o["metadata"].get("labels") or {}).get(k) == v for k, v in wanted.items())
         ]
         start = int(query.get("continue") or 0)
         limit = int(query.get("limit") or len(items) or 1)
-        page = items[start:start + limit]
+        page = items[start : start + limit]
         token = str(start + limit) if start + limit < len(items) else ""
         return {"kind": "List", "apiVersion": "v1", "metadata": {"continue": token} if token else {}, "items": page}
 
     def _apply(self, plural: str, ns: str, name: str, req: Request) -> tuple[int, dict[str, str], Any]:
         if req.headers.get("content-type") != "application/apply-patch+yaml" or not req.query.get("fieldManager"):
-            return 415, {}, status_body(415, "expected a server-side apply patch with a fieldManager", "UnsupportedMediaType")
+            return (
+                415,
+                {},
+                status_body(415, "expected a server-side apply patch with a fieldManager", "UnsupportedMediaType"),
+            )
         body = req.body
         if body["metadata"]["name"] != name or body["metadata"]["namespace"] != ns:
             return 400, {}, status_body(400, "name or namespace in the body does not match the URL", "BadRequest")
@@ -228,8 +232,9 @@ class FakeApi:
         if old is None:
             req.created = True
             self._counter += 1
-            new["metadata"].update(uid=str(uuid.uuid4()), creationTimestamp="2025-01-01T00:00:00Z",
-                                   resourceVersion=str(self._counter))
+            new["metadata"].update(
+                uid=str(uuid.uuid4()), creationTimestamp="2025-01-01T00:00:00Z", resourceVersion=str(self._counter)
+            )
             if plural == "jobs":
                 sel = {CONTROLLER_UID: new["metadata"]["uid"]}
                 new["spec"]["selector"] = {"matchLabels": sel}
@@ -253,8 +258,11 @@ class FakeApi:
             del self.objects[(plural, ns, name)]
             if plural == "jobs":  # the garbage collector, instantly
                 uid = obj["metadata"]["uid"]
-                for key in [k for k, o in self.objects.items()
-                            if k[0] == "pods" and o["metadata"]["labels"].get(CONTROLLER_UID) == uid]:
+                for key in [
+                    k
+                    for k, o in self.objects.items()
+                    if k[0] == "pods" and o["metadata"]["labels"].get(CONTROLLER_UID) == uid
+                ]:
                     del self.objects[key]
         return 200, {}, {"kind": "Status", "apiVersion": "v1", "status": "Success", "details": {"name": name}}
 
@@ -266,77 +274,9 @@ class FakeApi:
             return 200, {"Content-Type": "text/plain"}, scripts.pop(0) if len(scripts) > 1 else scripts[0]
         source = self.previous_logs if req.query.get("previous") == "true" else self.logs
         if (ns, pod) not in source:
-            return 400, {}, status_body(400, f'previous terminated container "runner" in pod "{pod}" not found',
-                                        "BadRequest")
+            return (
+                400,
+                {},
+                status_body(400, f'previous terminated container "runner" in pod "{pod}" not found', "BadRequest"),
+            )
         return 200, {"Content-Type": "text/plain"}, source[(ns, pod)]
-
-
-class _Server(ThreadingHTTPServer):
-    daemon_threads = True
-
-    def handle_error(self, request: Any, client_address: Any) -> None:
-        pass  # resets and clients that hang up are part of the script
-
-
-class _Handler(BaseHTTPRequestHandler):
-    fake: FakeApi
-    protocol_version = "HTTP/1.1"
-
-    def log_message(self, format: str, *args: Any) -> None:
-        pass
-
-    def _serve(self) -> None:
-        split = urlsplit(self.path)
-        path = unquote(split.path)
-        query = {k: v[-1] for k, v in parse_qs(split.query).items()}
-        length = int(self.headers.get("Content-Length") or 0)
-        raw = self.rfile.read(length) if length else b""
-        body = json.loads(raw) if raw else None
-        req = Request(self.command, path, query, {k.lower(): v for k, v in self.headers.items()}, body)
-        with self.fake.lock:
-            self.fake.requests.append(req)
-        fault = self.fake._fault_for(self.command, path)
-        if fault and fault.delay:
-            time.sleep(fault.delay)
-        if fault and fault.reset:
-            self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-            self.close_connection = True
-            self.connection.close()
-            return
-        if fault and not fault.delay:
-            return self._send(fault.status, fault.headers, status_body(fault.status, fault.message))
-        status, headers, payload = self.fake.handle(req)
-        if isinstance(payload, list):
-            return self._stream(payload)
-        self._send(status, headers, payload)
-
-    do_GET = do_PATCH = do_DELETE = do_POST = do_PUT = _serve
-
-    def _send(self, status: int, headers: dict[str, str], payload: Any) -> None:
-        data = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
-        self.send_response(status)
-        self.send_header("Content-Type", headers.pop("Content-Type", "application/json"))
-        for key, value in headers.items():
-            self.send_header(key, value)
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
-    def _stream(self, script: list[Any]) -> None:
-        """A follow: no Content-Length, the body ends when the connection closes."""
-        self.send_response(200)
-        self.send_header("Content-Type", "text/plain")
-        self.send_header("Connection", "close")
-        self.end_headers()
-        self.close_connection = True
-        for step in script:
-            if isinstance(step, bytes):
-                self.wfile.write(step)
-                self.wfile.flush()
-            elif isinstance(step, (int, float)):
-                time.sleep(step)
-            elif callable(step):
-                step()
-
-
-Step = bytes | float | Callable[[], None]

@@ -15,25 +15,44 @@ def make_objects(
         labels[KUEUE_QUEUE_LABEL] = queue
 
     def meta(obj_name: str) -> dict[str, Any]:
-        md: dict[str, Any] = {"name": obj_name, "labels": dict(labels), "annotations": {ANNOTATION_SPEC_HASH: spec_hash}}
+        md: dict[str, Any] = {
+            "name": obj_name,
+            "labels": dict(labels),
+            "annotations": {ANNOTATION_SPEC_HASH: spec_hash},
+        }
         if namespace is not None:
             md["namespace"] = namespace
         return md
 
     return [
-        {"apiVersion": "v1", "kind": "ConfigMap", "metadata": meta(f"{name}-spec"), "data": {"spec.yaml": f"name: {name}\n"}},
         {
-            "apiVersion": "v1", "kind": "Service", "metadata": meta(name),
+            "apiVersion": "v1",
+            "kind": "ConfigMap",
+            "metadata": meta(f"{name}-spec"),
+            "data": {"spec.yaml": f"name: {name}\n"},
+        },
+        {
+            "apiVersion": "v1",
+            "kind": "Service",
+            "metadata": meta(name),
             "spec": {"clusterIP": "None", "selector": {LABEL_JOB: name}, "ports": [{"name": "rdzv", "port": 29500}]},
         },
         {
-            "apiVersion": "batch/v1", "kind": "Job", "metadata": meta(name),
+            "apiVersion": "batch/v1",
+            "kind": "Job",
+            "metadata": meta(name),
             "spec": {
-                "completionMode": "Indexed", "completions": 2, "parallelism": 2, "backoffLimit": 2,
+                "completionMode": "Indexed",
+                "completions": 2,
+                "parallelism": 2,
+                "backoffLimit": 2,
                 "template": {
                     "metadata": {"labels": dict(labels)},
-                    "spec": {"restartPolicy": "Never", "subdomain": name,
-                             "containers": [{"name": "runner", "image": "runner:cpu", "args": ["/etc/jobspec/spec.yaml"]}]},
+                    "spec": {
+                        "restartPolicy": "Never",
+                        "subdomain": name,
+                        "containers": [{"name": "runner", "image": "runner:cpu", "args": ["/etc/jobspec/spec.yaml"]}],
+                    },
                 },
             },
         },

@@ -26,7 +26,6 @@ import hashlib
 import json
 import logging
 import os
-import platform
 import re
 import shlex
 import shutil
@@ -55,8 +54,9 @@ DEBIAN_PACKAGES = "python3,python3-venv"
 
 # podman as this machine allows it (DESIGN.md): cgroupfs, runc for `run`, chroot isolation for builds
 # (runc builds fail on rlimits), host ulimits, and containers.conf with default_ulimits = [].
+PODMAN = ("podman", "--runtime", "runc", "--cgroup-manager=cgroupfs")
 BUILD = ("podman", "--cgroup-manager=cgroupfs", "build", "--isolation=chroot", "--network", "host")
-RUN = ("podman", "--runtime", "runc", "--cgroup-manager=cgroupfs", "run", "--rm", "--ulimit", "host")
+RUN = (*PODMAN, "run", "--rm", "--ulimit", "host")
 
 
 def cache_dir() -> Path:
@@ -92,7 +92,10 @@ def unusable_reason() -> str | None:
     try:
         probe = subprocess.run(
             ["podman", "info", "--format", "{{.Host.OCIRuntime.Name}}"],
-            env=podman_env(), capture_output=True, text=True, timeout=120,
+            env=podman_env(),
+            capture_output=True,
+            text=True,
+            timeout=120,
         )
     except (OSError, subprocess.TimeoutExpired) as e:
         return f"`podman info` failed: {e}"
@@ -148,9 +151,16 @@ def ensure_base() -> str:
         rootfs = Path(tempfile.mkdtemp(prefix="rootfs-", dir=cache))
         try:
             _run_logged(
-                [_which("debootstrap") or "debootstrap", "--variant=minbase", f"--include={DEBIAN_PACKAGES}",
-                 DEBIAN_SUITE, str(rootfs), mirror],
-                cache / "logs" / "debootstrap.log", timeout=1200,
+                [
+                    _which("debootstrap") or "debootstrap",
+                    "--variant=minbase",
+                    f"--include={DEBIAN_PACKAGES}",
+                    DEBIAN_SUITE,
+                    str(rootfs),
+                    mirror,
+                ],
+                cache / "logs" / "debootstrap.log",
+                timeout=1200,
             )
             partial = tarball.with_suffix(".partial")
             _run_logged(["tar", "-C", str(rootfs), "-cf", str(partial), "."], cache / "logs" / "tar.log", 600)
@@ -158,8 +168,9 @@ def ensure_base() -> str:
         finally:
             shutil.rmtree(rootfs, ignore_errors=True)
     with tarball.open("rb") as tar:
-        _run_logged(["podman", "import", "-", BASE_IMAGE], cache / "logs" / "import.log", 600,
-                    stdin=tar, env=podman_env())
+        _run_logged(
+            ["podman", "import", "-", BASE_IMAGE], cache / "logs" / "import.log", 600, stdin=tar, env=podman_env()
+        )
     return BASE_IMAGE
 
 
@@ -183,9 +194,20 @@ def _project_requirements() -> tuple[list[str], list[str]]:
 def _base_python() -> tuple[str, list[str]]:
     """Python version ("3.11") and manylinux platform tags of the base image, for `pip download`."""
     probe = subprocess.run(
-        [*RUN, "--network", "none", BASE_IMAGE, "python3", "-c",
-         "import platform, sys; print('%d.%d' % sys.version_info[:2], platform.libc_ver()[1], platform.machine())"],
-        env=podman_env(), capture_output=True, text=True, timeout=120, check=True,
+        [
+            *RUN,
+            "--network",
+            "none",
+            BASE_IMAGE,
+            "python3",
+            "-c",
+            "import platform, sys; print('%d.%d' % sys.version_info[:2], platform.libc_ver()[1], platform.machine())",
+        ],
+        env=podman_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
     )
     version, glibc, machine = probe.stdout.split()
     # pip takes the platform tags literally: list every glibc the base's satisfies, and the legacy names.
@@ -207,7 +229,9 @@ def ensure_wheelhouse(torch_version: str) -> Wheelhouse:
     python, platforms = _base_python()
     torch_req = f"torch=={torch_version}"
     extra = shlex.split(os.environ.get("JOBSPEC_CONTAINER_PIP_ARGS", ""))
-    key = hashlib.sha256(json.dumps([runtime, build_requires, torch_req, python, platforms, extra]).encode()).hexdigest()
+    key = hashlib.sha256(
+        json.dumps([runtime, build_requires, torch_req, python, platforms, extra]).encode()
+    ).hexdigest()
     root = cache_dir() / "wheels"
     home = root / key[:16]
     house = Wheelhouse(deps=home / "deps", torch=home / "torch")
@@ -217,11 +241,27 @@ def ensure_wheelhouse(torch_version: str) -> Wheelhouse:
     house.deps.mkdir(parents=True)
     house.torch.mkdir()
     _run_logged(
-        [sys.executable, "-m", "pip", "download", "--disable-pip-version-check", "--dest", str(house.deps),
-         "--only-binary=:all:", "--python-version", python, "--implementation", "cp",
-         *(arg for tag in platforms for arg in ("--platform", tag)),
-         *extra, *runtime, *build_requires, torch_req],
-        cache_dir() / "logs" / "pip-download.log", timeout=1800,
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--disable-pip-version-check",
+            "--dest",
+            str(house.deps),
+            "--only-binary=:all:",
+            "--python-version",
+            python,
+            "--implementation",
+            "cp",
+            *(arg for tag in platforms for arg in ("--platform", tag)),
+            *extra,
+            *runtime,
+            *build_requires,
+            torch_req,
+        ],
+        cache_dir() / "logs" / "pip-download.log",
+        timeout=1800,
     )
     torch_wheels = list(house.deps.glob("torch-*.whl"))
     if not torch_wheels:
@@ -240,7 +280,9 @@ def build(name: str) -> str:
         torch_version = os.environ.get("JOBSPEC_CONTAINER_TORCH") or dockerfile_arg(cpu_file, "TORCH_VERSION")
         house = ensure_wheelhouse(torch_version)
         cpu_args = {
-            "BASE_IMAGE": base, "TORCH_VERSION": torch_version, "PIP_NO_INDEX": "1",
+            "BASE_IMAGE": base,
+            "TORCH_VERSION": torch_version,
+            "PIP_NO_INDEX": "1",
             "PIP_FIND_LINKS": "/wheels/deps /wheels/torch",
         }
         mounts = [f"{house.deps}:/wheels/deps:ro", f"{house.torch}:/wheels/torch:ro"]
@@ -250,8 +292,12 @@ def build(name: str) -> str:
         else:
             # The vendor bases' layout: torch preinstalled. Only the deps are mounted from here on.
             _build(cpu_file, TORCH_BASE_IMAGE, cpu_args, mounts, target="torch")
-            _build(dockerfile, tag, {"BASE_IMAGE": TORCH_BASE_IMAGE, "PIP_NO_INDEX": "1",
-                                     "PIP_FIND_LINKS": "/wheels/deps"}, mounts[:1])
+            _build(
+                dockerfile,
+                tag,
+                {"BASE_IMAGE": TORCH_BASE_IMAGE, "PIP_NO_INDEX": "1", "PIP_FIND_LINKS": "/wheels/deps"},
+                mounts[:1],
+            )
         return tag
 
 
@@ -268,15 +314,24 @@ def _build(dockerfile: Path, tag: str, args: dict[str, str], mounts: list[str], 
 
 
 def inspect(image: str) -> dict:
-    out = subprocess.run(["podman", "image", "inspect", image], env=podman_env(),
-                         capture_output=True, text=True, check=True, timeout=60).stdout
+    out = subprocess.run(
+        ["podman", "image", "inspect", image], env=podman_env(), capture_output=True, text=True, check=True, timeout=60
+    ).stdout
     return json.loads(out)[0]
 
 
-def run(image: str, args: Sequence[str], *, options: Sequence[str] = (), timeout: float = 900) -> subprocess.CompletedProcess[str]:
+def run(
+    image: str, args: Sequence[str], *, options: Sequence[str] = (), timeout: float = 900
+) -> subprocess.CompletedProcess[str]:
     """`podman run --rm [options] image args`, output captured."""
-    return subprocess.run([*RUN, *options, image, *args], env=podman_env(),
-                          capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [*RUN, *options, image, *args], env=podman_env(), capture_output=True, text=True, timeout=timeout
+    )
+
+
+def podman(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    """Any other podman command (stop, wait, logs, rm), output captured."""
+    return subprocess.run([*PODMAN, *args], env=podman_env(), capture_output=True, text=True, timeout=timeout)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

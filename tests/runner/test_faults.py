@@ -30,6 +30,7 @@ def test_unset_means_no_rules(text: str | None) -> None:
         ("tier=turbo", "unknown tier 'turbo'"),
         ("step=-1", "cannot read rule"),
         ("step=x", "needs a non-negative integer"),
+        ("step=0", "counts from 1"),
         ("mbs>2,mbs>4", "mbs>N is given twice"),
         ("mbs>2,rank=0,rank=1", "rank=R is given twice"),
         ("rank=0", "rank=R alone injects nothing"),

@@ -1,0 +1,174 @@
+"""One optimizer step, evaluation, the LR schedule and the stop flag: the mechanics under the loop.
+
+`Stepper.train_step(sample_ids, micro_batch, lr)` is the unit the OOM ladder (issue 5) redoes: it
+takes this rank's samples of one optimizer step, cuts them into micro-batches of `micro_batch`,
+accumulates gradients (no gradient sync but on the last micro-batch), clips, and steps. The loss of
+every micro-batch is its summed token cross-entropy divided by the target tokens of the WHOLE global
+step (all ranks, all-reduced first) and multiplied by the world size (DDP and FSDP average gradients
+over ranks), so the gradient is the global per-token mean whatever the micro-batch size.
+"""
+
+from __future__ import annotations
+
+import math
+import signal
+from collections.abc import Sequence
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from runner.data import IGNORE, Batch, SFTData, micro_batches
+from runner.dist import Control
+
+
+class Preempted(Exception):
+    """Every rank agreed to stop (SIGTERM/SIGINT) before finishing the current step or evaluation."""
+
+
+class StopFlag:
+    """Set by SIGTERM or SIGINT; read at every micro-step. A second SIGINT interrupts at once."""
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self._previous: dict[int, Any] = {}
+
+    def __bool__(self) -> bool:
+        return self.signum is not None
+
+    def _handle(self, signum: int, frame: object) -> None:
+        if self.signum is not None and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        self.signum = signum
+
+    def install(self) -> None:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            self._previous[sig] = signal.signal(sig, self._handle)
+
+    def restore(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous.clear()
+
+
+def get_lr(step: int, peak: float, warmup: int, total: int, min_ratio: float) -> float:
+    """LR for optimizer step `step` (0-based): linear warmup to `peak`, then cosine down to min_ratio * peak."""
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    return peak * (min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress)))
+
+
+@dataclass
+class StepResult:
+    """What one optimizer step did on this rank; `loss_sum` stays on the device (no sync) until logged."""
+
+    loss_sum: torch.Tensor  # summed token cross-entropy of this rank's micro-batches, fp32 scalar
+    targets: int  # target tokens of the global step (all ranks)
+    tokens: int  # input tokens of the global step (all ranks), padding excluded
+    grad_norm: torch.Tensor | None  # before clipping; None when clipping is off
+    sample_ids: list[int] = field(default_factory=list)  # this rank's samples, in the order processed
+
+
+class Stepper:
+    """Runs steps and evaluations on a prepared (accelerator, model, optimizer)."""
+
+    def __init__(self, accelerator: Any, model: torch.nn.Module, optimizer: Any, data: SFTData, ctrl: Control,
+                 stop: StopFlag, *, max_grad_norm: float | None, pin_memory: bool = False):
+        self.accelerator, self.model, self.optimizer = accelerator, model, optimizer
+        self.data, self.ctrl, self.stop = data, ctrl, stop
+        self.max_grad_norm = max_grad_norm
+        self.device = accelerator.device
+        self.pin = pin_memory and self.device.type == "cuda"
+        self.world_size = ctrl.world_size
+
+    def check_stop(self) -> None:
+        """Raise Preempted on every rank as soon as any rank has the flag (agreed by all-reduce MAX)."""
+        if self.ctrl.any(bool(self.stop)):
+            raise Preempted
+
+    def _to_device(self, t: torch.Tensor) -> torch.Tensor:
+        return t.pin_memory().to(self.device, non_blocking=True) if self.pin else t.to(self.device)
+
+    def loss_sum(self, batch: Batch) -> torch.Tensor:
+        """Summed token cross-entropy of a micro-batch, in fp32 (logits upcast: (B, T, V))."""
+        logits = self.model(input_ids=self._to_device(batch.input_ids)).logits
+        labels = self._to_device(batch.labels)
+        return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE, reduction="sum")
+
+    def train_step(self, sample_ids: Sequence[int], micro_batch: int, lr: float) -> StepResult:
+        """Accumulate over this rank's `sample_ids` in micro-batches of `micro_batch`, then one optimizer step.
+
+        Safe to call again with the same ids after an exception: gradients are cleared first.
+        """
+        self.optimizer.zero_grad(set_to_none=True)
+        batches = [self.data.collate(ids) for ids in micro_batches(sample_ids, micro_batch)]
+        targets, tokens = self.ctrl.all_reduce([sum(b.targets for b in batches), sum(b.tokens for b in batches)])
+        scale = self.world_size / max(targets, 1.0)  # global per-token mean, undoing the ranks' gradient average
+        loss_sum = torch.zeros((), device=self.device)
+        seen: list[int] = []
+        for i, batch in enumerate(batches):
+            self.check_stop()
+            last = i == len(batches) - 1
+            sync = last or self.world_size == 1
+            with nullcontext() if sync else self.accelerator.no_sync(self.model):
+                ce = self.loss_sum(batch)
+                self.accelerator.backward(ce * scale)
+            loss_sum += ce.detach()
+            seen += batch.sample_ids
+        norm = None
+        if self.max_grad_norm is not None:
+            norm = self.accelerator.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return StepResult(loss_sum, int(targets), int(tokens), norm, seen)
+
+    @torch.no_grad()
+    def evaluate(self, sample_ids: Sequence[int], micro_batch: int) -> tuple[float, int]:
+        """(mean token loss, target tokens) over this rank's eval ids, reduced over ranks."""
+        self.model.eval()
+        total = torch.zeros((), device=self.device)
+        targets = 0
+        try:
+            for ids in micro_batches(sample_ids, micro_batch):
+                self.check_stop()
+                batch = self.data.collate(ids, split="eval")
+                total += self.loss_sum(batch)
+                targets += batch.targets
+        finally:
+            self.model.train()
+        loss, n = self.ctrl.all_reduce([total.item(), targets])
+        return loss / max(n, 1.0), int(n)
+
+    def probe_step(self, micro_batch: int, seq_len: int) -> None:
+        """A full training step at (micro_batch, seq_len) on random tokens that changes nothing: lr 0, then
+        gradients dropped. For `runner.plan.verify_micro_batch`; call `reset_optimizer` afterwards."""
+        vocab = self.model_vocab()
+        g = torch.Generator().manual_seed(micro_batch)
+        x = torch.randint(0, vocab, (micro_batch, seq_len), generator=g)
+        batch = Batch(x, x.clone(), micro_batch * seq_len, micro_batch * seq_len, ())
+        lrs = [group["lr"] for group in self.optimizer.param_groups]
+        try:
+            for group in self.optimizer.param_groups:
+                group["lr"] = 0.0  # AdamW with lr 0 leaves the weights bit-identical (decay factor 1 - 0)
+            self.accelerator.backward(self.loss_sum(batch) / batch.targets)
+            if self.max_grad_norm is not None:
+                self.accelerator.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
+            self.optimizer.step()
+        finally:
+            self.optimizer.zero_grad(set_to_none=True)
+            for group, lr in zip(self.optimizer.param_groups, lrs, strict=True):
+                group["lr"] = lr
+
+    def reset_optimizer(self) -> None:
+        """Forget the moments the probe steps created (the first real step starts Adam afresh)."""
+        inner = getattr(self.optimizer, "optimizer", self.optimizer)
+        inner.state.clear()
+
+    def model_vocab(self) -> int:
+        unwrapped = self.accelerator.unwrap_model(self.model)
+        return int(unwrapped.get_input_embeddings().num_embeddings)

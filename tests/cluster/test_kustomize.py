@@ -1,0 +1,170 @@
+"""k8s/: renders offline, passes kubernetes-validate --strict, and its Role grants exactly what
+the client uses. Kueue objects are CRDs (no offline schema): they are checked structurally."""
+
+from __future__ import annotations
+
+import io
+import re
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from jobspec.cluster.client import ClusterClient
+from jobspec.cluster.logs import follow_log, print_log
+from jobspec.cluster.submit import submit
+from jobspec.contract import KUEUE_QUEUE_LABEL
+
+from .fake_api import FakeApi, Request
+from .objects import make_objects
+
+REPO = Path(__file__).resolve().parents[2]
+KUEUE_KINDS = {"ResourceFlavor", "ClusterQueue", "LocalQueue"}
+QUANTITY = re.compile(r"^\d+(\.\d+)?(m|k|Ki|Mi|Gi|Ti|Pi|M|G|T|P)?$")
+
+pytestmark = pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl is not installed")
+
+
+def kustomize(path: str) -> list[dict[str, Any]]:
+    out = subprocess.run(
+        ["kubectl", "kustomize", str(REPO / path)], capture_output=True, text=True, timeout=60, check=True
+    ).stdout
+    return [d for d in yaml.safe_load_all(out) if d]
+
+
+@pytest.fixture(scope="module")
+def base() -> list[dict[str, Any]]:
+    return kustomize("k8s")
+
+
+@pytest.fixture(scope="module")
+def with_kueue() -> list[dict[str, Any]]:
+    return kustomize("k8s/overlays/kueue")
+
+
+def by_kind(objs: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
+    return [o for o in objs if o["kind"] == kind]
+
+
+def test_base_contents(base: list[dict[str, Any]]) -> None:
+    assert sorted((o["kind"], o["metadata"]["name"]) for o in base) == [
+        ("Namespace", "jobspec"),
+        ("Role", "jobspec-submitter"),
+        ("RoleBinding", "jobspec-submitter"),
+        ("ServiceAccount", "jobspec-runner"),
+        ("ServiceAccount", "jobspec-submitter"),
+    ]
+    (ns,) = by_kind(base, "Namespace")
+    assert ns["metadata"]["labels"]["pod-security.kubernetes.io/enforce"] == "restricted"
+    assert all(o["metadata"].get("namespace") == "jobspec" for o in base if o["kind"] != "Namespace")
+
+
+@pytest.mark.parametrize("version", ["1.29.0", "latest"])
+def test_builtin_objects_pass_strict_validation(
+    base: list[dict[str, Any]], with_kueue: list[dict[str, Any]], version: str
+) -> None:
+    import kubernetes_validate
+    from kubernetes_validate.utils import latest_version
+
+    version = latest_version() if version == "latest" else version
+    builtin = [o for o in base + with_kueue if o["kind"] not in KUEUE_KINDS]
+    assert len(builtin) == 10
+    for obj in builtin:
+        kubernetes_validate.validate(obj, version, strict=True)  # raises ValidationError
+
+
+def test_runner_service_account_has_no_token_and_no_role(base: list[dict[str, Any]]) -> None:
+    runner = next(o for o in by_kind(base, "ServiceAccount") if o["metadata"]["name"] == "jobspec-runner")
+    assert runner["automountServiceAccountToken"] is False
+    bound = [s["name"] for rb in by_kind(base, "RoleBinding") for s in rb["subjects"]]
+    assert bound == ["jobspec-submitter"]
+
+
+def granted(base: list[dict[str, Any]]) -> set[tuple[str, str, str]]:
+    (role,) = by_kind(base, "Role")
+    assert not [o for o in base if o["kind"] in ("ClusterRole", "ClusterRoleBinding")]
+    return {
+        (g, r, v) for rule in role["rules"] for g in rule["apiGroups"] for r in rule["resources"] for v in rule["verbs"]
+    }
+
+
+def rbac_of(req: Request) -> set[tuple[str, str, str]]:
+    """The (apiGroup, resource, verb) the API server would authorise for a recorded request."""
+    parts = req.path.strip("/").split("/")
+    group = "" if parts[0] == "api" else parts[1]
+    rest = parts[parts.index("namespaces") + 2 :] if "namespaces" in parts else parts[-1:]
+    resource = rest[0] + ("/log" if rest[-1] == "log" else "")
+    if req.method == "GET":
+        return {(group, resource, "get" if len(rest) > 1 else "list")}
+    verbs = {"PATCH": {"patch"} | ({"create"} if req.created else set()), "DELETE": {"delete"}}[req.method]
+    return {(group, resource, v) for v in verbs}
+
+
+def test_role_grants_exactly_what_the_client_uses(
+    base: list[dict[str, Any]], api: FakeApi, client: ClusterClient
+) -> None:
+    from jobspec.cluster.cancel import cancel
+    from jobspec.cluster.listing import list_jobs
+    from jobspec.cluster.status import collect_status
+
+    submit(client, make_objects(), "ml")
+    submit(client, make_objects(), "ml")
+    submit(client, make_objects(spec_hash="hash-2"), "ml", replace=True)
+    pod = api.add_pod("ml", "train", 0)["metadata"]["name"]
+    api.logs[("ml", pod)] = b"x\n"
+    collect_status(client, "ml", "train")
+    print_log(client, "ml", "train", 0, io.StringIO())
+    api.streams[("ml", pod)] = [[lambda: api.set_pod("ml", pod, "Succeeded", {"terminated": {"exitCode": 0}})]]
+    follow_log(client, "ml", "train", 0, io.StringIO())
+    list_jobs(client, "ml")
+    cancel(client, "ml", "train", wait=True)
+    used = set().union(*(rbac_of(r) for r in api.requests))
+    assert used == granted(base)
+
+
+def test_kueue_component_is_consistent(with_kueue: list[dict[str, Any]]) -> None:
+    """Structural checks only: Kueue's CRD schemas are not available offline."""
+    kueue = [o for o in with_kueue if o["kind"] in KUEUE_KINDS]
+    assert sorted(o["kind"] for o in kueue) == ["ClusterQueue", "LocalQueue", "ResourceFlavor"]
+    assert {o["apiVersion"] for o in kueue} == {"kueue.x-k8s.io/v1beta1"}
+    (flavor,), (cq,), (lq,) = (by_kind(with_kueue, k) for k in ("ResourceFlavor", "ClusterQueue", "LocalQueue"))
+    assert "namespace" not in flavor["metadata"] and "namespace" not in cq["metadata"]  # cluster-scoped
+    assert lq["metadata"]["namespace"] == "jobspec" and lq["spec"]["clusterQueue"] == cq["metadata"]["name"]
+    assert set(cq["spec"]) <= {"namespaceSelector", "queueingStrategy", "resourceGroups", "cohort", "preemption"}
+    assert cq["spec"]["queueingStrategy"] in ("BestEffortFIFO", "StrictFIFO")
+    for group in cq["spec"]["resourceGroups"]:
+        covered = group["coveredResources"]
+        assert {"cpu", "memory", "nvidia.com/gpu", "amd.com/gpu"} <= set(covered)
+        for fl in group["flavors"]:
+            assert fl["name"] == flavor["metadata"]["name"]
+            assert [r["name"] for r in fl["resources"]] == covered  # Kueue requires the same order
+            assert all(QUANTITY.match(str(r["nominalQuota"])) for r in fl["resources"])
+
+
+def test_local_queue_matches_the_queue_label_the_renderer_sets(with_kueue: list[dict[str, Any]]) -> None:
+    from jobspec.loader import load_spec
+    from jobspec.render import render
+
+    (lq,) = by_kind(with_kueue, "LocalQueue")
+    queued = []
+    for path in sorted((REPO / "examples").glob("*.yaml")):
+        job = next(o for o in render(load_spec(path)) if o["kind"] == "Job")
+        if KUEUE_QUEUE_LABEL in job["metadata"].get("labels", {}):
+            queued.append(job["metadata"]["labels"][KUEUE_QUEUE_LABEL])
+    assert queued and set(queued) == {lq["metadata"]["name"]}
+
+
+def test_every_k8s_file_is_used_and_parses() -> None:
+    files = {p.relative_to(REPO / "k8s").as_posix() for p in (REPO / "k8s").rglob("*.yaml")}
+    listed = set()
+    for kfile in (REPO / "k8s").rglob("kustomization.yaml"):
+        doc = yaml.safe_load(kfile.read_text())
+        listed.add(kfile.relative_to(REPO / "k8s").as_posix())
+        for res in doc.get("resources", []):
+            target = (kfile.parent / res).resolve()
+            if target.suffix == ".yaml":
+                listed.add(target.relative_to(REPO / "k8s").as_posix())
+    assert files == listed

@@ -1,0 +1,115 @@
+"""End to end against a real cluster: submit -> status -> logs -> cancel with a tiny CPU job.
+
+Runs only with `pytest -m cluster` and when KUBECONFIG names a reachable cluster (kind, k3d,
+a real one); skipped otherwise. The job is examples/quickstart.yaml rendered by the real
+renderer, with its container swapped for a few shell lines (image $JOBSPEC_TEST_IMAGE,
+default busybox) that log three steps and write the runner's JSON report to the termination
+log, so the test needs no runner image and no GPU. It cleans up after itself.
+
+    kind create cluster --name jobspec
+    KUBECONFIG=~/.kube/config pytest -m cluster tests/cluster/test_real_cluster.py
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytestmark = pytest.mark.cluster
+
+REPO = Path(__file__).resolve().parents[2]
+SCRIPT = (
+    'for s in 1 2 3; do echo "step $s loss 2.$s"; sleep 1; done; '
+    'echo \'{"tier": "fast", "step": 3, "loss": 2.3, "reason": "done"}\' > /dev/termination-log'
+)
+FINISH_WITHIN = 240.0  # seconds: image pull on a fresh kind node included
+
+
+@pytest.fixture
+def cluster() -> Iterator[tuple[Any, str]]:
+    if not os.environ.get("KUBECONFIG"):
+        pytest.skip("KUBECONFIG is not set: no cluster to test against")
+    from jobspec.cluster.client import ClusterClient
+    from jobspec.cluster.errors import Unreachable
+    from jobspec.cluster.kubeconfig import load_connection
+    from jobspec.cluster.resources import JOB
+    from jobspec.cluster.retry import RetryPolicy
+    from jobspec.errors import ConfigError
+
+    try:
+        conn = load_connection()
+    except ConfigError as err:
+        pytest.skip(f"no usable kubeconfig: {err}")
+    namespace = os.environ.get("JOBSPEC_TEST_NAMESPACE") or conn.namespace or "default"
+    client = ClusterClient(conn, timeout=10.0, policy=RetryPolicy(attempts=3))
+    try:
+        client.list(JOB, namespace, "app.kubernetes.io/managed-by=jobspec", page_size=1)
+    except Unreachable as err:  # ApiTimeout included
+        client.close()
+        pytest.skip(f"cluster not reachable: {err}")
+    with client:
+        yield client, namespace
+
+
+def tiny_job(name: str, namespace: str) -> list[dict[str, Any]]:
+    from jobspec.loader import load_spec
+    from jobspec.render import render
+
+    objects = render(load_spec(REPO / "examples" / "quickstart.yaml", [f"name={name}", f"namespace={namespace}"]))
+    job = next(o for o in objects if o["kind"] == "Job")
+    container = job["spec"]["template"]["spec"]["containers"][0]
+    container.update(
+        image=os.environ.get("JOBSPEC_TEST_IMAGE", "busybox:1.36"),
+        command=["sh", "-c", SCRIPT],
+        args=[],
+        imagePullPolicy="IfNotPresent",
+        resources={"requests": {"cpu": "50m", "memory": "32Mi"}, "limits": {"memory": "64Mi"}},
+    )
+    return objects
+
+
+def test_submit_status_logs_cancel(cluster: tuple[Any, str]) -> None:
+    from jobspec.cluster.cancel import cancel
+    from jobspec.cluster.errors import NotFound
+    from jobspec.cluster.logs import follow_log, print_log
+    from jobspec.cluster.status import collect_status
+    from jobspec.cluster.submit import submit
+
+    client, namespace = cluster
+    name = f"jobspec-e2e-{uuid.uuid4().hex[:6]}"
+    try:
+        assert submit(client, tiny_job(name, namespace), namespace).outcome == "created"
+        assert submit(client, tiny_job(name, namespace), namespace).outcome == "unchanged"
+
+        followed = io.StringIO()
+        deadline = time.monotonic() + FINISH_WITHIN
+        follow_log(client, namespace, name, 0, followed, start_wait=FINISH_WITHIN)  # returns when the pod ends
+        assert "step 3 loss 2.3" in followed.getvalue()
+
+        st = collect_status(client, namespace, name)
+        while st.phase != "Succeeded" and time.monotonic() < deadline:  # the Job condition lags the pod
+            time.sleep(2)
+            st = collect_status(client, namespace, name)
+        assert st.phase == "Succeeded", st
+        assert (st.report.tier, st.report.step, st.report.loss) == ("fast", 3, 2.3)
+        assert st.indexes[0].exit_code == 0 and st.indexes[0].attempts == 1
+
+        printed = io.StringIO()
+        print_log(client, namespace, name, 0, printed)
+        assert printed.getvalue().splitlines() == ["step 1 loss 2.1", "step 2 loss 2.2", "step 3 loss 2.3"]
+
+        result = cancel(client, namespace, name, wait=True)
+        assert sorted(result.deleted) == sorted([f"job.batch/{name}", f"service/{name}", f"configmap/{name}-spec"])
+        with pytest.raises(NotFound):
+            collect_status(client, namespace, name)
+    finally:
+        with contextlib.suppress(NotFound):  # cleanup when an assertion failed half-way
+            cancel(client, namespace, name)

@@ -1,0 +1,145 @@
+"""Training: the tiny preset learns the bundled set; metrics, checkpoints, LoRA, local models, bad input."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from conftest import ROOT, records, run_supervisor, tiny_spec, train_in_process, write_spec
+from test_data import CHAT, save_test_tokenizer, write_jsonl
+
+from jobspec.contract import EXIT_CONFIG, EXIT_OK
+from runner import checkpoint
+from runner.worker import Worker
+
+CONTRACT_FIELDS = {"step", "loss", "lr", "tier", "micro_batch", "grad_accum", "global_batch", "samples",
+                   "tokens_per_s", "mem_used_bytes", "mem_total_bytes", "gpu_util"}
+
+
+@pytest.fixture(scope="module")
+def learned(tmp_path_factory):
+    """100 steps of the tiny preset on the bundled data (about 5 s on 2 cores)."""
+    run_dir = tmp_path_factory.mktemp("learn") / "run"
+    spec = tiny_spec(run_dir, training={"global_batch": 16, "steps": 100, "warmup_steps": 10, "log_every": 10,
+                                        "eval_every": 50},
+                     checkpoints={"every_steps": 25, "keep": 2})
+    code, _ = train_in_process(spec)
+    return code, run_dir
+
+
+def test_tiny_preset_learns_the_bundled_set(learned):
+    code, run_dir = learned
+    assert code == EXIT_OK
+    losses = [r["loss"] for r in records(run_dir)]
+    first, last = losses[0], losses[-1]
+    # Measured: 6.25 -> about 1.0 after 100 steps (ratio ~0.16); chance level is ln(262 used ids) = 5.6.
+    assert first > 5.5
+    assert last < 0.3 * first, f"loss {first:.3f} -> {last:.3f}"
+    evals = [r["eval_loss"] for r in records(run_dir, "eval")]
+    assert [r["step"] for r in records(run_dir, "eval")] == [50, 100]
+    assert evals[-1] < 0.35 * first and evals[-1] < evals[0]
+
+
+def test_metrics_records_carry_the_contract_fields(learned):
+    _, run_dir = learned
+    rows = records(run_dir)
+    assert [r["step"] for r in rows] == [1, *range(10, 101, 10)]
+    for r in rows:
+        assert CONTRACT_FIELDS <= r.keys()
+        assert r["micro_batch"] * r["grad_accum"] * r["world_size"] == r["global_batch"] == 16
+        assert r["samples"] == 16 * r["step"] and r["tokens_per_s"] > 0
+        assert r["gpu_util"] is None and r["mem_used_bytes"] > 0 and r["mem_total_bytes"] > 0  # CPU
+    plan = records(run_dir, "plan")[0]
+    assert plan["tier"] == "fast" and plan["precision"] == "fp32" and plan["reasons"]
+
+
+def test_checkpoints_are_complete_and_pruned_to_keep(learned):
+    _, run_dir = learned
+    names = sorted(p.name for p in run_dir.iterdir() if p.name.startswith(("step-", ".tmp")))
+    assert names == ["step-100", "step-75"]  # keep: 2
+    for name in names:
+        assert (run_dir / name / "DONE").is_file()
+        meta = checkpoint.read_meta(run_dir / name)
+        assert meta["plan"]["tier"] == "fast" and meta["spec_hash"] and meta["step"] == int(name[5:])
+
+
+def test_the_gradient_does_not_depend_on_the_micro_batch(tmp_path):
+    """Same samples at micro-batch 8 and 2 (accumulation 1 vs 4): same losses and weights (the OOM shrink's premise)."""
+    results = []
+    for mbs in (8, 2):
+        spec = tiny_spec(tmp_path / f"mbs{mbs}", training={"micro_batch": mbs, "steps": 4})
+        code, worker = train_in_process(spec)
+        assert code == EXIT_OK and worker.plan.micro_batch == mbs and worker.plan.grad_accum == 8 // mbs
+        results.append(([r["loss"] for r in records(tmp_path / f"mbs{mbs}")],
+                        {k: v.clone() for k, v in worker.model.state_dict().items()}))
+    (loss8, w8), (loss2, w2) = results
+    assert loss8 == pytest.approx(loss2, rel=1e-5)
+    for k in w8:
+        torch.testing.assert_close(w8[k], w2[k], rtol=1e-4, atol=1e-5)
+
+
+def test_lora_trains_the_adapters_only(tmp_path):
+    spec = tiny_spec(tmp_path / "run", model={"lora": {"rank": 4, "targets": ["c_attn", "mlp.c_proj"]}},
+                     training={"steps": 6, "learning_rate": 1e-2})
+    base = Worker(spec)  # the same seeded initial weights, never trained
+    from runner.model import build_model
+
+    before = build_model(spec, bos=257, eos=258, vocab=262).state_dict()
+    code, worker = train_in_process(spec)
+    assert code == EXIT_OK and base is not worker
+    after = worker.model.state_dict()
+    lora = [k for k in after if "lora_" in k]
+    assert len(lora) == 2 * 2 * 2  # (A, B) x 2 targets x 2 layers
+    assert all(torch.equal(before[k], after[k]) for k in after if "lora_" not in k)
+    assert any(not torch.equal(before[k], after[k]) for k in lora if k.endswith("lora_b"))
+    saved = torch.distributed.checkpoint.FileSystemReader(tmp_path / "run" / "step-6").read_metadata()
+    model_keys = {k for k in saved.state_dict_metadata if k.startswith("model.")}
+    assert model_keys == {f"model.{k}" for k in lora}  # adapters only
+
+
+def test_a_local_model_dir_with_its_own_tokenizer_and_chat_data(tmp_path):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    model_dir = tmp_path / "model"
+    save_test_tokenizer(model_dir)
+    GPT2LMHeadModel(GPT2Config(vocab_size=300, n_positions=128, n_embd=32, n_layer=1, n_head=2)).save_pretrained(model_dir)
+    data = write_jsonl(tmp_path / "chat.jsonl", [{"messages": CHAT}] * 32)
+    spec = tiny_spec(tmp_path / "run", model={"preset": None, "path": str(model_dir)},
+                     data={"path": str(data), "eval_fraction": 0.1}, training={"steps": 3})
+    code, worker = train_in_process(spec)
+    assert code == EXIT_OK and worker.tokenizer.has_template
+    assert records(tmp_path / "run")[-1]["step"] == 3
+
+
+def test_a_bad_spec_exits_2_with_the_message_and_no_traceback(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("name: x\nmodel: {preset: tiny}\ntraining: {global_batch: 8, stepz: 3}\n")
+    result = run_supervisor([str(bad)], timeout=60)
+    assert result.returncode == EXIT_CONFIG
+    assert "unknown field 'stepz'" in result.stderr and "did you mean `steps`" in result.stderr
+    assert "Traceback" not in result.stderr
+    missing = run_supervisor([str(tmp_path / "nope.yaml")], timeout=60)
+    assert missing.returncode == EXIT_CONFIG and "no such file" in missing.stderr
+
+
+def test_bad_data_in_the_worker_exits_2_without_traceback(tmp_path):
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"prompt": "a", "response": "b"}\n{oops\n')
+    spec = write_spec(tmp_path / "s.yaml", json.loads(json.dumps(
+        {"name": "bad-data", "model": {"preset": "tiny"}, "data": {"path": str(data)},
+         "training": {"global_batch": 2, "steps": 2}, "hardware": {"vendor": "cpu"},
+         "checkpoints": {"dir": str(tmp_path / "run")}})))
+    log = tmp_path / "term.json"
+    result = run_supervisor([str(spec)], JOBSPEC_TERMINATION_LOG=str(log))
+    assert result.returncode == EXIT_CONFIG, result.stderr[-2000:]
+    assert "d.jsonl:2: not valid JSON" in result.stderr and "Traceback" not in result.stderr
+    assert json.loads(log.read_text())["exit_code"] == EXIT_CONFIG
+
+
+def test_quickstart_example_is_a_cpu_spec_that_fits_the_time_budget():
+    from jobspec.loader import load_spec
+
+    spec = load_spec(ROOT / "examples" / "quickstart.yaml")
+    assert spec.hardware.vendor == "cpu" and spec.model.preset == "tiny"
+    assert spec.training.steps * spec.training.global_batch <= 300 * 16  # ~15 s of training on 2 cores
