@@ -30,6 +30,7 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
@@ -124,7 +125,8 @@ def save(
     ctrl.barrier()
     model_sd, optim_sd = get_state_dict(model, optimizer, options=_options(trainable_only))
     writer = dcp.FileSystemWriter(tmp, sync_files=True)
-    dcp.save({"model": model_sd, "optim": optim_sd}, storage_writer=writer, process_group=ctrl.group)
+    dcp.save({"model": model_sd, "optim": optim_sd}, storage_writer=writer, process_group=ctrl.group,
+             no_dist=not dist.is_initialized())
     with open(tmp / f"rng-{rank}.pt", "wb") as f:
         torch.save(rng_state(), f)
         f.flush()
@@ -179,7 +181,7 @@ def load(
     options = _options(trainable_only)
     model_sd, optim_sd = get_state_dict(model, optimizer, options=options)  # initialises Adam state to load into
     state = {"model": model_sd, "optim": optim_sd}
-    dcp.load(state, checkpoint_id=path, process_group=ctrl.group)
+    dcp.load(state, checkpoint_id=path, process_group=ctrl.group, no_dist=not dist.is_initialized())
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"], options=options)
     rng_file = path / f"rng-{rank}.pt"
     if not rng_file.is_file():  # more ranks than when it was written: rank 0's stream is the best guess

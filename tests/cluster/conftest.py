@@ -8,6 +8,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+import yaml
 
 from jobspec.cluster.cli import add_cluster_commands
 from jobspec.cluster.client import ClusterClient
@@ -16,6 +17,11 @@ from jobspec.cluster.retry import RetryPolicy
 from jobspec.errors import JobspecError
 
 from .fake_api import FakeApi
+
+REPO = Path(__file__).resolve().parents[2]
+# Placeholders the `cli` fixture swaps for spec files made from examples/quickstart.yaml:
+# job "quickstart", without a namespace / with `namespace: spec-ns`.
+BARE_SPEC, NAMED_SPEC = "<bare-spec>", "<named-spec>"
 
 
 @pytest.fixture(autouse=True)
@@ -59,10 +65,22 @@ CliRun = Callable[..., tuple[int, str, str]]
 
 
 @pytest.fixture
-def cli(capsys: pytest.CaptureFixture[str], policy: RetryPolicy) -> CliRun:
+def spec_files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    data = yaml.safe_load((REPO / "examples" / "quickstart.yaml").read_text())
+    data.pop("namespace", None)
+    data["name"] = "quickstart"
+    folder = tmp_path_factory.mktemp("specs")
+    (folder / "bare.yaml").write_text(yaml.safe_dump(data))
+    (folder / "named.yaml").write_text(yaml.safe_dump({**data, "namespace": "spec-ns"}))
+    return {BARE_SPEC: str(folder / "bare.yaml"), NAMED_SPEC: str(folder / "named.yaml")}
+
+
+@pytest.fixture
+def cli(capsys: pytest.CaptureFixture[str], policy: RetryPolicy, spec_files: dict[str, str]) -> CliRun:
     """Run `jobspec <argv>` the way jobspec.cli.main does: exit code, stdout, stderr."""
 
     def run(*argv: str) -> tuple[int, str, str]:
+        argv = tuple(spec_files.get(a, a) for a in argv)
         common = argparse.ArgumentParser(add_help=False)
         common.add_argument("--debug", action="store_true")
         parser = argparse.ArgumentParser(prog="jobspec")

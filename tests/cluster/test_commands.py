@@ -13,23 +13,21 @@ import yaml
 
 from jobspec.contract import ANNOTATION_SPEC_HASH, EXIT_CLUSTER, EXIT_CONFIG, EXIT_OK
 
-from .conftest import CliRun
+from .conftest import BARE_SPEC, NAMED_SPEC, CliRun
 from .fake_api import TOKEN, FakeApi
 
 REPO = Path(__file__).resolve().parents[2]
-QUICKSTART = str(REPO / "examples" / "quickstart.yaml")  # no namespace in it
-SFT_FAST = str(REPO / "examples" / "sft_fast.yaml")  # namespace: ml
 
 
 def test_happy_path_submit_status_logs_cancel(api: FakeApi, kubeconfig: Path, cli: CliRun) -> None:
     kc = ["--kubeconfig", str(kubeconfig)]
-    code, out, _ = cli("submit", QUICKSTART, *kc)
+    code, out, _ = cli("submit", BARE_SPEC, *kc)
     assert code == EXIT_OK
     assert 'job "quickstart" in namespace "ml" created' in out
     assert f"jobspec logs quickstart -n ml --kubeconfig {kubeconfig} -f" in out
     assert [k[0] for k in api.objects] == ["configmaps", "services", "jobs"]
 
-    code, out, _ = cli("submit", QUICKSTART, *kc)
+    code, out, _ = cli("submit", BARE_SPEC, *kc)
     assert code == EXIT_OK and "already submitted with this spec (Pending); nothing changed" in out
 
     api.get("jobs", "ml", "quickstart")["status"] = {"active": 1}
@@ -56,9 +54,9 @@ def test_happy_path_submit_status_logs_cancel(api: FakeApi, kubeconfig: Path, cl
 
 def test_client_dry_run_needs_no_cluster(api: FakeApi, cli: CliRun) -> None:
     for argv in (
-        ["submit", QUICKSTART, "--dry-run"],
-        ["submit", "--dry-run", QUICKSTART],
-        ["submit", "--dry-run=client", QUICKSTART],
+        ["submit", BARE_SPEC, "--dry-run"],
+        ["submit", "--dry-run", BARE_SPEC],
+        ["submit", "--dry-run=client", BARE_SPEC],
     ):
         code, out, _ = cli(*argv)
         assert code == EXIT_OK
@@ -69,7 +67,7 @@ def test_client_dry_run_needs_no_cluster(api: FakeApi, cli: CliRun) -> None:
 
 
 def test_server_dry_run_asks_the_server(api: FakeApi, kubeconfig: Path, cli: CliRun) -> None:
-    code, out, _ = cli("submit", QUICKSTART, "--dry-run=server", "--kubeconfig", str(kubeconfig))
+    code, out, _ = cli("submit", BARE_SPEC, "--dry-run=server", "--kubeconfig", str(kubeconfig))
     assert code == EXIT_OK
     assert "job.batch/quickstart created (server dry run)" in out and "nothing was persisted" in out
     assert [p.query.get("dryRun") for p in api.calls("PATCH")] == ["All"] * 3
@@ -79,13 +77,13 @@ def test_server_dry_run_asks_the_server(api: FakeApi, kubeconfig: Path, cli: Cli
 @pytest.mark.parametrize(
     ("argv", "expected"),
     [
-        ([QUICKSTART], "ml"),  # the context's namespace
-        ([QUICKSTART, "--context", "other"], "other-ns"),
-        ([QUICKSTART, "-n", "flag-ns"], "flag-ns"),
-        ([SFT_FAST], "ml"),  # the spec's
-        ([SFT_FAST, "--context", "other"], "ml"),  # the spec beats the context
-        ([SFT_FAST, "--set", "namespace=set-ns"], "set-ns"),
-        ([SFT_FAST, "--namespace", "flag-ns", "--context", "other"], "flag-ns"),  # the flag beats all
+        ([BARE_SPEC], "ml"),  # the context's namespace
+        ([BARE_SPEC, "--context", "other"], "other-ns"),
+        ([BARE_SPEC, "-n", "flag-ns"], "flag-ns"),
+        ([NAMED_SPEC], "spec-ns"),  # the spec's
+        ([NAMED_SPEC, "--context", "other"], "spec-ns"),  # the spec beats the context
+        ([NAMED_SPEC, "--set", "namespace=set-ns"], "set-ns"),
+        ([NAMED_SPEC, "--namespace", "flag-ns", "--context", "other"], "flag-ns"),  # the flag beats all
     ],
 )
 def test_namespace_precedence(api: FakeApi, kubeconfig: Path, cli: CliRun, argv: list[str], expected: str) -> None:
@@ -96,7 +94,7 @@ def test_namespace_precedence(api: FakeApi, kubeconfig: Path, cli: CliRun, argv:
 
 def test_namespace_defaults_to_default(api: FakeApi, tmp_path: Path, cli: CliRun) -> None:
     kc = api.kubeconfig(tmp_path, namespace=None)
-    assert cli("submit", QUICKSTART, "--kubeconfig", str(kc))[0] == EXIT_OK
+    assert cli("submit", BARE_SPEC, "--kubeconfig", str(kc))[0] == EXIT_OK
     assert {k[1] for k in api.objects} == {"default"}
 
 
@@ -108,7 +106,7 @@ def test_namespace_defaults_to_default(api: FakeApi, tmp_path: Path, cli: CliRun
         (["status", "Bad_Name"], EXIT_CONFIG, "not a valid job name"),
         (["status", "x", "-n", "Bad_NS"], EXIT_CONFIG, "not a valid Kubernetes namespace"),
         (["logs", "x", "-f", "--previous"], EXIT_CONFIG, "cannot be combined"),
-        (["submit", "--dry-run=maybe", QUICKSTART], EXIT_CONFIG, "expected client or server"),
+        (["submit", "--dry-run=maybe", BARE_SPEC], EXIT_CONFIG, "expected client or server"),
         (["submit"], EXIT_CONFIG, "submit needs a SPEC"),
         (["submit", "missing.yaml"], EXIT_CONFIG, "missing.yaml"),
         (["status", "x", "--context", "nope"], EXIT_CONFIG, "nope"),
@@ -134,18 +132,18 @@ def test_refused_submit_exits_3_naming_the_rbac_gap(api: FakeApi, kubeconfig: Pa
             'in API group "" in the namespace "ml"'
         ),
     )
-    code, _, err = cli("submit", QUICKSTART, "--kubeconfig", str(kubeconfig))
+    code, _, err = cli("submit", BARE_SPEC, "--kubeconfig", str(kubeconfig))
     assert code == EXIT_CLUSTER
     assert 'RBAC refused: cannot patch configmaps "quickstart-spec" in namespace "ml"' in err
 
 
 def test_changed_spec_is_refused_then_replaced(api: FakeApi, kubeconfig: Path, cli: CliRun) -> None:
     kc = ["--kubeconfig", str(kubeconfig)]
-    assert cli("submit", QUICKSTART, *kc)[0] == EXIT_OK
+    assert cli("submit", BARE_SPEC, *kc)[0] == EXIT_OK
     old = api.get("jobs", "ml", "quickstart")["metadata"]["annotations"][ANNOTATION_SPEC_HASH]
-    code, _, err = cli("submit", QUICKSTART, "--set", "training.steps=1234", *kc)
+    code, _, err = cli("submit", BARE_SPEC, "--set", "training.steps=1234", *kc)
     assert code == EXIT_CLUSTER and "with a different spec" in err and "--replace" in err
-    code, out, _ = cli("submit", QUICKSTART, "--set", "training.steps=1234", "--replace", *kc)
+    code, out, _ = cli("submit", BARE_SPEC, "--set", "training.steps=1234", "--replace", *kc)
     assert code == EXIT_OK and "replaced (old job deleted first)" in out
     assert api.get("jobs", "ml", "quickstart")["metadata"]["annotations"][ANNOTATION_SPEC_HASH] != old
 
@@ -156,7 +154,7 @@ def test_no_credentials_in_any_output(
     caplog.set_level(logging.DEBUG)
     kc = ["--kubeconfig", str(kubeconfig), "--debug"]
     seen = []
-    seen.append(cli("submit", QUICKSTART, *kc))
+    seen.append(cli("submit", BARE_SPEC, *kc))
     seen.append(cli("status", "quickstart", "-o", "json", *kc))
     api.fail("GET", r"/jobs/quickstart$", 503, times=2, headers={"Retry-After": "0"})
     seen.append(cli("status", "quickstart", *kc))
@@ -196,7 +194,7 @@ def test_cluster_commands_stay_light(tmp_path: Path) -> None:
         "from jobspec.cluster.cli import add_cluster_commands\n"
         "assert 'kubernetes' not in sys.modules, 'kubernetes imported by the CLI hook'\n"
         "from jobspec.cli import main\n"
-        f"rc = main(['submit', '--dry-run', {QUICKSTART!r}])\n"
+        f"rc = main(['submit', '--dry-run', {str(REPO / 'examples' / 'quickstart.yaml')!r}])\n"
         "heavy = sorted(m for m in ('kubernetes', 'torch', 'urllib3', 'tenacity') if m in sys.modules)\n"
         "assert rc == 0 and not heavy, heavy\n"
     )

@@ -2,12 +2,8 @@
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 import numpy as np
 import pytest
-from conftest import tiny_spec
 
 from jobspec.errors import ConfigError
 from jobspec.spec import DataSpec
@@ -23,15 +19,7 @@ from runner.data import (
     total_steps,
 )
 from runner.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
-
-CHAT = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"},
-        {"role": "assistant", "content": "yo"}, {"role": "user", "content": "again"},
-        {"role": "assistant", "content": "ok"}]
-
-
-def write_jsonl(path: Path, rows: list[dict]) -> Path:
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return path
+from tests.runner.train_helpers import CHAT, save_test_tokenizer, tiny_spec, write_jsonl
 
 
 def test_byte_tokenizer_targets_are_the_replies_and_their_eos():
@@ -124,7 +112,8 @@ def test_step_samples_is_a_pure_function_of_seed_epoch_and_step():
     ids = order.step_samples(5)
     shares = [rank_slice(ids, r, 2) for r in range(2)]
     assert shares[0] + shares[1] == ids
-    assert sum(micro_batches(shares[0], 2), []) == shares[0] and len(micro_batches(shares[0], 2)) == 2
+    chunks = micro_batches(shares[0], 2)
+    assert len(chunks) == 2 and chunks[0] + chunks[1] == shares[0]
     with pytest.raises(ConfigError, match="larger than the 5 training rows"):
         DataOrder(5, 8, 0)
 
@@ -141,24 +130,3 @@ def test_hf_tokenizer_from_a_local_dir_uses_its_chat_template(tmp_path):
     segments = tok.render(CHAT)
     text = [tok.tok.decode(ids) for ids, target in segments if target]
     assert [t.replace(" ", "") for t in text] == ["yo<|end|>", "ok<|end|>"]
-
-
-CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"
-                 "{% if add_generation_prompt %}<|assistant|>{% endif %}")
-
-
-def save_test_tokenizer(path: Path) -> None:
-    """A small byte-level BPE tokenizer with a chat template, trained here (nothing downloaded)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    specials = ["<|end|>", "<|pad|>", "<|system|>", "<|user|>", "<|assistant|>"]
-    bpe = Tokenizer(models.BPE())
-    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    bpe.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=specials,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    bpe.train_from_iterator([line for line in BUNDLED.read_text().splitlines()[:300]], trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|end|>", pad_token="<|pad|>")
-    fast.chat_template = CHAT_TEMPLATE
-    fast.save_pretrained(path)

@@ -6,12 +6,21 @@ import json
 
 import pytest
 import torch
-from conftest import ROOT, records, run_supervisor, tiny_spec, train_in_process, write_spec
-from test_data import CHAT, save_test_tokenizer, write_jsonl
 
 from jobspec.contract import EXIT_CONFIG, EXIT_OK
 from runner import checkpoint
 from runner.worker import Worker
+from tests.runner.train_helpers import (
+    CHAT,
+    ROOT,
+    records,
+    run_supervisor,
+    save_test_tokenizer,
+    tiny_spec,
+    train_in_process,
+    write_jsonl,
+    write_spec,
+)
 
 CONTRACT_FIELDS = {"step", "loss", "lr", "tier", "micro_batch", "grad_accum", "global_batch", "samples",
                    "tokens_per_s", "mem_used_bytes", "mem_total_bytes", "gpu_util"}
@@ -46,7 +55,7 @@ def test_metrics_records_carry_the_contract_fields(learned):
     rows = records(run_dir)
     assert [r["step"] for r in rows] == [1, *range(10, 101, 10)]
     for r in rows:
-        assert CONTRACT_FIELDS <= r.keys()
+        assert r.keys() >= CONTRACT_FIELDS
         assert r["micro_batch"] * r["grad_accum"] * r["world_size"] == r["global_batch"] == 16
         assert r["samples"] == 16 * r["step"] and r["tokens_per_s"] > 0
         assert r["gpu_util"] is None and r["mem_used_bytes"] > 0 and r["mem_total_bytes"] > 0  # CPU
@@ -75,8 +84,10 @@ def test_the_gradient_does_not_depend_on_the_micro_batch(tmp_path):
                         {k: v.clone() for k, v in worker.model.state_dict().items()}))
     (loss8, w8), (loss2, w2) = results
     assert loss8 == pytest.approx(loss2, rel=1e-5)
+    # Summation order differs (fp32), and Adam rescales near-zero gradients to full steps, so a few weights
+    # drift by ~1e-5 in 4 steps: far below one update (lr 3e-3), far above a micro-batch-dependent gradient.
     for k in w8:
-        torch.testing.assert_close(w8[k], w2[k], rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(w8[k], w2[k], rtol=1e-3, atol=1e-4)
 
 
 def test_lora_trains_the_adapters_only(tmp_path):
@@ -103,7 +114,8 @@ def test_a_local_model_dir_with_its_own_tokenizer_and_chat_data(tmp_path):
 
     model_dir = tmp_path / "model"
     save_test_tokenizer(model_dir)
-    GPT2LMHeadModel(GPT2Config(vocab_size=300, n_positions=128, n_embd=32, n_layer=1, n_head=2)).save_pretrained(model_dir)
+    config = GPT2Config(vocab_size=300, n_positions=128, n_embd=32, n_layer=1, n_head=2)
+    GPT2LMHeadModel(config).save_pretrained(model_dir)
     data = write_jsonl(tmp_path / "chat.jsonl", [{"messages": CHAT}] * 32)
     spec = tiny_spec(tmp_path / "run", model={"preset": None, "path": str(model_dir)},
                      data={"path": str(data), "eval_fraction": 0.1}, training={"steps": 3})

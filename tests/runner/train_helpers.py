@@ -1,4 +1,4 @@
-"""Shared helpers for the runner tests: a tiny CPU spec, in-process and subprocess runs, metrics reading.
+"""Helpers for the training tests: a tiny CPU spec, in-process and subprocess runs, metrics, test data.
 
 Real training everywhere (tiny preset, short sequences, few steps); only the GPU probe is ever faked.
 """
@@ -12,8 +12,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import pytest
 import yaml
+
+from runner.data import BUNDLED
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -76,6 +77,32 @@ def run_supervisor(args: list[str], timeout: float = 240, **env: str) -> subproc
                           capture_output=True, text=True, timeout=timeout)
 
 
-@pytest.fixture
-def run_dir(tmp_path: Path) -> Path:
-    return tmp_path / "run"
+CHAT = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "yo"}, {"role": "user", "content": "again"},
+        {"role": "assistant", "content": "ok"}]
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"
+                 "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+
+
+def save_test_tokenizer(path: Path) -> None:
+    """A small byte-level BPE tokenizer with a chat template, trained here (nothing downloaded)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<|end|>", "<|pad|>", "<|system|>", "<|user|>", "<|assistant|>"]
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=specials,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    bpe.train_from_iterator(BUNDLED.read_text().splitlines()[:300], trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|end|>", pad_token="<|pad|>")
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(path)

@@ -1,0 +1,178 @@
+"""OOM recovery in the training loop: shrink the micro-batch in process, else hand over to the tier ladder.
+
+`Stepper.train_step` agrees with every rank after each micro-step (one all-reduce of [stop, oom,
+rank]) and raises `StepOOM` on all of them together when any rank ran out of memory in a forward or
+backward; the weights are untouched then. `run_step` catches it, drops to the next smaller divisor of
+the per-rank batch (grad_accum grows to match: the global batch is unchanged) and redoes the SAME
+step from the SAME sample ids, with the RNG state it started with. At micro-batch 1, or when the
+optimizer step itself ran out (Adam's state does not shrink with the micro-batch), it raises
+`TierOOM`: the worker writes a checkpoint when the weights are intact, persists "tier X failed"
+(runner.ladder) and exits EXIT_OOM_RETRY_TIER or EXIT_OOM_LAST_TIER.
+
+Why the gradients of DDP are exchanged by `all_reduce_grads` after the agreement rather than by DDP's
+reducer during the last backward: a rank that runs out of memory in that backward would leave the
+others waiting in an all-reduce it never joins. Sharded tiers (FSDP) gather weights inside forward
+and backward, so a rank-local OOM there cannot be agreed in process on several ranks; see README.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from jobspec.errors import JobspecError
+from runner.oom import next_micro_batch, release_memory
+from runner.plan import Plan, with_micro_batch
+
+log = logging.getLogger("jobspec.runner")
+BUCKET_BYTES = 25 * 1024**2  # DDP's default bucket size
+
+
+class StepOOM(Exception):
+    """Raised on every rank: some rank ran out of memory in this step's forward/backward (weights intact)."""
+
+    def __init__(self, reason: str, rank: int):
+        super().__init__(reason)
+        self.reason, self.rank = reason, rank
+
+
+class OptimizerOOM(StepOOM):
+    """Raised on every rank: some rank ran out in clipping or optimizer.step(); its state may be half updated."""
+
+
+class TierOOM(JobspecError):
+    """Micro-batch 1 (or the optimizer step) ran out of memory at `tier`: the ladder takes over."""
+
+    def __init__(self, tier: str, reason: str, *, weights_intact: bool):
+        super().__init__(reason)
+        self.tier, self.reason, self.weights_intact = tier, reason, weights_intact
+
+
+def agreement(stop: bool, oom: str, rank: int, world_size: int) -> list[float]:
+    """This rank's part of the per-micro-step all-reduce MAX: [stop, oom, world - rank when it ran out].
+
+    The third value's MAX names the lowest rank that ran out (world - max), so every rank can say who.
+    """
+    return [float(stop), float(bool(oom)), float(world_size - rank) if oom else 0.0]
+
+
+def raise_agreed(flags: Sequence[float], oom: str, world_size: int, *, optimizer: bool = False) -> None:
+    """Raise (Optimizer)StepOOM on every rank when the reduced flags say any rank ran out."""
+    if not flags[1]:
+        return
+    first = world_size - int(flags[2])
+    reason = oom or f"out of memory on rank {first}"
+    raise (OptimizerOOM if optimizer else StepOOM)(reason, first)
+
+
+def all_reduce_grads(params: Sequence[torch.nn.Parameter], world_size: int, group: Any = None) -> None:
+    """Average gradients over ranks, as DDP's reducer would (flattened buckets of BUCKET_BYTES).
+
+    A trainable parameter without a gradient gets zeros, so every rank sends the same buckets.
+    """
+    grads: list[torch.Tensor] = []
+    for p in params:
+        if p.requires_grad:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            grads.append(p.grad)
+    bucket: list[torch.Tensor] = []
+    size = 0
+    for i, g in enumerate(grads):
+        bucket.append(g)
+        size += g.numel() * g.element_size()
+        last = i == len(grads) - 1
+        if last or size >= BUCKET_BYTES or grads[i + 1].dtype != g.dtype or grads[i + 1].device != g.device:
+            flat = torch._utils._flatten_dense_tensors(bucket)
+            dist.all_reduce(flat, group=group)
+            flat.div_(world_size)
+            for dst, src in zip(bucket, torch._utils._unflatten_dense_tensors(flat, bucket), strict=True):
+                dst.copy_(src)
+            bucket, size = [], 0
+
+
+@dataclass(frozen=True)
+class Shrink:
+    """One in-process shrink, as recorded in metrics.jsonl (`kind: event, event: oom_shrink`)."""
+
+    step: int
+    tier: str
+    from_mbs: int
+    to_mbs: int
+    from_accum: int
+    to_accum: int
+    rank: int  # lowest rank that ran out
+    reason: str
+    oom_at: float  # unix time of the agreement on the OOM
+
+    def record(self) -> dict[str, Any]:
+        return {
+            "kind": "event", "event": "oom_shrink", "step": self.step, "tier": self.tier,
+            "from_micro_batch": self.from_mbs, "to_micro_batch": self.to_mbs,
+            "from_grad_accum": self.from_accum, "to_grad_accum": self.to_accum,
+            "oom_rank": self.rank, "reason": self.reason, "oom_at": round(self.oom_at, 3),
+        }  # fmt: skip
+
+
+def _rng() -> tuple[torch.Tensor, list[torch.Tensor]]:
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else []
+    return torch.get_rng_state(), cuda
+
+
+def _set_rng(state: tuple[torch.Tensor, list[torch.Tensor]]) -> None:
+    torch.set_rng_state(state[0])
+    if state[1]:
+        torch.cuda.set_rng_state_all(state[1])
+
+
+def run_step(
+    train_step: Callable[[Sequence[int], int], Any],
+    ids: Sequence[int],
+    plan: Plan,
+    *,
+    step: int,
+    zero_grad: Callable[[], None],
+    on_shrink: Callable[[Shrink], None] | None = None,
+) -> tuple[Any, Plan]:
+    """`train_step(ids, micro_batch)` with in-process shrink; returns (its result, the plan it ran with).
+
+    `step` is the 1-based number of the step being computed (for logs and metrics). Raises TierOOM
+    when micro-batch 1 ran out, or when the optimizer step did (weights possibly touched).
+    """
+    rng = _rng()
+    while True:
+        try:
+            return train_step(ids, plan.micro_batch), plan
+        except OptimizerOOM as err:
+            why, rank = err.reason, err.rank
+            intact = False
+        except StepOOM as err:
+            why, rank = err.reason, err.rank
+            intact = True
+        # Out of the except block: the failed attempt's frames are gone; drop its gradients, then free.
+        zero_grad()
+        release_memory()
+        if not intact:
+            raise TierOOM(plan.tier, f"out of memory in the optimizer step {step} on rank {rank}: {why}",
+                          weights_intact=False)  # fmt: skip
+        nxt = next_micro_batch(plan.micro_batch, plan.per_rank)
+        if nxt is None:
+            raise TierOOM(plan.tier, f"out of memory at micro-batch 1, step {step}, rank {rank}: {why}",
+                          weights_intact=True)  # fmt: skip
+        old = plan
+        note = (
+            f"micro-batch {old.micro_batch} -> {nxt} after OOM at step {step} on rank {rank}: {why}; "
+            f"accumulation {old.grad_accum} -> {old.per_rank // nxt}, global batch {old.global_batch} unchanged"
+        )
+        plan = with_micro_batch(old, nxt, note)  # logs the note
+        log.warning("%s", note)
+        if on_shrink is not None:
+            on_shrink(Shrink(step, plan.tier, old.micro_batch, nxt, old.grad_accum, plan.grad_accum, rank, why,
+                             time.time()))  # fmt: skip
+        _set_rng(rng)  # the redo draws the same random numbers as a first attempt would
