@@ -25,6 +25,7 @@ import random
 import re
 import shutil
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -76,9 +77,19 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def _options(trainable_only: bool) -> StateDictOptions:
-    # LoRA: frozen base weights are rebuilt from the preset/path, so only adapters are stored and loaded.
-    return StateDictOptions(ignore_frozen_params=trainable_only, strict=not trainable_only)
+def _state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, trainable_only: bool) -> dict[str, Any]:
+    """{"model": ..., "optim": ...} keyed by plain FQNs (DDP/FSDP wrappers removed; DTensor shards under FSDP).
+
+    LoRA (`trainable_only`): the frozen base is rebuilt from the preset or path, so only the adapters are
+    stored. Filtered by name: DCP's `ignore_frozen_params` keeps a tied output head (GPT-2's lm_head).
+    """
+    options = StateDictOptions(strict=not trainable_only)
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=options)
+    if trainable_only:
+        inner = getattr(model, "module", model)  # DDP's wrapper; FSDP2 shards in place
+        names = {n for n, p in inner.named_parameters(remove_duplicate=False) if p.requires_grad}
+        model_sd = {k: v for k, v in model_sd.items() if k in names}
+    return {"model": model_sd, "optim": optim_sd}
 
 
 def complete(root: str | Path) -> list[tuple[int, Path]]:
@@ -123,10 +134,11 @@ def save(
         shutil.rmtree(tmp, ignore_errors=True)  # left by a writer that was killed
         tmp.mkdir()
     ctrl.barrier()
-    model_sd, optim_sd = get_state_dict(model, optimizer, options=_options(trainable_only))
     writer = dcp.FileSystemWriter(tmp, sync_files=True)
-    dcp.save({"model": model_sd, "optim": optim_sd}, storage_writer=writer, process_group=ctrl.group,
-             no_dist=not dist.is_initialized())
+    with warnings.catch_warnings():  # DCP warns that one process means one process
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.save(_state(model, optimizer, trainable_only), storage_writer=writer, process_group=ctrl.group,
+                 no_dist=not dist.is_initialized())
     with open(tmp / f"rng-{rank}.pt", "wb") as f:
         torch.save(rng_state(), f)
         f.flush()
@@ -178,11 +190,12 @@ def load(
     trainable_only: bool = False,
 ) -> dict[str, Any]:
     """Restore model, optimizer and this rank's RNG from `path` (collective). Returns meta.json."""
-    options = _options(trainable_only)
-    model_sd, optim_sd = get_state_dict(model, optimizer, options=options)  # initialises Adam state to load into
-    state = {"model": model_sd, "optim": optim_sd}
-    dcp.load(state, checkpoint_id=path, process_group=ctrl.group, no_dist=not dist.is_initialized())
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"], options=options)
+    state = _state(model, optimizer, trainable_only)  # also initialises Adam's state, for DCP to load into
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(state, checkpoint_id=path, process_group=ctrl.group, no_dist=not dist.is_initialized())
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
+                   options=StateDictOptions(strict=not trainable_only))
     rng_file = path / f"rng-{rank}.pt"
     if not rng_file.is_file():  # more ranks than when it was written: rank 0's stream is the best guess
         log.warning("checkpoint %s has no RNG state for rank %d; using rank 0's", path, rank)

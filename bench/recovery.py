@@ -1,0 +1,117 @@
+"""Seconds from an OOM to the next completed step, in process and across a tier restart; steps lost.
+
+    python bench/recovery.py [--steps 12] [--fault-step 6] [--vendor cpu|cuda] [--keep DIR]
+
+Runs the real runner (`python -m runner SPEC`, tiny preset) with `JOBSPEC_FAULT_OOM` twice:
+  in-process  micro-batch 8, `step=K`: step K runs out at 8, shrinks to 4 and is redone in process;
+  tier        micro-batch 1, `step=K`: micro-batch 1 runs out, the worker checkpoints step K-1, exits
+              75, the supervisor relaunches at the next tier, which resumes from that checkpoint.
+Recovery = time of step K's metrics record - time of the OOM (the shrink event's `oom_at`, or the
+tier state's failure time). Steps lost = last step completed before the OOM - step resumed from
+(the goal is 0). The usual step time is printed beside it for scale.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def spec_dict(run_dir: Path, *, micro_batch: int, steps: int, vendor: str) -> dict[str, Any]:
+    return {
+        "name": "bench-recovery",
+        "model": {"preset": "tiny"},
+        "data": {"max_seq_len": 64},
+        "training": {"global_batch": 8, "micro_batch": micro_batch, "learning_rate": 3e-3, "warmup_steps": 2,
+                     "steps": steps, "precision": "fp32", "log_every": 1},
+        "hardware": {"vendor": vendor, "gpus": 1},
+        "memory": {"tier": "fast"},
+        "checkpoints": {"dir": str(run_dir), "every_steps": 1000, "keep": 2},
+    }  # fmt: skip
+
+
+def run(run_dir: Path, spec: dict[str, Any], fault: str) -> tuple[int, float]:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    path = run_dir.parent / f"{run_dir.name}.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    env = {**os.environ, "JOBSPEC_FAULT_OOM": fault, "PYTHONUNBUFFERED": "1"}
+    t0 = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-m", "runner", str(path)], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=600)  # fmt: skip
+    wall = time.perf_counter() - t0
+    if proc.returncode != 0:
+        sys.stderr.write(proc.stderr[-4000:])
+        raise SystemExit(f"runner exited {proc.returncode} for {fault!r}")
+    return proc.returncode, wall
+
+
+def metrics(run_dir: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def step_time(rows: list[dict[str, Any]], skip: set[int]) -> float:
+    """Median seconds between consecutive train records, leaving out the steps in `skip`."""
+    train = [r for r in rows if r.get("kind") == "train"]
+    gaps = [b["time"] - a["time"] for a, b in zip(train, train[1:]) if b["step"] == a["step"] + 1]
+    kept = [g for g, r in zip(gaps, train[1:]) if r["step"] not in skip]
+    return statistics.median(kept) if kept else float("nan")
+
+
+def in_process(base: Path, steps: int, k: int, vendor: str) -> dict[str, Any]:
+    run_dir = base / "in_process"
+    _, wall = run(run_dir, spec_dict(run_dir, micro_batch=8, steps=steps, vendor=vendor), f"step={k}")
+    rows = metrics(run_dir)
+    event = next(r for r in rows if r.get("event") == "oom_shrink")
+    done = next(r for r in rows if r.get("kind") == "train" and r["step"] == k)
+    resumed = [r for r in rows if r.get("kind") == "plan"]
+    return {"scenario": "in-process shrink", "recovery_s": done["time"] - event["oom_at"],
+            "step_s": step_time(rows, {1, k}), "steps_lost": 0 if len(resumed) == 1 else None,
+            "detail": f"micro-batch {event['from_micro_batch']} -> {event['to_micro_batch']}", "wall_s": wall}
+
+
+def tier_restart(base: Path, steps: int, k: int, vendor: str) -> dict[str, Any]:
+    run_dir = base / "tier"
+    _, wall = run(run_dir, spec_dict(run_dir, micro_batch=1, steps=steps, vendor=vendor), f"step={k}")
+    rows = metrics(run_dir)
+    state = json.loads((run_dir / "tier_state.json").read_text())
+    failed = state["failed"][0]
+    before = [r["step"] for r in rows if r.get("kind") == "train" and r["time"] <= failed["at"]]
+    plans = [r for r in rows if r.get("kind") == "plan"]
+    resumed_from = plans[-1]["step"]
+    done = next(r for r in rows if r.get("kind") == "train" and r["step"] == k and r["time"] > failed["at"])
+    return {"scenario": f"tier restart {failed['tier']} -> {plans[-1]['tier']}",
+            "recovery_s": done["time"] - failed["at"], "step_s": step_time(rows, {1, k, resumed_from + 1}),
+            "steps_lost": max(before, default=0) - resumed_from, "detail": f"resumed from step {resumed_from}",
+            "wall_s": wall}  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--fault-step", type=int, default=6)
+    parser.add_argument("--vendor", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--keep", type=Path, default=None, help="keep the run directories here")
+    args = parser.parse_args()
+    base = args.keep or Path(tempfile.mkdtemp(prefix="jobspec-recovery-"))
+    results = [f(base, args.steps, args.fault_step, args.vendor) for f in (in_process, tier_restart)]
+    print(f"OOM recovery ({args.vendor}, tiny preset, global batch 8, fault at step {args.fault_step}):")
+    for r in results:
+        lost = "?" if r["steps_lost"] is None else r["steps_lost"]
+        print(f"  {r['scenario']:38s} OOM -> next step {r['recovery_s']:6.2f} s   usual step {r['step_s']:.3f} s   "
+              f"steps lost {lost}   ({r['detail']}; run {r['wall_s']:.1f} s)")
+
+
+if __name__ == "__main__":
+    main()
