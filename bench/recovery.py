@@ -14,6 +14,7 @@ tier state's failure time). Steps lost = last step completed before the OOM - st
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import statistics
@@ -64,9 +65,9 @@ def metrics(run_dir: Path) -> list[dict[str, Any]]:
 def step_time(rows: list[dict[str, Any]], skip: set[int]) -> float:
     """Median seconds between consecutive train records, leaving out the steps in `skip`."""
     train = [r for r in rows if r.get("kind") == "train"]
-    gaps = [b["time"] - a["time"] for a, b in zip(train, train[1:]) if b["step"] == a["step"] + 1]
-    kept = [g for g, r in zip(gaps, train[1:]) if r["step"] not in skip]
-    return statistics.median(kept) if kept else float("nan")
+    gaps = [b["time"] - a["time"] for a, b in itertools.pairwise(train) if b["step"] == a["step"] + 1
+            and b["step"] not in skip]  # fmt: skip
+    return statistics.median(gaps) if gaps else float("nan")
 
 
 def in_process(base: Path, steps: int, k: int, vendor: str) -> dict[str, Any]:

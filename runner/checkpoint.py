@@ -137,8 +137,12 @@ def save(
     writer = dcp.FileSystemWriter(tmp, sync_files=True)
     with warnings.catch_warnings():  # DCP warns that one process means one process
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.save(_state(model, optimizer, trainable_only), storage_writer=writer, process_group=ctrl.group,
-                 no_dist=not dist.is_initialized())
+        dcp.save(
+            _state(model, optimizer, trainable_only),
+            storage_writer=writer,
+            process_group=ctrl.group,
+            no_dist=not dist.is_initialized(),
+        )
     with open(tmp / f"rng-{rank}.pt", "wb") as f:
         torch.save(rng_state(), f)
         f.flush()
@@ -194,8 +198,13 @@ def load(
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         dcp.load(state, checkpoint_id=path, process_group=ctrl.group, no_dist=not dist.is_initialized())
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
-                   options=StateDictOptions(strict=not trainable_only))
+    set_state_dict(
+        model,
+        optimizer,
+        model_state_dict=state["model"],
+        optim_state_dict=state["optim"],
+        options=StateDictOptions(strict=not trainable_only),
+    )
     rng_file = path / f"rng-{rank}.pt"
     if not rng_file.is_file():  # more ranks than when it was written: rank 0's stream is the best guess
         log.warning("checkpoint %s has no RNG state for rank %d; using rank 0's", path, rank)

@@ -162,8 +162,13 @@ class SFTData:
 def _rows(streams: list[tuple[np.ndarray, np.ndarray]], spec: DataSpec, what: str) -> list[Row]:
     kept = [(i, f) for i, f in streams if len(i) >= 2 and f[1:].any()]
     if len(kept) < len(streams):
-        log.info("%s: dropped %d of %d records with no response token within max_seq_len %d",
-                 what, len(streams) - len(kept), len(streams), spec.max_seq_len)
+        log.info(
+            "%s: dropped %d of %d records with no response token within max_seq_len %d",
+            what,
+            len(streams) - len(kept),
+            len(streams),
+            spec.max_seq_len,
+        )
     rows = pack(kept, spec.max_seq_len) if spec.packing else [to_row(i, f) for i, f in kept]
     if spec.packing:
         log.info("%s: packed %d records into %d rows of <= %d tokens", what, len(kept), len(rows), spec.max_seq_len)

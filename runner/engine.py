@@ -1,4 +1,4 @@
-"""accelerate for one plan: mixed precision, DDP for `fast`, FSDP2 for the other tiers, the optimizer.
+"""Device and accelerate for one plan: mixed precision, DDP for `fast`, FSDP2 for the other tiers, the optimizer.
 
 Tier -> FSDP2 (accelerate `fsdp_version=2`, one FSDP unit per transformer block):
     zero2          reshard_after_forward=False: grads and optimizer state sharded, parameters kept
@@ -26,14 +26,30 @@ from torch import nn
 
 from jobspec.errors import ConfigError
 from jobspec.spec import JobSpec
+from runner.hostmem import HostInfo
 from runner.model import block_class_names
 from runner.plan import Plan
+from runner.probe import DeviceInfo, probe_device
 
 log = logging.getLogger("jobspec.runner")
 MIXED = {"bf16": "bf16", "fp16": "fp16", "fp32": "no"}  # plan precision -> accelerate mixed_precision
 DTYPE = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 OFFLOAD_TIERS = ("zero2_offload", "minimal")
 RESHARD_TIERS = ("zero3", "minimal")
+
+
+def pick_device(spec: JobSpec, local_rank: int, host: HostInfo) -> tuple[torch.device, DeviceInfo]:
+    """This rank's GPU (index = local rank), or the CPU for vendor cpu or when no GPU is visible."""
+    use_gpu = spec.hardware.vendor != "cpu" and torch.cuda.is_available()
+    if spec.hardware.vendor != "cpu" and not use_gpu:
+        log.warning("hardware.vendor is %s but no GPU is visible: training on the CPU", spec.hardware.vendor)
+    if not use_gpu:  # also when GPUs exist but the spec says cpu: the planner must see the CPU
+        return torch.device("cpu"), DeviceInfo(
+            "cpu", "cpu", host.total_bytes, host.available_bytes, None, False, 0, "cpu", 0
+        )
+    device = torch.device("cuda", local_rank)
+    torch.cuda.set_device(device)
+    return device, probe_device(local_rank, host=host)
 
 
 def make_optimizer(model: nn.Module, spec: JobSpec, device: torch.device, tier: str) -> torch.optim.Optimizer:
@@ -45,8 +61,9 @@ def make_optimizer(model: nn.Module, spec: JobSpec, device: torch.device, tier: 
     ]
     # Offloaded tiers step the optimizer on the host: the fused CUDA kernel does not apply there.
     fused = device.type == "cuda" and tier not in OFFLOAD_TIERS
-    return torch.optim.AdamW([g for g in groups if g["params"]], lr=spec.training.peak_lr, betas=(0.9, 0.95),
-                             fused=fused or None)
+    return torch.optim.AdamW(
+        [g for g in groups if g["params"]], lr=spec.training.peak_lr, betas=(0.9, 0.95), fused=fused or None
+    )
 
 
 def fsdp_plugin(plan: Plan, model: nn.Module, device: torch.device) -> Any:
@@ -75,8 +92,13 @@ def fsdp_plugin(plan: Plan, model: nn.Module, device: torch.device) -> Any:
     )
 
 
-def prepare(plan: Plan, spec: JobSpec, device: torch.device, model: nn.Module, optimizer: torch.optim.Optimizer,
-            ) -> tuple[Any, nn.Module, Any]:
+def prepare(
+    plan: Plan,
+    spec: JobSpec,
+    device: torch.device,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+) -> tuple[Any, nn.Module, Any]:
     """(accelerator, model, optimizer) ready to train: placed, wrapped (DDP/FSDP2), autocast set up."""
     from accelerate import Accelerator
     from accelerate.utils import DistributedType
@@ -100,6 +122,11 @@ def prepare(plan: Plan, spec: JobSpec, device: torch.device, model: nn.Module, o
         torch.backends.cuda.matmul.allow_tf32 = True  # fp32 matmuls on tensor cores (TF32), Ampere and later
         torch.backends.cudnn.allow_tf32 = True
     where = "FSDP2" if plugin is not None else "DDP" if plan.world_size > 1 else "single process"
-    log.info("engine: accelerate %s, mixed precision %s, checkpointing %s, compile %s",
-             where, MIXED[plan.precision], plan.checkpointing, spec.training.compile)
+    log.info(
+        "engine: accelerate %s, mixed precision %s, checkpointing %s, compile %s",
+        where,
+        MIXED[plan.precision],
+        plan.checkpointing,
+        spec.training.compile,
+    )
     return accelerator, model, optimizer

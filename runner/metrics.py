@@ -44,8 +44,11 @@ class GpuUtil:
 
             pynvml.nvmlInit()
             uuid = getattr(torch.cuda.get_device_properties(device), "uuid", None)
-            self.handle = (pynvml.nvmlDeviceGetHandleByUUID(f"GPU-{uuid}") if uuid
-                           else pynvml.nvmlDeviceGetHandleByIndex(device.index or 0))
+            self.handle = (
+                pynvml.nvmlDeviceGetHandleByUUID(f"GPU-{uuid}")
+                if uuid
+                else pynvml.nvmlDeviceGetHandleByIndex(device.index or 0)
+            )
             self.nvml = pynvml
         except Exception as err:  # no library, no driver, NVMLError: the field stays null
             log.debug("no GPU utilisation: %s", err)
@@ -87,9 +90,11 @@ def format_line(r: dict[str, Any]) -> str:
     if r.get("kind") == "eval":
         return f"eval step {r['step']} | eval_loss {r['eval_loss']:.4f} | {r['eval_tokens']} tokens"
     if r.get("kind") == "plan":
-        return (f"plan: tier {r['tier']}, micro-batch {r['micro_batch']} x {r['grad_accum']} accumulation x "
-                f"{r['world_size']} ranks = {r['global_batch']}, {r['precision']}, checkpointing "
-                f"{'on' if r['checkpointing'] else 'off'}, from step {r['step']} of {r['total_steps']}")
+        return (
+            f"plan: tier {r['tier']}, micro-batch {r['micro_batch']} x {r['grad_accum']} accumulation x "
+            f"{r['world_size']} ranks = {r['global_batch']}, {r['precision']}, checkpointing "
+            f"{'on' if r['checkpointing'] else 'off'}, from step {r['step']} of {r['total_steps']}"
+        )
     if r.get("kind") != "train":
         return json.dumps(r)
     mem = ""

@@ -29,16 +29,31 @@ def preset_config(shape: ModelShape, bos: int, eos: int) -> object:
 
     if shape.family == "gpt2":
         cfg = GPT2Config(
-            vocab_size=shape.vocab, n_positions=shape.max_positions, n_embd=shape.hidden, n_layer=shape.layers,
-            n_head=shape.heads, n_inner=shape.intermediate, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-            bos_token_id=bos, eos_token_id=eos, tie_word_embeddings=shape.tie_embeddings,
+            vocab_size=shape.vocab,
+            n_positions=shape.max_positions,
+            n_embd=shape.hidden,
+            n_layer=shape.layers,
+            n_head=shape.heads,
+            n_inner=shape.intermediate,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+            bos_token_id=bos,
+            eos_token_id=eos,
+            tie_word_embeddings=shape.tie_embeddings,
         )
     else:
         cfg = LlamaConfig(
-            vocab_size=shape.vocab, hidden_size=shape.hidden, intermediate_size=shape.intermediate,
-            num_hidden_layers=shape.layers, num_attention_heads=shape.heads,
-            num_key_value_heads=shape.kv_heads or shape.heads, max_position_embeddings=shape.max_positions,
-            tie_word_embeddings=shape.tie_embeddings, bos_token_id=bos, eos_token_id=eos,
+            vocab_size=shape.vocab,
+            hidden_size=shape.hidden,
+            intermediate_size=shape.intermediate,
+            num_hidden_layers=shape.layers,
+            num_attention_heads=shape.heads,
+            num_key_value_heads=shape.kv_heads or shape.heads,
+            max_position_embeddings=shape.max_positions,
+            tie_word_embeddings=shape.tie_embeddings,
+            bos_token_id=bos,
+            eos_token_id=eos,
         )
     return cfg
 
@@ -58,16 +73,24 @@ def build_model(spec: JobSpec, *, bos: int, eos: int, vocab: int) -> nn.Module:
         except (OSError, ValueError) as err:
             raise ConfigError(f"model.path {m.path!r}: cannot load the model ({err})") from err
         if vocab > model.get_input_embeddings().num_embeddings:
-            log.info("resizing the embeddings %d -> %d rows for the tokenizer",
-                     model.get_input_embeddings().num_embeddings, vocab)
+            log.info(
+                "resizing the embeddings %d -> %d rows for the tokenizer",
+                model.get_input_embeddings().num_embeddings,
+                vocab,
+            )
             model.resize_token_embeddings(vocab)
     model.config.use_cache = False  # no KV cache in training (and required with checkpointing)
     if m.lora:
         apply_lora(model, m.lora)
     total = sum(p.numel() for p in model.parameters())
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    log.info("model %s: %.2fM parameters, %.2fM trainable, attention %s",
-             m.preset or m.path, total / 1e6, trainable / 1e6, m.attention)
+    log.info(
+        "model %s: %.2fM parameters, %.2fM trainable, attention %s",
+        m.preset or m.path,
+        total / 1e6,
+        trainable / 1e6,
+        m.attention,
+    )
     return model
 
 
@@ -98,8 +121,10 @@ def apply_lora(model: nn.Module, lora: LoraSpec) -> int:
     for p in model.parameters():
         p.requires_grad_(False)
     names = [
-        name for name, mod in model.named_modules()
-        if any(name == t or name.endswith("." + t) for t in lora.targets) and hasattr(mod, "weight")
+        name
+        for name, mod in model.named_modules()
+        if any(name == t or name.endswith("." + t) for t in lora.targets)
+        and hasattr(mod, "weight")
         and mod.weight.dim() == 2
     ]
     if not names:

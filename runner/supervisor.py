@@ -69,8 +69,15 @@ class Outcome:
 
     def message(self) -> str:
         s = self.status
-        return json.dumps({"exit_code": self.exit_code, "reason": self.reason, "tier": s.get("tier"),
-                           "step": s.get("step"), "loss": s.get("loss")})
+        return json.dumps(
+            {
+                "exit_code": self.exit_code,
+                "reason": self.reason,
+                "tier": s.get("tier"),
+                "step": s.get("step"),
+                "loss": s.get("loss"),
+            }
+        )
 
 
 def _free_port() -> int:
@@ -96,8 +103,12 @@ def topology(spec: JobSpec, nproc: int | None) -> Topology:
     if nproc is None:
         nproc = spec.hardware.gpus.count if not gpus else min(gpus, spec.hardware.gpus.count)
         if gpus and gpus != spec.hardware.gpus.count:
-            log.info("%d GPUs visible, spec asks for %d per node: starting %d processes", gpus,
-                     spec.hardware.gpus.count, nproc)
+            log.info(
+                "%d GPUs visible, spec asks for %d per node: starting %d processes",
+                gpus,
+                spec.hardware.gpus.count,
+                nproc,
+            )
     if nproc < 1 or (gpus and nproc > gpus):
         raise ConfigError(f"--nproc {nproc}: need between 1 and {gpus or 'any number of'} processes on this node")
     nnodes = int(env.get("JOBSPEC_NNODES", "1"))
@@ -108,9 +119,11 @@ def topology(spec: JobSpec, nproc: int | None) -> Topology:
     port = int(env.get("JOBSPEC_MASTER_PORT", "0")) or (_free_port() if nnodes == 1 else 29500)
     topo = Topology(nnodes, node_rank, nproc, addr, port, cpu=not gpus)
     if spec.training.global_batch % topo.world_size:
-        raise ConfigError(f"training.global_batch {spec.training.global_batch} does not split over "
-                          f"{topo.world_size} processes ({nnodes} nodes x {nproc}); "
-                          f"use a multiple of {topo.world_size}")
+        raise ConfigError(
+            f"training.global_batch {spec.training.global_batch} does not split over "
+            f"{topo.world_size} processes ({nnodes} nodes x {nproc}); "
+            f"use a multiple of {topo.world_size}"
+        )
     return topo
 
 
@@ -123,10 +136,16 @@ class Workers:
         cmd = [sys.executable, "-m", "runner.worker", spec_path, *[a for o in overrides for a in ("--set", o)]]
         threads = str(max(1, (os.cpu_count() or 1) // topo.nproc))
         for local in range(topo.nproc):
-            env = {**os.environ, "RANK": str(topo.node_rank * topo.nproc + local), "LOCAL_RANK": str(local),
-                   "WORLD_SIZE": str(topo.world_size), "LOCAL_WORLD_SIZE": str(topo.nproc),
-                   "MASTER_ADDR": topo.master_addr, "MASTER_PORT": str(topo.master_port),
-                   "JOBSPEC_STATUS_FILE": status_file}
+            env = {
+                **os.environ,
+                "RANK": str(topo.node_rank * topo.nproc + local),
+                "LOCAL_RANK": str(local),
+                "WORLD_SIZE": str(topo.world_size),
+                "LOCAL_WORLD_SIZE": str(topo.nproc),
+                "MASTER_ADDR": topo.master_addr,
+                "MASTER_PORT": str(topo.master_port),
+                "JOBSPEC_STATUS_FILE": status_file,
+            }
             if topo.cpu:  # the ranks share the cores: one thread pool each would oversubscribe
                 env.setdefault("OMP_NUM_THREADS", threads)
             self.procs.append(subprocess.Popen(cmd, env=env))
@@ -159,14 +178,20 @@ def combine(codes: list[int], killed: set[int] = frozenset()) -> tuple[int, str]
     mapped = {}
     for rank, c in enumerate(codes):
         if c == -signal.SIGKILL and rank not in killed:
-            return EXIT_FAILED, (f"worker {rank} was killed by SIGKILL: likely the host ran out of memory (the "
-                                 "container's memory limit); raise hardware.memory or use a lower memory tier")
+            return EXIT_FAILED, (
+                f"worker {rank} was killed by SIGKILL: likely the host ran out of memory (the "
+                "container's memory limit); raise hardware.memory or use a lower memory tier"
+            )
         mapped[rank] = EXIT_PREEMPTED if c == -signal.SIGTERM else c if c in _PRIORITY else EXIT_FAILED
     code = min(mapped.values(), key=_PRIORITY.index)
     first = next(r for r, c in mapped.items() if c == code)
-    reasons = {EXIT_OK: "done", EXIT_PREEMPTED: "preempted: checkpoint written", EXIT_CONFIG: "bad spec or data",
-               EXIT_OOM_RETRY_TIER: "out of memory at micro-batch 1: retry at the next tier",
-               EXIT_OOM_LAST_TIER: "out of memory at the last tier"}
+    reasons = {
+        EXIT_OK: "done",
+        EXIT_PREEMPTED: "preempted: checkpoint written",
+        EXIT_CONFIG: "bad spec or data",
+        EXIT_OOM_RETRY_TIER: "out of memory at micro-batch 1: retry at the next tier",
+        EXIT_OOM_LAST_TIER: "out of memory at the last tier",
+    }
     return code, reasons.get(code, f"worker {first} failed with exit code {codes[first]}")
 
 
@@ -181,8 +206,15 @@ def run_attempt(spec_path: str, overrides: list[str], topo: Topology, stopping: 
     """Start the workers once and wait for them."""
     fd, status_file = tempfile.mkstemp(prefix="jobspec-status-", suffix=".json")
     os.close(fd)
-    log.info("starting %d worker(s): node %d of %d, world size %d, master %s:%d", topo.nproc, topo.node_rank,
-             topo.nnodes, topo.world_size, topo.master_addr, topo.master_port)
+    log.info(
+        "starting %d worker(s): node %d of %d, world size %d, master %s:%d",
+        topo.nproc,
+        topo.node_rank,
+        topo.nnodes,
+        topo.world_size,
+        topo.master_addr,
+        topo.master_port,
+    )
     workers = Workers(spec_path, overrides, topo, status_file)
 
     def forward(signum: int, frame: object) -> None:
@@ -203,8 +235,11 @@ def run_attempt(spec_path: str, overrides: list[str], topo: Topology, stopping: 
         status = {}
     finally:
         Path(status_file).unlink(missing_ok=True)
-    if code != EXIT_OK and status.get("reason") and code != EXIT_FAILED:
-        reason = status["reason"]  # the worker's own words (e.g. which tier ran out of memory)
+    worker_reason = status.get("reason")
+    if code not in (EXIT_OK, EXIT_FAILED) and worker_reason:
+        reason = worker_reason  # the worker's own words (e.g. which tier ran out of memory)
+    elif code == EXIT_FAILED and worker_reason not in (None, "starting", "running"):
+        reason = f"{reason}: {worker_reason}"
     return Outcome(code, reason, status)
 
 
@@ -220,12 +255,22 @@ def supervise(spec: JobSpec, spec_path: str, overrides: list[str], nproc: int | 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m runner", description="Train the job a spec describes.")
     parser.add_argument("spec", help="job spec YAML, e.g. examples/quickstart.yaml")
-    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                        help="override a spec field, e.g. --set training.steps=20 (repeatable)")
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a spec field, e.g. --set training.steps=20 (repeatable)",
+    )
     parser.add_argument("--nproc", type=int, default=None, help="processes on this node (CPU: gloo ranks)")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(levelname)s [supervisor] "
-                        "%(message)s", datefmt="%H:%M:%S")
+    logging.basicConfig(
+        level=logging.INFO,
+        stream=sys.stderr,
+        format="%(asctime)s %(levelname)s [supervisor] %(message)s",
+        datefmt="%H:%M:%S",
+    )
     try:
         spec = load_spec(args.spec, args.overrides)
         outcome = supervise(spec, str(Path(args.spec).resolve()), args.overrides, args.nproc)

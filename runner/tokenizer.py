@@ -85,9 +85,11 @@ class HFTokenizer:
     def _chat(self, messages: Sequence[Message], generation_prompt: bool) -> str:
         if not messages:
             return ""
-        return str(self.tok.apply_chat_template(  # type: ignore[attr-defined]
-            list(messages), tokenize=False, add_generation_prompt=generation_prompt
-        ))
+        return str(
+            self.tok.apply_chat_template(  # type: ignore[attr-defined]
+                list(messages), tokenize=False, add_generation_prompt=generation_prompt
+            )
+        )
 
     def render(self, messages: Sequence[Message]) -> list[Segment]:
         if not self.has_template:

@@ -32,16 +32,18 @@ class StopFlag:
     """Set by SIGTERM or SIGINT; read at every micro-step. A second SIGINT interrupts at once."""
 
     def __init__(self) -> None:
-        self.signum: int | None = None
+        self.signum: int | None = None  # the first stop signal received
+        self.interrupts = 0  # SIGINTs received (a terminal's Ctrl-C reaches every process of the group)
         self._previous: dict[int, Any] = {}
 
     def __bool__(self) -> bool:
         return self.signum is not None
 
     def _handle(self, signum: int, frame: object) -> None:
-        if self.signum is not None and signum == signal.SIGINT:
+        self.interrupts += signum == signal.SIGINT
+        if self.interrupts >= 2:
             raise KeyboardInterrupt
-        self.signum = signum
+        self.signum = self.signum or signum
 
     def install(self) -> None:
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -75,8 +77,18 @@ class StepResult:
 class Stepper:
     """Runs steps and evaluations on a prepared (accelerator, model, optimizer)."""
 
-    def __init__(self, accelerator: Any, model: torch.nn.Module, optimizer: Any, data: SFTData, ctrl: Control,
-                 stop: StopFlag, *, max_grad_norm: float | None, pin_memory: bool = False):
+    def __init__(
+        self,
+        accelerator: Any,
+        model: torch.nn.Module,
+        optimizer: Any,
+        data: SFTData,
+        ctrl: Control,
+        stop: StopFlag,
+        *,
+        max_grad_norm: float | None,
+        pin_memory: bool = False,
+    ):
         self.accelerator, self.model, self.optimizer = accelerator, model, optimizer
         self.data, self.ctrl, self.stop = data, ctrl, stop
         self.max_grad_norm = max_grad_norm

@@ -1,12 +1,8 @@
 """One training process (one rank): `python -m runner.worker SPEC [--set k=v ...]`, started by the supervisor.
 
-Shape (torchtune's recipes): `Worker(spec)` checks what it can without a GPU, `setup()` probes, plans,
-builds data, model, optimizer and accelerate and resumes from the newest complete checkpoint,
-`train()` runs the loop and returns the exit code, `cleanup()` releases everything. The loop is
-nanoGPT-plain: step ids -> `Stepper.train_step` -> log / eval / checkpoint.
-
-Debugging aid: JOBSPEC_RECORD_SAMPLES=1 makes every rank append `{step, rank, micro_batch, grad_accum,
-ids}` per optimizer step to `<checkpoints.dir>/samples-rank<R>.jsonl` (the ids it actually trained on).
+Reads its place in the job from RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR and
+MASTER_PORT, runs `runner.recipe.Recipe` and exits with the contract's code: 0 done, 2 bad spec or
+data, 75/76 no tier fits, 143 stopped by SIGTERM after its checkpoint, 1 anything else (traceback logged).
 """
 
 from __future__ import annotations
@@ -16,222 +12,16 @@ import json
 import logging
 import os
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
-import torch
-
-from jobspec.contract import EXIT_FAILED, EXIT_OK, EXIT_PREEMPTED, METRICS_FILE
+from jobspec.contract import EXIT_FAILED
 from jobspec.errors import JobspecError
 from jobspec.loader import load_spec
-from jobspec.spec import JobSpec
-from runner import checkpoint, engine
-from runner.data import DataOrder, load_data, rank_slice, total_steps
-from runner.dist import Control, DistEnv, destroy_process_group, init_process_group
-from runner.hostmem import HostInfo
-from runner.metrics import GpuUtil, Metrics, Progress, memory_bytes
-from runner.model import build_model
-from runner.plan import Plan, agree, initial_plan, size_for_tier, verify_micro_batch
-from runner.probe import DeviceInfo, describe, oom_guard, probe_device, probe_host
-from runner.tokenizer import load_tokenizer
-from runner.train import Preempted, Stepper, StepResult, StopFlag, get_lr
+from runner.dist import DistEnv
+from runner.recipe import Recipe
 
 log = logging.getLogger("jobspec.runner")
-
-
-class Worker:
-    def __init__(self, spec: JobSpec, env: DistEnv | None = None):
-        self.spec, self.env = spec, env or DistEnv.from_env()
-        self.root = Path(spec.checkpoints.dir)
-        self.stop = StopFlag()
-        self.step = 0  # optimizer steps completed
-        self.saved_step = -1  # step of the last checkpoint written or resumed from
-        self.status: dict[str, Any] = {"tier": None, "step": 0, "loss": None, "reason": "starting"}
-        self.metrics: Metrics | None = None
-        self.progress: Progress | None = None
-        self.record_samples = os.environ.get("JOBSPEC_RECORD_SAMPLES") == "1"
-
-    # --- setup ------------------------------------------------------------------------------------------
-
-    def setup(self) -> None:
-        spec, env = self.spec, self.env
-        self.stop.install()
-        use_gpu = spec.hardware.vendor != "cpu" and torch.cuda.is_available()
-        if spec.hardware.vendor != "cpu" and not use_gpu:
-            log.warning("hardware.vendor is %s but no GPU is visible: training on the CPU", spec.hardware.vendor)
-        self.device = torch.device("cuda", env.local_rank) if use_gpu else torch.device("cpu")
-        if use_gpu:
-            torch.cuda.set_device(self.device)
-        self.host = probe_host()
-        self.dev = probe_device(env.local_rank, host=self.host) if use_gpu else cpu_device(self.host)
-        log.info("%s", describe(self.dev, self.host))
-        init_process_group(env, self.device, needed=False)
-        self.ctrl = Control(env.world_size)
-
-        self.tokenizer = load_tokenizer(spec.model.path, self._model_vocab())
-        self.data = load_data(spec, self.tokenizer)
-        self.order = DataOrder(len(self.data.train), spec.training.global_batch, spec.training.seed)
-        self.total_steps = total_steps(spec, self.order)
-        resume = checkpoint.latest(self.root)
-        meta = checkpoint.read_meta(resume) if resume else None
-        self.plan = self._plan(meta)
-        if self.plan.tier != "fast":
-            init_process_group(env, self.device, needed=True)  # FSDP needs a group even for one rank
-
-        model = build_model(spec, bos=getattr(self.tokenizer, "BOS", self.tokenizer.eos_id),
-                            eos=self.tokenizer.eos_id, vocab=self.tokenizer.vocab_size)
-        optimizer = engine.make_optimizer(model, spec, self.device, self.plan.tier)
-        self.accelerator, self.model, self.optimizer = engine.prepare(self.plan, spec, self.device, model, optimizer)
-        self.stepper = Stepper(self.accelerator, self.model, self.optimizer, self.data, self.ctrl, self.stop,
-                               max_grad_norm=spec.training.max_grad_norm, pin_memory=self.plan.pin_memory)
-        if self.dev.is_gpu and meta is None:
-            self._verify_micro_batch()
-        if resume is not None:
-            meta = checkpoint.load(resume, self.model, self.optimizer, rank=env.rank, ctrl=self.ctrl,
-                                   trainable_only=spec.model.lora is not None)
-            self.step = self.saved_step = int(meta["step"])
-            log.info("resumed from %s: step %d of %d", resume, self.step, self.total_steps)
-        self.status.update(tier=self.plan.tier, step=self.step, reason="running")
-        self.metrics = Metrics(self.root / METRICS_FILE, enabled=env.is_main)
-        self.metrics.write({"kind": "plan", "step": self.step, "resumed": resume is not None,
-                            "total_steps": self.total_steps, **self.plan.to_dict()})
-        self.gpu_util = GpuUtil(self.device)
-
-    def _model_vocab(self) -> int:
-        from runner.plan import model_shape
-
-        return model_shape(self.spec).vocab
-
-    def _plan(self, meta: dict[str, Any] | None) -> Plan:
-        """The checkpoint's plan when resuming the same batch on the same world size, else a fresh one; agreed."""
-        spec, world = self.spec, self.env.world_size
-        plan = None
-        if meta is not None:
-            if meta.get("spec_hash") != spec.spec_hash():
-                log.warning("resuming a checkpoint written by another spec (hash %s, now %s)",
-                            meta.get("spec_hash"), spec.spec_hash())
-            saved = Plan.from_dict(meta["plan"])
-            if saved.world_size == world and saved.global_batch == spec.training.global_batch:
-                plan = saved
-                log.info("plan from checkpoint step %d: tier %s, micro-batch %d x %d", meta["step"], plan.tier,
-                         plan.micro_batch, plan.grad_accum)
-        local = self.env.local_world_size
-        if plan is None:
-            plan = initial_plan(spec, self.dev, self.host, world, local_ranks=local)
-        return agree(plan, self.ctrl.reduce_min,
-                     replan=lambda tier: size_for_tier(spec, self.dev, self.host, world, tier, local_ranks=local))
-
-    def _verify_micro_batch(self) -> None:
-        """Real probe steps on the GPU (on CPU an OOM is the kernel's kill, not an exception: nothing to probe)."""
-        seq = min(self.plan.seq_len, self.data.longest)
-        rng = torch.cuda.get_rng_state(self.device)
-        try_step = oom_guard(lambda mbs: self.stepper.probe_step(mbs, seq), budget_bytes=self.plan.budget_bytes)
-        self.plan = verify_micro_batch(self.plan, try_step, reduce_min=self.ctrl.reduce_min)
-        self.stepper.reset_optimizer()
-        torch.cuda.set_rng_state(rng, self.device)
-
-    # --- train ------------------------------------------------------------------------------------------
-
-    def lr(self, step: int) -> float:
-        t = self.spec.training
-        return get_lr(step, t.peak_lr, t.warmup_steps, self.total_steps, t.min_lr_ratio)
-
-    def step_ids(self, step: int) -> list[int]:
-        """This rank's contiguous share of the samples of optimizer step `step` (0-based)."""
-        return rank_slice(self.order.step_samples(step), self.env.rank, self.env.world_size)
-
-    def train_step(self, step: int) -> StepResult:
-        """Optimizer step `step` at the plan's micro-batch: the unit the OOM ladder (issue 5) guards and
-        redoes, with a smaller `self.plan.micro_batch`, from the same `step_ids(step)`."""
-        return self.stepper.train_step(self.step_ids(step), self.plan.micro_batch, self.lr(step))
-
-    def train(self) -> int:
-        """Train to `total_steps`; returns the exit code (0, or 143 after a SIGTERM checkpoint)."""
-        t, ck = self.spec.training, self.spec.checkpoints
-        self.progress = Progress(self.total_steps, self.step, enabled=self.env.is_main)
-        mine = rank_slice(range(len(self.data.eval)), self.env.rank, self.env.world_size)
-        self.eval_ids = mine[: t.eval_batches * self.plan.micro_batch]
-        tic, tokens = time.perf_counter(), 0
-        try:
-            while self.step < self.total_steps:
-                result = self.train_step(self.step)
-                self.step += 1
-                self.status["step"] = self.step
-                tokens += result.tokens
-                if self.record_samples:
-                    self._record_samples(result.sample_ids)
-                if self.step in (1, self.total_steps) or self.step % t.log_every == 0:
-                    self._log_step(result, tokens / (time.perf_counter() - tic))
-                    tic, tokens = time.perf_counter(), 0
-                self.progress.update(self.status["loss"])
-                if (t.eval_every and self.step % t.eval_every == 0) or self.step == self.total_steps:
-                    self._evaluate()
-                if self.step % ck.every_steps == 0 or self.step == self.total_steps:
-                    self._save()
-        except Preempted:
-            log.warning("stop requested (signal %s): checkpointing step %d and exiting", self.stop.signum, self.step)
-            self._save()
-            self.status["reason"] = f"preempted at step {self.step}: checkpoint written"
-            return EXIT_PREEMPTED
-        self.status["reason"] = "done"
-        return EXIT_OK
-
-    def _log_step(self, r: StepResult, tokens_per_s: float) -> None:
-        loss = self.ctrl.all_reduce([r.loss_sum.item()])[0] / max(r.targets, 1)  # global per-token mean
-        self.status.update(step=self.step, loss=loss)
-        used, total = memory_bytes(self.device, self.host.total_bytes)
-        p = self.plan
-        self.metrics.write({
-            "kind": "train", "step": self.step, "total_steps": self.total_steps, "loss": loss,
-            "lr": self.lr(self.step - 1), "grad_norm": None if r.grad_norm is None else float(r.grad_norm),
-            "tier": p.tier, "micro_batch": p.micro_batch, "grad_accum": p.grad_accum, "world_size": p.world_size,
-            "global_batch": p.global_batch, "samples": self.step * p.global_batch,
-            "epoch": self.order.epoch(self.step - 1), "targets": r.targets, "tokens_per_s": tokens_per_s,
-            "mem_used_bytes": used, "mem_total_bytes": total, "gpu_util": self.gpu_util(),
-        })
-
-    def _evaluate(self) -> None:
-        if not self.data.eval:
-            return
-        loss, n = self.stepper.evaluate(self.eval_ids, self.plan.micro_batch)
-        self.metrics.write({"kind": "eval", "step": self.step, "eval_loss": loss, "eval_tokens": n})
-
-    def _save(self) -> None:
-        if self.saved_step == self.step:
-            return
-        meta = {"epoch": self.order.epoch(max(self.step - 1, 0)), "samples": self.step * self.plan.global_batch,
-                "plan": self.plan.to_dict(), "spec_hash": self.spec.spec_hash(), "world_size": self.env.world_size,
-                "total_steps": self.total_steps, "lr_schedule": "warmup_cosine(step)", "loss": self.status["loss"]}
-        checkpoint.save(self.root, self.step, self.model, self.optimizer, meta, rank=self.env.rank, ctrl=self.ctrl,
-                        keep=self.spec.checkpoints.keep, trainable_only=self.spec.model.lora is not None)
-        self.saved_step = self.step
-
-    def _record_samples(self, ids: list[int]) -> None:
-        rec = {"step": self.step, "rank": self.env.rank, "micro_batch": self.plan.micro_batch,
-               "grad_accum": self.plan.grad_accum, "ids": ids}
-        self.root.mkdir(parents=True, exist_ok=True)
-        with open(self.root / f"samples-rank{self.env.rank}.jsonl", "a") as f:
-            f.write(json.dumps(rec) + "\n")
-
-    # --- cleanup ----------------------------------------------------------------------------------------
-
-    def cleanup(self) -> None:
-        for closable in (self.progress, self.metrics):
-            if closable is not None:
-                closable.close()
-        self.stop.restore()
-        write_status(self.env, self.status)
-        from accelerate.state import AcceleratorState, GradientState
-
-        AcceleratorState._reset_state(reset_partial_state=True)  # the next Worker in this process starts clean
-        GradientState._reset_state()
-        destroy_process_group()
-
-
-def cpu_device(host: HostInfo) -> DeviceInfo:
-    """The CPU as the planner sees it (also when GPUs exist but the spec says vendor cpu)."""
-    return DeviceInfo("cpu", "cpu", host.total_bytes, host.available_bytes, None, False, 0, "cpu", 0)
 
 
 def write_status(env: DistEnv, status: dict[str, Any]) -> None:
@@ -243,8 +33,12 @@ def write_status(env: DistEnv, status: dict[str, Any]) -> None:
 
 def setup_logging(rank: int) -> None:
     level = logging.INFO if rank == 0 else logging.WARNING
-    logging.basicConfig(level=level, stream=sys.stderr,
-                        format=f"%(asctime)s %(levelname)s [rank {rank}] %(message)s", datefmt="%H:%M:%S")
+    logging.basicConfig(
+        level=level,
+        stream=sys.stderr,
+        format=f"%(asctime)s %(levelname)s [rank {rank}] %(message)s",
+        datefmt="%H:%M:%S",
+    )
     logging.getLogger("jobspec.runner").setLevel(level)
 
 
@@ -255,10 +49,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     env = DistEnv.from_env()
     setup_logging(env.rank)
-    worker: Worker | None = None
+    worker: Recipe | None = None
     code = EXIT_FAILED
     try:
-        worker = Worker(load_spec(args.spec, args.overrides), env)
+        worker = Recipe(load_spec(args.spec, args.overrides), env)
         worker.setup()
         code = worker.train()
     except JobspecError as err:  # bad spec or data (2), no tier fits (75/76): message, no traceback
@@ -273,6 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if worker is not None:
             worker.cleanup()
+            write_status(env, worker.status)
     return code
 
 

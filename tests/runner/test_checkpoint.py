@@ -116,8 +116,13 @@ KILLED_WRITER = textwrap.dedent("""
 @pytest.mark.parametrize("where", ["rng_state", "_write_durable"])
 def test_sigkill_while_writing_leaves_the_previous_checkpoint_loadable(tmp_path, where):
     """Killed inside the temp dir (rng_state) or after the rename, before DONE (_write_durable)."""
-    proc = subprocess.Popen([sys.executable, "-c", KILLED_WRITER.format(), str(tmp_path), where], cwd=ROOT,
-                            env=runner_env(), stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", KILLED_WRITER.format(), str(tmp_path), where],
+        cwd=ROOT,
+        env=runner_env(),
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert proc.stdout.readline().strip() == "PAUSED"
     finally:

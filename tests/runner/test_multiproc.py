@@ -20,8 +20,9 @@ SECTIONS = {"training": {"micro_batch": 2, "steps": 4}, "checkpoints": {"every_s
 def two_ranks(tmp_path, tier: str):
     run = tmp_path / tier
     spec = tiny_spec_dict(run, memory={"tier": tier}, **SECTIONS)
-    result = run_supervisor([str(write_spec(tmp_path / f"{tier}.yaml", spec)), "--nproc", "2"],
-                            JOBSPEC_RECORD_SAMPLES="1")
+    result = run_supervisor(
+        [str(write_spec(tmp_path / f"{tier}.yaml", spec)), "--nproc", "2"], JOBSPEC_RECORD_SAMPLES="1"
+    )
     assert result.returncode == EXIT_OK, result.stderr[-4000:]
     return run
 

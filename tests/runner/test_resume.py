@@ -50,12 +50,18 @@ def test_a_resumed_run_matches_an_uninterrupted_one(tmp_path, model):
 
 def test_sigterm_checkpoints_exits_143_and_the_checkpoint_resumes(tmp_path):
     run = tmp_path / "run"
-    spec = write_spec(tmp_path / "s.yaml", tiny_spec_dict(run, training={"steps": 100000},
-                                                          checkpoints={"every_steps": 100000}))
+    spec = write_spec(
+        tmp_path / "s.yaml", tiny_spec_dict(run, training={"steps": 100000}, checkpoints={"every_steps": 100000})
+    )
     term = tmp_path / "termination-log"
-    proc = subprocess.Popen([sys.executable, "-m", "runner", str(spec)], cwd=ROOT,
-                            env=runner_env(JOBSPEC_TERMINATION_LOG=str(term)),
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "runner", str(spec)],
+        cwd=ROOT,
+        env=runner_env(JOBSPEC_TERMINATION_LOG=str(term)),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         deadline = time.monotonic() + 120
         while not any(r["step"] >= 3 for r in records(run)):

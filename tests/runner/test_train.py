@@ -9,7 +9,6 @@ import torch
 
 from jobspec.contract import EXIT_CONFIG, EXIT_OK
 from runner import checkpoint
-from runner.worker import Worker
 from tests.runner.train_helpers import (
     CHAT,
     ROOT,
@@ -17,22 +16,37 @@ from tests.runner.train_helpers import (
     run_supervisor,
     save_test_tokenizer,
     tiny_spec,
+    tiny_spec_dict,
     train_in_process,
     write_jsonl,
     write_spec,
 )
 
-CONTRACT_FIELDS = {"step", "loss", "lr", "tier", "micro_batch", "grad_accum", "global_batch", "samples",
-                   "tokens_per_s", "mem_used_bytes", "mem_total_bytes", "gpu_util"}
+CONTRACT_FIELDS = {
+    "step",
+    "loss",
+    "lr",
+    "tier",
+    "micro_batch",
+    "grad_accum",
+    "global_batch",
+    "samples",
+    "tokens_per_s",
+    "mem_used_bytes",
+    "mem_total_bytes",
+    "gpu_util",
+}
 
 
 @pytest.fixture(scope="module")
 def learned(tmp_path_factory):
     """100 steps of the tiny preset on the bundled data (about 5 s on 2 cores)."""
     run_dir = tmp_path_factory.mktemp("learn") / "run"
-    spec = tiny_spec(run_dir, training={"global_batch": 16, "steps": 100, "warmup_steps": 10, "log_every": 10,
-                                        "eval_every": 50},
-                     checkpoints={"every_steps": 25, "keep": 2})
+    spec = tiny_spec(
+        run_dir,
+        training={"global_batch": 16, "steps": 100, "warmup_steps": 10, "log_every": 10, "eval_every": 50},
+        checkpoints={"every_steps": 25, "keep": 2},
+    )
     code, _ = train_in_process(spec)
     return code, run_dir
 
@@ -42,7 +56,7 @@ def test_tiny_preset_learns_the_bundled_set(learned):
     assert code == EXIT_OK
     losses = [r["loss"] for r in records(run_dir)]
     first, last = losses[0], losses[-1]
-    # Measured: 6.25 -> about 1.0 after 100 steps (ratio ~0.16); chance level is ln(262 used ids) = 5.6.
+    # Measured: 6.27 -> 1.28 after 100 steps (ratio 0.20; eval 1.31); chance level is ln(262 used ids) = 5.6.
     assert first > 5.5
     assert last < 0.3 * first, f"loss {first:.3f} -> {last:.3f}"
     evals = [r["eval_loss"] for r in records(run_dir, "eval")]
@@ -80,8 +94,12 @@ def test_the_gradient_does_not_depend_on_the_micro_batch(tmp_path):
         spec = tiny_spec(tmp_path / f"mbs{mbs}", training={"micro_batch": mbs, "steps": 4})
         code, worker = train_in_process(spec)
         assert code == EXIT_OK and worker.plan.micro_batch == mbs and worker.plan.grad_accum == 8 // mbs
-        results.append(([r["loss"] for r in records(tmp_path / f"mbs{mbs}")],
-                        {k: v.clone() for k, v in worker.model.state_dict().items()}))
+        results.append(
+            (
+                [r["loss"] for r in records(tmp_path / f"mbs{mbs}")],
+                {k: v.clone() for k, v in worker.model.state_dict().items()},
+            )
+        )
     (loss8, w8), (loss2, w2) = results
     assert loss8 == pytest.approx(loss2, rel=1e-5)
     # Summation order differs (fp32), and Adam rescales near-zero gradients to full steps, so a few weights
@@ -91,14 +109,16 @@ def test_the_gradient_does_not_depend_on_the_micro_batch(tmp_path):
 
 
 def test_lora_trains_the_adapters_only(tmp_path):
-    spec = tiny_spec(tmp_path / "run", model={"lora": {"rank": 4, "targets": ["c_attn", "mlp.c_proj"]}},
-                     training={"steps": 6, "learning_rate": 1e-2})
-    base = Worker(spec)  # the same seeded initial weights, never trained
+    spec = tiny_spec(
+        tmp_path / "run",
+        model={"lora": {"rank": 4, "targets": ["c_attn", "mlp.c_proj"]}},
+        training={"steps": 6, "learning_rate": 1e-2},
+    )
     from runner.model import build_model
 
     before = build_model(spec, bos=257, eos=258, vocab=262).state_dict()
     code, worker = train_in_process(spec)
-    assert code == EXIT_OK and base is not worker
+    assert code == EXIT_OK
     after = worker.model.state_dict()
     lora = [k for k in after if "lora_" in k]
     assert len(lora) == 2 * 2 * 2  # (A, B) x 2 targets x 2 layers
@@ -117,8 +137,12 @@ def test_a_local_model_dir_with_its_own_tokenizer_and_chat_data(tmp_path):
     config = GPT2Config(vocab_size=300, n_positions=128, n_embd=32, n_layer=1, n_head=2)
     GPT2LMHeadModel(config).save_pretrained(model_dir)
     data = write_jsonl(tmp_path / "chat.jsonl", [{"messages": CHAT}] * 32)
-    spec = tiny_spec(tmp_path / "run", model={"preset": None, "path": str(model_dir)},
-                     data={"path": str(data), "eval_fraction": 0.1}, training={"steps": 3})
+    spec = tiny_spec(
+        tmp_path / "run",
+        model={"preset": None, "path": str(model_dir)},
+        data={"path": str(data), "eval_fraction": 0.1},
+        training={"steps": 3},
+    )
     code, worker = train_in_process(spec)
     assert code == EXIT_OK and worker.tokenizer.has_template
     assert records(tmp_path / "run")[-1]["step"] == 3
@@ -138,10 +162,21 @@ def test_a_bad_spec_exits_2_with_the_message_and_no_traceback(tmp_path):
 def test_bad_data_in_the_worker_exits_2_without_traceback(tmp_path):
     data = tmp_path / "d.jsonl"
     data.write_text('{"prompt": "a", "response": "b"}\n{oops\n')
-    spec = write_spec(tmp_path / "s.yaml", json.loads(json.dumps(
-        {"name": "bad-data", "model": {"preset": "tiny"}, "data": {"path": str(data)},
-         "training": {"global_batch": 2, "steps": 2}, "hardware": {"vendor": "cpu"},
-         "checkpoints": {"dir": str(tmp_path / "run")}})))
+    spec = write_spec(
+        tmp_path / "s.yaml",
+        json.loads(
+            json.dumps(
+                {
+                    "name": "bad-data",
+                    "model": {"preset": "tiny"},
+                    "data": {"path": str(data)},
+                    "training": {"global_batch": 2, "steps": 2},
+                    "hardware": {"vendor": "cpu"},
+                    "checkpoints": {"dir": str(tmp_path / "run")},
+                }
+            )
+        ),
+    )
     log = tmp_path / "term.json"
     result = run_supervisor([str(spec)], JOBSPEC_TERMINATION_LOG=str(log))
     assert result.returncode == EXIT_CONFIG, result.stderr[-2000:]
@@ -155,3 +190,20 @@ def test_quickstart_example_is_a_cpu_spec_that_fits_the_time_budget():
     spec = load_spec(ROOT / "examples" / "quickstart.yaml")
     assert spec.hardware.vendor == "cpu" and spec.model.preset == "tiny"
     assert spec.training.steps * spec.training.global_batch <= 300 * 16  # ~15 s of training on 2 cores
+
+
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA or ROCm GPU")
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("tier", ["fast", "zero2", "zero2_offload", "zero3", "minimal"])
+def test_every_tier_trains_on_one_gpu(tmp_path, tier):
+    """The supervisor's path (LOCAL_RANK set, NCCL group of one): bf16 autocast, probe steps, FSDP2 and offload."""
+    spec = tiny_spec_dict(tmp_path / "run", memory={"tier": tier}, training={"steps": 6, "precision": "auto"})
+    spec["hardware"] = {"vendor": "cuda", "gpus": 1}
+    result = run_supervisor([str(write_spec(tmp_path / "s.yaml", spec))])
+    assert result.returncode == EXIT_OK, result.stderr[-4000:]
+    plan, last = records(tmp_path / "run", "plan")[0], records(tmp_path / "run")[-1]
+    assert plan["tier"] == tier and plan["precision"] in ("bf16", "fp16") and plan["probes"] >= 1
+    assert last["step"] == 6 and last["mem_used_bytes"] > 0 and (tmp_path / "run" / "step-6" / "DONE").is_file()

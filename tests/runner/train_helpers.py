@@ -25,8 +25,14 @@ def tiny_spec_dict(run_dir: Path, **sections: dict[str, Any]) -> dict[str, Any]:
         "name": "runner-test",
         "model": {"preset": "tiny"},
         "data": {"max_seq_len": 64},
-        "training": {"global_batch": 8, "learning_rate": 3e-3, "warmup_steps": 2, "steps": 8, "precision": "fp32",
-                     "log_every": 1},
+        "training": {
+            "global_batch": 8,
+            "learning_rate": 3e-3,
+            "warmup_steps": 2,
+            "steps": 8,
+            "precision": "fp32",
+            "log_every": 1,
+        },
         "hardware": {"vendor": "cpu", "gpus": 1},
         "memory": {"tier": "fast"},
         "checkpoints": {"dir": str(run_dir), "every_steps": 4, "keep": 5},
@@ -48,10 +54,10 @@ def write_spec(path: Path, spec: dict[str, Any]) -> Path:
 
 
 def train_in_process(spec, keep_worker: bool = False):
-    """Run one Worker (rank 0 of 1) in this process; returns (exit code, worker)."""
-    from runner.worker import Worker
+    """Run one Recipe (rank 0 of 1) in this process; returns (exit code, worker)."""
+    from runner.recipe import Recipe
 
-    worker = Worker(spec)
+    worker = Recipe(spec)
     try:
         worker.setup()
         code = worker.train()
@@ -73,13 +79,23 @@ def runner_env(**extra: str) -> dict[str, str]:
 
 
 def run_supervisor(args: list[str], timeout: float = 240, **env: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "runner", *args], cwd=ROOT, env=runner_env(**env),
-                          capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "runner", *args],
+        cwd=ROOT,
+        env=runner_env(**env),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
-CHAT = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"},
-        {"role": "assistant", "content": "yo"}, {"role": "user", "content": "again"},
-        {"role": "assistant", "content": "ok"}]
+CHAT = [
+    {"role": "system", "content": "be brief"},
+    {"role": "user", "content": "hi"},
+    {"role": "assistant", "content": "yo"},
+    {"role": "user", "content": "again"},
+    {"role": "assistant", "content": "ok"},
+]
 
 
 def write_jsonl(path: Path, rows: list[dict]) -> Path:
@@ -87,8 +103,10 @@ def write_jsonl(path: Path, rows: list[dict]) -> Path:
     return path
 
 
-CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"
-                 "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
 
 
 def save_test_tokenizer(path: Path) -> None:
@@ -100,8 +118,9 @@ def save_test_tokenizer(path: Path) -> None:
     bpe = Tokenizer(models.BPE())
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     bpe.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=specials,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=300, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
     bpe.train_from_iterator(BUNDLED.read_text().splitlines()[:300], trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|end|>", pad_token="<|pad|>")
     fast.chat_template = CHAT_TEMPLATE
