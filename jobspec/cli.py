@@ -12,10 +12,14 @@ import logging
 import os
 import sys
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from jobspec import __version__
 from jobspec.contract import EXIT_CONFIG, EXIT_FAILED, EXIT_OK
 from jobspec.errors import ConfigError, JobspecError
+
+if TYPE_CHECKING:  # the spec module costs pydantic's import; commands load it when they need it
+    from jobspec.spec import JobSpec
 
 EPILOG = """\
 examples:
@@ -46,7 +50,7 @@ def _spec_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _load(args: argparse.Namespace):  # -> JobSpec, imported lazily
+def _load(args: argparse.Namespace) -> JobSpec:
     from jobspec.loader import load_spec
 
     return load_spec(args.spec, args.overrides)
@@ -55,12 +59,19 @@ def _load(args: argparse.Namespace):  # -> JobSpec, imported lazily
 def cmd_validate(args: argparse.Namespace) -> int:
     spec = _load(args)
     print(f"{args.spec}: ok ({spec.name}: {spec.world_size} rank(s), tier {spec.memory.tier})")
-    if not spec.checkpoints.pvc and spec.hardware.vendor != "cpu":
-        print(
-            "  note: checkpoints.pvc is not set: checkpoints live in the pod and are lost when it is replaced",
-            file=sys.stderr,
-        )
+    for note in _notes(spec):
+        print(f"  note: {note}", file=sys.stderr)
     return EXIT_OK
+
+
+def _notes(spec: JobSpec) -> list[str]:
+    """Valid, but worth knowing before the job runs."""
+    notes = []
+    if not spec.checkpoints.pvc and spec.hardware.vendor != "cpu":
+        notes.append("checkpoints.pvc is not set: checkpoints live in the pod and are lost when it is replaced")
+    if spec.checkpoints.pvc and spec.hardware.nodes > 1:
+        notes.append(f"{spec.hardware.nodes} nodes write into checkpoints.pvc: it must be ReadWriteMany")
+    return notes
 
 
 def cmd_render(args: argparse.Namespace) -> int:

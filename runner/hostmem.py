@@ -112,6 +112,25 @@ def cgroup_memory(root: Path = CGROUP_ROOT, proc_cgroup: Path = PROC_CGROUP) -> 
     return None
 
 
+def oom_kills(root: Path = CGROUP_ROOT, proc_cgroup: Path = PROC_CGROUP) -> int | None:
+    """Processes the kernel's OOM killer ended in this cgroup (v2 memory.events, v1 memory.oom_control
+    `oom_kill`); None when neither file is readable. The supervisor compares it around an attempt."""
+    layouts = ((root, "", "memory.events"), (root / "memory", "memory", "memory.oom_control"))
+    for base, controller, name in layouts:
+        for d in _chain(base, proc_cgroup, controller):
+            if (d / name).is_file():
+                return _stat(d / name, "oom_kill")
+    return None
+
+
+def host_oom(before: int | None, after: int | None) -> str | None:
+    """The reason to report when the OOM-kill counter grew during an attempt; None when it did not."""
+    if before is None or after is None or after <= before:
+        return None
+    return (f"host out of memory: the kernel's OOM killer ended {after - before} process(es) of this container; "
+            "raise hardware.memory, lower data.num_workers, or use a tier without CPU offload")  # fmt: skip
+
+
 def cgroup_cpus(root: Path = CGROUP_ROOT, proc_cgroup: Path = PROC_CGROUP) -> float | None:
     """The tightest CPU quota over this process in cores (quota / period), None when unlimited."""
     quotas: list[float] = []

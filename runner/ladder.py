@@ -46,7 +46,7 @@ class TierState:
 
     tier: str  # the tier the next start must use
     failed: list[TierFailure] = field(default_factory=list)
-    attempts: int = 0  # starts recorded by the supervisor (`record_attempt`)
+    attempts: int = 0  # relaunches made by the supervisor (`record_attempt`)
     exhausted: bool = False  # the last tier failed too (or fallback is off): nothing left to try
     version: int = STATE_VERSION
 
@@ -154,7 +154,7 @@ def record_failure(
 
 
 def record_attempt(run_dir: str | Path, tier: str) -> TierState:
-    """Count one start (the supervisor calls it before each launch)."""
+    """Count one relaunch (the supervisor calls it before each launch after the first)."""
     state = load_state(run_dir) or TierState(tier)
     state.attempts += 1
     save_state(run_dir, state)
@@ -272,7 +272,7 @@ def supervise(
         for attempt in policy:
             with attempt:
                 tier = current_tier(run_dir, spec_tier)
-                if tier in TIERS:
+                if launched:  # a relaunch: count it (a first launch leaves no state behind)
                     record_attempt(run_dir, tier)
                 launched += 1
                 code = launch(tier)

@@ -20,16 +20,17 @@ from typing import Any
 
 import torch
 
-from jobspec.contract import EXIT_OK, EXIT_PREEMPTED, METRICS_FILE
+from jobspec.contract import EXIT_OK, EXIT_PREEMPTED, METRICS_FILE, TIER_STATE_FILE
 from jobspec.errors import ConfigError
 from jobspec.spec import JobSpec
-from runner import checkpoint, engine
+from runner import checkpoint, engine, ladder
 from runner.data import PAD_MULTIPLE, DataOrder, load_data, rank_slice, total_steps
 from runner.dist import Control, DistEnv, destroy_process_group, init_process_group
 from runner.metrics import GpuUtil, Metrics, Progress, memory_bytes
 from runner.model import build_model
 from runner.plan import Plan, agree, initial_plan, model_shape, size_for_tier, verify_micro_batch
 from runner.probe import describe, oom_guard, probe_host
+from runner.resilience import RecipeGuard, TierOOM
 from runner.tokenizer import load_tokenizer
 from runner.train import Preempted, Stepper, StepResult, StopFlag, get_lr
 
@@ -37,8 +38,7 @@ log = logging.getLogger("jobspec.runner")
 
 
 class Recipe:
-    """One rank's training run; the attributes the OOM ladder works with are `plan`, `step`, `step_ids`
-    and `train_step`."""
+    """One rank's training run; OOM handling (shrink, tier ladder) is `self.guard` (runner/resilience.py)."""
 
     def __init__(self, spec: JobSpec, env: DistEnv | None = None):
         gpu = spec.hardware.vendor != "cpu" and torch.cuda.is_available()
@@ -96,7 +96,7 @@ class Recipe:
             max_grad_norm=spec.training.max_grad_norm,
             pin_memory=self.plan.pin_memory,
         )
-        if self.dev.is_gpu and meta is None:
+        if self.dev.is_gpu and (meta is None or meta["plan"]["tier"] != self.plan.tier):  # a new plan: verify it
             self._verify_micro_batch()
         if resume is not None:
             meta = checkpoint.load(
@@ -121,11 +121,12 @@ class Recipe:
             }
         )
         self.gpu_util = GpuUtil(self.device)
+        self.guard = RecipeGuard(self)  # OOM: in-process shrink, fault injection, hand-over to the tier ladder
 
     def _plan(self, meta: dict[str, Any] | None) -> Plan:
         """The checkpoint's plan when resuming the same batch on the same world size, else a fresh one; agreed."""
         spec, world = self.spec, self.env.world_size
-        plan = None
+        plan, tier = None, ladder.current_tier(self.root, spec.memory.tier)  # a tier the OOM ladder moved to wins
         if meta is not None:
             if meta.get("spec_hash") != spec.spec_hash():
                 log.warning(
@@ -134,7 +135,8 @@ class Recipe:
                     spec.spec_hash(),
                 )
             saved = Plan.from_dict(meta["plan"])
-            if saved.world_size == world and saved.global_batch == spec.training.global_batch:
+            same_batch = saved.world_size == world and saved.global_batch == spec.training.global_batch
+            if same_batch and tier in ("auto", saved.tier):
                 plan = saved
                 log.info(
                     "plan from checkpoint step %d: tier %s, micro-batch %d x %d",
@@ -144,6 +146,9 @@ class Recipe:
                     plan.grad_accum,
                 )
         local = self.env.local_world_size
+        if plan is None and tier != spec.memory.tier:
+            why = [f"tier {tier} from {TIER_STATE_FILE} (the OOM ladder; the spec says {spec.memory.tier})"]
+            plan = size_for_tier(spec, self.dev, self.host, world, tier, local_ranks=local, reasons=why)
         if plan is None:
             plan = initial_plan(spec, self.dev, self.host, world, local_ranks=local)
         return agree(
@@ -172,9 +177,8 @@ class Recipe:
         return rank_slice(self.order.step_samples(step), self.env.rank, self.env.world_size)
 
     def train_step(self, step: int) -> StepResult:
-        """Optimizer step `step` at the plan's micro-batch: the unit the OOM ladder (issue 5) guards and
-        redoes, with a smaller `self.plan.micro_batch`, from the same `step_ids(step)`."""
-        return self.stepper.train_step(self.step_ids(step), self.plan.micro_batch, self.lr(step))
+        """Optimizer step `step` at the plan's micro-batch; on OOM redone at a smaller one (runner.resilience)."""
+        return self.guard.train_step(step)
 
     def train(self) -> int:
         """Train to `total_steps`; returns the exit code (0, or 143 after a SIGTERM checkpoint)."""
@@ -199,6 +203,8 @@ class Recipe:
                     self._evaluate()
                 if self.step % ck.every_steps == 0 or self.step == self.total_steps:
                     self._save()
+        except TierOOM as err:  # micro-batch 1 ran out: checkpoint, persist "tier X failed", exit 75 or 76
+            return self.guard.give_up(err)
         except Preempted:
             log.warning("stop requested (signal %s): checkpointing step %d and exiting", self.stop.signum, self.step)
             self._save()

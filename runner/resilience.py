@@ -26,8 +26,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from jobspec.contract import EXIT_OOM_LAST_TIER
 from jobspec.errors import JobspecError
-from runner.oom import next_micro_batch, release_memory
+from runner import ladder
+from runner.faults import install_from_env
+from runner.oom import guarded, next_micro_batch, release_memory
 from runner.plan import Plan, with_micro_batch
 
 log = logging.getLogger("jobspec.runner")
@@ -176,3 +179,55 @@ def run_step(
             on_shrink(Shrink(step, plan.tier, old.micro_batch, nxt, old.grad_accum, plan.grad_accum, rank, why,
                              time.time()))  # fmt: skip
         _set_rng(rng)  # the redo draws the same random numbers as a first attempt would
+
+
+def tier_failed(root: Any, tier: str, reason: str, *, world_size: int, fallback: bool, writer: bool) -> tuple[int, str]:
+    """Persist the tier failure (writer only) -> (exit code, the reason for the termination message)."""
+    code = ladder.fail_tier(root, tier, reason, world_size=world_size, fallback=fallback, writer=writer)
+    if code == EXIT_OOM_LAST_TIER:
+        return code, ladder.termination_message(root, fallback=fallback) if writer else reason
+    nxt = ladder.next_tier(tier, world_size)
+    return code, f"out of memory at tier {tier} ({reason}); the next start uses tier {nxt}"
+
+
+class RecipeGuard:
+    """A recipe's OOM handling: fault injection, shrink events in metrics, the hand-over to the ladder.
+
+    Installed by `Recipe.setup()` once the plan is final (the planner's probe steps run without the
+    injected faults); `Recipe.train_step` goes through `train_step` here.
+    """
+
+    def __init__(self, recipe: Any):
+        self.recipe = recipe
+        model = recipe.accelerator.unwrap_model(recipe.model)
+        env = recipe.env
+        self.injector = install_from_env(model, rank=env.rank, tier=recipe.plan.tier, run_dir=recipe.root)
+        self.shrinks: list[Shrink] = []
+
+    def train_step(self, step: int) -> Any:
+        """Optimizer step `step` (0-based) with in-process shrink; updates `recipe.plan` when it shrinks."""
+        r = self.recipe
+        if self.injector is not None:
+            self.injector.step = step + 1
+        result, r.plan = run_step(
+            lambda ids, mbs: r.stepper.train_step(ids, mbs, r.lr(step)), r.step_ids(step), r.plan, step=step + 1,
+            zero_grad=lambda: r.stepper.inner.zero_grad(set_to_none=True), on_shrink=self._shrunk,
+        )  # fmt: skip
+        return result
+
+    def _shrunk(self, shrink: Shrink) -> None:
+        self.shrinks.append(shrink)
+        if self.recipe.metrics is not None:
+            self.recipe.metrics.write(shrink.record())
+
+    def give_up(self, err: TierOOM) -> int:
+        """Checkpoint the finished steps when the weights are intact, persist the failure, return 75 or 76."""
+        r = self.recipe
+        # Every rank is here (the OOM was agreed), so the collective save is safe.
+        if err.weights_intact and r.step > max(r.saved_step, 0) and guarded(r._save).oom:
+            log.warning("out of memory writing checkpoint %d; the next start resumes from step %d", r.step,
+                        max(r.saved_step, 0))  # fmt: skip
+        code, reason = tier_failed(r.root, err.tier, err.reason, world_size=r.env.world_size,
+                                   fallback=r.spec.memory.fallback, writer=r.env.is_main)  # fmt: skip
+        r.status["reason"] = reason
+        return code

@@ -40,6 +40,8 @@ from jobspec.contract import (
 from jobspec.errors import ConfigError, JobspecError
 from jobspec.loader import load_spec
 from jobspec.spec import JobSpec
+from runner import ladder
+from runner.hostmem import host_oom, oom_kills
 
 log = logging.getLogger("jobspec.runner")
 KILL_GRACE_S = float(os.environ.get("JOBSPEC_KILL_GRACE_S", "30"))  # after one rank fails, before SIGKILL
@@ -215,7 +217,7 @@ def run_attempt(spec_path: str, overrides: list[str], topo: Topology, stopping: 
         topo.master_addr,
         topo.master_port,
     )
-    workers = Workers(spec_path, overrides, topo, status_file)
+    kills, workers = oom_kills(), Workers(spec_path, overrides, topo, status_file)  # kills: tells a host OOM
 
     def forward(signum: int, frame: object) -> None:
         stopping[0] = True
@@ -229,6 +231,8 @@ def run_attempt(spec_path: str, overrides: list[str], topo: Topology, stopping: 
         for s, h in previous.items():
             signal.signal(s, h)
     code, reason = combine(codes, workers.killed)
+    if code == EXIT_FAILED and (host := host_oom(kills, oom_kills())):
+        reason = host
     try:
         status = json.loads(Path(status_file).read_text() or "{}")
     except (OSError, ValueError):
@@ -244,12 +248,18 @@ def run_attempt(spec_path: str, overrides: list[str], topo: Topology, stopping: 
 
 
 def supervise(spec: JobSpec, spec_path: str, overrides: list[str], nproc: int | None) -> Outcome:
-    """Run the job on this node. The attempt loop is the OOM ladder's extension point (issue 5): on
-    EXIT_OOM_RETRY_TIER it persists the next tier beside the checkpoints and runs another attempt
-    (bounded, with tenacity), which resumes from the newest checkpoint."""
-    topo = topology(spec, nproc)
-    stopping = [False]  # set by SIGTERM/SIGINT; shared with the signal handler
-    return run_attempt(spec_path, overrides, topo, stopping)
+    """Run the job on this node through the OOM ladder (runner.ladder.supervise): one node relaunches at the
+    next tier (bounded); several exit 75 and the Job's podFailurePolicy restarts their pods."""
+    topo, stopping, last = topology(spec, nproc), [False], []  # stopping: set by SIGTERM/SIGINT
+
+    def launch(tier: str) -> int:  # the workers read the tier from the tier state themselves
+        last[:] = [run_attempt(spec_path, overrides, topo, stopping)]
+        return last[0].exit_code
+
+    r = ladder.supervise(launch, spec.checkpoints.dir, spec.memory.tier, world_size=topo.world_size,
+                         fallback=spec.memory.fallback, relaunch=topo.nnodes == 1)  # fmt: skip
+    same = r.exit_code == last[-1].exit_code and not (r.message and r.exit_code != EXIT_OK)
+    return last[-1] if same else Outcome(r.exit_code, r.message or last[-1].reason, last[-1].status)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -2,19 +2,27 @@
 
 `Stepper.train_step(sample_ids, micro_batch, lr)` is the unit the OOM ladder (issue 5) redoes: it
 takes this rank's samples of one optimizer step, cuts them into micro-batches of `micro_batch`,
-accumulates gradients (no gradient sync but on the last micro-batch), clips, and steps. The loss of
+accumulates gradients, clips, and steps. The loss of
 every micro-batch is its summed token cross-entropy divided by the target tokens of the WHOLE global
 step (all ranks, all-reduced first) and multiplied by the world size (DDP and FSDP average gradients
 over ranks), so the gradient is the global per-token mean whatever the micro-batch size.
+
+Out of memory: after every micro-step all ranks agree on [stop, oom] in one all-reduce (the stop check
+did one anyway); when any rank ran out, every rank raises `StepOOM` with the weights untouched and
+`runner.resilience.run_step` redoes the step at a smaller micro-batch. DDP over several ranks exchanges
+gradients after that agreement (`all_reduce_grads`), never inside a backward one rank may not finish;
+FSDP keeps its own reduce-scatter in the last backward (see runner/resilience.py).
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import signal
 from collections.abc import Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import torch
@@ -22,6 +30,10 @@ import torch.nn.functional as F
 
 from runner.data import IGNORE, Batch, SFTData, micro_batches
 from runner.dist import Control
+from runner.oom import guarded
+from runner.resilience import agreement, all_reduce_grads, raise_agreed
+
+log = logging.getLogger("jobspec.runner")
 
 
 class Preempted(Exception):
@@ -100,10 +112,22 @@ class Stepper:
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.pin = pin_memory and self.device.type == "cuda"
         self.world_size = ctrl.world_size
+        self.rank = accelerator.process_index
+        # DDP exchanges gradients after the OOM agreement (all_reduce_grads), not inside the last backward
+        self.manual_sync = isinstance(model, torch.nn.parallel.DistributedDataParallel)
 
     def check_stop(self) -> None:
         """Raise Preempted on every rank as soon as any rank has the flag (agreed by all-reduce MAX)."""
         if self.ctrl.any(bool(self.stop)):
+            raise Preempted
+
+    def agree(self, oom: str, *, stop: bool = True, optimizer: bool = False) -> None:
+        """One all-reduce MAX over ranks of [stop flag, OOM flag, rank]: StepOOM (OptimizerOOM) on every rank
+        when any ran out, else Preempted on every rank when any has the stop flag (if `stop`)."""
+        mine = agreement(stop and bool(self.stop), oom, self.rank, self.world_size)
+        flags = self.ctrl.all_reduce(mine, "max")
+        raise_agreed(flags, oom, self.world_size, optimizer=optimizer)
+        if flags[0]:
             raise Preempted
 
     def _to_device(self, t: torch.Tensor) -> torch.Tensor:
@@ -118,7 +142,8 @@ class Stepper:
     def train_step(self, sample_ids: Sequence[int], micro_batch: int, lr: float) -> StepResult:
         """Accumulate over this rank's `sample_ids` in micro-batches of `micro_batch`, then one optimizer step.
 
-        Safe to call again with the same ids after an exception: gradients are cleared first.
+        Safe to call again with the same ids after an exception: gradients are cleared first. Raises
+        StepOOM / OptimizerOOM on every rank when any rank ran out of memory (see the module docstring).
         """
         self.inner.zero_grad(set_to_none=True)
         batches = [self.data.collate(ids) for ids in micro_batches(sample_ids, micro_batch)]
@@ -126,21 +151,38 @@ class Stepper:
         scale = self.world_size / max(targets, 1.0)  # global per-token mean, undoing the ranks' gradient average
         loss_sum = torch.zeros((), device=self.device)
         seen: list[int] = []
+        oom = ""  # this rank's OOM in the previous micro-step, agreed on before the next one starts
         for i, batch in enumerate(batches):
-            self.check_stop()
-            last = i == len(batches) - 1
-            sync = last or self.world_size == 1
+            self.agree(oom)
+            sync = self.world_size == 1 or (i == len(batches) - 1 and not self.manual_sync)
             with nullcontext() if sync else self.accelerator.no_sync(self.model):
-                ce = self.loss_sum(batch)
-                self.accelerator.backward(ce * scale)
-            loss_sum += ce.detach()
-            seen += batch.sample_ids
+                out = guarded(partial(self._accumulate, batch, scale))
+            if out.oom:
+                oom = out.reason
+                log.warning("rank %d: out of memory in micro-step %d of %d (%d samples): %s", self.rank, i + 1,
+                            len(batches), len(batch.sample_ids), oom)  # fmt: skip
+            else:
+                loss_sum += out.value
+                seen += batch.sample_ids
+        self.agree(oom, stop=False)  # the last micro-step's outcome, known to all before gradients move
+        if self.manual_sync:
+            all_reduce_grads(self.params, self.world_size)
+        update = guarded(partial(self._update, lr))
+        self.agree(update.reason, stop=False, optimizer=True)  # a stop now would lose a finished step
+        self.inner.zero_grad(set_to_none=True)
+        return StepResult(loss_sum, int(targets), int(tokens), update.value, seen)
+
+    def _accumulate(self, batch: Batch, scale: float) -> torch.Tensor:
+        ce = self.loss_sum(batch)
+        self.accelerator.backward(ce * scale)
+        return ce.detach()
+
+    def _update(self, lr: float) -> torch.Tensor | None:
         norm = self.clip()
         for group in self.inner.param_groups:
             group["lr"] = lr
         (self.optimizer if self.wrapped else self.inner).step()
-        self.inner.zero_grad(set_to_none=True)
-        return StepResult(loss_sum, int(targets), int(tokens), norm, seen)
+        return norm
 
     def clip(self) -> torch.Tensor | None:
         """Clip the gradient norm (after unscaling fp16 gradients); returns the norm before clipping."""

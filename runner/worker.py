@@ -19,7 +19,9 @@ from jobspec.contract import EXIT_FAILED
 from jobspec.errors import JobspecError
 from jobspec.loader import load_spec
 from runner.dist import DistEnv
+from runner.plan import NoFit
 from runner.recipe import Recipe
+from runner.resilience import tier_failed
 
 log = logging.getLogger("jobspec.runner")
 
@@ -55,7 +57,18 @@ def main(argv: list[str] | None = None) -> int:
         worker = Recipe(load_spec(args.spec, args.overrides), env)
         worker.setup()
         code = worker.train()
-    except JobspecError as err:  # bad spec or data (2), no tier fits (75/76): message, no traceback
+    except NoFit as err:  # probe steps: micro-batch 1 does not fit this tier; persist it for the OOM ladder
+        log.error("%s", err)
+        assert worker is not None  # NoFit comes from Recipe.setup()
+        code, worker.status["reason"] = tier_failed(
+            worker.root,
+            err.tier,
+            str(err),
+            world_size=env.world_size,
+            fallback=worker.spec.memory.fallback,
+            writer=env.is_main,
+        )
+    except JobspecError as err:  # bad spec or data (2): message, no traceback
         log.error("%s", err)
         code = err.exit_code
         if worker is not None:

@@ -1,0 +1,214 @@
+"""OOM recovery with real training on CPU: in-process shrink, the tier ladder, two ranks, fault injection.
+
+Faults come from JOBSPEC_FAULT_OOM (runner/faults.py): a real torch.OutOfMemoryError raised in the
+model's forward, so the runner takes the same path as for an allocator failure.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from jobspec.contract import EXIT_OK, EXIT_OOM_LAST_TIER, TIER_STATE_FILE
+from runner import checkpoint
+from runner.data import DataOrder
+from runner.faults import ENV_VAR
+from runner.ladder import load_state
+from tests.runner.train_helpers import ROOT, records, run_supervisor, tiny_spec, tiny_spec_dict, train_in_process
+from tests.runner.train_helpers import write_spec
+
+# Same samples, same micro-batches, same order of accumulation: the trajectories agree to float32
+# rounding (measured: bit-identical on CPU); 1e-6 relative leaves room for a BLAS that reorders sums.
+LOSS_RTOL = 1e-6
+
+
+def events(run_dir: Path) -> list[dict]:
+    return [r for r in records(run_dir, "event") if r.get("event") == "oom_shrink"]
+
+
+def samples(run_dir: Path, rank: int = 0) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / f"samples-rank{rank}.jsonl").read_text().splitlines()]
+
+
+def order_of(run_dir: Path) -> DataOrder:
+    from runner.data import load_data
+    from runner.tokenizer import ByteTokenizer
+
+    return DataOrder(len(load_data(tiny_spec(run_dir), ByteTokenizer()).train), 8, 42)
+
+
+def weights(recipe) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in recipe.accelerator.unwrap_model(recipe.model).state_dict().items()}
+
+
+def test_shrink_in_process_matches_an_uninterrupted_run(tmp_path, monkeypatch):
+    monkeypatch.setenv("JOBSPEC_RECORD_SAMPLES", "1")
+    monkeypatch.setenv(ENV_VAR, "mbs>2")
+    shrunk_dir = tmp_path / "shrunk"
+    code, shrunk = train_in_process(tiny_spec(shrunk_dir, training={"micro_batch": 8, "steps": 6}))
+    assert code == EXIT_OK
+    monkeypatch.delenv(ENV_VAR)
+    plain_dir = tmp_path / "plain"
+    code, plain = train_in_process(tiny_spec(plain_dir, training={"micro_batch": 2, "steps": 6}))
+    assert code == EXIT_OK
+    # Metrics show the shrink, with the numbers, at step 1: 8 -> 4 -> 2 (each OOMs above 2).
+    assert [(e["step"], e["from_micro_batch"], e["to_micro_batch"], e["to_grad_accum"]) for e in events(shrunk_dir)] == [
+        (1, 8, 4, 2),
+        (1, 4, 2, 4),
+    ]
+    assert "mbs>2" in events(shrunk_dir)[0]["reason"]
+    # Every optimizer step saw the whole global batch, each sample once, in the planned order.
+    order = order_of(shrunk_dir)
+    seen = samples(shrunk_dir)
+    assert [s["step"] for s in seen] == [1, 2, 3, 4, 5, 6]
+    for s in seen:
+        assert s["ids"] == order.step_samples(s["step"] - 1) and (s["micro_batch"], s["grad_accum"]) == (2, 4)
+    for r in records(shrunk_dir):
+        assert r["micro_batch"] * r["grad_accum"] * r["world_size"] == r["global_batch"] == 8
+    # The loss trajectory (and the weights) of an uninterrupted micro-batch-2 run.
+    losses = [r["loss"] for r in records(shrunk_dir)]
+    assert losses == pytest.approx([r["loss"] for r in records(plain_dir)], rel=LOSS_RTOL)
+    a, b = weights(shrunk), weights(plain)
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=1e-5, atol=1e-6)
+    # The shrunk plan is what the checkpoint keeps, so a resume does not hit the OOM again.
+    assert checkpoint.read_meta(checkpoint.latest(shrunk_dir))["plan"]["micro_batch"] == 2
+    assert not (shrunk_dir / TIER_STATE_FILE).exists()  # no tier failed: no ladder state
+
+
+def test_step_fault_fires_once_and_loses_no_sample(tmp_path, monkeypatch):
+    monkeypatch.setenv("JOBSPEC_RECORD_SAMPLES", "1")
+    monkeypatch.setenv(ENV_VAR, "step=3")
+    run_dir = tmp_path / "run"
+    spec = tiny_spec(run_dir, training={"micro_batch": 4, "steps": 6}, checkpoints={"every_steps": 2})
+    code, _ = train_in_process(spec)
+    assert code == EXIT_OK
+    assert [(e["step"], e["from_micro_batch"], e["to_micro_batch"]) for e in events(run_dir)] == [(3, 4, 2)]
+    order = order_of(run_dir)
+    seen = samples(run_dir)
+    assert [s["step"] for s in seen] == [1, 2, 3, 4, 5, 6]  # step 3 recorded once: redone, not repeated
+    assert [s["micro_batch"] for s in seen] == [4, 4, 2, 2, 2, 2]
+    for s in seen:
+        assert s["ids"] == order.step_samples(s["step"] - 1)
+    all_ids = [i for s in seen for i in s["ids"]]
+    assert len(all_ids) == len(set(all_ids)) == 6 * 8  # none lost, none counted twice
+    # "Once" survives a restart: a new process resuming from step 2 redoes step 3 without an OOM.
+    for late in ("step-4", "step-6"):
+        checkpoint_dir = run_dir / late
+        for p in sorted(checkpoint_dir.rglob("*"), reverse=True):
+            p.unlink() if p.is_file() else p.rmdir()
+        checkpoint_dir.rmdir()
+    code, again = train_in_process(spec)
+    assert code == EXIT_OK and again.guard.injector is not None and again.guard.injector.injected == 0
+    assert len(events(run_dir)) == 1
+
+
+def test_tier_fault_steps_down_resumes_from_the_checkpoint_and_stays_down(tmp_path):
+    run_dir = tmp_path / "run"
+    # A clean start that leaves checkpoint step-4 at tier fast.
+    assert train_in_process(tiny_spec(run_dir, training={"micro_batch": 8, "steps": 4}))[0] == EXIT_OK
+    spec = write_spec(tmp_path / "s.yaml", tiny_spec_dict(run_dir, training={"micro_batch": 8, "steps": 6}))
+    result = run_supervisor([str(spec)], timeout=120, **{ENV_VAR: "tier=fast"})
+    assert result.returncode == EXIT_OK, result.stderr[-3000:]
+    assert "relaunching at zero2_offload" in result.stderr  # one rank: zero2 would save nothing
+    state = load_state(run_dir)
+    assert state is not None and state.tier == "zero2_offload" and state.failed_tiers() == ["fast"]
+    plans = records(run_dir, "plan")
+    assert [(p["tier"], p["step"]) for p in plans] == [("fast", 0), ("fast", 4), ("zero2_offload", 4)]
+    assert [r["step"] for r in records(run_dir) if r["tier"] == "zero2_offload"] == [5, 6]
+    # A second restart (the fault still set) starts at the persisted tier, with no new failure.
+    code, again = train_in_process(tiny_spec(run_dir, training={"micro_batch": 8, "steps": 8}))
+    assert code == EXIT_OK and again.plan.tier == "zero2_offload"
+    assert load_state(run_dir).failed_tiers() == ["fast"] and records(run_dir)[-1]["step"] == 8
+
+
+def test_every_tier_failing_exits_76_with_the_reason_and_keeps_the_checkpoint(tmp_path):
+    run_dir = tmp_path / "run"
+    assert train_in_process(tiny_spec(run_dir, training={"micro_batch": 2, "steps": 3}))[0] == EXIT_OK
+    spec = write_spec(tmp_path / "s.yaml", tiny_spec_dict(run_dir, training={"micro_batch": 2, "steps": 6}))
+    term = tmp_path / "termination-log"
+    fault = "tier=fast,tier=zero2_offload,tier=minimal"
+    result = run_supervisor([str(spec)], timeout=120, JOBSPEC_TERMINATION_LOG=str(term), **{ENV_VAR: fault})
+    assert result.returncode == EXIT_OOM_LAST_TIER, result.stderr[-3000:]
+    message = json.loads(term.read_text())
+    assert message["exit_code"] == EXIT_OOM_LAST_TIER
+    assert "out of memory at the last memory tier (minimal) with micro-batch 1" in message["reason"]
+    assert "fast:" in message["reason"] and "zero2_offload:" in message["reason"]
+    assert [p["tier"] for p in records(run_dir, "plan")] == ["fast", "fast", "zero2_offload", "minimal"]
+    # Nothing corrupted: step-3 is still the newest complete checkpoint, and it trains on.
+    assert checkpoint.latest(run_dir) == run_dir / "step-3"
+    code, _ = train_in_process(tiny_spec(run_dir, training={"micro_batch": 2, "steps": 4}))
+    assert code == EXIT_OK and records(run_dir)[-1]["step"] == 4
+
+
+def test_fallback_false_fails_at_once_with_the_reason(tmp_path, monkeypatch):
+    monkeypatch.setenv(ENV_VAR, "tier=fast")
+    run_dir = tmp_path / "run"
+    code, recipe = train_in_process(tiny_spec(run_dir, training={"micro_batch": 2}, memory={"fallback": False}))
+    assert code == EXIT_OOM_LAST_TIER
+    assert "memory.fallback is false" in recipe.status["reason"]
+    state = load_state(run_dir)
+    assert state is not None and state.exhausted and state.tier == "fast"
+
+
+RANK_SCRIPT = """
+import sys, torch
+from jobspec.loader import load_spec
+from runner.recipe import Recipe
+r = Recipe(load_spec(sys.argv[1]))
+r.setup()
+code = r.train()
+torch.save({k: v.detach() for k, v in r.accelerator.unwrap_model(r.model).state_dict().items()}, sys.argv[2])
+r.cleanup()
+sys.exit(code)
+"""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_two_ranks_one_oom_no_hang_both_shrink_same_weights(tmp_path):
+    run_dir = tmp_path / "run"
+    # Per rank 4 samples at micro-batch 4: the OOM hits the only micro-step, the one whose backward
+    # would carry DDP's gradient all-reduce: the case that hangs when gradients move inside backward.
+    sections = {"training": {"micro_batch": 4, "steps": 4}, "checkpoints": {"every_steps": 2}}
+    spec = write_spec(tmp_path / "s.yaml", tiny_spec_dict(run_dir, **sections))
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "WORLD_SIZE": "2",
+           "LOCAL_WORLD_SIZE": "2", "OMP_NUM_THREADS": "1", "JOBSPEC_RECORD_SAMPLES": "1", ENV_VAR: "mbs>2,rank=1"}  # fmt: skip
+    procs = [
+        subprocess.Popen([sys.executable, "-c", RANK_SCRIPT, str(spec), str(tmp_path / f"w{r}.pt")], cwd=ROOT,
+                         env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, stderr=subprocess.PIPE, text=True)
+        for r in (0, 1)
+    ]  # fmt: skip
+    try:
+        errs = [p.communicate(timeout=90)[1] for p in procs]  # a hang fails here, bounded
+    finally:
+        for p in procs:
+            p.kill()
+    assert [p.returncode for p in procs] == [EXIT_OK, EXIT_OK], errs[1][-3000:]
+    # Rank 1 ran out alone; both ranks agreed and shrank 4 -> 2 at step 1, and stayed there.
+    assert [(e["step"], e["oom_rank"], e["from_micro_batch"], e["to_micro_batch"]) for e in events(run_dir)] == [
+        (1, 1, 4, 2)
+    ]
+    order = order_of(run_dir)
+    for rank in (0, 1):
+        assert [(s["micro_batch"], s["grad_accum"]) for s in samples(run_dir, rank)] == [(2, 2)] * 4
+    for s0, s1 in zip(samples(run_dir, 0), samples(run_dir, 1), strict=True):
+        assert s0["ids"] + s1["ids"] == order.step_samples(s0["step"] - 1)
+    w0, w1 = (torch.load(tmp_path / f"w{r}.pt") for r in (0, 1))
+    for k in w0:
+        assert torch.equal(w0[k], w1[k]), k
+    # Gradients exchanged after the agreement equal one process accumulating all 8 samples.
+    one = tmp_path / "one"
+    assert train_in_process(tiny_spec(one, **sections))[0] == EXIT_OK
+    assert [r["loss"] for r in records(run_dir)] == pytest.approx([r["loss"] for r in records(one)], rel=1e-5)
