@@ -17,7 +17,8 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from jobspec.errors import ConfigError, SpecError, SpecIssue
-from jobspec.spec import CrossFieldError, JobSpec
+from jobspec.rules import CrossFieldError
+from jobspec.spec import JobSpec
 
 Loc = tuple[str | int, ...]
 

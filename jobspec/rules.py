@@ -1,0 +1,124 @@
+"""Rules that span sections of a spec: each problem names every field involved and a fix.
+
+`JobSpec` runs them after its fields validate; the loader splits the problems by field path so
+that each is reported at its own line.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import TYPE_CHECKING
+
+from jobspec import gpus as gpu_catalogue
+from jobspec.presets import PRESETS
+
+if TYPE_CHECKING:
+    from jobspec.spec import JobSpec
+
+_LABEL_KEY = re.compile(r"^([a-z0-9]([-a-z0-9.]*[a-z0-9])?/)?[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$")
+_LABEL_VALUE = re.compile(r"^([A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?)?$")
+
+Problem = tuple[str, str, "str | None"]  # (field path, message, hint)
+
+
+class CrossFieldError(ValueError):
+    """Rules that span sections; each problem is (field path, message, hint)."""
+
+    def __init__(self, problems: list[tuple[str, str, str | None]]):
+        super().__init__("; ".join(f"{p}: {m}" for p, m, _ in problems))
+        self.problems = problems
+
+
+def cross_field_problems(spec: JobSpec) -> list[tuple[str, str, str | None]]:
+    out: list[tuple[str, str, str | None]] = []
+    hw, tr = spec.hardware, spec.training
+    world = hw.world_size
+    if tr.global_batch % world:
+        out.append(
+            (
+                "training.global_batch",
+                f"{tr.global_batch} does not divide over {world} ranks (hardware.nodes {hw.nodes} x gpus {hw.gpus.count})",
+                f"use a multiple of {world}, e.g. {max(world, tr.global_batch // world * world)}",
+            )
+        )
+    elif isinstance(tr.micro_batch, int) and (tr.global_batch // world) % tr.micro_batch:
+        per_rank = tr.global_batch // world
+        fits = [d for d in range(1, per_rank + 1) if per_rank % d == 0]
+        out.append(
+            (
+                "training.micro_batch",
+                f"{tr.micro_batch} does not divide the per-rank batch {per_rank} (global_batch / ranks)",
+                f"use one of {fits} or `auto`",
+            )
+        )
+    image = (spec.image.name or "").lower()
+    if (hw.vendor == "cuda" and "rocm" in image) or (hw.vendor == "rocm" and re.search(r"cuda|nvidia", image)):
+        out.append(
+            (
+                "image.name",
+                f"image {spec.image.name!r} does not match hardware.vendor {hw.vendor!r}",
+                "use an image built for the vendor, or omit image.name for the default",
+            )
+        )
+    info = gpu_catalogue.lookup(hw.gpus.type) if hw.gpus.type else None
+    if hw.vendor == "cpu" and hw.gpus.type:
+        out.append(("hardware.gpus.type", "vendor cpu takes no GPU type", "remove hardware.gpus.type or set vendor"))
+    elif info and info.vendor != hw.vendor:
+        out.append(
+            (
+                "hardware.gpus.type",
+                f"{info.name} is a {info.vendor} GPU but hardware.vendor is {hw.vendor!r}",
+                f"set hardware.vendor: {info.vendor}",
+            )
+        )
+    elif hw.gpus.type and not info and hw.gpus.memory is None:
+        out.append(
+            (
+                "hardware.gpus.type",
+                f"unknown GPU type {hw.gpus.type!r}",
+                f"use one of {', '.join(gpu_catalogue.known_names())}, or give hardware.gpus.memory",
+            )
+        )
+    if spec.model.preset:
+        limit = PRESETS[spec.model.preset].max_positions
+        if spec.data.max_seq_len > limit:
+            out.append(
+                (
+                    "data.max_seq_len",
+                    f"{spec.data.max_seq_len} exceeds model preset {spec.model.preset!r}'s {limit} positions",
+                    f"use data.max_seq_len <= {limit}",
+                )
+            )
+    if spec.checkpoints.pvc and not spec.checkpoints.dir.startswith("/"):
+        out.append(
+            (
+                "checkpoints.dir",
+                f"{spec.checkpoints.dir!r} must be an absolute path when checkpoints.pvc mounts a volume there",
+                "e.g. /checkpoints",
+            )
+        )
+    if hw.memory is not None and hw.shm_size > hw.memory:
+        out.append(
+            (
+                "hardware.shm_size",
+                "exceeds hardware.memory: the memory-backed /dev/shm counts against the pod's memory limit",
+                "lower shm_size or raise hardware.memory",
+            )
+        )
+    if spec.data.pvc and not spec.data.mount_path.startswith("/"):
+        out.append(("data.mount_path", "must be an absolute path", "e.g. /data"))
+    for section in ("labels", "annotations"):
+        for key, value in getattr(spec.scheduling, section).items():
+            if not _LABEL_KEY.match(key) or len(key.rpartition("/")[2]) > 63:
+                out.append((f"scheduling.{section}.{key}", "not a valid Kubernetes key", "e.g. team, example.com/team"))
+            elif section == "labels" and (len(value) > 63 or not _LABEL_VALUE.match(value)):
+                out.append(
+                    (
+                        f"scheduling.labels.{key}",
+                        "not a valid label value",
+                        "at most 63 letters, digits, '-', '_' or '.', starting and ending alphanumeric",
+                    )
+                )
+    if hw.vendor == "cpu" and tr.precision == "fp16":
+        out.append(("training.precision", "fp16 autocast is not supported for vendor cpu", "use bf16 or fp32"))
+    return out
