@@ -77,9 +77,14 @@ def in_process(base: Path, steps: int, k: int, vendor: str) -> dict[str, Any]:
     event = next(r for r in rows if r.get("event") == "oom_shrink")
     done = next(r for r in rows if r.get("kind") == "train" and r["step"] == k)
     resumed = [r for r in rows if r.get("kind") == "plan"]
-    return {"scenario": "in-process shrink", "recovery_s": done["time"] - event["oom_at"],
-            "step_s": step_time(rows, {1, k}), "steps_lost": 0 if len(resumed) == 1 else None,
-            "detail": f"micro-batch {event['from_micro_batch']} -> {event['to_micro_batch']}", "wall_s": wall}
+    return {
+        "scenario": "in-process shrink",
+        "recovery_s": done["time"] - event["oom_at"],
+        "step_s": step_time(rows, {1, k}),
+        "steps_lost": 0 if len(resumed) == 1 else None,
+        "detail": f"micro-batch {event['from_micro_batch']} -> {event['to_micro_batch']}",
+        "wall_s": wall,
+    }
 
 
 def tier_restart(base: Path, steps: int, k: int, vendor: str) -> dict[str, Any]:
@@ -110,8 +115,10 @@ def main() -> None:
     print(f"OOM recovery ({args.vendor}, tiny preset, global batch 8, fault at step {args.fault_step}):")
     for r in results:
         lost = "?" if r["steps_lost"] is None else r["steps_lost"]
-        print(f"  {r['scenario']:38s} OOM -> next step {r['recovery_s']:6.2f} s   usual step {r['step_s']:.3f} s   "
-              f"steps lost {lost}   ({r['detail']}; run {r['wall_s']:.1f} s)")
+        print(
+            f"  {r['scenario']:38s} OOM -> next step {r['recovery_s']:6.2f} s   usual step {r['step_s']:.3f} s   "
+            f"steps lost {lost}   ({r['detail']}; run {r['wall_s']:.1f} s)"
+        )
 
 
 if __name__ == "__main__":

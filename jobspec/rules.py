@@ -18,26 +18,26 @@ if TYPE_CHECKING:
 _LABEL_KEY = re.compile(r"^([a-z0-9]([-a-z0-9.]*[a-z0-9])?/)?[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$")
 _LABEL_VALUE = re.compile(r"^([A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?)?$")
 
-Problem = tuple[str, str, "str | None"]  # (field path, message, hint)
+Problem = tuple[str, str, str | None]  # (field path, message, hint)
 
 
 class CrossFieldError(ValueError):
     """Rules that span sections; each problem is (field path, message, hint)."""
 
-    def __init__(self, problems: list[tuple[str, str, str | None]]):
+    def __init__(self, problems: list[Problem]):
         super().__init__("; ".join(f"{p}: {m}" for p, m, _ in problems))
         self.problems = problems
 
 
-def cross_field_problems(spec: JobSpec) -> list[tuple[str, str, str | None]]:
-    out: list[tuple[str, str, str | None]] = []
+def cross_field_problems(spec: JobSpec) -> list[Problem]:
+    out: list[Problem] = []
     hw, tr = spec.hardware, spec.training
     world = hw.world_size
     if tr.global_batch % world:
         out.append(
             (
                 "training.global_batch",
-                f"{tr.global_batch} does not divide over {world} ranks (hardware.nodes {hw.nodes} x gpus {hw.gpus.count})",
+                f"{tr.global_batch} does not divide over {world} ranks (nodes {hw.nodes} x gpus {hw.gpus.count})",
                 f"use a multiple of {world}, e.g. {max(world, tr.global_batch // world * world)}",
             )
         )

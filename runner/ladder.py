@@ -1,13 +1,14 @@
 """The memory-tier ladder: which tier a (re)started run uses, and what happens when a tier fails.
 
 State lives in `TIER_STATE_FILE` in the run directory, beside the checkpoints, so every rank and
-every pod of a restarted Job reads the same tier. Only one process writes it (global rank 0, or the
-supervisor); writes are atomic (temp file, fsync, rename) and `record_failure` is idempotent, so a
-second writer that reports the same failed tier does not step down twice.
+every pod of a restarted Job reads the same tier. Global rank 0 records tier failures, the supervisor
+its relaunches, and a rank that ran out of memory alone on a sharded tier a micro-batch cap (a shrink
+that needs a restart, see runner.resilience). Writes are atomic (temp file, fsync, rename) and
+`record_failure` is idempotent: a second writer reporting the same failed tier does not step down twice.
 
-One node: the in-pod supervisor relaunches the workers at the next tier (`relaunch_policy`, built
-with tenacity). Several nodes: each pod exits with EXIT_OOM_RETRY_TIER, the Job's podFailurePolicy
-counts it and recreates the pods, and `current_tier` points them all at the persisted tier.
+One node: the in-pod supervisor relaunches the workers at the next tier (runner.relaunch, with the
+tenacity policy `relaunch_policy`). Several nodes: each pod exits with EXIT_OOM_RETRY_TIER, the Job's
+podFailurePolicy counts it and recreates the pods, and `current_tier` points them all at the same tier.
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ import json
 import logging
 import os
 import time
-from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -48,6 +48,7 @@ class TierState:
     failed: list[TierFailure] = field(default_factory=list)
     attempts: int = 0  # relaunches made by the supervisor (`record_attempt`)
     exhausted: bool = False  # the last tier failed too (or fallback is off): nothing left to try
+    caps: dict[str, int] = field(default_factory=dict)  # tier -> largest micro-batch to plan (restart shrink)
     version: int = STATE_VERSION
 
     def failed_tiers(self) -> list[str]:
@@ -66,7 +67,8 @@ def load_state(run_dir: str | Path) -> TierState | None:
     try:
         raw: dict[str, Any] = json.loads(path.read_text())
         failed = [TierFailure(str(f["tier"]), str(f["reason"]), float(f["at"])) for f in raw.get("failed", [])]
-        state = TierState(str(raw["tier"]), failed, int(raw.get("attempts", 0)), bool(raw.get("exhausted", False)))
+        caps = {str(t): int(m) for t, m in raw.get("caps", {}).items()}
+        state = TierState(str(raw["tier"]), failed, int(raw.get("attempts", 0)), bool(raw.get("exhausted")), caps)
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise ConfigError(f"{path}: unreadable tier state ({exc}); delete it to start from the spec's tier") from exc
     if state.tier not in TIERS:
@@ -153,6 +155,19 @@ def record_failure(
     return nxt
 
 
+def record_cap(run_dir: str | Path, tier: str, micro_batch: int, reason: str) -> None:
+    """Persist "plan at most `micro_batch` at `tier`": a shrink that needs a restart (see runner.resilience)."""
+    state = load_state(run_dir) or TierState(tier)
+    state.caps[tier] = min(micro_batch, state.caps.get(tier, micro_batch))
+    save_state(run_dir, state)
+    log.warning("tier %s: the next start plans micro-batch %d at most (%s)", tier, state.caps[tier], reason)
+
+
+def micro_batch_cap(run_dir: str | Path, tier: str) -> int | None:
+    state = load_state(run_dir)
+    return state.caps.get(tier) if state else None
+
+
 def record_attempt(run_dir: str | Path, tier: str) -> TierState:
     """Count one relaunch (the supervisor calls it before each launch after the first)."""
     state = load_state(run_dir) or TierState(tier)
@@ -192,24 +207,25 @@ class RetryAtNextTier(Exception):
     """A launch ended with EXIT_OOM_RETRY_TIER and the state names a tier to retry at."""
 
     def __init__(self, failed_tier: str, next_tier_: str):
-        super().__init__(f"tier {failed_tier} ran out of memory; relaunching at {next_tier_}")
+        then = f"at {next_tier_}" if next_tier_ != failed_tier else "at the same tier, with a smaller micro-batch"
+        super().__init__(f"tier {failed_tier} ran out of memory; relaunching {then}")
         self.failed_tier, self.next_tier = failed_tier, next_tier_
 
 
 def relaunch_policy(
-    tier: str, world_size: int = 1, *, wait_s: float = 1.0, max_launches: int | None = None
+    tier: str, world_size: int = 1, *, wait_s: float = 1.0, max_launches: int | None = None, extra: int = 0
 ) -> Retrying:
-    """Tenacity policy for the supervisor's launch loop.
+    """Tenacity policy for the supervisor's launch loop (runner.relaunch.supervise).
 
     Retries only `RetryAtNextTier` (any other outcome returns or raises at once), at most
-    1 + tiers_left(tier) launches (capped by `max_launches`), with a short fixed wait so the device
-    releases the dead workers' memory. Usage:
+    1 + tiers_left(tier) + `extra` launches (capped by `max_launches`), with a short fixed wait so the
+    device releases the dead workers' memory. Usage:
 
         for attempt in relaunch_policy(tier):
             with attempt:
                 code = launch(current_tier(run_dir, spec_tier)) ...  # raise RetryAtNextTier on 75
     """
-    launches = 1 + tiers_left(tier, world_size) if tier in TIERS else 1 + len(TIERS)
+    launches = extra + (1 + tiers_left(tier, world_size) if tier in TIERS else 1 + len(TIERS))
     if max_launches is not None:
         launches = max(1, min(launches, max_launches))
 
@@ -239,55 +255,3 @@ def fail_tier(
     else:
         nxt = next_tier(tier, world_size) if fallback else None
     return exit_code_for(nxt)
-
-
-@dataclass(frozen=True)
-class LadderResult:
-    exit_code: int
-    message: str  # termination message ("" on success)
-    launches: int
-    tier: str  # the tier of the last launch
-
-
-def supervise(
-    launch: Callable[[str], int],
-    run_dir: str | Path,
-    spec_tier: str,
-    *,
-    world_size: int = 1,
-    fallback: bool = True,
-    relaunch: bool = True,
-    wait_s: float = 1.0,
-    max_launches: int | None = None,
-) -> LadderResult:
-    """The supervisor's launch loop: `launch(tier) -> exit code`, relaunched at the next tier on 75.
-
-    `relaunch=False` (several nodes: the Job restarts the pods) passes EXIT_OOM_RETRY_TIER through
-    after one launch. A 75 whose tier state did not move on (a worker that did not record its tier)
-    ends as EXIT_OOM_LAST_TIER rather than looping.
-    """
-    launched, tier = 0, current_tier(run_dir, spec_tier)
-    policy = relaunch_policy(tier, world_size, wait_s=wait_s, max_launches=max_launches if relaunch else 1)
-    try:
-        for attempt in policy:
-            with attempt:
-                tier = current_tier(run_dir, spec_tier)
-                if launched:  # a relaunch: count it (a first launch leaves no state behind)
-                    record_attempt(run_dir, tier)
-                launched += 1
-                code = launch(tier)
-                if code != EXIT_OOM_RETRY_TIER:
-                    msg = termination_message(run_dir, fallback=fallback) if code == EXIT_OOM_LAST_TIER else ""
-                    return LadderResult(code, msg, launched, tier)
-                state = load_state(run_dir)
-                if state is None or state.exhausted or state.tier == tier or not state.failed:
-                    why = "the worker asked for the next tier but the tier state names none"
-                    return LadderResult(EXIT_OOM_LAST_TIER, f"out of memory at tier {tier}: {why}", launched, tier)
-                if not relaunch:
-                    msg = f"out of memory at tier {state.failed[-1].tier}; the next start uses tier {state.tier}"
-                    return LadderResult(EXIT_OOM_RETRY_TIER, msg, launched, tier)
-                raise RetryAtNextTier(state.failed[-1].tier, state.tier)
-    except RetryAtNextTier as exc:
-        msg = f"out of memory at tier {exc.failed_tier}; relaunch limit ({launched} launches) reached"
-        return LadderResult(EXIT_OOM_LAST_TIER, msg, launched, tier)
-    raise AssertionError("unreachable: the retry loop either returns or raises")  # pragma: no cover

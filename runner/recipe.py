@@ -30,7 +30,7 @@ from runner.metrics import GpuUtil, Metrics, Progress, memory_bytes
 from runner.model import build_model
 from runner.plan import Plan, agree, initial_plan, model_shape, size_for_tier, verify_micro_batch
 from runner.probe import describe, oom_guard, probe_host
-from runner.resilience import RecipeGuard, TierOOM
+from runner.resilience import RecipeGuard, TierOOM, apply_cap
 from runner.tokenizer import load_tokenizer
 from runner.train import Preempted, Stepper, StepResult, StopFlag, get_lr
 
@@ -152,7 +152,7 @@ class Recipe:
         if plan is None:
             plan = initial_plan(spec, self.dev, self.host, world, local_ranks=local)
         return agree(
-            plan,
+            apply_cap(plan, self.root),
             self.ctrl.reduce_min,
             replan=lambda tier: size_for_tier(spec, self.dev, self.host, world, tier, local_ranks=local),
         )

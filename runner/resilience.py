@@ -26,8 +26,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from jobspec.contract import EXIT_OOM_LAST_TIER
+from jobspec.contract import EXIT_OOM_LAST_TIER, EXIT_OOM_RETRY_TIER, TIER_STATE_FILE
 from jobspec.errors import JobspecError
+from jobspec.memory import divisors
 from runner import ladder
 from runner.faults import install_from_env
 from runner.oom import guarded, next_micro_batch, release_memory
@@ -49,12 +50,23 @@ class OptimizerOOM(StepOOM):
     """Raised on every rank: some rank ran out in clipping or optimizer.step(); its state may be half updated."""
 
 
-class TierOOM(JobspecError):
-    """Micro-batch 1 (or the optimizer step) ran out of memory at `tier`: the ladder takes over."""
+class RankOOM(StepOOM):
+    """Raised on the rank that ran out only, on a sharded tier with several ranks: FSDP's gathers inside
+    forward and backward may hold the other ranks in a collective this rank will not join, so no agreement
+    is attempted. The rank persists a micro-batch cap and exits 75; the supervisor restarts all ranks."""
 
-    def __init__(self, tier: str, reason: str, *, weights_intact: bool):
+    def __init__(self, reason: str, rank: int, *, optimizer: bool = False):
+        super().__init__(reason, rank)
+        self.optimizer = optimizer
+
+
+class TierOOM(JobspecError):
+    """Micro-batch 1 (or the optimizer step) ran out of memory at `tier`: the ladder takes over. With `cap`
+    (RankOOM) only this rank knows: it records "restart at micro-batch `cap`" instead of a tier failure."""
+
+    def __init__(self, tier: str, reason: str, *, weights_intact: bool, cap: int | None = None, local: bool = False):
         super().__init__(reason)
-        self.tier, self.reason, self.weights_intact = tier, reason, weights_intact
+        self.tier, self.reason, self.weights_intact, self.cap, self.local = tier, reason, weights_intact, cap, local
 
 
 def agreement(stop: bool, oom: str, rank: int, world_size: int) -> list[float]:
@@ -112,7 +124,7 @@ class Shrink:
     to_accum: int
     rank: int  # lowest rank that ran out
     reason: str
-    oom_at: float  # unix time of the agreement on the OOM
+    oom_at: float  # unix time the agreed OOM reached the shrink loop (before memory is released)
 
     def record(self) -> dict[str, Any]:
         return {
@@ -141,17 +153,25 @@ def run_step(
     *,
     step: int,
     zero_grad: Callable[[], None],
+    reset: Callable[[], bool] = lambda: True,
     on_shrink: Callable[[Shrink], None] | None = None,
 ) -> tuple[Any, Plan]:
     """`train_step(ids, micro_batch)` with in-process shrink; returns (its result, the plan it ran with).
 
-    `step` is the 1-based number of the step being computed (for logs and metrics). Raises TierOOM
-    when micro-batch 1 ran out, or when the optimizer step did (weights possibly touched).
+    `step` is the 1-based number of the step being computed (for logs and metrics). `reset()` restores
+    the wrapper's per-iteration state after the aborted step (`reset_fsdp`); False: it cannot, and the
+    shrink happens by a restart instead. Raises TierOOM when micro-batch 1 ran out, or when the optimizer
+    step did (weights possibly touched).
     """
     rng = _rng()
     while True:
         try:
             return train_step(ids, plan.micro_batch), plan
+        except RankOOM as err:
+            nxt = None if err.optimizer else next_micro_batch(plan.micro_batch, plan.per_rank)
+            where = f"step {step} on rank {err.rank} of a sharded tier"
+            raise TierOOM(plan.tier, f"out of memory at micro-batch {plan.micro_batch}, {where}: {err.reason}",
+                          weights_intact=False, cap=nxt, local=True) from None  # fmt: skip
         except OptimizerOOM as err:
             why, rank = err.reason, err.rank
             intact = False
@@ -159,7 +179,9 @@ def run_step(
             why, rank = err.reason, err.rank
             intact = True
         # Out of the except block: the failed attempt's frames are gone; drop its gradients, then free.
+        caught = time.time()
         zero_grad()
+        restored = reset()
         release_memory()
         if not intact:
             raise TierOOM(plan.tier, f"out of memory in the optimizer step {step} on rank {rank}: {why}",
@@ -168,6 +190,9 @@ def run_step(
         if nxt is None:
             raise TierOOM(plan.tier, f"out of memory at micro-batch 1, step {step}, rank {rank}: {why}",
                           weights_intact=True)  # fmt: skip
+        if not restored:
+            raise TierOOM(plan.tier, f"out of memory at step {step} on rank {rank}, FSDP cannot redo it in process "
+                          f"(torch < 2.13 has no reset_iter_state): {why}", weights_intact=False, cap=nxt)  # fmt: skip
         old = plan
         note = (
             f"micro-batch {old.micro_batch} -> {nxt} after OOM at step {step} on rank {rank}: {why}; "
@@ -177,8 +202,46 @@ def run_step(
         log.warning("%s", note)
         if on_shrink is not None:
             on_shrink(Shrink(step, plan.tier, old.micro_batch, nxt, old.grad_accum, plan.grad_accum, rank, why,
-                             time.time()))  # fmt: skip
+                             caught))  # fmt: skip
         _set_rng(rng)  # the redo draws the same random numbers as a first attempt would
+
+
+def reset_fsdp(model: torch.nn.Module) -> bool:
+    """After an exception inside FSDP2's forward or backward: reshard and clear its per-iteration state
+    (`FSDPModule.reset_iter_state`, torch >= 2.13). True for other models; False when torch lacks it."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if not isinstance(model, FSDPModule):
+        return True
+    reset = getattr(model, "reset_iter_state", None)
+    if reset is None:
+        return False
+    reset()
+    # reset_iter_state reshards but leaves the gradients a partial backward put on the unsharded
+    # parameters (torch 2.13): the redo's backward would add to them. Private attributes: when they
+    # move, report "cannot" and let the shrink happen by a restart.
+    try:
+        for state in model._get_fsdp_state()._state_ctx.all_states:
+            for group in state._fsdp_param_groups:
+                for param in group.fsdp_params:
+                    if getattr(param, "_unsharded_param", None) is not None:
+                        param._unsharded_param.grad = None
+                    param.unsharded_accumulated_grad = None
+    except AttributeError as err:
+        log.warning("FSDP internals changed (%s): the OOM shrink happens by a restart", err)
+        return False
+    return True
+
+
+def apply_cap(plan: Plan, root: Any) -> Plan:
+    """The plan with its micro-batch lowered to the cap a restart shrink persisted for its tier, if any."""
+    cap = ladder.micro_batch_cap(root, plan.tier)
+    if cap is None or plan.micro_batch <= cap:
+        return plan
+    mbs = max(d for d in divisors(plan.per_rank) if d <= cap)
+    return with_micro_batch(
+        plan, mbs, f"micro-batch {plan.micro_batch} -> {mbs}: capped in {TIER_STATE_FILE} after an OOM"
+    )
 
 
 def tier_failed(root: Any, tier: str, reason: str, *, world_size: int, fallback: bool, writer: bool) -> tuple[int, str]:
@@ -211,7 +274,8 @@ class RecipeGuard:
             self.injector.step = step + 1
         result, r.plan = run_step(
             lambda ids, mbs: r.stepper.train_step(ids, mbs, r.lr(step)), r.step_ids(step), r.plan, step=step + 1,
-            zero_grad=lambda: r.stepper.inner.zero_grad(set_to_none=True), on_shrink=self._shrunk,
+            zero_grad=lambda: r.stepper.inner.zero_grad(set_to_none=True), reset=lambda: reset_fsdp(r.model),
+            on_shrink=self._shrunk,
         )  # fmt: skip
         return result
 
@@ -227,7 +291,11 @@ class RecipeGuard:
         if err.weights_intact and r.step > max(r.saved_step, 0) and guarded(r._save).oom:
             log.warning("out of memory writing checkpoint %d; the next start resumes from step %d", r.step,
                         max(r.saved_step, 0))  # fmt: skip
+        if err.cap is not None:  # this rank alone ran out on a sharded tier: restart all ranks at a smaller one
+            ladder.record_cap(r.root, err.tier, err.cap, err.reason)
+            r.status["reason"] = f"{err.reason}; restarting at micro-batch {err.cap}"
+            return EXIT_OOM_RETRY_TIER
         code, reason = tier_failed(r.root, err.tier, err.reason, world_size=r.env.world_size,
-                                   fallback=r.spec.memory.fallback, writer=r.env.is_main)  # fmt: skip
+                                   fallback=r.spec.memory.fallback, writer=r.env.is_main or err.local)  # fmt: skip
         r.status["reason"] = reason
         return code

@@ -40,7 +40,7 @@ from jobspec.contract import (
 from jobspec.errors import ConfigError, JobspecError
 from jobspec.loader import load_spec
 from jobspec.spec import JobSpec
-from runner import ladder
+from runner import relaunch
 from runner.hostmem import host_oom, oom_kills
 
 log = logging.getLogger("jobspec.runner")
@@ -248,16 +248,16 @@ def run_attempt(spec_path: str, overrides: list[str], topo: Topology, stopping: 
 
 
 def supervise(spec: JobSpec, spec_path: str, overrides: list[str], nproc: int | None) -> Outcome:
-    """Run the job on this node through the OOM ladder (runner.ladder.supervise): one node relaunches at the
-    next tier (bounded); several exit 75 and the Job's podFailurePolicy restarts their pods."""
+    """Run the job on this node, relaunched down the OOM tier ladder (runner.relaunch.supervise)."""
     topo, stopping, last = topology(spec, nproc), [False], []  # stopping: set by SIGTERM/SIGINT
 
     def launch(tier: str) -> int:  # the workers read the tier from the tier state themselves
         last[:] = [run_attempt(spec_path, overrides, topo, stopping)]
         return last[0].exit_code
 
-    r = ladder.supervise(launch, spec.checkpoints.dir, spec.memory.tier, world_size=topo.world_size,
-                         fallback=spec.memory.fallback, relaunch=topo.nnodes == 1)  # fmt: skip
+    r = relaunch.supervise(launch, spec.checkpoints.dir, spec.memory.tier, world_size=topo.world_size,
+                           per_rank_batch=spec.training.global_batch // topo.world_size,
+                           fallback=spec.memory.fallback, relaunch=topo.nnodes == 1)  # fmt: skip
     same = r.exit_code == last[-1].exit_code and not (r.message and r.exit_code != EXIT_OK)
     return last[-1] if same else Outcome(r.exit_code, r.message or last[-1].reason, last[-1].status)
 

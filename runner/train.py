@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from runner.data import IGNORE, Batch, SFTData, micro_batches
 from runner.dist import Control
 from runner.oom import guarded
-from runner.resilience import agreement, all_reduce_grads, raise_agreed
+from runner.resilience import RankOOM, agreement, all_reduce_grads, raise_agreed
 
 log = logging.getLogger("jobspec.runner")
 
@@ -115,6 +115,7 @@ class Stepper:
         self.rank = accelerator.process_index
         # DDP exchanges gradients after the OOM agreement (all_reduce_grads), not inside the last backward
         self.manual_sync = isinstance(model, torch.nn.parallel.DistributedDataParallel)
+        self.sharded_ranks = self.world_size > 1 and not self.manual_sync  # FSDP: an OOM cannot be agreed on
 
     def check_stop(self) -> None:
         """Raise Preempted on every rank as soon as any rank has the flag (agreed by all-reduce MAX)."""
@@ -124,6 +125,8 @@ class Stepper:
     def agree(self, oom: str, *, stop: bool = True, optimizer: bool = False) -> None:
         """One all-reduce MAX over ranks of [stop flag, OOM flag, rank]: StepOOM (OptimizerOOM) on every rank
         when any ran out, else Preempted on every rank when any has the stop flag (if `stop`)."""
+        if oom and self.sharded_ranks:  # the others may be inside an FSDP collective: do not join another
+            raise RankOOM(oom, self.rank, optimizer=optimizer)
         mine = agreement(stop and bool(self.stop), oom, self.rank, self.world_size)
         flags = self.ctrl.all_reduce(mine, "max")
         raise_agreed(flags, oom, self.world_size, optimizer=optimizer)

@@ -17,15 +17,17 @@ from runner.ladder import (
     current_tier,
     fail_tier,
     load_state,
+    micro_batch_cap,
     next_tier,
     record_attempt,
+    record_cap,
     record_failure,
     relaunch_policy,
     save_state,
-    supervise,
     termination_message,
     tiers_left,
 )
+from runner.relaunch import supervise
 
 
 def test_next_tier_skips_shard_only_tiers_on_one_rank() -> None:
@@ -187,3 +189,38 @@ def test_supervise_bounded_by_max_launches(tmp_path: Path) -> None:
     launched: list[str] = []
     result = supervise(_launcher(tmp_path, set(TIERS), launched), tmp_path, "fast", wait_s=0, max_launches=2)
     assert result.exit_code == EXIT_OOM_LAST_TIER and len(launched) == 2 and "relaunch limit" in result.message
+
+
+def test_micro_batch_caps_only_go_down_and_survive_a_reload(tmp_path: Path) -> None:
+    assert micro_batch_cap(tmp_path, "zero3") is None
+    record_cap(tmp_path, "zero3", 4, "oom on rank 1")
+    record_cap(tmp_path, "zero3", 8, "a late writer with an older view")
+    assert micro_batch_cap(tmp_path, "zero3") == 4 and micro_batch_cap(tmp_path, "zero2") is None
+    record_failure(tmp_path, "zero3", "oom at 1", world_size=2)
+    state = load_state(tmp_path)
+    assert state is not None and state.caps == {"zero3": 4} and state.tier == "minimal"
+
+
+def test_supervise_relaunches_the_same_tier_after_a_cap_bounded_by_the_divisors(tmp_path: Path) -> None:
+    launched: list[str] = []
+
+    def launch(tier: str) -> int:  # a sharded tier whose rank 1 runs out alone: a cap per launch
+        launched.append(tier)
+        cap = micro_batch_cap(tmp_path, "zero3")
+        if cap == 2:
+            return EXIT_OK
+        record_cap(tmp_path, "zero3", (cap or 8) // 2, "rank 1")
+        return EXIT_OOM_RETRY_TIER
+
+    result = supervise(launch, tmp_path, "zero3", world_size=2, per_rank_batch=8, wait_s=0)
+    assert result.exit_code == EXIT_OK and launched == ["zero3", "zero3", "zero3"]
+    stuck = tmp_path / "stuck"  # a cap every time: bounded by 1 + tiers left (1) + smaller divisors of 8 (3)
+    count: list[str] = []
+
+    def always(tier: str) -> int:
+        count.append(tier)
+        record_cap(stuck, "zero3", 8 - len(count), "rank 1")
+        return EXIT_OOM_RETRY_TIER
+
+    result = supervise(always, stuck, "zero3", world_size=2, per_rank_batch=8, wait_s=0)
+    assert result.exit_code == EXIT_OOM_LAST_TIER and len(count) == 5 and "relaunch limit" in result.message

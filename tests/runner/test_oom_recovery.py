@@ -21,8 +21,15 @@ from runner import checkpoint
 from runner.data import DataOrder
 from runner.faults import ENV_VAR
 from runner.ladder import load_state
-from tests.runner.train_helpers import ROOT, records, run_supervisor, tiny_spec, tiny_spec_dict, train_in_process
-from tests.runner.train_helpers import write_spec
+from tests.runner.train_helpers import (
+    ROOT,
+    records,
+    run_supervisor,
+    tiny_spec,
+    tiny_spec_dict,
+    train_in_process,
+    write_spec,
+)
 
 # Same samples, same micro-batches, same order of accumulation: the trajectories agree to float32
 # rounding (measured: bit-identical on CPU); 1e-6 relative leaves room for a BLAS that reorders sums.
@@ -59,10 +66,8 @@ def test_shrink_in_process_matches_an_uninterrupted_run(tmp_path, monkeypatch):
     code, plain = train_in_process(tiny_spec(plain_dir, training={"micro_batch": 2, "steps": 6}))
     assert code == EXIT_OK
     # Metrics show the shrink, with the numbers, at step 1: 8 -> 4 -> 2 (each OOMs above 2).
-    assert [(e["step"], e["from_micro_batch"], e["to_micro_batch"], e["to_grad_accum"]) for e in events(shrunk_dir)] == [
-        (1, 8, 4, 2),
-        (1, 4, 2, 4),
-    ]
+    shrinks = [(e["step"], e["from_micro_batch"], e["to_micro_batch"], e["to_grad_accum"]) for e in events(shrunk_dir)]
+    assert shrinks == [(1, 8, 4, 2), (1, 4, 2, 4)]
     assert "mbs>2" in events(shrunk_dir)[0]["reason"]
     # Every optimizer step saw the whole global batch, each sample once, in the planned order.
     order = order_of(shrunk_dir)
@@ -184,7 +189,8 @@ def test_two_ranks_one_oom_no_hang_both_shrink_same_weights(tmp_path):
     sections = {"training": {"micro_batch": 4, "steps": 4}, "checkpoints": {"every_steps": 2}}
     spec = write_spec(tmp_path / "s.yaml", tiny_spec_dict(run_dir, **sections))
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "WORLD_SIZE": "2",
-           "LOCAL_WORLD_SIZE": "2", "OMP_NUM_THREADS": "1", "JOBSPEC_RECORD_SAMPLES": "1", ENV_VAR: "mbs>2,rank=1"}  # fmt: skip
+           "LOCAL_WORLD_SIZE": "2", "OMP_NUM_THREADS": "1", "JOBSPEC_RECORD_SAMPLES": "1",
+           ENV_VAR: "mbs>2,rank=1"}  # fmt: skip
     procs = [
         subprocess.Popen([sys.executable, "-c", RANK_SCRIPT, str(spec), str(tmp_path / f"w{r}.pt")], cwd=ROOT,
                          env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, stderr=subprocess.PIPE, text=True)
@@ -212,3 +218,56 @@ def test_two_ranks_one_oom_no_hang_both_shrink_same_weights(tmp_path):
     one = tmp_path / "one"
     assert train_in_process(tiny_spec(one, **sections))[0] == EXIT_OK
     assert [r["loss"] for r in records(run_dir)] == pytest.approx([r["loss"] for r in records(one)], rel=1e-5)
+
+
+def test_sharded_tier_rank_local_oom_restarts_all_ranks_at_a_smaller_micro_batch(tmp_path):
+    """FSDP gathers inside forward: rank 0 waits in a collective rank 1 never joins, so no in-process
+    agreement; rank 1 records a micro-batch cap and exits 75, the supervisor restarts both ranks."""
+    run_dir = tmp_path / "run"
+    sections = {"training": {"micro_batch": 4, "steps": 3}, "memory": {"tier": "zero3"}}
+    spec = write_spec(tmp_path / "s.yaml", tiny_spec_dict(run_dir, **sections))
+    result = run_supervisor([str(spec), "--nproc", "2"], timeout=120, JOBSPEC_KILL_GRACE_S="5",
+                            **{ENV_VAR: "mbs>2,rank=1"})  # fmt: skip
+    assert result.returncode == EXIT_OK, result.stderr[-3000:]
+    assert "relaunching at the same tier, with a smaller micro-batch" in result.stderr
+    state = load_state(run_dir)
+    assert state is not None and state.caps == {"zero3": 2} and state.failed == []
+    assert [(p["tier"], p["micro_batch"]) for p in records(run_dir, "plan")] == [("zero3", 4), ("zero3", 2)]
+    assert [r["step"] for r in records(run_dir)] == [1, 2, 3]
+
+
+@pytest.mark.parametrize("tier", ["fast", "zero3"])
+@pytest.mark.parametrize("where", ["forward", "backward"])
+def test_recovers_from_an_oom_inside_a_block(tmp_path, where, tier):
+    """A real OOM escapes from the middle of a sharded model (one rank, FSDP2 zero3): the step is redone
+    at a smaller micro-batch and the run matches an uninterrupted one at that micro-batch."""
+    from runner.recipe import Recipe
+
+    def run(run_dir: Path, micro_batch: int, fail: bool) -> list[float]:
+        recipe = Recipe(tiny_spec(run_dir, training={"micro_batch": micro_batch, "steps": 3},
+                                  memory={"tier": tier}))  # fmt: skip
+        try:
+            recipe.setup()
+            block = recipe.accelerator.unwrap_model(recipe.model).transformer.h[1]
+            fired: list[int] = []
+
+            def boom(*_: object) -> None:
+                if fail and not fired and recipe.step == 1:  # once, in optimizer step 2
+                    fired.append(1)
+                    raise torch.OutOfMemoryError(f"CUDA out of memory (test: inside a block's {where})")
+
+            if where == "forward":
+                block.register_forward_hook(lambda m, i, o: boom())
+            else:
+                block.register_full_backward_hook(lambda m, gi, go: boom())
+            assert recipe.train() == EXIT_OK and fired == ([1] if fail else [])
+        finally:
+            recipe.cleanup()
+        return [r["loss"] for r in records(run_dir)]
+
+    shrunk = run(tmp_path / "shrunk", 4, True)
+    assert [(e["step"], e["from_micro_batch"], e["to_micro_batch"]) for e in events(tmp_path / "shrunk")] == [
+        (2, 4, 2)
+    ]
+    assert shrunk == pytest.approx(run(tmp_path / "plain4", 4, False)[:1] + run(tmp_path / "plain2", 2, False)[1:],
+                                   rel=1e-5)  # fmt: skip
