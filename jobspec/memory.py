@@ -17,6 +17,7 @@ from jobspec.presets import ModelShape
 
 TIERS: tuple[str, ...] = ("fast", "zero2", "zero2_offload", "zero3", "minimal")
 Attention = Literal["sdpa", "flash", "eager"]
+Precision = Literal["bf16", "fp16", "fp32"]
 
 # Mixed-precision Adam: bf16 weights (2) + bf16 grads (2) + fp32 master, m, v (12) = 16 bytes/param.
 WEIGHT_BYTES = 2
@@ -174,8 +175,13 @@ def _states(shape: ModelShape, tier: str, world_size: int, lora: LoraShape | Non
     return gathered, host_opt + WEIGHT_BYTES * w // n, t
 
 
-def _activations(shape: ModelShape, seq_len: int, micro_batch: int, checkpointing: bool, attention: str) -> int:
+def _activations(
+    shape: ModelShape, seq_len: int, micro_batch: int, checkpointing: bool, attention: str, precision: str
+) -> int:
     s, b, h = seq_len, micro_batch, shape.hidden
+    if precision not in ("bf16", "fp16", "fp32"):
+        raise ConfigError(f"unknown precision {precision!r}; expected bf16, fp16 or fp32")
+    width = 2 if precision == "fp32" else 1  # Korthikanti's bytes assume 16-bit activations
     if attention == "eager":  # the a*s*s attention scores and their softmax/dropout stay in memory
         layer = s * b * (ACT_BYTES * h + 5 * shape.heads * s)
     elif attention in ("sdpa", "flash"):
@@ -183,8 +189,8 @@ def _activations(shape: ModelShape, seq_len: int, micro_batch: int, checkpointin
     else:
         raise ConfigError(f"unknown attention {attention!r}; expected sdpa, flash or eager")
     if checkpointing:  # each layer's input, plus one layer recomputed at a time in backward
-        return shape.layers * CKPT_BYTES * s * b * h + layer
-    return shape.layers * layer
+        return width * (shape.layers * CKPT_BYTES * s * b * h + layer)
+    return width * shape.layers * layer
 
 
 def estimate(
@@ -197,6 +203,7 @@ def estimate(
     lora: LoraShape | None = None,
     checkpointing: bool | None = None,
     attention: Attention = "sdpa",
+    precision: Precision = "bf16",
 ) -> MemoryEstimate:
     """Bytes one GPU needs to train `shape` at `tier` over `world_size` data-parallel ranks."""
     if seq_len < 1 or micro_batch < 0 or world_size < 1:
@@ -206,7 +213,7 @@ def estimate(
         )
     ckpt = CHECKPOINTING[TIERS[_tier_index(tier)]] if checkpointing is None else checkpointing
     states, host, t = _states(shape, tier, world_size, lora)
-    acts = _activations(shape, seq_len, micro_batch, ckpt, attention)
+    acts = _activations(shape, seq_len, micro_batch, ckpt, attention, precision)
     logits = LOGITS_BYTES * seq_len * micro_batch * shape.vocab
     overhead = OVERHEAD_FIXED + (states + acts + logits) * OVERHEAD_PERCENT // 100
     return MemoryEstimate(tier, micro_batch, ckpt, t, states, acts, logits, overhead, host)
@@ -239,6 +246,7 @@ def plan_tier(
     lora: LoraShape | None = None,
     checkpointing: bool | None = None,
     attention: Attention = "sdpa",
+    precision: Precision = "bf16",
 ) -> TierPlan:
     """The largest micro-batch at `tier` that fits `utilization * gpu_bytes` and divides the per-rank batch.
 
@@ -261,6 +269,7 @@ def plan_tier(
         lora=lora,
         checkpointing=checkpointing,
         attention=attention,
+        precision=precision,
     )
     fixed, one = est(micro_batch=0), est(micro_batch=1)
     per_sample = one.gpu_bytes - fixed.gpu_bytes  # bytes each sequence of the micro-batch adds
@@ -301,6 +310,7 @@ def plan_all(
     lora: LoraShape | None = None,
     checkpointing: bool | None = None,
     attention: Attention = "sdpa",
+    precision: Precision = "bf16",
 ) -> list[TierPlan]:
     """`plan_tier` for every tier, in TIERS order (cheapest first)."""
     return [
@@ -315,6 +325,7 @@ def plan_all(
             lora=lora,
             checkpointing=checkpointing,
             attention=attention,
+            precision=precision,
         )
         for t in TIERS
     ]

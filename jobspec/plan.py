@@ -81,6 +81,14 @@ def lora_shape(spec: JobSpec) -> memory.LoraShape | None:
     return memory.LoraShape(lora.rank, tuple(lora.targets)) if lora else None
 
 
+def planned_precision(spec: JobSpec) -> memory.Precision:
+    """The autocast width before any device is seen: `auto` is fp32 on CPU, 16-bit on a GPU."""
+    asked = spec.training.precision
+    if asked == "auto":
+        return "fp32" if spec.hardware.vendor == "cpu" else "bf16"
+    return asked
+
+
 @dataclass(frozen=True)
 class PlanReport:
     spec: JobSpec
@@ -143,6 +151,7 @@ def plan_spec(spec: JobSpec, gpu_memory: str | int | None = None) -> PlanReport:
         lora=lora_shape(spec),
         checkpointing=forced,
         attention=spec.model.attention,
+        precision=planned_precision(spec),
     )
     if spec.memory.tier == "auto":
         chosen = memory.pick_tier(plans)

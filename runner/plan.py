@@ -117,7 +117,11 @@ def _inputs(spec: JobSpec, device: DeviceInfo, world_size: int, local: int) -> t
         raise ConfigError(msg)
     gc = spec.training.gradient_checkpointing
     ckpt, lora, attention = None if gc == "auto" else gc == "on", lora_shape(spec), spec.model.attention
-    est = dict(world_size=world_size, seq_len=spec.data.max_seq_len, lora=lora, checkpointing=ckpt, attention=attention)
+    precision = resolve_precision(spec.training.precision, device)[0]  # fp32 keeps activations twice as wide
+    est = dict(
+        world_size=world_size, seq_len=spec.data.max_seq_len, lora=lora, checkpointing=ckpt, attention=attention,
+        precision=precision,
+    )  # fmt: skip
     # On CPU the ranks of this node share the host memory the probe reported.
     free = device.free_bytes if device.is_gpu else device.free_bytes // local
     return est, dict(gpu_bytes=free, global_batch=gb, utilization=spec.memory.target_utilization)
@@ -135,23 +139,11 @@ def _micro_batch(asked: int | str, per_rank: int, tp: memory.TierPlan, per_sampl
     return mbs, f"micro-batch auto -> {mbs} of {per_rank}: {budget} / {per_sample} = {top}{cap}"
 
 
-def _sized(shape: ModelShape, tier: str, kw: dict[str, Any], bkw: dict[str, Any], per_rank: int, fp32: bool,
-           ) -> tuple[memory.TierPlan, int, int, int]:  # fmt: skip
-    """(tier plan, fixed bytes, bytes per sample, fp32 extra per sample) from the memory model.
-
-    The model counts 16-bit activations (34 B per token and hidden unit); fp32 keeps twice that, so
-    for fp32 each sample costs its activations once more and the micro-batch is re-derived here.
-    """
+def _sized(shape: ModelShape, tier: str, kw: dict[str, Any], bkw: dict[str, Any]) -> tuple[memory.TierPlan, int, int]:
+    """(tier plan, fixed bytes, bytes per sample) from the memory model."""
     tp = memory.plan_tier(shape, tier=tier, **kw, **bkw)
     e0, e1 = (memory.estimate(shape, tier=tier, micro_batch=m, **kw) for m in (0, 1))
-    fixed, per_sample = e0.gpu_bytes, e1.gpu_bytes - e0.gpu_bytes
-    if not fp32:
-        return tp, fixed, per_sample, 0
-    extra = (e1.activations - e0.activations) * (100 + memory.OVERHEAD_PERCENT) // 100
-    top = max(0, (tp.budget - fixed) // (per_sample + extra))
-    mbs = max((d for d in memory.divisors(per_rank) if d <= top), default=0)
-    tp = dataclasses.replace(tp, fits=mbs > 0, max_micro_batch=top, micro_batch=mbs, grad_accum=mbs and per_rank // mbs)
-    return tp, fixed, per_sample + extra, extra
+    return tp, e0.gpu_bytes, e1.gpu_bytes - e0.gpu_bytes
 
 
 def size_for_tier(
@@ -169,17 +161,18 @@ def size_for_tier(
     kw, bkw = _inputs(spec, device, world_size, local)
     per_rank_batch, shape = gb // world_size, model_shape(spec)
     precision, why_precision = resolve_precision(spec.training.precision, device)
-    tp, fixed, per_sample, extra = _sized(shape, tier, kw, bkw, per_rank_batch, precision == "fp32")
+    tp, fixed, per_sample = _sized(shape, tier, kw, bkw)
     free, where = gib(bkw["gpu_bytes"]), "free" if device.is_gpu else f"host / {local} ranks"
     budget = f"({gib(tp.budget)} budget [{bkw['utilization']:.2f} x {free} {where}] - {gib(fixed)} states+overhead)"
-    sample = f"{gib(per_sample)} per sample at seq {kw['seq_len']}" + (" (fp32: activations x2)" if extra else "")
+    wide = " (fp32: activations x2)" if precision == "fp32" else ""
+    sample = f"{gib(per_sample)} per sample at seq {kw['seq_len']}{wide}"
     mbs, why = _micro_batch(spec.training.micro_batch, per_rank_batch, tp, sample, budget)
     _note(notes, why)
     offload = f"tier {tier} offloads {gib(tp.estimate.host)} per rank x {local} to {gib(host.available_bytes)} of host"
     if tp.estimate.host and not offload_fits(tp.estimate.host, local, host):
         _note(notes, offload + ": expect a host OOM")
     _note(notes, why_precision)
-    estimated = memory.estimate(shape, tier=tier, micro_batch=mbs, **kw).gpu_bytes + extra * mbs
+    estimated = memory.estimate(shape, tier=tier, micro_batch=mbs, **kw).gpu_bytes
     need = HOST_PROCESS_BYTES + tp.estimate.host if device.is_gpu else estimated
     nw = None if spec.data.num_workers == "auto" else spec.data.num_workers
     loader = loader_settings(host, on_gpu=device.is_gpu, local_ranks=local, need_per_rank=need, requested=nw)

@@ -316,3 +316,14 @@ def test_plan_keeps_the_effective_batch(
     else:
         assert (p.micro_batch, p.grad_accum, p.max_micro_batch) == (0, 0, 0)
         assert need(1) > p.budget
+
+
+def test_fp32_keeps_activations_twice_as_wide() -> None:
+    shape = PRESETS["gpt2-small"]
+    # 12 layers x 34 bytes x s 1024 x b 1 x h 768 = 320,864,256 bytes in 16-bit; twice that in fp32.
+    half = estimate(shape, tier="fast", seq_len=1024, micro_batch=1, world_size=1)
+    full = estimate(shape, tier="fast", seq_len=1024, micro_batch=1, world_size=1, precision="fp32")
+    assert (half.activations, full.activations) == (320_864_256, 641_728_512)
+    assert full.states == half.states and full.logits == half.logits
+    with pytest.raises(ConfigError, match="precision"):
+        estimate(shape, tier="fast", seq_len=1024, micro_batch=1, world_size=1, precision="fp8")  # type: ignore[arg-type]

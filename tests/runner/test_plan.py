@@ -160,11 +160,14 @@ def test_fp32_counts_the_activations_twice() -> None:
     host = HostInfo(24 * GiB, 22 * GiB, 2)
     spec = make_spec("gpt2-medium", 1, 32, hardware={"vendor": "cpu"}, data={"max_seq_len": 1024})
     plan = initial_plan(spec, cpu_device(host), host, 1)
+    shape = PRESETS["gpt2-medium"]
     e0, e1 = (
-        memory.estimate(PRESETS["gpt2-medium"], tier="fast", seq_len=1024, micro_batch=m, world_size=1) for m in (0, 1)
+        memory.estimate(shape, tier="fast", seq_len=1024, micro_batch=m, world_size=1, precision="fp32") for m in (0, 1)
     )
+    b0, b1 = (memory.estimate(shape, tier="fast", seq_len=1024, micro_batch=m, world_size=1) for m in (0, 1))
     assert plan.precision == "fp32"
-    assert plan.per_sample_bytes == e1.gpu_bytes - e0.gpu_bytes + (e1.activations - e0.activations) * 105 // 100
+    assert plan.per_sample_bytes == e1.gpu_bytes - e0.gpu_bytes
+    assert e1.activations - e0.activations == 2 * (b1.activations - b0.activations)
     assert plan.model_max_micro_batch == (plan.budget_bytes - e0.gpu_bytes) // plan.per_sample_bytes == 6
     assert (plan.micro_batch, plan.grad_accum) == (4, 8)  # 16-bit sizing would have said 10 -> 8
     assert plan.estimated_bytes <= plan.budget_bytes
