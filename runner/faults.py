@@ -10,7 +10,8 @@ all of them to one global rank:
     rank=R     only global rank R injects; the other ranks run clean
 
 Example: `JOBSPEC_FAULT_OOM="mbs>2,rank=1"`. The error raised is a real `torch.OutOfMemoryError`,
-from a forward pre-hook on the model, so it takes the same path as an allocator failure. Steps
+from a forward pre-hook on the model, so it takes the same path as an allocator failure. It is
+installed after planning: the rules apply to training steps, not to the planner's probe steps. Steps
 that fired are recorded per rank in `FIRED_FILE_TEMPLATE` in the run directory.
 """
 

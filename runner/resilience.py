@@ -207,28 +207,26 @@ def run_step(
 
 
 def reset_fsdp(model: torch.nn.Module) -> bool:
-    """After an exception inside FSDP2's forward or backward: reshard and clear its per-iteration state
-    (`FSDPModule.reset_iter_state`, torch >= 2.13). True for other models; False when torch lacks it."""
+    """After an exception inside FSDP2's forward or backward: `FSDPModule.reset_iter_state` (torch >= 2.13),
+    then drop the gradients a partial backward left on the unsharded parameters, which it keeps and the
+    redo's backward would add to. True for other models; False when this torch cannot (private attributes
+    moved, or no reset_iter_state): the shrink then happens by a restart."""
     from torch.distributed.fsdp import FSDPModule
 
     if not isinstance(model, FSDPModule):
         return True
-    reset = getattr(model, "reset_iter_state", None)
-    if reset is None:
-        return False
-    reset()
-    # reset_iter_state reshards but leaves the gradients a partial backward put on the unsharded
-    # parameters (torch 2.13): the redo's backward would add to them. Private attributes: when they
-    # move, report "cannot" and let the shrink happen by a restart.
     try:
-        for state in model._get_fsdp_state()._state_ctx.all_states:
-            for group in state._fsdp_param_groups:
-                for param in group.fsdp_params:
-                    if getattr(param, "_unsharded_param", None) is not None:
-                        param._unsharded_param.grad = None
-                    param.unsharded_accumulated_grad = None
+        state = model._get_fsdp_state()
+        if state._is_root is None:  # the step failed before FSDP's lazy init: nothing to reset
+            return True
+        model.reset_iter_state()
+        for st in state._state_ctx.all_states:
+            for param in (p for group in st._fsdp_param_groups for p in group.fsdp_params):
+                if getattr(param, "_unsharded_param", None) is not None:
+                    param._unsharded_param.grad = None
+                param.unsharded_accumulated_grad = None
     except AttributeError as err:
-        log.warning("FSDP internals changed (%s): the OOM shrink happens by a restart", err)
+        log.warning("cannot reset FSDP after the OOM (%s): the shrink happens by a restart", err)
         return False
     return True
 

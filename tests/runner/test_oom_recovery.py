@@ -266,8 +266,6 @@ def test_recovers_from_an_oom_inside_a_block(tmp_path, where, tier):
         return [r["loss"] for r in records(run_dir)]
 
     shrunk = run(tmp_path / "shrunk", 4, True)
-    assert [(e["step"], e["from_micro_batch"], e["to_micro_batch"]) for e in events(tmp_path / "shrunk")] == [
-        (2, 4, 2)
-    ]
+    assert [(e["step"], e["from_micro_batch"], e["to_micro_batch"]) for e in events(tmp_path / "shrunk")] == [(2, 4, 2)]
     assert shrunk == pytest.approx(run(tmp_path / "plain4", 4, False)[:1] + run(tmp_path / "plain2", 2, False)[1:],
                                    rel=1e-5)  # fmt: skip
