@@ -106,7 +106,10 @@ def prepare(
     if device.type == "cpu" and plan.precision == "fp16":
         raise ConfigError("training.precision fp16: fp16 autocast needs a GPU; use bf16 or fp32 on CPU")
     if plan.checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if spec.model.lora:  # frozen embeddings: let the checkpointed blocks' inputs carry grad
             model.enable_input_require_grads()
     plugin = fsdp_plugin(plan, model, device)

@@ -77,7 +77,8 @@ class Metrics:
         if self.file is None:
             return
         self.file.write(json.dumps({"time": round(time.time(), 3), **record}, separators=(",", ":")) + "\n")
-        log.info("%s", format_line(record))
+        if record.get("kind") != "event":  # events (an OOM shrink) were logged in words where they happened
+            log.info("%s", format_line(record))
 
     def close(self) -> None:
         if self.file is not None:

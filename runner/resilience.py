@@ -199,7 +199,6 @@ def run_step(
             f"accumulation {old.grad_accum} -> {old.per_rank // nxt}, global batch {old.global_batch} unchanged"
         )
         plan = with_micro_batch(old, nxt, note)  # logs the note
-        log.warning("%s", note)
         if on_shrink is not None:
             on_shrink(Shrink(step, plan.tier, old.micro_batch, nxt, old.grad_accum, plan.grad_accum, rank, why,
                              caught))  # fmt: skip
