@@ -38,7 +38,8 @@ class _Parser(argparse.ArgumentParser):
         self.exit(EXIT_CONFIG, f"{self.prog}: error: {message}\n")
 
 
-def _spec_args(parser: argparse.ArgumentParser) -> None:
+def add_spec_args(parser: argparse.ArgumentParser) -> None:
+    """SPEC and --set, the same for every command that reads a spec (the runner's too)."""
     parser.add_argument("spec", metavar="SPEC", help="job spec YAML file")
     parser.add_argument(
         "--set",
@@ -136,7 +137,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = _parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
 
     p = sub.add_parser("validate", parents=[common], help="check a spec; every problem with file, line and fix")
-    _spec_args(p)
+    add_spec_args(p)
     p.set_defaults(func=cmd_validate)
 
     p = sub.add_parser(
@@ -145,7 +146,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="print the Kubernetes objects (ConfigMap, Service, Indexed Job) for kubectl apply -f -",
         description="Render the spec to Kubernetes objects. Pure: talks to no cluster.",
     )
-    _spec_args(p)
+    add_spec_args(p)
     p.add_argument("-o", "--output", choices=["yaml", "json"], default="yaml", help="output format (default yaml)")
     p.set_defaults(func=cmd_render)
 
@@ -159,7 +160,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="estimated GPU memory per tier, micro-batch, accumulation, and the tier auto picks",
         description="Memory plan per tier from the memory model (no GPU needed). The runner re-checks it on the GPU.",
     )
-    _spec_args(p)
+    add_spec_args(p)
     p.add_argument("--gpu-memory", metavar="SIZE", help="plan for this GPU memory (e.g. 24Gi), not the spec's GPU")
     p.add_argument("-o", "--output", choices=["table", "json"], default="table", help="output format")
     p.set_defaults(func=cmd_plan)
@@ -170,7 +171,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="train on this machine (CPU or local GPUs), no cluster",
         description="Run the job here with the in-container runner (needs: pip install 'jobspec[runner]').",
     )
-    _spec_args(p)
+    add_spec_args(p)
     p.add_argument("--nproc", type=int, metavar="N", help="processes on this machine (default: one per GPU, or 1)")
     p.set_defaults(func=cmd_run)
 

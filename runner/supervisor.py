@@ -28,13 +28,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from jobspec.cli import add_spec_args
 from jobspec.contract import (
+    ENV_MASTER_ADDR,
+    ENV_MASTER_PORT,
+    ENV_NNODES,
+    ENV_NODE_RANK,
+    ENV_NPROC_PER_NODE,
     EXIT_CONFIG,
     EXIT_FAILED,
     EXIT_OK,
     EXIT_OOM_LAST_TIER,
     EXIT_OOM_RETRY_TIER,
     EXIT_PREEMPTED,
+    RDZV_PORT,
     TERMINATION_MESSAGE_PATH,
 )
 from jobspec.errors import ConfigError, JobspecError
@@ -100,8 +107,8 @@ def _visible_gpus() -> int:
 def topology(spec: JobSpec, nproc: int | None) -> Topology:
     env = os.environ
     gpus = 0 if spec.hardware.vendor == "cpu" else _visible_gpus()
-    if nproc is None and env.get("JOBSPEC_NPROC_PER_NODE"):
-        nproc = int(env["JOBSPEC_NPROC_PER_NODE"])
+    if nproc is None and env.get(ENV_NPROC_PER_NODE):
+        nproc = int(env[ENV_NPROC_PER_NODE])
     if nproc is None:
         nproc = spec.hardware.gpus.count if not gpus else min(gpus, spec.hardware.gpus.count)
         if gpus and gpus != spec.hardware.gpus.count:
@@ -113,12 +120,12 @@ def topology(spec: JobSpec, nproc: int | None) -> Topology:
             )
     if nproc < 1 or (gpus and nproc > gpus):
         raise ConfigError(f"--nproc {nproc}: need between 1 and {gpus or 'any number of'} processes on this node")
-    nnodes = int(env.get("JOBSPEC_NNODES", "1"))
-    node_rank = int(env.get("JOBSPEC_NODE_RANK", env.get("JOB_COMPLETION_INDEX", "0")))
-    if nnodes > 1 and not env.get("JOBSPEC_MASTER_ADDR"):
-        raise ConfigError("JOBSPEC_NNODES > 1 needs JOBSPEC_MASTER_ADDR (set by the rendered pod)")
-    addr = env.get("JOBSPEC_MASTER_ADDR", "127.0.0.1")
-    port = int(env.get("JOBSPEC_MASTER_PORT", "0")) or (_free_port() if nnodes == 1 else 29500)
+    nnodes = int(env.get(ENV_NNODES, "1"))
+    node_rank = int(env.get(ENV_NODE_RANK, env.get("JOB_COMPLETION_INDEX", "0")))
+    if nnodes > 1 and not env.get(ENV_MASTER_ADDR):
+        raise ConfigError(f"{ENV_NNODES} > 1 needs {ENV_MASTER_ADDR} (set by the rendered pod)")
+    addr = env.get(ENV_MASTER_ADDR, "127.0.0.1")
+    port = int(env.get(ENV_MASTER_PORT, "0")) or (_free_port() if nnodes == 1 else RDZV_PORT)
     topo = Topology(nnodes, node_rank, nproc, addr, port, cpu=not gpus)
     if spec.training.global_batch % topo.world_size:
         raise ConfigError(
@@ -264,15 +271,7 @@ def supervise(spec: JobSpec, spec_path: str, overrides: list[str], nproc: int | 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m runner", description="Train the job a spec describes.")
-    parser.add_argument("spec", help="job spec YAML, e.g. examples/quickstart.yaml")
-    parser.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override a spec field, e.g. --set training.steps=20 (repeatable)",
-    )
+    add_spec_args(parser)
     parser.add_argument("--nproc", type=int, default=None, help="processes on this node (CPU: gloo ranks)")
     args = parser.parse_args(argv)
     logging.basicConfig(
