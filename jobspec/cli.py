@@ -125,7 +125,8 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--debug", action="store_true", help="show tracebacks and debug logs")
+    # SUPPRESS: a subcommand's parser must not reset a --debug given before the subcommand.
+    common.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks, debug logs")
     parser = _parser = _Parser(
         prog="jobspec",
         description="Validate, plan, render, submit and run GPU fine-tuning jobs described by one YAML spec.",
@@ -187,14 +188,15 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.DEBUG if args.debug else logging.INFO, format="%(message)s")
+    debug = getattr(args, "debug", False)
+    logging.basicConfig(level=logging.DEBUG if debug else logging.INFO, format="%(message)s")
     if not getattr(args, "func", None):
         parser.print_help()
         return EXIT_CONFIG
     try:
         return args.func(args)
     except JobspecError as err:
-        if args.debug:
+        if debug:
             raise
         print(f"error: {err}", file=sys.stderr)
         return err.exit_code
@@ -204,7 +206,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         sys.stderr.close()
         return EXIT_OK
     except OSError as err:
-        if args.debug:
+        if debug:
             raise
         print(f"error: {ConfigError(str(err))}", file=sys.stderr)
         return EXIT_CONFIG

@@ -40,12 +40,14 @@ def parse_spec(text: str, file: str = "<spec>", overrides: Sequence[str] = ()) -
     data, lines, issues = _read_yaml(text)
     set_paths: dict[Loc, str] = {}
     for item in overrides:
+        key = item.partition("=")[0].strip()
+        source = f"--set {key}=..."  # never the value: it may be the secret the spec is about to refuse
         try:
             loc = apply_override(data, item)
         except ValueError as err:
-            issues.append(SpecIssue(path=item.partition("=")[0], message=str(err), source=f"--set {item}"))
+            issues.append(SpecIssue(path=key, message=str(err), source=source))
         else:
-            set_paths[loc] = f"--set {item}"
+            set_paths[loc] = source
     if issues:
         raise SpecError(file, issues)
     try:

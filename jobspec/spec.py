@@ -28,7 +28,9 @@ PresetName = Literal[tuple(PRESETS)]  # type: ignore[valid-type]
 _DNS_LABEL = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 # Names and values that mean "this is a credential": it must come from a Secret.
-_SECRET_NAME = re.compile(r"(TOKEN|SECRET|PASSWORD|PASSWD|API_?KEY|ACCESS_KEY|PRIVATE_KEY|CREDENTIAL)", re.I)
+_SECRET_NAME = re.compile(
+    r"(^|_)(TOKEN|SECRET|PASSWORD|PASSWD|API_?KEY|ACCESS_KEY|PRIVATE_KEY|CREDENTIALS?)(_|$)", re.I
+)  # whole words: HF_TOKEN and AWS_SECRET_ACCESS_KEY are secrets, TOKENIZERS_PARALLELISM is not
 _SECRET_VALUE = re.compile(
     r"^(hf_[A-Za-z0-9]{20,}|gh[pousr]_[A-Za-z0-9]{20,}|sk-[A-Za-z0-9_-]{20,}|AKIA[0-9A-Z]{16}|xox[abpr]-)"
 )
@@ -305,7 +307,14 @@ class SecretRef(Section):
     optional: Annotated[bool, Field(description="Start even if the Secret or key is missing.")] = False
 
 
-EnvValue = Annotated[str | SecretRef, BeforeValidator(lambda v: str(v) if isinstance(v, (int, float, bool)) else v)]
+def _env_text(value: Any) -> Any:
+    # YAML reads `false` and `8` as bool and int; an env var is text, spelled the way YAML spells it.
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return str(value) if isinstance(value, (int, float)) else value
+
+
+EnvValue = Annotated[str | SecretRef, BeforeValidator(_env_text)]
 
 
 class JobSpec(Section):

@@ -49,6 +49,7 @@ from jobspec.loader import load_spec
 from jobspec.spec import JobSpec
 from runner import relaunch
 from runner.hostmem import host_oom, oom_kills
+from runner.ladder import MESSAGE_LIMIT
 
 log = logging.getLogger("jobspec.runner")
 KILL_GRACE_S = float(os.environ.get("JOBSPEC_KILL_GRACE_S", "30"))  # after one rank fails, before SIGKILL
@@ -77,16 +78,16 @@ class Outcome:
     status: dict[str, Any] = field(default_factory=dict)  # rank 0's tier, step, loss, reason
 
     def message(self) -> str:
+        """One JSON line of at most MESSAGE_LIMIT bytes: the reason is shortened, never the JSON cut."""
         s = self.status
-        return json.dumps(
-            {
-                "exit_code": self.exit_code,
-                "reason": self.reason,
-                "tier": s.get("tier"),
-                "step": s.get("step"),
-                "loss": s.get("loss"),
-            }
-        )
+        record = {"exit_code": self.exit_code, "reason": self.reason, "tier": s.get("tier"), "step": s.get("step"),
+                  "loss": s.get("loss")}  # fmt: skip
+        text = json.dumps(record)
+        while len(text.encode()) > MESSAGE_LIMIT and record["reason"]:
+            over = len(text.encode()) - MESSAGE_LIMIT
+            record["reason"] = record["reason"][: max(0, len(record["reason"]) - over - 3)] + "..."
+            text = json.dumps(record)
+        return text
 
 
 def _free_port() -> int:
@@ -292,7 +293,7 @@ def main(argv: list[str] | None = None) -> int:
     path = termination_log()
     if path is not None:
         try:
-            path.write_text(outcome.message()[:4096] + "\n")  # Kubernetes keeps at most 4096 bytes
+            path.write_text(outcome.message() + "\n")
         except OSError as err:
             log.warning("cannot write the termination message to %s: %s", path, err)
     return outcome.exit_code

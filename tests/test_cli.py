@@ -130,3 +130,10 @@ def test_set_override_reaches_the_render() -> None:
     result = run_cli("render", SFT, "--set", "hardware.nodes=2", "-o", "json")
     job = json.loads(result.stdout)["items"][2]
     assert job["spec"]["completions"] == 2 and job["spec"]["parallelism"] == 2
+
+
+def test_debug_before_the_subcommand_shows_the_traceback(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("name: x\n")
+    result = run_cli("--debug", "validate", str(bad))
+    assert result.returncode != 0 and "Traceback" in result.stderr

@@ -140,6 +140,21 @@ def test_secret_value_never_echoed(tmp_path: Path, capsys: pytest.CaptureFixture
     assert secret not in out.err + out.out
 
 
+def test_secret_given_with_set_is_never_echoed(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    secret = "hf_" + "y" * 30
+    assert main(["validate", str(write(tmp_path, GOOD)), "--set", f"env.HF_TOKEN={secret}"]) == 2
+    out = capsys.readouterr()
+    assert "env.HF_TOKEN" in out.err and secret not in out.err + out.out
+
+
+def test_secret_name_check_matches_whole_words() -> None:
+    spec = parse_spec(GOOD, overrides=["env.TOKENIZERS_PARALLELISM=false", "env.MAX_TOKENS=512"])
+    assert spec.env == {"TOKENIZERS_PARALLELISM": "false", "MAX_TOKENS": "512"}
+    for name in ("HF_TOKEN", "WANDB_API_KEY", "DB_PASSWORD", "AWS_SECRET_ACCESS_KEY", "TOKEN"):
+        with pytest.raises(SpecError, match="inline secret"):
+            parse_spec(GOOD, overrides=[f"env.{name}=x"])
+
+
 def test_yaml_syntax_error_has_line(tmp_path: Path) -> None:
     with pytest.raises(SpecError) as info:
         load_spec(write(tmp_path, GOOD + "  bad: [unclosed\n"))
@@ -170,7 +185,7 @@ def test_overrides(tmp_path: Path) -> None:
     assert spec.scheduling.node_selector == {"zone": "a"}
     with pytest.raises(SpecError) as info:
         load_spec(path, ["training.global_batch=zero"])
-    assert info.value.issues[0].source == "--set training.global_batch=zero"
+    assert info.value.issues[0].source == "--set training.global_batch=..."
     with pytest.raises(SpecError, match=r"key\.path=value"):
         load_spec(path, ["training.global_batch"])
 

@@ -189,10 +189,10 @@ def _dry_run_mode(args: argparse.Namespace) -> str:
 
 def cmd_submit(args: argparse.Namespace) -> int:
     from jobspec.cluster.kubeconfig import context_namespace, load_connection, validate_namespace
-    from jobspec.cluster.output import format_submit, to_yaml
+    from jobspec.cluster.output import format_submit
     from jobspec.cluster.submit import in_namespace, submit
     from jobspec.loader import load_spec
-    from jobspec.render import render
+    from jobspec.render import render, to_yaml
 
     mode = _dry_run_mode(args)
     spec = load_spec(args.spec, args.overrides)

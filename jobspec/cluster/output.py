@@ -7,8 +7,6 @@ from collections.abc import Sequence
 from datetime import datetime, timezone
 from typing import Any
 
-import yaml
-
 from jobspec.cluster.cancel import CancelResult
 from jobspec.cluster.listing import JobSummary
 from jobspec.cluster.status import JobStatus, Report
@@ -17,10 +15,6 @@ from jobspec.cluster.submit import SubmitResult
 
 def to_json(data: Any) -> str:
     return json.dumps(data, indent=2, allow_nan=False) + "\n"
-
-
-def to_yaml(objects: Sequence[dict[str, Any]]) -> str:
-    return yaml.safe_dump_all(list(objects), sort_keys=False, default_flow_style=False)
 
 
 def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:

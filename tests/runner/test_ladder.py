@@ -224,3 +224,16 @@ def test_supervise_relaunches_the_same_tier_after_a_cap_bounded_by_the_divisors(
 
     result = supervise(always, stuck, "zero3", world_size=2, per_rank_batch=8, wait_s=0)
     assert result.exit_code == EXIT_OOM_LAST_TIER and len(count) == 5 and "relaunch limit" in result.message
+
+
+def test_termination_message_stays_json_within_the_kubelet_limit() -> None:
+    import json
+
+    from runner.ladder import MESSAGE_LIMIT
+    from runner.supervisor import Outcome
+
+    for reason in ("short", "é" * 5000, "x" * 10_000):
+        text = Outcome(76, reason, {"tier": "minimal", "step": 3, "loss": 1.5}).message()
+        assert len(text.encode()) <= MESSAGE_LIMIT
+        record = json.loads(text)
+        assert record["exit_code"] == 76 and record["tier"] == "minimal" and record["reason"]
