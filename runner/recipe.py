@@ -26,6 +26,7 @@ from jobspec.spec import JobSpec
 from runner import checkpoint, engine, ladder
 from runner.data import PAD_MULTIPLE, DataOrder, load_data, rank_slice, total_steps
 from runner.dist import Control, DistEnv, destroy_process_group, init_process_group
+from runner.loader import Prefetcher
 from runner.metrics import GpuUtil, Metrics, Progress, memory_bytes
 from runner.model import build_model
 from runner.plan import Plan, agree, initial_plan, model_shape, size_for_tier, verify_micro_batch
@@ -94,9 +95,8 @@ class Recipe:
             self.ctrl,
             self.stop,
             max_grad_norm=spec.training.max_grad_norm,
-            pin_memory=self.plan.pin_memory,
         )
-        if self.dev.is_gpu and (meta is None or meta["plan"]["tier"] != self.plan.tier):  # a new plan: verify it
+        if self.dev.is_gpu and (meta is None or self.plan.to_dict() != meta["plan"]):  # a new plan: verify it
             self._verify_micro_batch()
         if resume is not None:
             meta = checkpoint.load(
@@ -120,6 +120,10 @@ class Recipe:
                 **self.plan.to_dict(),
             }
         )
+        pin = self.plan.pin_memory and self.device.type == "cuda"  # workers collate the next steps meanwhile
+        self.stepper.prefetch = Prefetcher(self.data, self.step_ids, start=self.step, total=self.total_steps,
+                                           micro_batch=self.plan.micro_batch, num_workers=self.plan.num_workers,
+                                           pin_memory=pin)  # fmt: skip
         self.gpu_util = GpuUtil(self.device)
         self.guard = RecipeGuard(self)  # OOM: in-process shrink, fault injection, hand-over to the tier ladder
 

@@ -30,6 +30,7 @@ import torch.nn.functional as F
 
 from runner.data import IGNORE, Batch, SFTData, micro_batches
 from runner.dist import Control
+from runner.loader import Prefetcher
 from runner.oom import guarded
 from runner.resilience import RankOOM, agreement, all_reduce_grads, raise_agreed
 
@@ -99,7 +100,7 @@ class Stepper:
         stop: StopFlag,
         *,
         max_grad_norm: float | None,
-        pin_memory: bool = False,
+        prefetch: Prefetcher | None = None,
     ):
         self.accelerator, self.model, self.optimizer = accelerator, model, optimizer
         self.data, self.ctrl, self.stop = data, ctrl, stop
@@ -110,7 +111,7 @@ class Stepper:
         self.inner = getattr(optimizer, "optimizer", optimizer)
         self.wrapped = accelerator.scaler is not None or accelerator.is_fsdp2
         self.params = [p for p in model.parameters() if p.requires_grad]
-        self.pin = pin_memory and self.device.type == "cuda"
+        self.prefetch = prefetch  # None: collate in process (probe steps, tests)
         self.world_size = ctrl.world_size
         self.rank = accelerator.process_index
         # DDP exchanges gradients after the OOM agreement (all_reduce_grads), not inside the last backward
@@ -134,7 +135,8 @@ class Stepper:
             raise Preempted
 
     def _to_device(self, t: torch.Tensor) -> torch.Tensor:
-        return t.pin_memory().to(self.device, non_blocking=True) if self.pin else t.to(self.device)
+        # Tensors the loader pinned copy asynchronously; pinning here would be one more host copy.
+        return t.to(self.device, non_blocking=t.is_pinned())
 
     def loss_sum(self, batch: Batch) -> torch.Tensor:
         """Summed token cross-entropy of a micro-batch, in fp32 (logits upcast: (B, T, V))."""
@@ -149,7 +151,10 @@ class Stepper:
         StepOOM / OptimizerOOM on every rank when any rank ran out of memory (see the module docstring).
         """
         self.inner.zero_grad(set_to_none=True)
-        batches = [self.data.collate(ids) for ids in micro_batches(sample_ids, micro_batch)]
+        if self.prefetch is not None:
+            batches = self.prefetch.batches(sample_ids, micro_batch)
+        else:
+            batches = [self.data.collate(ids) for ids in micro_batches(sample_ids, micro_batch)]
         targets, tokens = self.ctrl.all_reduce([sum(b.targets for b in batches), sum(b.tokens for b in batches)])
         scale = self.world_size / max(targets, 1.0)  # global per-token mean, undoing the ranks' gradient average
         loss_sum = torch.zeros((), device=self.device)
