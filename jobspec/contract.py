@@ -20,6 +20,8 @@ SPEC_MOUNT_DIR = "/etc/jobspec"
 SPEC_FILE_NAME = "spec.yaml"
 SPEC_PATH = f"{SPEC_MOUNT_DIR}/{SPEC_FILE_NAME}"
 SHM_MOUNT = "/dev/shm"
+SCRATCH_DIR = "/tmp"  # an emptyDir: with a read-only root, the only writable place besides checkpoints and shm
+WORKDIR = "/workspace"  # the container's working directory: relative spec paths resolve here
 TERMINATION_MESSAGE_PATH = "/dev/termination-log"
 
 # Container user; the Dockerfiles create this uid/gid and the pod securityContext asks for it.

@@ -6,10 +6,12 @@ that each is reported at its own line.
 
 from __future__ import annotations
 
+import posixpath
 import re
 from typing import TYPE_CHECKING
 
 from jobspec import gpus as gpu_catalogue
+from jobspec.contract import SCRATCH_DIR, SHM_MOUNT, SPEC_MOUNT_DIR, WORKDIR
 from jobspec.presets import PRESETS
 
 if TYPE_CHECKING:
@@ -105,16 +107,16 @@ def cross_field_problems(spec: JobSpec) -> list[Problem]:
                 "lower shm_size or raise hardware.memory",
             )
         )
-    if spec.data.pvc and not spec.data.mount_path.startswith("/"):
-        out.append(("data.mount_path", "must be an absolute path", "e.g. /data"))
-    for section in ("labels", "annotations"):
+    if spec.data.pvc:
+        out += _data_mount_problems(spec)
+    for section in ("labels", "annotations", "node_selector"):
         for key, value in getattr(spec.scheduling, section).items():
             if not _LABEL_KEY.match(key) or len(key.rpartition("/")[2]) > 63:
                 out.append((f"scheduling.{section}.{key}", "not a valid Kubernetes key", "e.g. team, example.com/team"))
-            elif section == "labels" and (len(value) > 63 or not _LABEL_VALUE.match(value)):
+            elif section != "annotations" and (len(value) > 63 or not _LABEL_VALUE.match(value)):
                 out.append(
                     (
-                        f"scheduling.labels.{key}",
+                        f"scheduling.{section}.{key}",
                         "not a valid label value",
                         "at most 63 letters, digits, '-', '_' or '.', starting and ending alphanumeric",
                     )
@@ -122,3 +124,17 @@ def cross_field_problems(spec: JobSpec) -> list[Problem]:
     if hw.vendor == "cpu" and tr.precision == "fp16":
         out.append(("training.precision", "fp16 autocast is not supported for vendor cpu", "use bf16 or fp32"))
     return out
+
+
+def _data_mount_problems(spec: JobSpec) -> list[Problem]:
+    """`data.mount_path` must be absolute and not another of the pod's mounts (the API rejects duplicates)."""
+    mount = spec.data.mount_path
+    if not mount.startswith("/"):
+        return [("data.mount_path", "must be an absolute path", "e.g. /data")]
+    taken = {
+        SPEC_MOUNT_DIR: "the spec", SHM_MOUNT: "/dev/shm", SCRATCH_DIR: "scratch space",
+        posixpath.normpath(posixpath.join(WORKDIR, spec.checkpoints.dir)): "checkpoints.dir",
+    }  # fmt: skip
+    owner = taken.get(posixpath.normpath(mount))
+    return [("data.mount_path", f"{mount} is already the pod's mount for {owner}", "use e.g. /data")] if owner else []
+

@@ -280,6 +280,16 @@ class Toleration(Section):
     ] = None
     toleration_seconds: Annotated[int | None, Field(ge=0, description="For NoExecute taints.")] = None
 
+    @model_validator(mode="after")
+    def _api_rules(self) -> Toleration:  # the API server's own checks, caught before submit
+        if self.operator == "Exists" and self.value:
+            raise ValueError("operator Exists takes no `value`; remove it or use operator Equal")
+        if self.operator == "Equal" and not self.key:
+            raise ValueError("operator Equal needs a `key`; an empty key only works with operator Exists")
+        if self.toleration_seconds is not None and self.effect != "NoExecute":
+            raise ValueError("toleration_seconds applies only to effect NoExecute")
+        return self
+
 
 class SchedulingSpec(Section):
     queue: Annotated[DnsLabel | None, Field(description="Kueue LocalQueue; the Job is created suspended.")] = None

@@ -251,3 +251,25 @@ def test_validate_cli_subprocess_exit_code(tmp_path: Path) -> None:
         [sys.executable, "-m", "jobspec", "validate", "--debug", str(path)], capture_output=True, text=True
     )
     assert "Traceback" in debug.stderr
+
+
+@pytest.mark.parametrize(
+    ("override", "field", "words"),
+    [
+        ("scheduling.tolerations=[{operator: Exists, value: x}]", "scheduling.tolerations.0", "Exists takes no"),
+        ("scheduling.tolerations=[{value: x}]", "scheduling.tolerations.0", "needs a `key`"),
+        ("scheduling.tolerations=[{key: a, toleration_seconds: 5}]", "scheduling.tolerations.0", "NoExecute"),
+        ("scheduling.node_selector={zone: 'not ok!'}", "scheduling.node_selector.zone", "label value"),
+        ("data.pvc=d", None, None),
+    ],
+)
+def test_fields_the_api_server_would_reject(override: str, field: str | None, words: str | None) -> None:
+    if field is None:  # a data PVC at the default /data is fine; on top of the checkpoints it is not
+        parse_spec(GOOD, overrides=[override])
+        with pytest.raises(SpecError, match=r"already the pod's mount for checkpoints\.dir"):
+            parse_spec(GOOD, overrides=[override, "data.mount_path=/checkpoints"])
+        return
+    with pytest.raises(SpecError) as info:
+        parse_spec(GOOD, overrides=[override])
+    issue = next(i for i in info.value.issues if i.path == field)
+    assert words in issue.message

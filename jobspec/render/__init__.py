@@ -66,7 +66,7 @@ __all__ = [
 def render(spec: JobSpec) -> list[dict[str, Any]]:
     """The objects for one job, in apply order: ConfigMap (the spec), headless Service, Indexed Job.
 
-    Raises ConfigError for the few specs that validate but cannot become a pod (a reserved
-    JOBSPEC_* env name, a checkpoints.dir on top of one of the pod's own mounts).
+    Raises ConfigError for a spec that validates but cannot become a pod: a checkpoints.dir on top of
+    one of the pod's own mounts (the same path is fine on one machine, so the spec allows it).
     """
     return [spec_configmap(spec), headless_service(spec), indexed_job(spec)]

@@ -14,10 +14,10 @@ from jobspec.contract import (
     ENV_NPROC_PER_NODE,
     ENV_SPEC_HASH,
     RDZV_PORT,
+    SCRATCH_DIR,
 )
 from jobspec.spec import JobSpec, SecretRef
 
-SCRATCH_DIR = "/tmp"  # an emptyDir: with a read-only root, the only writable place besides checkpoints and shm
 COMPLETION_INDEX_ANNOTATION = "batch.kubernetes.io/job-completion-index"
 
 # expandable_segments cuts fragmentation, so the micro-batch the planner measured keeps fitting.

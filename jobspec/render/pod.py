@@ -11,13 +11,15 @@ from jobspec.contract import (
     RDZV_PORT,
     RUN_AS_GID,
     RUN_AS_UID,
+    SCRATCH_DIR,
     SHM_MOUNT,
     SPEC_MOUNT_DIR,
     SPEC_PATH,
     TERMINATION_MESSAGE_PATH,
+    WORKDIR,
 )
 from jobspec.errors import ConfigError
-from jobspec.render.env import SCRATCH_DIR, container_env
+from jobspec.render.env import container_env
 from jobspec.render.images import image_for
 from jobspec.spec import JobSpec, Toleration
 from jobspec.units import format_bytes
@@ -25,7 +27,6 @@ from jobspec.units import format_bytes
 Obj = dict[str, Any]
 
 CONTAINER_NAME = "runner"
-WORKDIR = "/workspace"  # the container's working directory: relative spec paths resolve here
 GPU_RESOURCES: Mapping[str, str] = MappingProxyType({"cuda": "nvidia.com/gpu", "rocm": "amd.com/gpu"})
 ROCM_SUPPLEMENTAL_GROUPS = (44, 109)  # video, render: owners of /dev/dri and /dev/kfd on common distros
 
