@@ -8,12 +8,14 @@ from __future__ import annotations
 import json
 import types
 import typing
-from typing import Any
+from typing import Annotated, Any
 
-from pydantic import BaseModel
+from pydantic import BaseModel, TypeAdapter
+from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
 from jobspec.spec import JobSpec
+from jobspec.units import format_bytes
 
 
 def _type_name(annotation: Any) -> str:
@@ -43,9 +45,16 @@ def _default(model: type[BaseModel], name: str) -> str:
     value = field.get_default(call_default_factory=True)
     if isinstance(value, BaseModel):
         return "see section"
-    if name in {"shm_size"} and isinstance(value, int):
-        return f"`{value // 1024**3}Gi`"
-    return f"`{json.dumps(value)}`"
+    # The field's own serializer: a ByteSize default prints as "8Gi", as a user would write it.
+    adapter = TypeAdapter(Annotated[(field.annotation, *field.metadata)] if field.metadata else field.annotation)
+    return f"`{json.dumps(adapter.dump_python(value, mode='json'))}`"
+
+
+def _is_size(field: FieldInfo) -> bool:
+    """A ByteSize field (pydantic reports it as plain int): its serializer is format_bytes."""
+    inner = [a for a in typing.get_args(field.annotation) if typing.get_origin(a) is Annotated]
+    metadata = [*field.metadata, *(m for a in inner for m in typing.get_args(a)[1:])]
+    return any(getattr(m, "func", None) is format_bytes for m in metadata)
 
 
 def _models(root: type[BaseModel]) -> list[type[BaseModel]]:
@@ -73,6 +82,7 @@ def markdown() -> str:
         out.append("| field | type | default | description |\n| --- | --- | --- | --- |")
         for name, field in model.model_fields.items():
             desc = (field.description or "").replace("|", "\\|")
-            out.append(f"| `{name}` | {_type_name(field.annotation)} | {_default(model, name)} | {desc} |")
+            kind = "size, e.g. `16Gi`" if _is_size(field) else _type_name(field.annotation)
+            out.append(f"| `{name}` | {kind} | {_default(model, name)} | {desc} |")
         out.append("")
     return "\n".join(out)

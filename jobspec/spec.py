@@ -15,13 +15,13 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
 
 from jobspec import gpus as gpu_catalogue
+from jobspec import memory
 from jobspec.contract import RESERVED_ENV_PREFIX
 from jobspec.presets import PRESETS
 from jobspec.rules import CrossFieldError, cross_field_problems
 from jobspec.units import ByteSize, CpuQuantity, parse_gpus
 
-TIERS = ("fast", "zero2", "zero2_offload", "zero3", "minimal")
-Tier = Literal["auto", "fast", "zero2", "zero2_offload", "zero3", "minimal"]
+Tier = Literal[("auto", *memory.TIERS)]  # type: ignore[valid-type]
 Vendor = Literal["cuda", "rocm", "cpu"]
 PresetName = Literal[tuple(PRESETS)]  # type: ignore[valid-type]
 

@@ -1,12 +1,13 @@
 """Out-of-memory detection and in-process recovery helpers.
 
-The check (`is_oom`) is kept apart from the action (`guarded`, `agree_oom`, `next_micro_batch`),
+The check (`is_oom`) is kept apart from the action (`guarded`, `next_micro_batch`),
 as in accelerate's `utils/memory.py`, but without its three bugs:
 
 - memory is released *after* the `except` block: inside it, the traceback's frames still pin every
   tensor the failed step allocated, so `empty_cache()` there frees nothing;
-- every rank agrees on the outcome (an all-reduce MAX of the OOM flag), so a rank that ran out does
-  not leave the others waiting in a collective it will never join;
+- every rank agrees on the outcome (`Stepper.agree` in runner/train.py: one all-reduce MAX of
+  [stop, OOM, rank] per micro-step), so a rank that ran out does not leave the others waiting in a
+  collective it will never join;
 - the micro-batch moves to the next smaller divisor of the per-rank batch and gradient accumulation
   grows to match: the effective batch never changes (accelerate multiplies the batch by 0.9).
 """
@@ -18,7 +19,7 @@ import logging
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Generic, TypeVar
+from typing import Generic, TypeVar
 
 import torch
 
@@ -106,27 +107,6 @@ def guarded(step: Callable[[], T]) -> Guarded[T]:
     return Guarded(None, True, reason)
 
 
-def agree_oom(flag: bool, group: Any = None, device: torch.device | str | None = None) -> bool:
-    """True on every rank when any rank ran out of memory (all-reduce MAX of the flag).
-
-    Every rank must call this at the same point of every step, OOM or not, and where no other
-    collective can be pending (outside DDP's synchronising backward, FSDP's gathers): that is what
-    keeps one rank's OOM from hanging the others. Without an initialised process group (or with one
-    rank) the flag is returned as is. `device` defaults to the current CUDA device for NCCL and to
-    the CPU otherwise (gloo).
-    """
-    dist = torch.distributed
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
-        return flag
-    if device is None:
-        backend = str(dist.get_backend(group)).lower()
-        on_gpu = "nccl" in backend or "rccl" in backend
-        device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
-    t = torch.tensor([1 if flag else 0], dtype=torch.int32, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-    return bool(t.item())
-
-
 def next_micro_batch(current: int, per_rank_batch: int) -> int | None:
     """The largest divisor of `per_rank_batch` below `current`; None when `current` is already 1.
 
@@ -138,10 +118,3 @@ def next_micro_batch(current: int, per_rank_batch: int) -> int | None:
         raise ValueError(f"micro-batch {current} and per-rank batch {per_rank_batch} must be >= 1")
     smaller = [d for d in divisors(per_rank_batch) if d < current]
     return smaller[-1] if smaller else None
-
-
-def grad_accum_for(micro_batch: int, per_rank_batch: int) -> int:
-    """Micro-steps per optimizer step so that micro_batch * grad_accum == per_rank_batch exactly."""
-    if micro_batch < 1 or per_rank_batch % micro_batch:
-        raise ValueError(f"micro-batch {micro_batch} does not divide the per-rank batch {per_rank_batch}")
-    return per_rank_batch // micro_batch

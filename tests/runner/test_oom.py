@@ -3,17 +3,13 @@
 from __future__ import annotations
 
 import gc
-import os
-import socket
 import weakref
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from runner import oom
-from runner.oom import OOM_MARKERS, agree_oom, describe, grad_accum_for, guarded, is_oom, next_micro_batch
+from runner.oom import OOM_MARKERS, describe, guarded, is_oom, next_micro_batch
 
 
 @pytest.mark.parametrize(
@@ -127,41 +123,9 @@ def test_next_micro_batch_is_the_next_smaller_divisor(current: int, per_rank: in
     nxt = next_micro_batch(current, per_rank)
     assert nxt == expected
     if nxt is not None:
-        assert per_rank % nxt == 0 and nxt * grad_accum_for(nxt, per_rank) == per_rank
+        assert per_rank % nxt == 0  # grad_accum = per_rank / nxt stays an integer
 
 
 def test_next_micro_batch_rejects_nonsense() -> None:
     with pytest.raises(ValueError):
         next_micro_batch(0, 8)
-    with pytest.raises(ValueError, match="does not divide"):
-        grad_accum_for(3, 8)
-
-
-def test_agree_oom_without_a_process_group_returns_the_flag() -> None:
-    assert not dist.is_initialized()
-    assert agree_oom(True) is True and agree_oom(False) is False
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _agree_worker(rank: int, port: int, flags: list[bool], out: dict[int, list[bool]]) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2)
-    try:
-        # Each round: only this rank's flag differs; everyone must see the MAX.
-        out[rank] = [agree_oom(flags[i] if rank == i % 2 else False) for i in range(len(flags))]
-    finally:
-        dist.destroy_process_group()
-
-
-def test_agree_oom_makes_every_rank_see_one_ranks_oom() -> None:
-    flags = [True, False, False, True]  # round 0: rank 0 OOMs; round 3: rank 1 OOMs
-    with mp.Manager() as manager:
-        out = manager.dict()
-        mp.start_processes(_agree_worker, args=(_free_port(), flags, out), nprocs=2, start_method="spawn")
-        result = dict(out)
-    assert result[0] == result[1] == [True, False, False, True]
