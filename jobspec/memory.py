@@ -46,13 +46,18 @@ OVERHEAD_FIXED = 1024**3
 OVERHEAD_PERCENT = 5
 # Activation checkpointing per tier unless overridden: on wherever the tier exists to save memory.
 CHECKPOINTING: dict[str, bool] = dict(zip(TIERS, (False, False, True, True, True), strict=True))
-_SHARD_ONLY = ("zero2", "zero3")  # tiers that save nothing on one rank (no offload)
+SHARD_ONLY = ("zero2", "zero3")  # tiers that save nothing on one rank (no offload)
 
 
-def next_tier(tier: str) -> str | None:
-    """The tier an OOM at micro-batch 1 steps down to; None after the last."""
-    i = _tier_index(tier)
-    return TIERS[i + 1] if i + 1 < len(TIERS) else None
+def next_tier(tier: str, world_size: int | None = None) -> str | None:
+    """The tier an OOM at micro-batch 1 steps down to; None after the last.
+
+    On one rank (`world_size == 1`) the shard-only tiers are skipped; `None` walks every tier.
+    """
+    for candidate in TIERS[_tier_index(tier) + 1 :]:
+        if world_size != 1 or candidate not in SHARD_ONLY:
+            return candidate
+    return None
 
 
 def _tier_index(tier: str) -> int:
@@ -281,7 +286,7 @@ def plan_tier(
     while est(micro_batch=top + 1).gpu_bytes <= budget:
         top += 1
     mbs = max((d for d in divisors(per_rank) if d <= top), default=0)
-    useful = not (world_size == 1 and tier in _SHARD_ONLY)
+    useful = not (world_size == 1 and tier in SHARD_ONLY)
     reason = "" if useful else "one rank: sharding saves nothing, use fast"
     if not mbs:
         gib = 1024**3

@@ -81,6 +81,22 @@ def lora_shape(spec: JobSpec) -> memory.LoraShape | None:
     return memory.LoraShape(lora.rank, tuple(lora.targets)) if lora else None
 
 
+def estimate_kwargs(spec: JobSpec, world_size: int, precision: str) -> dict[str, Any]:
+    """The spec's arguments to `memory.estimate` (and `plan_tier`/`plan_all`), apart from tier and micro-batch.
+
+    One place for `jobspec plan` and the runner, so both size from the same numbers.
+    """
+    forced = {"on": True, "off": False}.get(spec.training.gradient_checkpointing)  # auto: the tier decides
+    return {
+        "world_size": world_size,
+        "seq_len": spec.data.max_seq_len,
+        "lora": lora_shape(spec),
+        "checkpointing": forced,
+        "attention": spec.model.attention,
+        "precision": precision,
+    }
+
+
 def planned_precision(spec: JobSpec) -> memory.Precision:
     """The autocast width before any device is seen: `auto` is fp32 on CPU, 16-bit on a GPU."""
     asked = spec.training.precision
@@ -139,19 +155,12 @@ def plan_spec(spec: JobSpec, gpu_memory: str | int | None = None) -> PlanReport:
             "pass --gpu-memory 24Gi or set hardware.gpus.type / hardware.gpus.memory"
         )
     shape = model_shape(spec)
-    tr = spec.training
-    forced = {"on": True, "off": False}.get(tr.gradient_checkpointing)
     plans = memory.plan_all(
         shape,
         gpu_bytes=gpu_bytes,
-        global_batch=tr.global_batch,
-        world_size=spec.world_size,
-        seq_len=spec.data.max_seq_len,
+        global_batch=spec.training.global_batch,
         utilization=spec.memory.target_utilization,
-        lora=lora_shape(spec),
-        checkpointing=forced,
-        attention=spec.model.attention,
-        precision=planned_precision(spec),
+        **estimate_kwargs(spec, spec.world_size, planned_precision(spec)),
     )
     if spec.memory.tier == "auto":
         chosen = memory.pick_tier(plans)

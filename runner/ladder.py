@@ -25,12 +25,11 @@ from tenacity import RetryCallState, Retrying, retry_if_exception_type, stop_aft
 
 from jobspec.contract import EXIT_OOM_LAST_TIER, EXIT_OOM_RETRY_TIER, TIER_STATE_FILE
 from jobspec.errors import ConfigError
-from jobspec.memory import TIERS
+from jobspec.memory import TIERS, next_tier  # one ladder for the planner, `jobspec plan` and the runner
 
 log = logging.getLogger("jobspec.runner")
 STATE_VERSION = 1
 MESSAGE_LIMIT = 4096  # Kubernetes keeps at most 4096 bytes of a termination message
-SHARD_ONLY = ("zero2", "zero3")  # save nothing on one rank (DESIGN.md, "Memory tiers")
 
 
 @dataclass(frozen=True)
@@ -94,16 +93,6 @@ def save_state(run_dir: str | Path, state: TierState) -> None:
             os.close(fd)
     except OSError:
         pass
-
-
-def next_tier(tier: str, world_size: int = 1) -> str | None:
-    """The tier after `tier`; on one rank the shard-only tiers (zero2, zero3) are skipped."""
-    if tier not in TIERS:
-        raise ConfigError(f"unknown memory tier {tier!r}; expected one of {', '.join(TIERS)}")
-    for candidate in TIERS[TIERS.index(tier) + 1 :]:
-        if world_size > 1 or candidate not in SHARD_ONLY:
-            return candidate
-    return None
 
 
 def tiers_left(tier: str, world_size: int = 1) -> int:

@@ -17,7 +17,7 @@ from typing import Any
 from jobspec import memory
 from jobspec.contract import EXIT_OOM_LAST_TIER, EXIT_OOM_RETRY_TIER
 from jobspec.errors import ConfigError, JobspecError
-from jobspec.plan import lora_shape, model_shape
+from jobspec.plan import estimate_kwargs, model_shape
 from jobspec.presets import ModelShape
 from jobspec.spec import JobSpec
 from runner.hostmem import HOST_OFFLOAD_SHARE, HOST_PROCESS_BYTES, HostInfo, gib, loader_settings, offload_fits
@@ -30,10 +30,10 @@ PRECISIONS = ("bf16", "fp16", "fp32")
 class NoFit(JobspecError):
     """Micro-batch 1 does not fit at this tier: the OOM ladder moves to `next_tier` (None: nothing left)."""
 
-    def __init__(self, tier: str, message: str):
+    def __init__(self, tier: str, message: str, world_size: int):
         super().__init__(message)
         self.tier = tier
-        self.next_tier = memory.next_tier(tier)
+        self.next_tier = memory.next_tier(tier, world_size)
         self.exit_code = EXIT_OOM_RETRY_TIER if self.next_tier else EXIT_OOM_LAST_TIER
 
 
@@ -115,13 +115,8 @@ def _inputs(spec: JobSpec, device: DeviceInfo, world_size: int, local: int) -> t
     if isinstance(mbs, int) and (gb // world_size) % mbs:
         msg = f"training.micro_batch {mbs} does not divide the per-rank batch {gb // world_size} ({gb} / {world_size})"
         raise ConfigError(msg)
-    gc = spec.training.gradient_checkpointing
-    ckpt, lora, attention = None if gc == "auto" else gc == "on", lora_shape(spec), spec.model.attention
     precision = resolve_precision(spec.training.precision, device)[0]  # fp32 keeps activations twice as wide
-    est = dict(
-        world_size=world_size, seq_len=spec.data.max_seq_len, lora=lora, checkpointing=ckpt, attention=attention,
-        precision=precision,
-    )  # fmt: skip
+    est = estimate_kwargs(spec, world_size, precision)
     # On CPU the ranks of this node share the host memory the probe reported.
     free = device.free_bytes if device.is_gpu else device.free_bytes // local
     return est, dict(gpu_bytes=free, global_batch=gb, utilization=spec.memory.target_utilization)
@@ -252,7 +247,7 @@ def verify_micro_batch(
     tried = ", ".join(f"{m} {'ok' if ok else 'OOM'}" for m, ok in sorted(results.items()))
     if found is None:
         msg = f"tier {plan.tier}: no micro-batch fits at seq {plan.seq_len} ({len(results)} probe steps: {tried})"
-        raise NoFit(plan.tier, msg)
+        raise NoFit(plan.tier, msg, plan.world_size)
     note = f"micro-batch {plan.micro_batch} -> {found} by {len(results)} probe steps at seq {plan.seq_len} ({tried})"
     if not done:
         note += f"; stopped at the probe limit {max_probes}"

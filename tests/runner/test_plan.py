@@ -342,8 +342,11 @@ def test_fixed_micro_batch_is_never_raised() -> None:
 
 def test_no_fit_raises_with_the_next_tier() -> None:
     with pytest.raises(NoFit) as err:
-        verify_micro_batch(make_plan(64, 4, 4), lambda m: False)
+        verify_micro_batch(make_plan(64, 4, 4, world=2), lambda m: False)
     assert (err.value.tier, err.value.next_tier, err.value.exit_code) == ("fast", "zero2", EXIT_OOM_RETRY_TIER)
+    with pytest.raises(NoFit) as one:  # one rank: sharding saves nothing, the ladder skips zero2 (as runner.ladder)
+        verify_micro_batch(make_plan(64, 4, 4), lambda m: False)
+    assert one.value.next_tier == "zero2_offload"
     assert "no micro-batch fits" in str(err.value) and "1 OOM" in str(err.value)
     with pytest.raises(NoFit) as last:
         verify_micro_batch(make_plan(64, 4, 4, tier="minimal"), lambda m: False)
