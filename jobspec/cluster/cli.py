@@ -15,6 +15,7 @@ import shlex
 import sys
 from typing import Any
 
+from jobspec.cluster.kubeconfig import DNS_LABEL
 from jobspec.contract import EXIT_CLUSTER, EXIT_CONFIG, EXIT_FAILED, EXIT_OK
 from jobspec.errors import ConfigError
 
@@ -27,7 +28,6 @@ EXIT_CODES = f"""exit codes:
   {EXIT_CLUSTER}  cluster or API error: refused (RBAC), not found, unreachable, timed out, conflict
 """
 DRY_RUN_MODES = ("client", "server", "none")
-_NAME = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
 
 
 def add_cluster_commands(subparsers: Any, common_parent: argparse.ArgumentParser) -> None:
@@ -149,7 +149,7 @@ def _seconds(text: str) -> float:
 
 
 def _name(args: argparse.Namespace) -> str:
-    if not _NAME.match(args.name):
+    if not DNS_LABEL.match(args.name):
         raise ConfigError(f"{args.name!r} is not a valid job name (lower-case letters, digits and '-')")
     return args.name
 

@@ -24,7 +24,7 @@ from jobspec.errors import ConfigError
 
 IN_CLUSTER_NAMESPACE_FILE = "/var/run/secrets/kubernetes.io/serviceaccount/namespace"
 DEFAULT_KUBECONFIG = "~/.kube/config"
-_DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
+DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")  # RFC 1123: namespaces, object names
 
 
 @dataclass(frozen=True)
@@ -46,7 +46,7 @@ class Connection:
 
 
 def validate_namespace(namespace: str) -> str:
-    if not _DNS_LABEL.match(namespace):
+    if not DNS_LABEL.match(namespace):
         raise ConfigError(
             f"namespace {namespace!r} is not a valid Kubernetes namespace name "
             "(lower-case letters, digits and '-', at most 63 characters)"
