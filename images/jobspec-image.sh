@@ -31,15 +31,16 @@ cmd_wheel() {
     src=$1 dist=$2
     mkdir -p "$dist"
     python -m pip wheel --no-cache-dir --disable-pip-version-check --no-deps --wheel-dir "$dist" "$src"
-    # Runtime requirements (base + `runner` extra), straight from pyproject.toml: the runtime
-    # stage installs them in their own layer, which stays cached while they do not change.
+    # Runtime requirements (base + the `runner`, `data` and `tracking` extras), straight from
+    # pyproject.toml: the runtime stage installs them in their own layer, cached while they do not change.
     python - "$src/pyproject.toml" >"$dist/requirements.txt" <<'EOF'
 import sys
 import tomllib
 
 with open(sys.argv[1], "rb") as f:
     project = tomllib.load(f)["project"]
-print("\n".join(project["dependencies"] + project["optional-dependencies"]["runner"]))
+extras = project["optional-dependencies"]
+print("\n".join(project["dependencies"] + extras["runner"] + extras["data"] + extras["tracking"]))
 EOF
     echo "requirements for the runtime image:" && cat "$dist/requirements.txt"
 }

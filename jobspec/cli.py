@@ -11,11 +11,14 @@ import argparse
 import logging
 import os
 import sys
+import traceback
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from jobspec import __version__
+from jobspec.cli_parser import Parser as _Parser  # exits 2, and never echoes an argument (it may be a token)
 from jobspec.contract import EXIT_CONFIG, EXIT_FAILED, EXIT_OK
+from jobspec.credentials import redact
 from jobspec.errors import ConfigError, JobspecError
 
 if TYPE_CHECKING:  # the spec module costs pydantic's import; commands load it when they need it
@@ -30,12 +33,6 @@ examples:
 
 exit codes: 0 ok, 1 job failed, 2 bad input, 3 cluster/API error
 """
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # argparse's default exits 2 too; keep the usage line short
-        self.print_usage(sys.stderr)
-        self.exit(EXIT_CONFIG, f"{self.prog}: error: {message}\n")
 
 
 def add_spec_args(parser: argparse.ArgumentParser) -> None:
@@ -123,6 +120,47 @@ def cmd_run(args: argparse.Namespace) -> int:
     return EXIT_FAILED  # not reached
 
 
+def cmd_report(args: argparse.Namespace) -> int:
+    from jobspec.report import INSTALL_HINT, write_report
+
+    report = write_report(args.run_dir, args.out)
+    for path in report.files:
+        print(path)
+    if report.plots_missing:
+        print(f"note: report.md written without plots; for the plots: {INSTALL_HINT}", file=sys.stderr)
+    return EXIT_OK
+
+
+def add_export_args(parser: argparse.ArgumentParser) -> None:
+    """`jobspec export`'s arguments (runner/export.py parses the same ones)."""
+    parser.add_argument("checkpoint", metavar="CHECKPOINT", help="a step-N checkpoint directory, or a run directory")
+    parser.add_argument("--out", metavar="DIR", help="where to write (default: the spec's output.dir)")
+    parser.add_argument("--merge", action="store_true", help="LoRA: write merged full weights, not an adapter")
+    parser.add_argument("--base", metavar="PATH", help="where model.path's base model is now (it moved or was copied)")
+    parser.add_argument("--dtype", choices=["auto", "bf16", "fp16", "fp32"], help="dtype of the written weights")
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    if _missing_runner_extra():
+        raise ConfigError(f"jobspec export needs the runner extra ({_missing_runner_extra()} is not installed): "
+                          "pip install 'jobspec[runner]' (CPU is enough)")  # fmt: skip
+    argv = [sys.executable, "-m", "runner.export", args.checkpoint]
+    for flag in ("out", "base", "dtype"):
+        if getattr(args, flag):
+            argv += [f"--{flag}", getattr(args, flag)]
+    argv += ["--merge"] if args.merge else []
+    sys.stdout.flush()
+    os.execv(sys.executable, argv)  # torch and transformers load there, never in this process
+    return EXIT_FAILED  # not reached
+
+
+def _missing_runner_extra() -> str | None:
+    """The first package of the runner extra that cannot be imported, without importing any of them."""
+    from importlib.util import find_spec
+
+    return next((name for name in ("torch", "transformers", "accelerate", "peft") if find_spec(name) is None), None)
+
+
 def build_parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
     # SUPPRESS: a subcommand's parser must not reset a --debug given before the subcommand.
@@ -176,6 +214,28 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--nproc", type=int, metavar="N", help="processes on this machine (default: one per GPU, or 1)")
     p.set_defaults(func=cmd_run)
 
+    p = sub.add_parser(
+        "export",
+        parents=[common],
+        help="write a checkpoint as a Hugging Face model directory (or PEFT adapter); CPU only",
+        description="Export a checkpoint to a directory that transformers (and peft, for LoRA) load without "
+        "jobspec: config, safetensors weights, tokenizer, provenance. Works on a copied checkpoint directory.",
+    )
+    add_export_args(p)
+    p.set_defaults(func=cmd_export)
+
+    p = sub.add_parser(
+        "report",
+        parents=[common],
+        help="plots and a one-page summary of a run from its metrics.jsonl",
+        description="Write report.md, report.html and PNG plots (loss, learning rate, tokens/s, memory, with OOM "
+        "shrinks and tier changes marked) for a run directory (the spec's checkpoints.dir). The plots need "
+        "matplotlib: pip install 'jobspec[report]'; without it only the summary is written.",
+    )
+    p.add_argument("run_dir", metavar="RUN_DIR", help="run directory holding metrics.jsonl")
+    p.add_argument("--out", metavar="DIR", help="output directory (default RUN_DIR/report)")
+    p.set_defaults(func=cmd_report)
+
     try:
         from jobspec.cluster.cli import add_cluster_commands
     except ImportError:  # pragma: no cover - the cluster package is part of the distribution
@@ -196,20 +256,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return args.func(args)
     except JobspecError as err:
-        if debug:
-            raise
-        print(f"error: {err}", file=sys.stderr)
-        return err.exit_code
+        return _report(err, err.exit_code, debug)
     except KeyboardInterrupt:
         return 130
     except BrokenPipeError:  # `jobspec render ... | head`
         sys.stderr.close()
         return EXIT_OK
     except OSError as err:
-        if debug:
-            raise
-        print(f"error: {ConfigError(str(err))}", file=sys.stderr)
-        return EXIT_CONFIG
+        return _report(ConfigError(str(err)), EXIT_CONFIG, debug)
+
+
+def _report(err: Exception, code: int, debug: bool) -> int:
+    """The error line (and with --debug the traceback first); the exit code stays the error's."""
+    if debug:
+        sys.stderr.write(redact(traceback.format_exc()))  # messages are scrubbed; this covers the frames' text
+    print(f"error: {redact(str(err))}", file=sys.stderr)
+    return code
 
 
 if __name__ == "__main__":

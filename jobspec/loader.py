@@ -1,12 +1,15 @@
 """Load a spec file: YAML -> JobSpec, with every problem reported at once.
 
-Each problem names the file, the line, the field path and a fix. Values are never
-echoed back in messages (a mistyped secret must not end up in a CI log).
+Each problem names the file, the line, the field path and a fix. Values that are or may be
+credentials are never echoed back in messages (a mistyped secret must not end up in a CI log).
+Reading is bounded (jobspec.safe_yaml): size, nodes after alias expansion, depth, numbers.
 """
 
 from __future__ import annotations
 
 import difflib
+import os
+import re
 import types
 import typing
 from collections.abc import Sequence
@@ -16,9 +19,12 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ValidationError
 
+from jobspec import safe_yaml
+from jobspec.credentials import credential_kind
 from jobspec.errors import ConfigError, SpecError, SpecIssue
 from jobspec.rules import CrossFieldError
 from jobspec.spec import JobSpec
+from jobspec.spec_secrets import REF_HINT, SpecSecrets
 
 Loc = tuple[str | int, ...]
 
@@ -27,35 +33,76 @@ def load_spec(path: str | Path, overrides: Sequence[str] = ()) -> JobSpec:
     """Read and validate a spec file; `overrides` are `key.path=value` strings (`--set`)."""
     path = Path(path)
     try:
-        text = path.read_text(encoding="utf-8")
+        with path.open("rb") as f:
+            raw = f.read(safe_yaml.MAX_BYTES + 1)  # bounded: the path may be a pipe or /dev/zero
+            size = max(len(raw), os.fstat(f.fileno()).st_size)
     except FileNotFoundError:
         hint = "give the path to a job spec YAML, e.g. examples/quickstart.yaml"
         raise ConfigError(f"{path}: no such file ({hint})") from None
-    except (OSError, UnicodeDecodeError) as err:
-        raise ConfigError(f"{path}: cannot read the spec: {err}") from err
+    except OSError as err:
+        raise ConfigError(f"{path}: cannot read the spec: {err.strerror or err}") from None
+    try:
+        safe_yaml.check_size(size)
+        text = raw.decode("utf-8")
+    except safe_yaml.YamlLimit as err:
+        raise SpecError(str(path), [SpecIssue(err.path, err.message, err.line, err.hint)]) from None
+    except UnicodeDecodeError as err:
+        raise ConfigError(f"{path}: not UTF-8 text (byte {err.start}); a spec is a YAML file") from None
     return parse_spec(text, str(path), overrides)
 
 
 def parse_spec(text: str, file: str = "<spec>", overrides: Sequence[str] = ()) -> JobSpec:
     data, lines, issues = _read_yaml(text)
     set_paths: dict[Loc, str] = {}
-    for item in overrides:
-        key = item.partition("=")[0].strip()
-        source = f"--set {key}=..."  # never the value: it may be the secret the spec is about to refuse
+    for n, item in enumerate(overrides, 1):
+        key, source = _override_source(item, n)
         try:
             loc = apply_override(data, item)
         except ValueError as err:
             issues.append(SpecIssue(path=key, message=str(err), source=source))
         else:
             set_paths[loc] = source
+    for loc, problem in safe_yaml.out_of_range(data):
+        hint = "quote it if it is text; otherwise use a value a setting can take"
+        issues.append(SpecIssue(_dotted(loc), problem, lines.line(loc), hint, _source(loc, set_paths)))
     if issues:
-        raise SpecError(file, issues)
+        raise SpecError(file, _reported(issues, SpecSecrets(data)))
     try:
         return JobSpec.model_validate(data)
     except ValidationError as err:
-        issues = [_issue(e, lines, set_paths) for e in _expand(err.errors())]
-        issues.sort(key=lambda i: (i.line is None, i.line or 0))
-        raise SpecError(file, issues) from None
+        secrets = SpecSecrets(data)
+        errors = _expand(err.errors())
+        issues = [_issue(e, lines, set_paths, secrets) for e in errors[: 10 * MAX_ISSUES]]
+        raise SpecError(file, _reported(issues, secrets, more=len(errors) - len(issues))) from None
+
+
+MAX_ISSUES = 50  # a spec with more problems is not a spec; the first ones say what is wrong
+
+
+def _reported(issues: list[SpecIssue], secrets: SpecSecrets, more: int = 0) -> list[SpecIssue]:
+    """The issues by line, at most MAX_ISSUES of them, scrubbed of anything that may be a credential."""
+    issues = sorted(issues, key=lambda i: (i.line is None, i.line or 0))
+    first = {(i.path, i.message, i.source): i for i in reversed(issues)}  # hidden details can make two issues one
+    unique = sorted(first.values(), key=lambda i: (i.line is None, i.line or 0))
+    more += max(0, len(unique) - MAX_ISSUES)
+    shown = list(dict.fromkeys(secrets.scrub(unique[:MAX_ISSUES])))
+    if more:
+        text = f"{more} more problem{'s' if more > 1 else ''} not shown (at most {MAX_ISSUES} are listed)"
+        shown.append(SpecIssue("", text, None, "fix the ones above, then validate again"))
+    return shown
+
+
+_KEY_PATH = re.compile(r"^[A-Za-z0-9_.-]+$")
+
+
+def _override_source(item: str, n: int) -> tuple[str, str]:
+    """(path, source) naming a --set item without its value. Without '=', the whole item may be a
+    token pasted in the wrong place: it is not echoed at all."""
+    key, eq, _ = item.partition("=")
+    key = key.strip()
+    if eq and _KEY_PATH.match(key) and not credential_kind(key):
+        return key, f"--set {key}=..."  # never the value: it may be the secret the spec is about to refuse
+    return "", f"--set #{n} (not shown)"
 
 
 def apply_override(data: dict[str, Any], item: str) -> Loc:
@@ -64,19 +111,24 @@ def apply_override(data: dict[str, Any], item: str) -> Loc:
     parts = [p for p in key.strip().split(".")]
     if not eq or not all(parts):
         raise ValueError("expected key.path=value, e.g. training.global_batch=64")
+    if len(parts) > safe_yaml.MAX_DEPTH:
+        raise ValueError(f"a key path of {len(parts)} parts; a spec nests at most {safe_yaml.MAX_DEPTH} deep")
     try:
-        value = yaml.safe_load(raw) if raw.strip() else ""
+        value = safe_yaml.load(raw)[0] if raw.strip() else ""
+    except safe_yaml.YamlLimit as err:
+        raise ValueError(f"the value: {err.message} ({err.hint})") from None
     except yaml.YAMLError:
         value = raw
     node: Any = data
     loc: list[str | int] = []
     for i, part in enumerate(parts):
         last = i == len(parts) - 1
-        step: str | int = int(part) if isinstance(node, list) and part.isdigit() else part
+        index = isinstance(node, list) and part.isascii() and part.isdigit() and len(part) < 10
+        step: str | int = int(part) if index else part
         loc.append(step)
         if isinstance(node, list):
             if not isinstance(step, int) or step >= len(node):
-                raise ValueError(f"{'.'.join(map(str, loc))}: no list item {part}")
+                raise ValueError(f"{_dotted(loc)}: no list item {part}")
             if last:
                 node[step] = value
             node = node[step]
@@ -86,8 +138,16 @@ def apply_override(data: dict[str, Any], item: str) -> Loc:
             else:
                 node = node.setdefault(step, {})
         else:
-            raise ValueError(f"{'.'.join(map(str, loc[:-1]))} is not a mapping")
+            raise ValueError(f"{_dotted(loc[:-1])} is not a mapping")
     return tuple(loc)
+
+
+def _dotted(loc: Sequence[str | int]) -> str:
+    return ".".join(str(p) for p in loc)
+
+
+def _source(loc: Loc, set_paths: dict[Loc, str]) -> str | None:
+    return next((src for lc, src in set_paths.items() if loc[: len(lc)] == lc), None)
 
 
 # --- YAML with line numbers -------------------------------------------------------------
@@ -98,17 +158,16 @@ class _Lines:
 
     def __init__(self, root: yaml.Node | None):
         self.root = root
+        self._keys: dict[int, dict[Any, tuple[yaml.Node, yaml.Node]]] = {}  # id(mapping) -> key -> (key, value)
 
     def line(self, loc: Loc) -> int | None:
         node, best = self.root, None
         for step in loc:
             if isinstance(node, yaml.MappingNode):
-                for key, value in node.value:
-                    if key.value == step:
-                        best, node = key.start_mark.line + 1, value
-                        break
-                else:
+                match = self._index(node).get(step)
+                if match is None:
                     return best if best else (node.start_mark.line + 1)
+                best, node = match[0].start_mark.line + 1, match[1]
             elif isinstance(node, yaml.SequenceNode) and isinstance(step, int) and step < len(node.value):
                 node = node.value[step]
                 best = node.start_mark.line + 1
@@ -116,11 +175,23 @@ class _Lines:
                 break
         return best if best is not None else (node.start_mark.line + 1 if node is not None else None)
 
+    def _index(self, node: yaml.MappingNode) -> dict[Any, tuple[yaml.Node, yaml.Node]]:
+        # The last pair wins: after a merge (`<<: *base`) a key written here follows the merged one.
+        if id(node) not in self._keys:
+            self._keys[id(node)] = {k.value: (k, v) for k, v in node.value if isinstance(k.value, (str, int, float))}
+        return self._keys[id(node)]
+
 
 def _read_yaml(text: str) -> tuple[dict[str, Any], _Lines, list[SpecIssue]]:
     try:
-        root = yaml.compose(text, Loader=yaml.SafeLoader)
-        data = yaml.safe_load(text)
+        root = safe_yaml.compose(text)
+        issues = [
+            SpecIssue(path, "duplicate key: the later value would silently win", line, "remove one of the two")
+            for path, line in _duplicates(root)
+        ]  # before construction: a merge (`<<`) rewrites the mapping nodes it expands
+        data = safe_yaml.construct(root)
+    except safe_yaml.YamlLimit as err:
+        return {}, _Lines(None), [SpecIssue(err.path, err.message, err.line, err.hint)]
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         problem = getattr(err, "problem", None) or str(err).splitlines()[0]
@@ -134,10 +205,6 @@ def _read_yaml(text: str) -> tuple[dict[str, Any], _Lines, list[SpecIssue]]:
     if not isinstance(data, dict):
         got = "an empty file" if data is None else f"a {type(data).__name__}"
         return {}, _Lines(None), [SpecIssue("", f"expected a mapping of sections, got {got}", 1, _ROOT_HINT)]
-    issues = [
-        SpecIssue(path, "duplicate key: the later value would silently win", line, "remove one of the two")
-        for path, line in _duplicates(root)
-    ]
     return data, _Lines(root), issues
 
 
@@ -145,14 +212,14 @@ _ROOT_HINT = "a spec starts with `name:`, `model:` and `training:`; see examples
 
 
 def _duplicates(node: yaml.Node | None, prefix: str = "") -> list[tuple[str, int]]:
-    found: list[tuple[str, int]] = []
+    found: list[tuple[str, int]] = []  # recursion is bounded: safe_yaml caps the depth
     if isinstance(node, yaml.MappingNode):
         seen: set[Any] = set()
         for key, value in node.value:
             path = f"{prefix}.{key.value}" if prefix else str(key.value)
-            if key.value in seen:
+            if isinstance(key.value, str) and key.value in seen:
                 found.append((path, key.start_mark.line + 1))
-            seen.add(key.value)
+            seen.add(key.value if isinstance(key.value, str) else id(key))
             found += _duplicates(value, path)
     elif isinstance(node, yaml.SequenceNode):
         for i, item in enumerate(node.value):
@@ -170,20 +237,36 @@ def _expand(errors: list[Any]) -> list[dict[str, Any]]:
         exc = (e.get("ctx") or {}).get("error")
         if isinstance(exc, CrossFieldError):
             for path, message, hint in exc.problems:
-                loc = tuple(int(p) if p.isdigit() else p for p in path.split("."))
+                loc = tuple(int(p) if p.isascii() and p.isdigit() else p for p in path.split("."))
                 out.append({"loc": loc, "msg": message, "type": "cross_field", "hint": hint})
         else:
             out.append(e)
     return out
 
 
-def _issue(e: dict[str, Any], lines: _Lines, set_paths: dict[Loc, str]) -> SpecIssue:
+def _issue(e: dict[str, Any], lines: _Lines, set_paths: dict[Loc, str], secrets: SpecSecrets) -> SpecIssue:
     # Pydantic adds union-member names and validator tags to loc; keep only real keys.
     loc = _data_loc(tuple(e["loc"]))
-    path = ".".join(str(p) for p in loc)
     message, hint = _describe(e, loc)
-    source = next((src for lc, src in set_paths.items() if loc[: len(lc)] == lc), None)
-    return SpecIssue(path=path, message=message, line=lines.line(loc), hint=hint, source=source)
+    line, source = lines.line(loc), _source(loc, set_paths)
+    if secrets.at(loc, e.get("input")):
+        shown = secrets.shown(loc)
+        if len(shown) < len(loc) and e["type"] == "extra_forbidden":  # the key may be the credential itself
+            message = "unknown field (not shown: it may be a credential)"
+        loc = shown
+        if e["type"] not in _VALUE_FREE and not isinstance(e.get("input"), (dict, list)):
+            # A validator's message may quote its value (scrub() replaces whole quotes; this, any part of one).
+            message, hint = "invalid value (not shown: it may be a credential)", REF_HINT
+    return SpecIssue(path=_dotted(loc), message=message, line=line, hint=hint, source=source)
+
+
+# Pydantic's own messages never quote the input; a validator's ValueError or a cross-field rule may.
+_VALUE_FREE = {
+    "missing", "cross_field", "extra_forbidden", "string_type", "dict_type", "list_type", "model_type",
+    "model_attributes_type", "literal_error", "int_type", "int_parsing", "float_type", "float_parsing", "bool_type",
+    "bool_parsing", "string_too_short", "string_too_long", "greater_than", "greater_than_equal", "less_than",
+    "less_than_equal", "finite_number", "int_from_float", "none_required", "too_short", "too_long",
+}  # fmt: skip
 
 
 def _data_loc(loc: Loc) -> Loc:

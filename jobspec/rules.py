@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 from jobspec import gpus as gpu_catalogue
 from jobspec.contract import SCRATCH_DIR, SHM_MOUNT, SPEC_MOUNT_DIR, WORKDIR
+from jobspec.memory import divisors
 from jobspec.presets import PRESETS
 
 if TYPE_CHECKING:
@@ -45,7 +46,7 @@ def cross_field_problems(spec: JobSpec) -> list[Problem]:
         )
     elif isinstance(tr.micro_batch, int) and (tr.global_batch // world) % tr.micro_batch:
         per_rank = tr.global_batch // world
-        fits = [d for d in range(1, per_rank + 1) if per_rank % d == 0]
+        fits = divisors(per_rank)  # O(sqrt n)
         out.append(
             (
                 "training.micro_batch",

@@ -17,8 +17,10 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_valida
 from jobspec import gpus as gpu_catalogue
 from jobspec import memory
 from jobspec.contract import RESERVED_ENV_PREFIX
+from jobspec.credentials import SECRET_REF_HINT, credential_kind, inline_credentials, is_secret_name
 from jobspec.presets import PRESETS
 from jobspec.rules import CrossFieldError, cross_field_problems
+from jobspec.safe_yaml import out_of_range
 from jobspec.units import ByteSize, CpuQuantity, parse_gpus
 
 Tier = Literal[("auto", *memory.TIERS)]  # type: ignore[valid-type]
@@ -27,13 +29,6 @@ PresetName = Literal[tuple(PRESETS)]  # type: ignore[valid-type]
 
 _DNS_LABEL = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
-# Names and values that mean "this is a credential": it must come from a Secret.
-_SECRET_NAME = re.compile(
-    r"(^|_)(TOKEN|SECRET|PASSWORD|PASSWD|API_?KEY|ACCESS_KEY|PRIVATE_KEY|CREDENTIALS?)(_|$)", re.I
-)  # whole words: HF_TOKEN and AWS_SECRET_ACCESS_KEY are secrets, TOKENIZERS_PARALLELISM is not
-_SECRET_VALUE = re.compile(
-    r"^(hf_[A-Za-z0-9]{20,}|gh[pousr]_[A-Za-z0-9]{20,}|sk-[A-Za-z0-9_-]{20,}|AKIA[0-9A-Z]{16}|xox[abpr]-)"
-)
 
 
 def _dns_label(value: str, max_len: int = 63) -> str:
@@ -56,7 +51,8 @@ OnOffAuto = Annotated[Literal["auto", "on", "off"], BeforeValidator(_on_off)]
 
 
 class Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=False)
+    # allow_inf_nan: `.inf` or an overflowing 1e999 is never a setting.
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=False, allow_inf_nan=False)
 
 
 class ImageSpec(Section):
@@ -133,7 +129,11 @@ class ModelSpec(Section):
 class DataSpec(Section):
     path: Annotated[
         str | None,
-        Field(description="JSONL training file (relative to the working dir); omit for the bundled synthetic set."),
+        Field(
+            description="Training data: a .jsonl, .json (array) or .parquet file, a datasets save_to_disk directory "
+            "(a DatasetDict gives its train split) or a hub dataset id (org/name); relative to the working dir; "
+            "omit for the bundled synthetic set."
+        ),
     ] = None
     format: Annotated[
         Literal["auto", "prompt_response", "messages"],
@@ -150,7 +150,13 @@ class DataSpec(Section):
         DnsLabel | None, Field(description="PersistentVolumeClaim with the data, mounted read-only at `mount_path`.")
     ] = None
     mount_path: Annotated[str, Field(description="Where `pvc` is mounted in the pod.")] = "/data"
-    eval_path: Annotated[str | None, Field(description="JSONL eval file; default: hold out `eval_fraction`.")] = None
+    eval_path: Annotated[
+        str | None,
+        Field(
+            description="Eval data, in any format `path` takes (a DatasetDict gives its validation, else test, "
+            "split); default: hold out `eval_fraction`."
+        ),
+    ] = None
     eval_fraction: Annotated[
         float, Field(ge=0, lt=0.5, description="Fraction of the training file held out for eval when no eval_path.")
     ] = 0.05
@@ -163,7 +169,11 @@ class DataSpec(Section):
 class TrainingSpec(Section):
     global_batch: Annotated[
         int,
-        Field(ge=1, description="Effective batch: samples per optimizer step, all GPUs; sizing never changes it."),
+        Field(
+            ge=1,
+            le=2**20,  # 1Mi samples; the divisor search that sizes the micro-batch stays instant
+            description="Effective batch: samples per optimizer step, all GPUs; sizing never changes it.",
+        ),
     ]
     micro_batch: Annotated[
         Literal["auto"] | Annotated[int, Field(ge=1)],
@@ -269,6 +279,107 @@ class CheckpointSpec(Section):
     ] = None
     every_steps: Annotated[int, Field(ge=1, description="Optimizer steps between checkpoints.")] = 200
     keep: Annotated[int, Field(ge=1, description="Checkpoints kept; older ones are deleted.")] = 2
+    resume: Annotated[
+        Literal["auto", "force"],
+        Field(
+            description="auto: continue the newest checkpoint of this same training, refuse one whose job, model, "
+            "data or global batch differ; force: continue it anyway."
+        ),
+    ] = "auto"
+
+
+class SecretRef(Section):
+    secret: Annotated[DnsLabel, Field(description="Secret name in the job's namespace.")]
+    key: Annotated[str, Field(min_length=1, description="Key inside the Secret.")]
+    optional: Annotated[bool, Field(description="Start even if the Secret or key is missing.")] = False
+
+
+class OutputSpec(Section):
+    """The product of a run: a Hugging Face model directory (or a PEFT adapter) that loads without jobspec."""
+
+    dir: Annotated[
+        str | None,
+        Field(description="Where the exported model goes; default `<checkpoints.dir>/model`."),
+    ] = None
+    export: Annotated[
+        bool, Field(description="Export the final checkpoint when the run ends (else: `jobspec export` later).")
+    ] = True
+    merge_lora: Annotated[
+        bool, Field(description="LoRA runs: write merged full weights instead of a PEFT adapter directory.")
+    ] = False
+    dtype: Annotated[
+        Literal["auto", "bf16", "fp16", "fp32"],
+        Field(description="dtype of the exported weights; auto = the dtype they were trained in."),
+    ] = "auto"
+    max_shard_size: Annotated[
+        ByteSize | None,
+        Field(description="Largest safetensors file before the weights are sharded; default transformers' own."),
+    ] = None
+
+
+def _secret_only(value: Any) -> Any:
+    if isinstance(value, (str, int, float)):  # never echoed: it may be the key itself
+        raise ValueError(
+            "inline credentials are refused (they would land in the ConfigMap and the logs): "
+            "reference a Secret instead, e.g. `{secret: wandb, key: api-key}`"
+        )
+    return value
+
+
+SecretOnly = Annotated[SecretRef, BeforeValidator(_secret_only)]
+
+
+class TensorBoardSpec(Section):
+    logdir: Annotated[
+        str | None, Field(description="Event-file directory; default `<checkpoints.dir>/tensorboard`.")
+    ] = None
+
+
+class WandbSpec(Section):
+    project: Annotated[str, Field(min_length=1, description="W&B project.")]
+    entity: Annotated[str | None, Field(description="W&B entity (team or user).")] = None
+    api_key: Annotated[
+        SecretOnly | None, Field(description="Secret holding the API key (env WANDB_API_KEY); never inline.")
+    ] = None
+    mode: Annotated[
+        Literal["online", "offline"], Field(description="offline writes runs under the run dir to sync later.")
+    ] = "online"
+
+
+class MlflowSpec(Section):
+    tracking_uri: Annotated[
+        str | None, Field(description="MLflow tracking server URI; default a file store under the run dir.")
+    ] = None
+    experiment: Annotated[str | None, Field(description="Experiment name; default the job name.")] = None
+    token: Annotated[
+        SecretOnly | None, Field(description="Secret holding a token (env MLFLOW_TRACKING_TOKEN); never inline.")
+    ] = None
+    username: Annotated[
+        SecretOnly | None, Field(description="Secret holding the user name (env MLFLOW_TRACKING_USERNAME).")
+    ] = None
+    password: Annotated[
+        SecretOnly | None, Field(description="Secret holding the password (env MLFLOW_TRACKING_PASSWORD).")
+    ] = None
+
+
+def _enabled(value: Any) -> Any:
+    # `tensorboard: true` is the short form of `tensorboard: {}`; false or null turns it off.
+    if value is True:
+        return {}
+    return None if value is False else value
+
+
+class TrackingSpec(Section):
+    """Where metrics go besides `metrics.jsonl` (which is always written): through accelerate's trackers."""
+
+    tensorboard: Annotated[
+        TensorBoardSpec | None, BeforeValidator(_enabled), Field(description="TensorBoard: `true` or {logdir}.")
+    ] = None
+    wandb: Annotated[WandbSpec | None, Field(description="Weights & Biases: {project, entity, api_key}.")] = None
+    mlflow: Annotated[
+        MlflowSpec | None, BeforeValidator(_enabled), Field(description="MLflow: `true` or {tracking_uri, ...}.")
+    ] = None
+    run_name: Annotated[str | None, Field(description="Run name in the trackers; default the job name.")] = None
 
 
 class Toleration(Section):
@@ -311,10 +422,9 @@ class SchedulingSpec(Section):
     annotations: Annotated[dict[str, str], Field(description="Extra annotations on every object.")] = {}
 
 
-class SecretRef(Section):
-    secret: Annotated[DnsLabel, Field(description="Secret name in the job's namespace.")]
-    key: Annotated[str, Field(min_length=1, description="Key inside the Secret.")]
-    optional: Annotated[bool, Field(description="Start even if the Secret or key is missing.")] = False
+def _hex40_counts(name: str) -> bool:
+    # 40 hex digits are a W&B key, or a git commit: a revision's name says which.
+    return not re.search(r"(^|_)(REVISION|COMMIT|SHA|HASH|DIGEST|REF|VERSION)(_|$)", name, re.I)
 
 
 def _env_text(value: Any) -> Any:
@@ -340,6 +450,8 @@ class JobSpec(Section):
     memory: Annotated[MemorySpec, Field(description="Memory tier and OOM fallback.")] = MemorySpec()
     checkpoints: Annotated[CheckpointSpec, Field(description="Where and how often to checkpoint.")] = CheckpointSpec()
     scheduling: Annotated[SchedulingSpec, Field(description="Cluster scheduling.")] = SchedulingSpec()
+    output: Annotated[OutputSpec, Field(description="The exported model (Hugging Face format).")] = OutputSpec()
+    tracking: Annotated[TrackingSpec, Field(description="Metrics to TensorBoard, W&B or MLflow.")] = TrackingSpec()
     env: Annotated[
         dict[str, EnvValue],
         Field(description="Environment: NAME: value, or NAME: {secret, key} for credentials (never inline)."),
@@ -353,16 +465,16 @@ class JobSpec(Section):
         for key, value in env.items():
             if not _ENV_NAME.match(key):
                 problems.append((f"env.{key}", "not a valid variable name", "use letters, digits and '_'"))
+            elif credential_kind(key):
+                problems.append((f"env.{key}", "the variable's name is a credential (not shown)", "name it: HF_TOKEN"))
             elif key.startswith(RESERVED_ENV_PREFIX):
                 reserved = f"names starting with {RESERVED_ENV_PREFIX} are set by jobspec"
                 problems.append((f"env.{key}", reserved, "rename it"))
-            elif isinstance(value, str) and (_SECRET_NAME.search(key) or _SECRET_VALUE.match(value)):
+            elif isinstance(value, str) and (is_secret_name(key) or credential_kind(value, hex40=_hex40_counts(key))):
+                kind = credential_kind(value, hex40=_hex40_counts(key))
+                what = f"inline secret value ({kind})" if kind else "inline secret value"
                 problems.append(
-                    (
-                        f"env.{key}",
-                        "inline secret value (never written to a manifest or a log)",
-                        f"put it in a Secret and reference it: `{key}: {{secret: <secret-name>, key: <key>}}`",
-                    )
+                    (f"env.{key}", f"{what}: never written to a manifest or a log", SECRET_REF_HINT.format(name=key))
                 )
         if problems:
             raise CrossFieldError(problems)
@@ -370,7 +482,9 @@ class JobSpec(Section):
 
     @model_validator(mode="after")
     def _check(self) -> JobSpec:
-        problems = cross_field_problems(self)
+        problems = cross_field_problems(self) + inline_credentials(self.model_dump(exclude={"env"}))
+        hint = "use a value a setting can take"  # e.g. steps: '99999999999999999999' (a string YAML left as text)
+        problems += [(".".join(map(str, loc)), msg, hint) for loc, msg in out_of_range(self.model_dump())]
         if problems:
             raise CrossFieldError(problems)
         return self

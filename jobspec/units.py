@@ -3,7 +3,9 @@ requests ("H100:8"). The parsed value is what the rest of the code sees."""
 
 from __future__ import annotations
 
+import math
 import re
+from fractions import Fraction
 from typing import Annotated, Any
 
 from pydantic import BeforeValidator, PlainSerializer, WithJsonSchema
@@ -12,27 +14,46 @@ _UNITS = {
     "": 1,
     "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3, "t": 1000**4, "tb": 1000**4,
     "ki": 1024, "kib": 1024, "mi": 1024**2, "mib": 1024**2, "gi": 1024**3, "gib": 1024**3,
-    "ti": 1024**4, "tib": 1024**4,
+    "ti": 1024**4, "tib": 1024**4, "pi": 1024**5, "pib": 1024**5, "ei": 1024**6, "eib": 1024**6,
+    "p": 1000**5, "pb": 1000**5, "e": 1000**6, "eb": 1000**6,
 }  # fmt: skip
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+MAX_BYTES = 2**63 - 1  # a Kubernetes quantity is a 64-bit integer (8 EiB)
+_TOO_LARGE = f"too large: a size is at most {MAX_BYTES} bytes (2^63 - 1, just under 8Ei)"
 
 
 def parse_bytes(value: Any) -> int:
     """'16Gi' -> 17179869184, '20GB' -> 20e9, 1024 -> 1024. Kubernetes and human suffixes."""
     if isinstance(value, bool):
         raise ValueError("expected a size such as '16Gi', not a boolean")
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            raise ValueError("expected a size such as '16Gi', not an infinite or NaN number")
+        if not value.is_integer():
+            raise ValueError("a size in bytes is a whole number; write e.g. '1.5Gi' with a suffix")
+        value = int(value)
     if isinstance(value, int):
         if value < 0:
             raise ValueError("a size cannot be negative")
+        if value > MAX_BYTES:
+            raise ValueError(_TOO_LARGE)
         return value
-    if isinstance(value, float) and value.is_integer() and value >= 0:
-        return int(value)
     if not isinstance(value, str):
         raise ValueError(f"expected a size such as '16Gi' or '20GB', got {type(value).__name__}")
     match = _SIZE.match(value)
     if not match or match.group(2).lower() not in _UNITS:
-        raise ValueError(f"{value!r} is not a size; write e.g. '16Gi', '512Mi' or '20GB'")
-    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+        raise ValueError(f"{_shown(value)} is not a size; write e.g. '16Gi', '512Mi' or '20GB'")
+    if len(match.group(1)) > 40:  # 8Ei has 19 digits; Fraction would parse thousands of them slowly
+        raise ValueError(_TOO_LARGE)
+    size = Fraction(match.group(1)) * _UNITS[match.group(2).lower()]  # exact: no float rounding or overflow
+    if size > MAX_BYTES:
+        raise ValueError(_TOO_LARGE)
+    return int(size)
+
+
+def _shown(value: str) -> str:
+    # Echo a short value to help fix it; a long one is not a typo of a size (it may be a token in the wrong place).
+    return repr(value) if len(value) <= 12 else f"a text of {len(value)} characters"
 
 
 def format_bytes(n: int) -> str:
@@ -57,9 +78,15 @@ def parse_cpu(value: Any) -> str:
     """CPU request as a Kubernetes quantity: 8, 0.5 or '500m'."""
     if isinstance(value, bool) or not isinstance(value, (int, float, str)):
         raise ValueError("expected a CPU count such as 8, 0.5 or '500m'")
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ValueError("expected a CPU count such as 8, 0.5 or '500m', not an infinite or NaN number")
+    if isinstance(value, int) and value > 10**6:  # before str(): a 5000-digit int cannot even be printed
+        raise ValueError("more than a million CPUs: write the request per pod, e.g. 8 or '500m'")
     text = str(value).strip()
-    if not _CPU.match(text) or float(text.rstrip("m")) <= 0:
-        raise ValueError(f"{value!r} is not a CPU count; write e.g. 8, 0.5 or '500m'")
+    if len(text) > 24 or not _CPU.match(text) or float(text.rstrip("m")) <= 0:
+        raise ValueError(f"{_shown(text)} is not a CPU count; write e.g. 8, 0.5 or '500m'")
+    if float(text.rstrip("m")) / (1000 if text.endswith("m") else 1) > 10**6:
+        raise ValueError("more than a million CPUs: write the request per pod, e.g. 8 or '500m'")
     return text
 
 
@@ -78,9 +105,11 @@ def parse_gpus(value: Any) -> dict[str, Any]:
         return {"count": value}
     if isinstance(value, str):
         kind, _, count = value.strip().rpartition(":")
-        if not count.isdigit():
+        if not (count.isascii() and count.isdigit()):
             if not _:
                 return {"type": value.strip()}
-            raise ValueError(f"{value!r}: the part after ':' must be a GPU count, as in 'H100:8'")
+            raise ValueError(f"{_shown(value)}: the part after ':' must be a GPU count, as in 'H100:8'")
+        if len(count) > 6:
+            raise ValueError(f"a GPU count of {len(count)} digits: at most 64 GPUs per node")
         return {"type": kind, "count": int(count)} if kind else {"count": int(count)}
     raise ValueError("expected 'TYPE:COUNT' such as 'H100:8', or a mapping {type, count}")

@@ -6,7 +6,8 @@ Layout of `checkpoints.dir`:
                              writes its shard (FSDP) or its share of the replicated tensors (DDP);
                              DCP reshards on load, so a resume may use another tier or world size
         rng-<rank>.pt        python, numpy, torch and CUDA RNG states of each rank
-        meta.json            step, epoch, samples, plan, spec hash, LR schedule
+        meta.json            step, epoch, samples, plan, spec hash, lineage (runner/lineage.py), loss
+        spec.yaml            the spec it was trained with: `jobspec export` needs nothing else
         DONE                 written last; a directory without it is ignored and later removed
     .tmp-step-<N>/         a checkpoint being written (same filesystem, so the rename is atomic)
 
@@ -40,10 +41,15 @@ from runner.dist import Control
 log = logging.getLogger("jobspec.runner")
 DONE = "DONE"
 META = "meta.json"
+SPEC = "spec.yaml"
 _STEP = re.compile(r"^step-(\d+)$")
 
 
-def _fsync_dir(path: Path) -> None:
+def is_step_dir(path: Path) -> bool:
+    return bool(_STEP.match(path.name))
+
+
+def fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -124,8 +130,10 @@ def save(
     ctrl: Control,
     keep: int,
     trainable_only: bool = False,
+    files: dict[str, bytes] | None = None,
 ) -> Path:
-    """Write checkpoint `step` (collective: every rank calls it). Returns step-<N>'s path."""
+    """Write checkpoint `step` (collective: every rank calls it); rank 0 adds `files` (name -> bytes) beside
+    meta.json. Returns step-<N>'s path."""
     t0 = time.perf_counter()
     root = Path(root)
     tmp, final = root / f".tmp-step-{step}", root / f"step-{step}"
@@ -149,8 +157,10 @@ def save(
         os.fsync(f.fileno())
     ctrl.barrier()
     if rank == 0:
+        for name, data in (files or {}).items():
+            _write_durable(tmp / name, data)
         _write_durable(tmp / META, json.dumps({**meta, "step": step}, indent=1).encode())
-        _fsync_dir(tmp)
+        fsync_dir(tmp)
         _publish(tmp, final)
         prune(root, keep)
         log.info("checkpoint %s written in %.1f s", final, time.perf_counter() - t0)
@@ -166,9 +176,9 @@ def _publish(tmp: Path, final: Path) -> None:
             return
         shutil.rmtree(final)  # an incomplete step-<N> from an older attempt
     os.rename(tmp, final)
-    _fsync_dir(final.parent)
+    fsync_dir(final.parent)
     _write_durable(final / DONE, b"")
-    _fsync_dir(final)
+    fsync_dir(final)
 
 
 def prune(root: Path, keep: int) -> None:

@@ -1,7 +1,8 @@
-"""SFT data: JSONL records -> token rows with prompt-masked labels, and the order steps consume them.
+"""SFT data: records -> token rows with prompt-masked labels, and the order steps consume them.
 
-Records are `{prompt, response}` or `{messages: [{role, content}]}` (field names from the spec;
-`format: auto` decides per file from the first record). Each record becomes one row of at most
+Records come from JSONL, JSON, Parquet, a `datasets` directory or a hub id (`runner.records`) and are
+`{prompt, response}` or `{messages: [{role, content}]}` (field names from the spec; `format: auto`
+decides per source from the first record). Each record becomes one row of at most
 `max_seq_len` positions: `input_ids` and `labels` already shifted by one (labels[t] is the token
 after input_ids[t], nanoGPT's x/y), -100 where there is no loss (prompt, padding). Longer records
 are truncated; records left without any target token are dropped (and counted in the log).
@@ -17,7 +18,6 @@ a step redone at a smaller micro-batch after an OOM, sees exactly the same sampl
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -28,6 +28,7 @@ import torch
 
 from jobspec.errors import ConfigError
 from jobspec.spec import DataSpec, JobSpec
+from runner.records import EVAL_SPLITS, TRAIN_SPLITS, read_records
 from runner.tokenizer import Message, Segment, Tokenizer
 
 log = logging.getLogger("jobspec.runner")
@@ -48,34 +49,12 @@ class Batch:
     sample_ids: tuple[int, ...]
 
 
-def read_jsonl(path: Path) -> list[tuple[int, dict]]:
-    """(1-based line number, record) for each non-empty line."""
-    try:
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as err:
-        raise ConfigError(f"{path}: cannot read the data file ({err})") from err
-    out = []
-    for n, line in enumerate(text.splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as err:
-            raise ConfigError(f"{path}:{n}: not valid JSON ({err.msg}); each line must be one JSON object") from None
-        if not isinstance(record, dict):
-            raise ConfigError(f"{path}:{n}: expected a JSON object, got {type(record).__name__}")
-        out.append((n, record))
-    if not out:
-        raise ConfigError(f"{path}: no records (expected JSON lines with prompt/response or messages)")
-    return out
-
-
 def detect_format(record: dict, spec: DataSpec, where: str) -> str:
     if spec.format != "auto":
         return spec.format
-    if spec.messages_field in record:
+    if record.get(spec.messages_field) is not None:
         return "messages"
-    if spec.prompt_field in record and spec.response_field in record:
+    if record.get(spec.prompt_field) is not None and record.get(spec.response_field) is not None:
         return "prompt_response"
     raise ConfigError(
         f"{where}: cannot tell the record format: no {spec.messages_field!r} list and no "
@@ -85,14 +64,28 @@ def detect_format(record: dict, spec: DataSpec, where: str) -> str:
 
 def to_messages(record: dict, fmt: str, spec: DataSpec) -> list[Message]:
     if fmt == "messages":
-        messages = record.get(spec.messages_field)
+        messages = as_message_list(record.get(spec.messages_field))
         if not isinstance(messages, list) or not messages:
             raise ValueError(f"{spec.messages_field!r} must be a non-empty list of {{role, content}}")
         return messages
     prompt, response = record.get(spec.prompt_field), record.get(spec.response_field)
-    if not isinstance(prompt, str) or not isinstance(response, str):
-        raise ValueError(f"{spec.prompt_field!r} and {spec.response_field!r} must both be strings")
+    for name, value in ((spec.prompt_field, prompt), (spec.response_field, response)):
+        if not isinstance(value, str):
+            got = "missing" if value is None else f"of type {type(value).__name__}"
+            raise ValueError(
+                f"{name!r} is {got}: {spec.prompt_field!r} and {spec.response_field!r} must both be strings"
+            )
     return [{"role": "user", "content": prompt}, {"role": "assistant", "content": response}]
+
+
+def as_message_list(value: object) -> object:
+    """A dict of equal-length lists ({role: [...], content: [...]}, how `datasets` stores a Sequence
+    of dicts) as the list of dicts it stands for; anything else unchanged."""
+    if isinstance(value, dict) and value and all(isinstance(v, list) for v in value.values()):
+        lengths = {len(v) for v in value.values()}
+        if len(lengths) == 1:
+            return [dict(zip(value, row, strict=True)) for row in zip(*value.values(), strict=True)]
+    return value
 
 
 def flatten(segments: Sequence[Segment], limit: int) -> tuple[np.ndarray, np.ndarray]:
@@ -122,18 +115,25 @@ def pack(streams: Sequence[tuple[np.ndarray, np.ndarray]], max_seq_len: int) -> 
     return rows
 
 
-def encode_file(path: Path, spec: DataSpec, tokenizer: Tokenizer) -> list[tuple[np.ndarray, np.ndarray]]:
-    """Every record of `path` as (token ids, target flags), truncated to max_seq_len + 1 tokens."""
-    records = read_jsonl(path)
-    fmt = detect_format(records[0][1], spec, f"{path}:{records[0][0]}")
-    out = []
-    for n, record in records:
+def encode_file(
+    source: str | Path,
+    spec: DataSpec,
+    tokenizer: Tokenizer,
+    field: str = "data.path",
+    splits: Sequence[str] = TRAIN_SPLITS,
+) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Every record of `source` as (token ids, target flags), truncated to max_seq_len + 1 tokens."""
+    fmt, out = None, []
+    for where, record in read_records(source, spec, field, splits):
+        fmt = fmt or detect_format(record, spec, str(where))
         try:
             segments = tokenizer.render(to_messages(record, fmt, spec))
         except ValueError as err:
-            raise ConfigError(f"{path}:{n}: {err} (format {fmt})") from None
+            raise ConfigError(f"{where}: {err} (format {fmt})") from None
         out.append(flatten(segments, spec.max_seq_len + 1))
-    log.info("data %s: %d records, format %s", path, len(out), fmt)
+    if not out:
+        raise ConfigError(f"{field} {source}: no records (expected prompt/response or messages records)")
+    log.info("data %s: %d records, format %s", source, len(out), fmt)
     return out
 
 
@@ -178,10 +178,9 @@ def _rows(streams: list[tuple[np.ndarray, np.ndarray]], spec: DataSpec, what: st
 def load_data(spec: JobSpec, tokenizer: Tokenizer) -> SFTData:
     """Train rows and eval rows (from `data.eval_path`, or `eval_fraction` of the file held out by seed)."""
     d = spec.data
-    path = Path(d.path) if d.path else BUNDLED
-    streams = encode_file(path, d, tokenizer)
-    if d.eval_path:
-        train_streams, eval_streams = streams, encode_file(Path(d.eval_path), d, tokenizer)
+    streams = encode_file(d.path or BUNDLED, d, tokenizer)
+    if d.eval_path:  # a DatasetDict gives its validation (else test) split here
+        train_streams, eval_streams = streams, encode_file(d.eval_path, d, tokenizer, "data.eval_path", EVAL_SPLITS)
     else:  # the held-out records are a seeded random subset, the same on every rank and every restart
         n_eval = int(len(streams) * d.eval_fraction)
         held = set(np.random.default_rng([spec.training.seed, 0x5EED]).permutation(len(streams))[:n_eval].tolist())

@@ -87,6 +87,10 @@ class Prefetcher:
         )
         self._it = iter(loader)
 
+    def close(self) -> None:
+        """Stop the workers (the iterator's shutdown); batches() then collates in process."""
+        self._it, self.current = None, None
+
     def batches(self, ids: Sequence[int], micro_batch: int) -> list[Batch]:
         ids = tuple(ids)
         if self.current is None or self.current.ids != ids:

@@ -65,8 +65,9 @@ class GpuUtil:
 class Metrics:
     """Appends records to `<dir>/metrics.jsonl` and logs a line for each (rank 0 only)."""
 
-    def __init__(self, path: Path, enabled: bool):
+    def __init__(self, path: Path, enabled: bool, trackers: Any = None):
         self.enabled = enabled
+        self.trackers = trackers  # runner.tracking.Trackers: the same records to TensorBoard, W&B, MLflow
         self.file = None
         if enabled:
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -79,11 +80,16 @@ class Metrics:
         self.file.write(json.dumps({"time": round(time.time(), 3), **record}, separators=(",", ":")) + "\n")
         if record.get("kind") != "event":  # events (an OOM shrink) were logged in words where they happened
             log.info("%s", format_line(record))
+        if self.trackers is not None:
+            self.trackers.log(record)
 
     def close(self) -> None:
         if self.file is not None:
             self.file.close()
             self.file = None
+        if self.trackers is not None:
+            self.trackers.close()
+            self.trackers = None
 
 
 def format_line(r: dict[str, Any]) -> str:
@@ -110,21 +116,30 @@ def format_line(r: dict[str, Any]) -> str:
 
 
 class Progress:
-    """A tqdm bar over optimizer steps, only when stderr is a terminal (never in pod logs or CI)."""
+    """A tqdm bar over optimizer steps with the current loss, only when stderr is a terminal (never in pod
+    logs or CI). While it is up, log records are written through tqdm so they print above the bar."""
 
     def __init__(self, total: int, initial: int, enabled: bool):
         self.bar = None
+        self._redirect: Any = None
         if enabled and sys.stderr.isatty():
             from tqdm import tqdm
+            from tqdm.contrib.logging import logging_redirect_tqdm
 
             self.bar = tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True, leave=False)
+            self._redirect = logging_redirect_tqdm(loggers=[logging.getLogger()])
+            self._redirect.__enter__()
 
     def update(self, loss: float | None = None) -> None:
         if self.bar is not None:
-            self.bar.update(1)
             if loss is not None:
-                self.bar.set_postfix(loss=f"{loss:.4f}")
+                self.bar.set_postfix(loss=f"{loss:.4f}", refresh=False)
+            self.bar.update(1)
 
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
+            self.bar = None
+        if self._redirect is not None:
+            self._redirect.__exit__(None, None, None)
+            self._redirect = None

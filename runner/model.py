@@ -1,15 +1,14 @@
 """The model: a transformers causal LM from a preset config (no download) or a local path, plus LoRA.
 
-LoRA is implemented here (no peft dependency): each target module (nn.Linear, or GPT-2's Conv1D,
-matched by name suffix like PEFT's `target_modules`) is wrapped so that
-    y = base(x) + (dropout(x) @ A^T @ B^T) * alpha / r,   A: (r, in), B: (out, r), B = 0 at start,
-and every base parameter is frozen. Checkpoints then hold only the adapters.
+LoRA comes from peft (`get_peft_model`): target modules are matched by name suffix (peft's
+`target_modules`), every base parameter is frozen, and the adapters' names are peft's own
+(`...c_attn.lora_A.default.weight`), so checkpoints hold only the adapters and an export is a
+PEFT adapter directory that `PeftModel.from_pretrained` reads.
 """
 
 from __future__ import annotations
 
 import logging
-import math
 
 import torch
 from torch import nn
@@ -81,7 +80,7 @@ def build_model(spec: JobSpec, *, bos: int, eos: int, vocab: int) -> nn.Module:
             model.resize_token_embeddings(vocab)
     model.config.use_cache = False  # no KV cache in training (and required with checkpointing)
     if m.lora:
-        apply_lora(model, m.lora)
+        model = apply_lora(model, m.lora)
     total = sum(p.numel() for p in model.parameters())
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     log.info(
@@ -94,50 +93,36 @@ def build_model(spec: JobSpec, *, bos: int, eos: int, vocab: int) -> nn.Module:
     return model
 
 
-class LoRA(nn.Module):
-    """A frozen `base` (nn.Linear or transformers Conv1D) plus a trainable low-rank update."""
+def lora_config(lora: LoraSpec, model: nn.Module) -> object:
+    """peft's LoraConfig for the spec's `model.lora` (GPT-2's Conv1D stores its weight transposed)."""
+    from peft import LoraConfig
 
-    def __init__(self, base: nn.Module, rank: int, alpha: float, dropout: float):
-        super().__init__()
-        if isinstance(base, nn.Linear):
-            fan_in, fan_out = base.in_features, base.out_features
-        else:  # transformers Conv1D stores its weight as (in, out) and computes x @ W + b
-            fan_in, fan_out = base.weight.shape
-        self.base = base
-        self.scale = alpha / rank
-        self.dropout = nn.Dropout(dropout) if dropout else nn.Identity()
-        w = base.weight
-        self.lora_a = nn.Parameter(torch.empty(rank, fan_in, dtype=w.dtype, device=w.device))  # (r, in)
-        self.lora_b = nn.Parameter(torch.zeros(fan_out, rank, dtype=w.dtype, device=w.device))  # (out, r)
-        nn.init.kaiming_uniform_(self.lora_a, a=math.sqrt(5))  # PEFT's init: the update starts at 0 via B
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        update = (self.dropout(x) @ self.lora_a.t()) @ self.lora_b.t()  # (..., in) -> (..., r) -> (..., out)
-        return self.base(x) + update * self.scale
+    family = getattr(getattr(model, "config", None), "model_type", "")
+    return LoraConfig(
+        r=lora.rank,
+        lora_alpha=lora.alpha,
+        lora_dropout=lora.dropout,
+        target_modules=list(lora.targets),
+        fan_in_fan_out=family == "gpt2",
+        task_type="CAUSAL_LM",
+    )
 
 
-def apply_lora(model: nn.Module, lora: LoraSpec) -> int:
-    """Wrap every module whose name ends with a target; freeze the rest. Returns modules wrapped."""
-    for p in model.parameters():
-        p.requires_grad_(False)
-    names = [
-        name
-        for name, mod in model.named_modules()
-        if any(name == t or name.endswith("." + t) for t in lora.targets)
-        and hasattr(mod, "weight")
-        and mod.weight.dim() == 2
-    ]
-    if not names:
+def apply_lora(model: nn.Module, lora: LoraSpec) -> nn.Module:
+    """The model wrapped by peft: base frozen, LoRA adapters on every module whose name ends with a target."""
+    from peft import get_peft_model
+
+    try:
+        peft_model = get_peft_model(model, lora_config(lora, model))
+    except ValueError as err:  # peft's NoMatchingPeftModuleError is a ValueError
         raise ConfigError(
-            f"model.lora.targets {lora.targets} match no linear module of this model; "
-            "use e.g. [c_attn] for GPT-2 or [q_proj, v_proj] for Llama-style models"
-        )
-    for name in names:
-        parent_name, _, child = name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, LoRA(getattr(parent, child), lora.rank, lora.alpha, lora.dropout))
-    log.info("LoRA rank %d alpha %g on %d modules (%s)", lora.rank, lora.alpha, len(names), ", ".join(lora.targets))
-    return len(names)
+            f"model.lora.targets {list(lora.targets)}: {err} Use e.g. [c_attn] for GPT-2 or [q_proj, v_proj] "
+            "for Llama-style models"
+        ) from None
+    modules = {n.rsplit(".lora_", 1)[0] for n, p in peft_model.named_parameters() if p.requires_grad}
+    log.info("LoRA (peft) rank %d alpha %g on %d modules (%s)", lora.rank, lora.alpha, len(modules),
+             ", ".join(lora.targets))  # fmt: skip
+    return peft_model
 
 
 def block_class_names(model: nn.Module) -> list[str]:

@@ -229,11 +229,12 @@ def verify_micro_batch(
     """The largest divisor of the per-rank batch that real steps run, from the model's guess; NoFit if not even 1.
 
     `try_step(mbs)`: forward, backward and optimizer.step() at `plan.seq_len`, False on OOM (`probe.oom_guard`).
-    Candidates: divisors up to 2 x the model's max (up to the spec's micro-batch when fixed). The guess, its
-    neighbour, then bisection: at most 2 + ceil(log2(#candidates)) <= log2(per-rank batch) + 3 probes.
+    Candidates: every divisor of the per-rank batch (up to the spec's micro-batch when fixed), so a memory
+    model that is off by any factor still reaches the true maximum. The guess, its neighbour, then
+    bisection: at most 2 + ceil(log2(#candidates)) <= log2(per-rank batch) + 3 probes.
     `reduce_min` (all-reduce MIN) agrees each outcome, so every rank ends on the same micro-batch.
     """
-    upper = plan.micro_batch if plan.micro_batch_fixed else 2 * max(plan.model_max_micro_batch, plan.micro_batch)
+    upper = plan.micro_batch if plan.micro_batch_fixed else plan.per_rank
     cands = [d for d in memory.divisors(plan.per_rank) if d <= upper]
 
     def probe(mbs: int) -> bool:
@@ -252,7 +253,9 @@ def verify_micro_batch(
     if not done:
         note += f"; stopped at the probe limit {max_probes}"
     elif found == cands[-1] and found < plan.per_rank:
-        note += f"; upper bound {upper} reached (2 x the model's {plan.model_max_micro_batch})"
+        note += f"; the spec's micro-batch {upper} is the upper bound"
+    if plan.model_max_micro_batch and found > 2 * plan.model_max_micro_batch:
+        note += f"; the memory model said {plan.model_max_micro_batch}: it overestimates this run's memory"
     return with_micro_batch(plan, found, note, probes=plan.probes + len(results))
 
 

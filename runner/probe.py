@@ -237,20 +237,22 @@ def oom_guard(step: Callable[[int], Any], *, budget_bytes: int | None = None) ->
     """Turn a probe step into `try_step(mbs) -> bool` for `runner.plan.verify_micro_batch`.
 
     `step(mbs)` runs forward, backward and optimizer.step() at the longest sequence length and zeroes
-    its gradients (set_to_none) before returning. An OOM (`runner.oom.is_oom`) gives False, with memory
-    released after the except block (`runner.oom.guarded`). With `budget_bytes`, a step whose peak
+    its gradients (set_to_none) before returning. An OOM (`runner.oom.detect.is_oom`) gives False, with memory
+    released after the except block (`runner.oom.detect.guarded`). With `budget_bytes`, a step whose peak
     reserved memory exceeds it also counts as no fit, so the search respects
     `memory.target_utilization` instead of filling the GPU to the last byte.
     """
     import torch
 
-    from runner.oom import guarded
+    from runner.oom.detect import allocated_bytes, guarded, release_memory
 
     def try_step(mbs: int) -> bool:
         on_gpu = torch.cuda.is_available()
         if on_gpu:
             torch.cuda.reset_peak_memory_stats()
+        baseline = allocated_bytes()
         if guarded(lambda: step(mbs)).oom:
+            release_memory(baseline)
             return False
         if not on_gpu or budget_bytes is None:
             return True

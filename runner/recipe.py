@@ -19,19 +19,24 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import yaml
 
-from jobspec.contract import EXIT_OK, EXIT_PREEMPTED, METRICS_FILE, TIER_STATE_FILE
+from jobspec import memory
+from jobspec.contract import EXIT_OK, EXIT_OOM_RETRY_TIER, EXIT_PREEMPTED, METRICS_FILE, TIER_STATE_FILE
 from jobspec.errors import ConfigError
 from jobspec.spec import JobSpec
-from runner import checkpoint, engine, ladder
+from runner import checkpoint, engine, tracking
 from runner.data import PAD_MULTIPLE, DataOrder, load_data, rank_slice, total_steps
 from runner.dist import Control, DistEnv, destroy_process_group, init_process_group
+from runner.lineage import check_resume, lineage
 from runner.loader import Prefetcher
 from runner.metrics import GpuUtil, Metrics, Progress, memory_bytes
 from runner.model import build_model
-from runner.plan import Plan, agree, initial_plan, model_shape, size_for_tier, verify_micro_batch
+from runner.oom import faults, ladder
+from runner.oom.detect import release_memory
+from runner.oom.shrink import RecipeGuard, TierOOM, apply_cap
+from runner.plan import Plan, agree, initial_plan, model_shape, size_for_tier, verify_micro_batch, with_micro_batch
 from runner.probe import describe, oom_guard, probe_host
-from runner.resilience import RecipeGuard, TierOOM, apply_cap
 from runner.tokenizer import load_tokenizer
 from runner.train import Preempted, Stepper, StepResult, StopFlag, get_lr
 
@@ -39,7 +44,7 @@ log = logging.getLogger("jobspec.runner")
 
 
 class Recipe:
-    """One rank's training run; OOM handling (shrink, tier ladder) is `self.guard` (runner/resilience.py)."""
+    """One rank's training run; OOM handling (shrink, tier ladder) is `self.guard` (runner/oom/shrink.py)."""
 
     def __init__(self, spec: JobSpec, env: DistEnv | None = None):
         gpu = spec.hardware.vendor != "cpu" and torch.cuda.is_available()
@@ -49,14 +54,20 @@ class Recipe:
                 "use bf16 or fp32"
             )
         self.spec, self.env = spec, env or DistEnv.from_env()
+        tracking.check_packages(spec)  # a missing tracker client is a config error, found before any work
         self.root = Path(spec.checkpoints.dir)
         self.stop = StopFlag()
         self.step = 0  # optimizer steps completed
+        self.first_step = 0  # where this process started (the resumed step)
         self.saved_step = -1  # step of the last checkpoint written or resumed from
         self.status: dict[str, Any] = {"tier": None, "step": 0, "loss": None, "reason": "starting"}
         self.metrics: Metrics | None = None
         self.progress: Progress | None = None
         self.record_samples = os.environ.get("JOBSPEC_RECORD_SAMPLES") == "1"
+        self.eval_loss: float | None = None
+        self.started = time.perf_counter()
+        self.trained_tokens = 0  # input tokens (padding excluded) trained on by this process's run
+        self.exported: Path | None = None
 
     # --- setup ------------------------------------------------------------------------------------------
 
@@ -73,12 +84,28 @@ class Recipe:
         self.data = load_data(spec, self.tokenizer)
         self.order = DataOrder(len(self.data.train), spec.training.global_batch, spec.training.seed)
         self.total_steps = total_steps(spec, self.order)
+        self.lineage = lineage(spec, self.data.train)
         resume = checkpoint.latest(self.root)
         meta = checkpoint.read_meta(resume) if resume else None
+        if meta is not None:
+            check_resume(meta.get("lineage"), self.lineage, where=f"checkpoint {resume}",
+                         force=spec.checkpoints.resume == "force")  # fmt: skip
         self.plan = self._plan(meta)
+        self._build(resume, meta)
+        self.first_step = self.step
+        self.status.update(tier=self.plan.tier, step=self.step, reason="running")
+        config = {"spec": spec.to_yaml_dict(), "plan": {k: v for k, v in self.plan.to_dict().items() if k != "reasons"}}
+        trackers = tracking.Trackers(spec, self.root, enabled=env.is_main, config=config)
+        self.metrics = Metrics(self.root / METRICS_FILE, enabled=env.is_main, trackers=trackers)
+        self._write_plan(resumed=resume is not None)
+        self.gpu_util = GpuUtil(self.device)
+
+    def _build(self, resume: Path | None, meta: dict[str, Any] | None) -> None:
+        """Model, optimizer, accelerator and stepper at `self.plan`, the state of `resume` (a checkpoint),
+        the loader from the step it holds, and the OOM guard. Run again by an in-process tier step-down."""
+        spec, env = self.spec, self.env
         if self.plan.tier != "fast":
             init_process_group(env, self.device, needed=True)  # FSDP needs a group even for one rank
-
         model = build_model(
             spec,
             bos=getattr(self.tokenizer, "BOS", self.tokenizer.eos_id),
@@ -96,8 +123,11 @@ class Recipe:
             self.stop,
             max_grad_norm=spec.training.max_grad_norm,
         )
-        if self.dev.is_gpu and (meta is None or self.plan.to_dict() != meta["plan"]):  # a new plan: verify it
-            self._verify_micro_batch()
+        probe_faults = faults.probe_injector(self.model, rank=env.rank, tier=self.plan.tier)
+        if (self.dev.is_gpu or probe_faults) and (meta is None or self.plan.to_dict() != meta["plan"]):
+            self._verify_micro_batch()  # a new plan: real probe steps check it
+        if probe_faults is not None:
+            probe_faults.remove()
         if resume is not None:
             meta = checkpoint.load(
                 resume,
@@ -109,23 +139,34 @@ class Recipe:
             )
             self.step = self.saved_step = int(meta["step"])
             log.info("resumed from %s: step %d of %d", resume, self.step, self.total_steps)
-        self.status.update(tier=self.plan.tier, step=self.step, reason="running")
-        self.metrics = Metrics(self.root / METRICS_FILE, enabled=env.is_main)
-        self.metrics.write(
-            {
-                "kind": "plan",
-                "step": self.step,
-                "resumed": resume is not None,
-                "total_steps": self.total_steps,
-                **self.plan.to_dict(),
-            }
-        )
         pin = self.plan.pin_memory and self.device.type == "cuda"  # workers collate the next steps meanwhile
         self.stepper.prefetch = Prefetcher(self.data, self.step_ids, start=self.step, total=self.total_steps,
                                            micro_batch=self.plan.micro_batch, num_workers=self.plan.num_workers,
                                            pin_memory=pin)  # fmt: skip
-        self.gpu_util = GpuUtil(self.device)
         self.guard = RecipeGuard(self)  # OOM: in-process shrink, fault injection, hand-over to the tier ladder
+
+    def _write_plan(self, *, resumed: bool) -> None:
+        self.metrics.write(
+            {
+                "kind": "plan",
+                "step": self.step,
+                "resumed": resumed,
+                "total_steps": self.total_steps,
+                "pid": os.getpid(),
+                **self.plan.to_dict(),
+            }
+        )
+
+    def _teardown(self) -> None:
+        """Release the model, optimizer, accelerator, loader and OOM guard (the process group stays)."""
+        from accelerate.state import AcceleratorState, GradientState
+
+        self.guard.close()
+        self.stepper.prefetch.close()
+        self.stepper = self.model = self.optimizer = self.accelerator = self.guard = None  # type: ignore[assignment]
+        AcceleratorState._reset_state()  # the next Accelerator may carry another FSDP plugin
+        GradientState._reset_state()
+        release_memory()
 
     def _plan(self, meta: dict[str, Any] | None) -> Plan:
         """The checkpoint's plan when resuming the same batch on the same world size, else a fresh one; agreed."""
@@ -149,6 +190,16 @@ class Recipe:
                     plan.micro_batch,
                     plan.grad_accum,
                 )
+                asked = spec.training.micro_batch
+                if isinstance(asked, int) and asked != plan.micro_batch:  # the spec wins: same training, other cut
+                    plan = with_micro_batch(
+                        plan,
+                        asked,
+                        f"micro-batch {plan.micro_batch} -> {asked}: training.micro_batch changed since the checkpoint "
+                        f"(accumulation {plan.grad_accum} -> {plan.per_rank // asked}, global batch "
+                        f"{plan.global_batch} unchanged)",
+                        micro_batch_fixed=True,
+                    )
         local = self.env.local_world_size
         if plan is None and tier != spec.memory.tier:
             why = [f"tier {tier} from {TIER_STATE_FILE} (the OOM ladder; the spec says {spec.memory.tier})"]
@@ -162,13 +213,18 @@ class Recipe:
         )
 
     def _verify_micro_batch(self) -> None:
-        """Real probe steps on the GPU (on CPU an OOM is the kernel's kill, not an exception: nothing to probe)."""
+        """Real probe steps on the GPU (on CPU an OOM is the kernel's kill, not an exception: nothing to probe,
+        unless JOBSPEC_FAULT_OOM's `probes` injects them)."""
         seq = min(self.plan.seq_len, -(-self.data.longest // PAD_MULTIPLE) * PAD_MULTIPLE)  # widest micro-batch
-        rng = torch.cuda.get_rng_state(self.device)
+        cuda = self.device.type == "cuda"
+        rng = torch.cuda.get_rng_state(self.device) if cuda else torch.get_rng_state()
         try_step = oom_guard(lambda mbs: self.stepper.probe_step(mbs, seq), budget_bytes=self.plan.budget_bytes)
         self.plan = verify_micro_batch(self.plan, try_step, reduce_min=self.ctrl.reduce_min)
         self.stepper.reset_optimizer()
-        torch.cuda.set_rng_state(rng, self.device)
+        if cuda:
+            torch.cuda.set_rng_state(rng, self.device)
+        else:
+            torch.set_rng_state(rng)
 
     # --- train ------------------------------------------------------------------------------------------
 
@@ -181,13 +237,28 @@ class Recipe:
         return rank_slice(self.order.step_samples(step), self.env.rank, self.env.world_size)
 
     def train_step(self, step: int) -> StepResult:
-        """Optimizer step `step` at the plan's micro-batch; on OOM redone at a smaller one (runner.resilience)."""
+        """Optimizer step `step` at the plan's micro-batch; on OOM redone at a smaller one (runner.oom.shrink)."""
         return self.guard.train_step(step)
 
     def train(self) -> int:
-        """Train to `total_steps`; returns the exit code (0, or 143 after a SIGTERM checkpoint)."""
+        """Train to `total_steps`; returns the exit code (0, or 143 after a SIGTERM checkpoint).
+
+        An OOM that micro-batch 1 cannot absorb steps down a tier in this process when every rank agreed
+        on it (`_step_down`); otherwise it ends here with 75/76 and the supervisor (or the Job) relaunches.
+        """
+        while True:
+            try:
+                return self._loop()
+            except TierOOM as err:  # micro-batch 1 ran out: checkpoint, persist "tier X failed"
+                code = self.guard.give_up(err)
+                if code != EXIT_OOM_RETRY_TIER or not self._can_step_down(err):
+                    return code  # 76, or the relaunch fallback (75)
+                self._step_down(err)
+
+    def _loop(self) -> int:
         t, ck = self.spec.training, self.spec.checkpoints
-        self.progress = Progress(self.total_steps, self.step, enabled=self.env.is_main)
+        if self.progress is None:
+            self.progress = Progress(self.total_steps, self.step, enabled=self.env.is_main)
         mine = rank_slice(range(len(self.data.eval)), self.env.rank, self.env.world_size)
         self.eval_ids = mine[: t.eval_batches * self.plan.micro_batch]
         tic, tokens = time.perf_counter(), 0
@@ -197,25 +268,105 @@ class Recipe:
                 self.step += 1
                 self.status["step"] = self.step
                 tokens += result.tokens
+                self.trained_tokens += result.tokens
                 if self.record_samples:
                     self._record_samples(result.sample_ids)
                 if self.step in (1, self.total_steps) or self.step % t.log_every == 0:
                     self._log_step(result, tokens / (time.perf_counter() - tic))
                     tic, tokens = time.perf_counter(), 0
-                self.progress.update(self.status["loss"])
+                self.progress.update(self._bar_loss(result))
                 if (t.eval_every and self.step % t.eval_every == 0) or self.step == self.total_steps:
                     self._evaluate()
                 if self.step % ck.every_steps == 0 or self.step == self.total_steps:
                     self._save()
-        except TierOOM as err:  # micro-batch 1 ran out: checkpoint, persist "tier X failed", exit 75 or 76
-            return self.guard.give_up(err)
         except Preempted:
             log.warning("stop requested (signal %s): checkpointing step %d and exiting", self.stop.signum, self.step)
             self._save()
             self.status["reason"] = f"preempted at step {self.step}: checkpoint written"
             return EXIT_PREEMPTED
         self.status["reason"] = "done"
+        if self.env.is_main and self.spec.output.export:
+            self._export()
+        self._summary()
         return EXIT_OK
+
+    def _can_step_down(self, err: TierOOM) -> bool:
+        """Whether the next tier can start in this process: every rank knows (not a rank-local FSDP OOM),
+        and the device still works (a CUDA error can leave the context unusable: then a new process)."""
+        if err.local or err.cap is not None:
+            return False
+        if os.environ.get("JOBSPEC_STEP_DOWN", "in_process") == "restart":  # the fallback path, for benchmarks
+            log.info("JOBSPEC_STEP_DOWN=restart: leaving the tier step-down to a new process")
+            return False
+        if self.device.type == "cuda":
+            try:
+                torch.cuda.synchronize(self.device)
+            except Exception as exc:  # a sticky CUDA error: only a new process recovers
+                log.warning("device unusable after the OOM (%s): relaunching instead of stepping down in process",
+                            exc)  # fmt: skip
+                return False
+        return True
+
+    def _step_down(self, err: TierOOM) -> None:
+        """The next tier in this process: release everything, plan the tier, rebuild, and resume from the
+        newest checkpoint (written by give_up when the weights were intact: the same step is redone from
+        the same samples; otherwise the last good one)."""
+        t0, old = time.perf_counter(), self.plan
+        nxt = memory.next_tier(err.tier, self.env.world_size)  # what give_up recorded, computed by every rank
+        assert nxt is not None  # give_up returned 75: a next tier exists
+        self._teardown()
+        why = [f"tier {old.tier} -> {nxt} in process after an OOM at micro-batch 1: {err.reason}"]
+        local = self.env.local_world_size
+        plan = size_for_tier(self.spec, self.dev, self.host, self.env.world_size, nxt, local_ranks=local, reasons=why)
+        self.plan = agree(apply_cap(plan, self.root), self.ctrl.reduce_min)
+        resume = checkpoint.latest(self.root)
+        self.step = 0 if resume is None else self.step
+        self._build(resume, None)
+        self.status.update(tier=self.plan.tier, step=self.step, reason="running")
+        seconds = time.perf_counter() - t0
+        log.warning("tier %s -> %s in process in %.2f s; resuming at step %d, micro-batch %d x %d", old.tier,
+                    self.plan.tier, seconds, self.step, self.plan.micro_batch, self.plan.grad_accum)  # fmt: skip
+        self.metrics.write({"kind": "event", "event": "tier_change", "step": self.step, "from_tier": old.tier,
+                            "to_tier": self.plan.tier, "in_process": True, "seconds": round(seconds, 3),
+                            "reason": err.reason})  # fmt: skip
+        self._write_plan(resumed=resume is not None)
+
+    def _bar_loss(self, r: StepResult) -> float | None:
+        """This step's loss for the progress bar (rank 0's share on several ranks); no sync without a bar."""
+        if self.progress is None or self.progress.bar is None:
+            return None
+        return float(r.loss_sum) * self.env.world_size / max(r.targets, 1)
+
+    def _export(self) -> None:
+        """The final checkpoint as a Hugging Face directory (runner/export.py); skipped when already there."""
+        from runner import export
+
+        final = self.root / f"step-{self.step}"
+        out = export.default_out(self.spec)
+        done = export.read_provenance(out)
+        if done and done.get("step") == self.step and done.get("source") == str(final.resolve()):
+            log.info("model already exported at %s (step %d)", out, self.step)
+        else:
+            self.status["reason"] = "exporting"
+            self.exported = export.export(final, out, spec=self.spec)
+            self.status["reason"] = "done"
+        self.exported = out
+
+    def _summary(self) -> None:
+        if not self.env.is_main:
+            return
+        wall = time.perf_counter() - self.started
+        loss, ev = self.status.get("loss"), self.eval_loss
+        lines = [
+            f"run complete: {self.step}/{self.total_steps} steps in {wall:.1f} s "
+            f"(this process; {self.step - self.first_step} trained now)",
+            f"  final train loss {loss:.4f}" if loss is not None else "  final train loss: not logged",
+            f"  final eval loss {ev:.4f}" if ev is not None else "  eval: none (no held-out data or not reached)",
+            f"  throughput {self.trained_tokens / wall:,.0f} input tokens/s (padding excluded), whole run incl. setup",
+            f"  checkpoints {self.root} (newest step-{self.saved_step})",
+            f"  model {self.exported}" if self.exported else "  model: not exported (output.export false)",
+        ]
+        log.info("%s", "\n".join(lines))
 
     def _log_step(self, r: StepResult, tokens_per_s: float) -> None:
         loss = self.ctrl.all_reduce([r.loss_sum.item()])[0] / max(r.targets, 1)  # global per-token mean
@@ -249,6 +400,7 @@ class Recipe:
         if not self.data.eval:
             return
         loss, n = self.stepper.evaluate(self.eval_ids, self.plan.micro_batch)
+        self.eval_loss = loss
         self.metrics.write({"kind": "eval", "step": self.step, "eval_loss": loss, "eval_tokens": n})
 
     def _save(self) -> None:
@@ -263,6 +415,8 @@ class Recipe:
             "total_steps": self.total_steps,
             "lr_schedule": "warmup_cosine(step)",
             "loss": self.status["loss"],
+            "eval_loss": self.eval_loss,
+            "lineage": self.lineage,
         }
         checkpoint.save(
             self.root,
@@ -274,6 +428,7 @@ class Recipe:
             ctrl=self.ctrl,
             keep=self.spec.checkpoints.keep,
             trainable_only=self.spec.model.lora is not None,
+            files={checkpoint.SPEC: yaml.safe_dump(self.spec.to_yaml_dict(), sort_keys=False).encode()},
         )
         self.saved_step = self.step
 

@@ -47,9 +47,9 @@ from jobspec.contract import (
 from jobspec.errors import ConfigError, JobspecError
 from jobspec.loader import load_spec
 from jobspec.spec import JobSpec
-from runner import relaunch
 from runner.hostmem import host_oom, oom_kills
-from runner.ladder import MESSAGE_LIMIT
+from runner.oom import relaunch
+from runner.oom.ladder import MESSAGE_LIMIT
 
 log = logging.getLogger("jobspec.runner")
 KILL_GRACE_S = float(os.environ.get("JOBSPEC_KILL_GRACE_S", "30"))  # after one rank fails, before SIGKILL
@@ -256,7 +256,7 @@ def run_attempt(spec_path: str, overrides: list[str], topo: Topology, stopping: 
 
 
 def supervise(spec: JobSpec, spec_path: str, overrides: list[str], nproc: int | None) -> Outcome:
-    """Run the job on this node, relaunched down the OOM tier ladder (runner.relaunch.supervise)."""
+    """Run the job on this node, relaunched down the OOM tier ladder (runner.oom.relaunch.supervise)."""
     topo, stopping, last = topology(spec, nproc), [False], []  # stopping: set by SIGTERM/SIGINT
 
     def launch(tier: str) -> int:  # the workers read the tier from the tier state themselves

@@ -48,6 +48,14 @@ class ByteTokenizer:
     def decode(self, ids: Sequence[int]) -> str:
         return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
 
+    # Special tokens as text, in id order (256...), for the exported Hugging Face tokenizer.
+    SPECIAL_TEXT = ("<|pad|>", "<|bos|>", "<|eos|>", "<|system|>", "<|user|>", "<|assistant|>")
+    CHAT_TEMPLATE = (
+        "{{ bos_token }}{% for m in messages %}{% if m['role'] == 'assistant' %}"
+        "<|assistant|>{{ m['content'] }}{{ eos_token }}{% else %}<|{{ m['role'] }}|>{{ m['content'] }}{% endif %}"
+        "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"
+    )
+
     def render(self, messages: Sequence[Message]) -> list[Segment]:
         segments: list[Segment] = [([self.BOS], False)]
         for m in messages:
@@ -57,6 +65,36 @@ class ByteTokenizer:
             else:
                 segments.append(([self.ROLES[role], *self.encode(m["content"])], False))
         return segments
+
+
+    def to_hf(self) -> object:
+        """The same tokenizer as a transformers `PreTrainedTokenizerFast` (what an export ships).
+
+        A byte-level BPE with no merges over GPT-2's byte-to-character table gives id b to byte b; the
+        specials are added tokens 256-261 and the chat template renders exactly `render`'s ids (checked in
+        tests/runner/test_export.py). Text that spells a special token (`<|user|>`) is that token in the
+        exported tokenizer but plain bytes here; the training data never relies on the difference.
+        """
+        from tokenizers import AddedToken, decoders, models, pre_tokenizers
+        from tokenizers import Tokenizer as RawTokenizer
+        from transformers import PreTrainedTokenizerFast
+
+        chars = _byte_chars()
+        raw = RawTokenizer(models.BPE(vocab={chars[b]: b for b in range(256)}, merges=[]))
+        raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+        raw.decoder = decoders.ByteLevel()
+        raw.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in self.SPECIAL_TEXT])
+        pad, bos, eos = self.SPECIAL_TEXT[:3]
+        hf = PreTrainedTokenizerFast(tokenizer_object=raw, pad_token=pad, bos_token=bos, eos_token=eos)
+        hf.chat_template = self.CHAT_TEMPLATE
+        return hf
+
+
+def _byte_chars() -> dict[int, str]:
+    """GPT-2's byte -> printable character table (byte-level BPE's alphabet)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    rest = [b for b in range(256) if b not in printable]
+    return {**{b: chr(b) for b in printable}, **{b: chr(256 + i) for i, b in enumerate(rest)}}
 
 
 class HFTokenizer:

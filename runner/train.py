@@ -9,9 +9,9 @@ over ranks), so the gradient is the global per-token mean whatever the micro-bat
 
 Out of memory: after every micro-step all ranks agree on [stop, oom] in one all-reduce (the stop check
 did one anyway); when any rank ran out, every rank raises `StepOOM` with the weights untouched and
-`runner.resilience.run_step` redoes the step at a smaller micro-batch. DDP over several ranks exchanges
+`runner.oom.shrink.run_step` redoes the step at a smaller micro-batch. DDP over several ranks exchanges
 gradients after that agreement (`all_reduce_grads`), never inside a backward one rank may not finish;
-FSDP keeps its own reduce-scatter in the last backward (see runner/resilience.py).
+FSDP keeps its own reduce-scatter in the last backward (see runner/oom/shrink.py).
 """
 
 from __future__ import annotations
@@ -31,8 +31,8 @@ import torch.nn.functional as F
 from runner.data import IGNORE, Batch, SFTData, micro_batches
 from runner.dist import Control
 from runner.loader import Prefetcher
-from runner.oom import guarded
-from runner.resilience import RankOOM, agreement, all_reduce_grads, raise_agreed
+from runner.oom.detect import guarded
+from runner.oom.shrink import RankOOM, agreement, all_reduce_grads, raise_agreed
 
 log = logging.getLogger("jobspec.runner")
 

@@ -19,9 +19,9 @@ from jobspec.contract import EXIT_FAILED
 from jobspec.errors import JobspecError
 from jobspec.loader import load_spec
 from runner.dist import DistEnv
+from runner.oom.shrink import tier_failed
 from runner.plan import NoFit
 from runner.recipe import Recipe
-from runner.resilience import tier_failed
 
 log = logging.getLogger("jobspec.runner")
 

@@ -20,6 +20,7 @@ from jobspec.cluster.errors import ApiTimeout, NotFound, Op, Unreachable, error_
 from jobspec.cluster.kubeconfig import Connection
 from jobspec.cluster.resources import POD, Kind, kind_of
 from jobspec.cluster.retry import HttpStatus, RetryPolicy
+from jobspec.credentials import redact
 from jobspec.errors import ClusterError
 
 log = logging.getLogger(__name__)
@@ -127,7 +128,7 @@ class ClusterClient:
         except (HttpStatus, *retry.TRANSIENT_ERRORS) as ex:
             raise self._translate(ex, op, 1) from ex
         except urllib3.exceptions.HTTPError as ex:  # TLS failures and the like: retrying cannot help
-            reason = str(getattr(ex, "reason", None) or ex).splitlines()[0]
+            reason = redact(str(getattr(ex, "reason", None) or ex).splitlines()[0], token_like=True)
             raise Unreachable(f"cannot {op.describe()}: failure talking to {self.connection.server}: {reason}") from ex
 
     def _translate(self, exc: BaseException, op: Op, attempts: int) -> ClusterError:

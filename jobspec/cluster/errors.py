@@ -11,6 +11,7 @@ import json
 import re
 from dataclasses import dataclass, replace
 
+from jobspec.credentials import redact
 from jobspec.errors import ClusterError
 
 
@@ -98,16 +99,17 @@ class NotReady(ClusterError):
 
 
 def server_message(body: bytes | str | None) -> str:
-    """The `message` of a Kubernetes Status body, or a short excerpt of whatever came back."""
+    """The `message` of a Kubernetes Status body, or a short excerpt of whatever came back;
+    scrubbed of bearer tokens and token-like strings (a proxy or webhook may echo a header)."""
     if not body:
         return ""
     text = body.decode("utf-8", "replace") if isinstance(body, bytes) else body
     try:
         status = json.loads(text)
     except ValueError:
-        return " ".join(text.split())[:300]
+        return redact(" ".join(text.split()), token_like=True)[:300]
     if isinstance(status, dict) and isinstance(status.get("message"), str):
-        return status["message"]
+        return redact(status["message"], token_like=True)
     return ""
 
 

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from jobspec.cluster.resources import JOB, POD
 from jobspec.contract import ANNOTATION_SPEC_HASH, KUEUE_QUEUE_LABEL
+from jobspec.credentials import redact
 
 if TYPE_CHECKING:  # the client module pulls in urllib3 and tenacity: only for commands that connect
     from jobspec.cluster.client import ClusterClient
@@ -109,7 +110,7 @@ def parse_report(text: str | None) -> Report | None:
         if isinstance(data, dict):
             return _report_from(data)
     last = [ln.strip() for ln in text.splitlines() if ln.strip()][-1]
-    return Report(reason=last[:300])
+    return Report(reason=redact(last, token_like=True)[:300])
 
 
 def _report_from(data: dict[str, Any]) -> Report:
@@ -130,7 +131,7 @@ def _report_from(data: dict[str, Any]) -> Report:
         tier=str(tier) if tier is not None else None,
         step=number(data.get("step"), int),
         loss=number(data.get("loss"), float),
-        reason=str(reason)[:300] if reason is not None else None,
+        reason=redact(str(reason), token_like=True)[:300] if reason is not None else None,
         extra=extra,
     )
 
@@ -244,7 +245,7 @@ def build_status(job: dict[str, Any], pods: list[dict[str, Any]]) -> JobStatus:
         namespace=md.get("namespace") or "",
         phase=job_phase(job),
         reason=cond.get("reason"),
-        message=cond.get("message"),
+        message=redact(cond["message"], token_like=True) if cond.get("message") else None,
         spec_hash=(md.get("annotations") or {}).get(ANNOTATION_SPEC_HASH),
         queue=(md.get("labels") or {}).get(KUEUE_QUEUE_LABEL),
         completions=completions,

@@ -50,6 +50,7 @@ def master_addr(spec: JobSpec) -> str:
 def container_env(spec: JobSpec) -> list[dict[str, Any]]:
     """Runtime defaults, then the user's env (wins over defaults), then the rendezvous contract."""
     env = {name: _plain(name, value) for name, value in {**SCRATCH_ENV, **VENDOR_ENV[spec.hardware.vendor]}.items()}
+    env.update({name: _user_var(name, value) for name, value in tracker_env(spec).items()})
     env.update({name: _user_var(name, value) for name, value in spec.env.items()})
     index_path = f"metadata.annotations['{COMPLETION_INDEX_ANNOTATION}']"
     env[ENV_NODE_RANK] = {"name": ENV_NODE_RANK, "valueFrom": {"fieldRef": {"fieldPath": index_path}}}
@@ -62,6 +63,24 @@ def container_env(spec: JobSpec) -> list[dict[str, Any]]:
     }
     env.update({name: _plain(name, value) for name, value in contract.items()})
     return list(env.values())
+
+
+def tracker_env(spec: JobSpec) -> dict[str, str | SecretRef]:
+    """The trackers' credentials (secret references) and settings, under the names their clients read."""
+    t, env = spec.tracking, {}
+    if t.wandb is not None:
+        env["WANDB_PROJECT"] = t.wandb.project
+        if t.wandb.entity:
+            env["WANDB_ENTITY"] = t.wandb.entity
+        if t.wandb.api_key is not None:
+            env["WANDB_API_KEY"] = t.wandb.api_key
+    if t.mlflow is not None:
+        if t.mlflow.tracking_uri:
+            env["MLFLOW_TRACKING_URI"] = t.mlflow.tracking_uri
+        secrets = {"MLFLOW_TRACKING_TOKEN": t.mlflow.token, "MLFLOW_TRACKING_USERNAME": t.mlflow.username,
+                   "MLFLOW_TRACKING_PASSWORD": t.mlflow.password}  # fmt: skip
+        env.update({name: ref for name, ref in secrets.items() if ref is not None})
+    return env
 
 
 def _plain(name: str, value: str) -> dict[str, Any]:

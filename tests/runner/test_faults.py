@@ -1,4 +1,4 @@
-"""runner.faults: the JOBSPEC_FAULT_OOM rules and the forward pre-hook that raises a real OOM."""
+"""runner.oom.faults: the JOBSPEC_FAULT_OOM rules and the forward pre-hook that raises a real OOM."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from jobspec.errors import ConfigError
-from runner.faults import ENV_VAR, FaultInjector, FaultRules, install_from_env, parse_rules, rules_from_env
-from runner.oom import is_oom
+from runner.oom.detect import is_oom
+from runner.oom.faults import ENV_VAR, FaultInjector, FaultRules, install_from_env, parse_rules, rules_from_env
 
 
 def test_parse_every_rule_kind() -> None:
@@ -33,7 +33,8 @@ def test_unset_means_no_rules(text: str | None) -> None:
         ("step=0", "counts from 1"),
         ("mbs>2,mbs>4", "mbs>N is given twice"),
         ("mbs>2,rank=0,rank=1", "rank=R is given twice"),
-        ("rank=0", "rank=R alone injects nothing"),
+        ("rank=0", "rank=R or probes alone injects nothing"),
+        ("probes", "rank=R or probes alone injects nothing"),
         ("mbs>2,,step=3", "cannot read rule ''"),
         ("oom=1", "cannot read rule 'oom=1'"),
     ],
@@ -137,3 +138,22 @@ def test_install_from_env(tmp_path: Path) -> None:
         model(torch.zeros(4, 3, dtype=torch.long))
     with pytest.raises(ConfigError, match=ENV_VAR):
         install_from_env(model, rank=0, tier="fast", run_dir=tmp_path, env={ENV_VAR: "mbs=1"})
+
+
+def test_probes_extends_the_rules_to_the_planner() -> None:
+    assert parse_rules("mbs>20, probes") == FaultRules(20, probes=True)
+
+
+@pytest.mark.parametrize(("limit", "expected"), [(20, 16), (127, 64), (1, 1), (128, 128)])
+def test_the_planner_probe_search_runs_on_cpu_with_injected_faults(tmp_path, monkeypatch, limit, expected) -> None:
+    """The GPU planning path end to end on CPU: the memory model says 128 fits; probes find the real maximum."""
+    from jobspec.contract import EXIT_OK
+    from tests.runner.train_helpers import records, tiny_spec, train_in_process
+
+    monkeypatch.setenv(ENV_VAR, f"mbs>{limit},probes")
+    spec = tiny_spec(tmp_path / "run", training={"global_batch": 128, "steps": 3})
+    code, worker = train_in_process(spec)
+    assert code == EXIT_OK and worker.plan.micro_batch == expected
+    plan = records(tmp_path / "run", "plan")[0]
+    assert plan["micro_batch"] == expected and 1 <= plan["probes"] <= 7 + 3  # log2(128) + 3
+    assert worker.guard.injector is not None and worker.guard.injector.injected == 0  # training ran clean

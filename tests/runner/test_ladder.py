@@ -1,4 +1,4 @@
-"""runner.ladder: persisted tier state, the step-down, the tenacity relaunch loop, the message."""
+"""runner.oom.ladder: persisted tier state, the step-down, the tenacity relaunch loop, the message."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 from jobspec.contract import EXIT_OK, EXIT_OOM_LAST_TIER, EXIT_OOM_RETRY_TIER, TIER_STATE_FILE
 from jobspec.errors import ConfigError
 from jobspec.memory import TIERS
-from runner.ladder import (
+from runner.oom.ladder import (
     MESSAGE_LIMIT,
     RetryAtNextTier,
     TierState,
@@ -27,7 +27,7 @@ from runner.ladder import (
     termination_message,
     tiers_left,
 )
-from runner.relaunch import supervise
+from runner.oom.relaunch import supervise
 
 
 def test_next_tier_skips_shard_only_tiers_on_one_rank() -> None:
@@ -229,7 +229,7 @@ def test_supervise_relaunches_the_same_tier_after_a_cap_bounded_by_the_divisors(
 def test_termination_message_stays_json_within_the_kubelet_limit() -> None:
     import json
 
-    from runner.ladder import MESSAGE_LIMIT
+    from runner.oom.ladder import MESSAGE_LIMIT
     from runner.supervisor import Outcome
 
     for reason in ("short", "é" * 5000, "x" * 10_000):

@@ -1,6 +1,6 @@
 """OOM recovery with real training on CPU: in-process shrink, the tier ladder, two ranks, fault injection.
 
-Faults come from JOBSPEC_FAULT_OOM (runner/faults.py): a real torch.OutOfMemoryError raised in the
+Faults come from JOBSPEC_FAULT_OOM (runner/oom/faults.py): a real torch.OutOfMemoryError raised in the
 model's forward, so the runner takes the same path as for an allocator failure.
 """
 
@@ -19,8 +19,8 @@ import torch
 from jobspec.contract import EXIT_OK, EXIT_OOM_LAST_TIER, TIER_STATE_FILE
 from runner import checkpoint
 from runner.data import DataOrder
-from runner.faults import ENV_VAR
-from runner.ladder import load_state
+from runner.oom.faults import ENV_VAR
+from runner.oom.ladder import load_state
 from tests.runner.train_helpers import (
     ROOT,
     records,
@@ -36,8 +36,8 @@ from tests.runner.train_helpers import (
 LOSS_RTOL = 1e-6
 
 
-def events(run_dir: Path) -> list[dict]:
-    return [r for r in records(run_dir, "event") if r.get("event") == "oom_shrink"]
+def events(run_dir: Path, kind: str = "oom_shrink") -> list[dict]:
+    return [r for r in records(run_dir, "event") if r.get("event") == kind]
 
 
 def samples(run_dir: Path, rank: int = 0) -> list[dict]:
@@ -115,23 +115,45 @@ def test_step_fault_fires_once_and_loses_no_sample(tmp_path, monkeypatch):
     assert len(events(run_dir)) == 1
 
 
-def test_tier_fault_steps_down_resumes_from_the_checkpoint_and_stays_down(tmp_path):
+def test_tier_fault_steps_down_in_process_from_the_checkpoint_and_stays_down(tmp_path):
     run_dir = tmp_path / "run"
     # A clean start that leaves checkpoint step-4 at tier fast.
     assert train_in_process(tiny_spec(run_dir, training={"micro_batch": 8, "steps": 4}))[0] == EXIT_OK
     spec = write_spec(tmp_path / "s.yaml", tiny_spec_dict(run_dir, training={"micro_batch": 8, "steps": 6}))
-    result = run_supervisor([str(spec)], timeout=120, **{ENV_VAR: "tier=fast"})
+    result = run_supervisor([str(spec)], timeout=600, JOBSPEC_RECORD_SAMPLES="1", **{ENV_VAR: "tier=fast"})
     assert result.returncode == EXIT_OK, result.stderr[-3000:]
-    assert "relaunching at zero2_offload" in result.stderr  # one rank: zero2 would save nothing
+    assert "tier fast -> zero2_offload in process" in result.stderr  # one rank: zero2 would save nothing
+    assert "relaunching" not in result.stderr
     state = load_state(run_dir)
     assert state is not None and state.tier == "zero2_offload" and state.failed_tiers() == ["fast"]
     plans = records(run_dir, "plan")
     assert [(p["tier"], p["step"]) for p in plans] == [("fast", 0), ("fast", 4), ("zero2_offload", 4)]
+    assert plans[1]["pid"] == plans[2]["pid"]  # one worker process: no relaunch
+    change = events(run_dir, "tier_change")
+    assert [(e["from_tier"], e["to_tier"], e["in_process"]) for e in change] == [("fast", "zero2_offload", True)]
     assert [r["step"] for r in records(run_dir) if r["tier"] == "zero2_offload"] == [5, 6]
+    order = order_of(run_dir)
+    assert [(s["step"], s["ids"]) for s in samples(run_dir)] == [(k, order.step_samples(k - 1)) for k in (5, 6)]
     # A second restart (the fault still set) starts at the persisted tier, with no new failure.
     code, again = train_in_process(tiny_spec(run_dir, training={"micro_batch": 8, "steps": 8}))
     assert code == EXIT_OK and again.plan.tier == "zero2_offload"
     assert load_state(run_dir).failed_tiers() == ["fast"] and records(run_dir)[-1]["step"] == 8
+
+
+def test_an_in_process_step_down_trains_the_same_weights_as_an_unfaulted_run(tmp_path, monkeypatch):
+    clean, faulted = tmp_path / "clean", tmp_path / "faulted"
+    from safetensors.torch import load_file
+
+    assert train_in_process(tiny_spec(clean, training={"micro_batch": 8, "steps": 6}))[0] == EXIT_OK
+    monkeypatch.setenv(ENV_VAR, "tier=fast")
+    code, got = train_in_process(tiny_spec(faulted, training={"micro_batch": 8, "steps": 6}))
+    assert code == EXIT_OK and got.plan.tier == "zero2_offload"
+    losses = {r["step"]: r["loss"] for r in records(clean)}
+    assert {r["step"]: r["loss"] for r in records(faulted)} == pytest.approx(losses, rel=1e-5)
+    a, b = (load_file(run / "model" / "model.safetensors") for run in (clean, faulted))  # the exported weights
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=1e-5)
 
 
 def test_every_tier_failing_exits_76_with_the_reason_and_keeps_the_checkpoint(tmp_path):

@@ -123,7 +123,7 @@ def test_lora_trains_the_adapters_only(tmp_path):
     lora = [k for k in after if "lora_" in k]
     assert len(lora) == 2 * 2 * 2  # (A, B) x 2 targets x 2 layers
     assert all(torch.equal(before[k], after[k]) for k in after if "lora_" not in k)
-    assert any(not torch.equal(before[k], after[k]) for k in lora if k.endswith("lora_b"))
+    assert any(not torch.equal(before[k], after[k]) for k in lora if ".lora_B." in k)
     saved = torch.distributed.checkpoint.FileSystemReader(tmp_path / "run" / "step-6").read_metadata()
     model_keys = {k for k in saved.state_dict_metadata if k.startswith("model.")}
     assert model_keys == {f"model.{k}" for k in lora}  # adapters only

@@ -68,14 +68,27 @@ def describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
-def release_memory() -> None:
-    """Collect garbage and return the caching allocator's free blocks to the device.
+def release_memory(baseline: int | None = None) -> None:
+    """Free what a failed step left and return the caching allocator's free blocks to the device.
 
-    Call it where no exception is being handled (see `guarded`); a no-op for the device cache on CPU.
+    Call it where no exception is being handled (see `guarded`). What a failed step leaves is young
+    and mostly freed by reference counting once its frames are cleared, so a young-generation
+    collection comes first; the full one (about 150 ms with torch and transformers loaded, measured
+    on this CPU) runs only when the device still holds more than `baseline` (bytes allocated when the
+    step started; None: always). On CPU there is no device cache and the full collection is skipped.
     """
-    gc.collect()
+    gc.collect(1)
     if torch.cuda.is_available() and torch.cuda.is_initialized():
+        if baseline is None or torch.cuda.memory_allocated() > baseline:
+            gc.collect()
         torch.cuda.empty_cache()  # HIP builds expose the same API
+
+
+def allocated_bytes() -> int | None:
+    """The device's allocated bytes now (the baseline `release_memory` compares with); None on CPU."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        return int(torch.cuda.memory_allocated())
+    return None
 
 
 @dataclass(frozen=True)
@@ -92,8 +105,8 @@ def guarded(step: Callable[[], T]) -> Guarded[T]:
 
     Any other exception propagates unchanged. Inside the `except` block only the message is kept and
     the traceback's frames are cleared (their locals are the failed step's tensors); the exception
-    object is dropped when the block ends, and only then are `gc.collect()` and `empty_cache()` run.
-    The caller still owns the partial gradients of the failed step and must zero them.
+    object is dropped when the block ends, which frees them by reference counting. The caller still owns
+    the partial gradients of the failed step: it zeroes them, then calls `release_memory` once.
     """
     try:
         return Guarded(step(), False)
@@ -103,7 +116,6 @@ def guarded(step: Callable[[], T]) -> Guarded[T]:
         reason = describe(exc)
         traceback.clear_frames(exc.__traceback__)
     # Out of the except block: no frame, traceback or exception refers to the step's tensors now.
-    release_memory()
     return Guarded(None, True, reason)
 
 

@@ -1,4 +1,4 @@
-"""The supervisor's relaunch loop over the memory-tier ladder (runner.ladder holds the state and policy).
+"""The supervisor's relaunch loop over the memory-tier ladder (runner.oom.ladder holds the state and policy).
 
 One node: a launch that ends with EXIT_OOM_RETRY_TIER after the workers moved the tier state on (a
 failed tier, or a micro-batch cap for a restart shrink) is relaunched at once, under the tenacity policy
@@ -14,7 +14,7 @@ from pathlib import Path
 
 from jobspec.contract import EXIT_OOM_LAST_TIER, EXIT_OOM_RETRY_TIER
 from jobspec.memory import divisors
-from runner.ladder import (
+from runner.oom.ladder import (
     RetryAtNextTier,
     TierState,
     current_tier,

@@ -3,10 +3,10 @@
 State lives in `TIER_STATE_FILE` in the run directory, beside the checkpoints, so every rank and
 every pod of a restarted Job reads the same tier. Global rank 0 records tier failures, the supervisor
 its relaunches, and a rank that ran out of memory alone on a sharded tier a micro-batch cap (a shrink
-that needs a restart, see runner.resilience). Writes are atomic (temp file, fsync, rename) and
+that needs a restart, see runner.oom.shrink). Writes are atomic (temp file, fsync, rename) and
 `record_failure` is idempotent: a second writer reporting the same failed tier does not step down twice.
 
-One node: the in-pod supervisor relaunches the workers at the next tier (runner.relaunch, with the
+One node: the in-pod supervisor relaunches the workers at the next tier (runner.oom.relaunch, with the
 tenacity policy `relaunch_policy`). Several nodes: each pod exits with EXIT_OOM_RETRY_TIER, the Job's
 podFailurePolicy counts it and recreates the pods, and `current_tier` points them all at the same tier.
 """
@@ -145,7 +145,7 @@ def record_failure(
 
 
 def record_cap(run_dir: str | Path, tier: str, micro_batch: int, reason: str) -> None:
-    """Persist "plan at most `micro_batch` at `tier`": a shrink that needs a restart (see runner.resilience)."""
+    """Persist "plan at most `micro_batch` at `tier`": a shrink that needs a restart (see runner.oom.shrink)."""
     state = load_state(run_dir) or TierState(tier)
     state.caps[tier] = min(micro_batch, state.caps.get(tier, micro_batch))
     save_state(run_dir, state)
@@ -204,7 +204,7 @@ class RetryAtNextTier(Exception):
 def relaunch_policy(
     tier: str, world_size: int = 1, *, wait_s: float = 1.0, max_launches: int | None = None, extra: int = 0
 ) -> Retrying:
-    """Tenacity policy for the supervisor's launch loop (runner.relaunch.supervise).
+    """Tenacity policy for the supervisor's launch loop (runner.oom.relaunch.supervise).
 
     Retries only `RetryAtNextTier` (any other outcome returns or raises at once), at most
     1 + tiers_left(tier) + `extra` launches (capped by `max_launches`), with a short fixed wait so the

@@ -7,7 +7,7 @@ the per-rank batch (grad_accum grows to match: the global batch is unchanged) an
 step from the SAME sample ids, with the RNG state it started with. At micro-batch 1, or when the
 optimizer step itself ran out (Adam's state does not shrink with the micro-batch), it raises
 `TierOOM`: the worker writes a checkpoint when the weights are intact, persists "tier X failed"
-(runner.ladder) and exits EXIT_OOM_RETRY_TIER or EXIT_OOM_LAST_TIER.
+(runner.oom.ladder) and exits EXIT_OOM_RETRY_TIER or EXIT_OOM_LAST_TIER.
 
 Why the gradients of DDP are exchanged by `all_reduce_grads` after the agreement rather than by DDP's
 reducer during the last backward: a rank that runs out of memory in that backward would leave the
@@ -29,9 +29,9 @@ import torch.distributed as dist
 from jobspec.contract import EXIT_OOM_LAST_TIER, EXIT_OOM_RETRY_TIER, TIER_STATE_FILE
 from jobspec.errors import JobspecError
 from jobspec.memory import divisors
-from runner import ladder
-from runner.faults import install_from_env
-from runner.oom import guarded, next_micro_batch, release_memory
+from runner.oom import ladder
+from runner.oom.detect import allocated_bytes, guarded, next_micro_batch, release_memory
+from runner.oom.faults import install_from_env
 from runner.plan import Plan, with_micro_batch
 
 log = logging.getLogger("jobspec.runner")
@@ -164,6 +164,7 @@ def run_step(
     step did (weights possibly touched).
     """
     rng = _rng()
+    baseline = allocated_bytes()  # weights and optimizer state: what must stay once the failed step is freed
     while True:
         try:
             return train_step(ids, plan.micro_batch), plan
@@ -182,7 +183,7 @@ def run_step(
         caught = time.time()
         zero_grad()
         restored = reset()
-        release_memory()
+        release_memory(baseline)
         if not intact:
             raise TierOOM(plan.tier, f"out of memory in the optimizer step {step} on rank {rank}: {why}",
                           weights_intact=False)  # fmt: skip
@@ -275,6 +276,11 @@ class RecipeGuard:
             on_shrink=self._shrunk,
         )  # fmt: skip
         return result
+
+    def close(self) -> None:
+        """Take the fault injector's hook off the model (an in-process tier step-down builds a new one)."""
+        if self.injector is not None:
+            self.injector.remove()
 
     def _shrunk(self, shrink: Shrink) -> None:
         self.shrinks.append(shrink)

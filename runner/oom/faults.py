@@ -8,10 +8,12 @@ all of them to one global rank:
     step=K     optimizer step K (1-based, as in metrics.jsonl) runs out of memory once (repeatable);
                "once" survives a restart
     rank=R     only global rank R injects; the other ranks run clean
+    probes     the rules also apply to the planner's probe steps, which then run on the CPU too (the
+               GPU planning path, exercised without a GPU)
 
 Example: `JOBSPEC_FAULT_OOM="mbs>2,rank=1"`. The error raised is a real `torch.OutOfMemoryError`,
-from a forward pre-hook on the model, so it takes the same path as an allocator failure. It is
-installed after planning: the rules apply to training steps, not to the planner's probe steps. Steps
+from a forward pre-hook on the model, so it takes the same path as an allocator failure. Without
+`probes` it is installed after planning: the rules apply to training steps only. Steps
 that fired are recorded per rank in `FIRED_FILE_TEMPLATE` in the run directory.
 """
 
@@ -35,8 +37,8 @@ log = logging.getLogger("jobspec.runner")
 
 ENV_VAR = "JOBSPEC_FAULT_OOM"
 FIRED_FILE_TEMPLATE = "fault_oom_fired.rank{rank}.json"
-_RULE = re.compile(r"^\s*(?:(mbs)\s*>\s*(\d+)|(tier|step|rank)\s*=\s*([A-Za-z0-9_]+))\s*$")
-_SYNTAX = "rules are mbs>N, tier=NAME, step=K, rank=R, separated by commas"
+_RULE = re.compile(r"^\s*(?:(mbs)\s*>\s*(\d+)|(tier|step|rank)\s*=\s*([A-Za-z0-9_]+)|(probes))\s*$")
+_SYNTAX = "rules are mbs>N, tier=NAME, step=K, rank=R and probes, separated by commas"
 
 
 @dataclass(frozen=True)
@@ -47,6 +49,7 @@ class FaultRules:
     tiers: frozenset[str] = frozenset()
     steps: frozenset[int] = frozenset()
     rank: int | None = None
+    probes: bool = False  # also in the planner's probe steps
 
     def reason(self, *, rank: int, tier: str, step: int, micro_batch: int, fired: frozenset[int] = frozenset()) -> str:
         """Why this forward must run out of memory; "" when no rule fires. `fired`: steps already used."""
@@ -69,10 +72,14 @@ def parse_rules(text: str | None) -> FaultRules | None:
     rank: int | None = None
     tiers: set[str] = set()
     steps: set[int] = set()
+    probes = False
     for raw in text.split(","):
         m = _RULE.match(raw)
         if not m:
             raise ConfigError(f"{ENV_VAR}={text!r}: cannot read rule {raw.strip()!r}; {_SYNTAX}")
+        if m.group(5):
+            probes = True
+            continue
         if m.group(1):
             if mbs is not None:
                 raise ConfigError(f"{ENV_VAR}={text!r}: mbs>N is given twice; keep one")
@@ -94,8 +101,10 @@ def parse_rules(text: str | None) -> FaultRules | None:
         else:
             rank = int(value)
     if mbs is None and not tiers and not steps:
-        raise ConfigError(f"{ENV_VAR}={text!r}: rank=R alone injects nothing; add mbs>N, tier=NAME or step=K")
-    return FaultRules(mbs, frozenset(tiers), frozenset(steps), rank)
+        raise ConfigError(
+            f"{ENV_VAR}={text!r}: rank=R or probes alone injects nothing; add mbs>N, tier=NAME or step=K"
+        )
+    return FaultRules(mbs, frozenset(tiers), frozenset(steps), rank, probes)
 
 
 def rules_from_env(env: Mapping[str, str] | None = None) -> FaultRules | None:
@@ -126,6 +135,7 @@ class FaultInjector:
     step: int = 0
     fired: set[int] = field(default_factory=set)
     injected: int = 0  # errors raised so far (for tests and the benchmark)
+    handle: Any = None  # the forward pre-hook, once installed
 
     def __post_init__(self) -> None:
         path = self._fired_path()
@@ -169,7 +179,13 @@ class FaultInjector:
         def hook(_module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
             self.check(_micro_batch_of(args, kwargs))
 
-        return model.register_forward_pre_hook(hook, with_kwargs=True, prepend=True)
+        self.handle = model.register_forward_pre_hook(hook, with_kwargs=True, prepend=True)
+        return self.handle
+
+    def remove(self) -> None:
+        if self.handle is not None:
+            self.handle.remove()
+            self.handle = None
 
 
 def install_from_env(
@@ -183,4 +199,15 @@ def install_from_env(
     if rules.rank is None or rules.rank == rank:
         injector.install(model)
         log.warning("fault injection on rank %d: %s=%r", rank, ENV_VAR, (os.environ if env is None else env)[ENV_VAR])
+    return injector
+
+
+def probe_injector(model: torch.nn.Module, *, rank: int, tier: str) -> FaultInjector | None:
+    """An injector for the planner's probe steps when the rules say `probes` (removed after planning)."""
+    rules = rules_from_env()
+    if rules is None or not rules.probes or (rules.rank is not None and rules.rank != rank):
+        return None
+    injector = FaultInjector(rules, rank=rank, tier=tier)
+    injector.install(model)
+    log.warning("fault injection in the planner's probe steps on rank %d: %s=%r", rank, ENV_VAR, os.environ[ENV_VAR])
     return injector

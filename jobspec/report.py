@@ -1,0 +1,422 @@
+"""`jobspec report RUN_DIR`: plots and a one-page summary of a run, from its metrics.jsonl.
+
+Pure Python: no torch, so the report runs wherever the submitter does. The plots need matplotlib
+(`pip install 'jobspec[report]'`); without it the summary is still written and the plots are skipped.
+
+What is read (runner/metrics.py, runner/recipe.py, runner/oom/shrink.py, runner/oom/ladder.py):
+- `plan` records, one per start of the workers: a plan at another tier than the one before is a tier
+  change (the OOM ladder stepped down); the reason comes from `tier_state.json` when it is there;
+- `train` and `eval` records; a resumed run redoes the steps after its checkpoint, so for a step
+  logged twice the later record wins;
+- `event` records with `event: oom_shrink` (an in-process micro-batch shrink).
+Other kinds are ignored, and so is a line that is not a JSON object (a run killed mid-write leaves a
+truncated last line): the summary counts them.
+"""
+
+from __future__ import annotations
+
+import html
+import json
+import logging
+import statistics
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from itertools import pairwise
+from pathlib import Path
+from typing import Any
+
+from jobspec.contract import METRICS_FILE, TIER_STATE_FILE
+from jobspec.errors import ConfigError
+
+log = logging.getLogger(__name__)
+GiB = 1024**3
+INSTALL_HINT = "pip install 'jobspec[report]'"
+# StepResult.tokens (runner/train.py): input tokens of the global step over all ranks, padding excluded,
+# divided by the wall time between two log records (which includes eval and checkpoint time).
+TOKENS_LABEL = "input tokens/s (all ranks, padding excluded)"
+MAX_SHRINK_ROWS = 10  # the page stays one page
+CSS = "body{font-family:sans-serif;max-width:60em}td,th{border:1px solid #ccc;padding:2px 6px;text-align:left}"
+
+Record = dict[str, Any]
+
+
+@dataclass
+class Run:
+    """What one run directory's metrics.jsonl (and tier_state.json) say."""
+
+    path: Path
+    plans: list[Record]
+    train: list[Record]  # one per step, by step
+    evals: list[Record]  # one per step, by step
+    shrinks: list[Record]
+    times: list[float]  # every record's `time`, in file order
+    unreadable: list[int]  # 1-based line numbers that were not a JSON object
+    tier_failures: dict[str, str] = field(default_factory=dict)  # failed tier -> reason
+    exhausted: bool = False  # tier_state.json: the last tier failed too
+
+    def tier_changes(self) -> list[tuple[int, str, str]]:
+        """(step, from tier, to tier) for each plan whose tier differs from the plan before it."""
+        return [(int(b.get("step", 0)), str(a.get("tier")), str(b.get("tier")))
+                for a, b in pairwise(self.plans) if a.get("tier") != b.get("tier")]  # fmt: skip
+
+
+@dataclass
+class Report:
+    files: list[Path]  # what was written, report.md first
+    notes: list[str]  # plots skipped, lines ignored
+    plots_missing: bool  # matplotlib is not installed
+
+
+# --- reading ----------------------------------------------------------------------------------------
+
+
+def load_run(run_dir: str | Path) -> Run:
+    """Read a run directory; a ConfigError names the path and what was expected there."""
+    path = Path(run_dir)
+    expected = f"expected a run directory (the spec's checkpoints.dir) holding {METRICS_FILE}"
+    if not path.is_dir():
+        raise ConfigError(f"{path}: {'not a directory' if path.exists() else 'no such directory'}; {expected}")
+    metrics = path / METRICS_FILE
+    if not metrics.is_file():
+        raise ConfigError(f"{path}: no {METRICS_FILE}, so not a run directory; {expected}")
+    records, unreadable = _read_jsonl(metrics)
+    if not records:
+        raise ConfigError(f"{metrics}: no records; expected the JSON lines the runner writes from its first step")
+    by_kind: dict[str, list[Record]] = {}
+    for rec in records:
+        by_kind.setdefault(str(rec.get("kind")), []).append(rec)
+    run = Run(
+        path=path,
+        plans=by_kind.get("plan", []),
+        train=_last_per_step(by_kind.get("train", [])),
+        evals=_last_per_step(by_kind.get("eval", [])),
+        shrinks=[e for e in by_kind.get("event", []) if e.get("event") == "oom_shrink"],
+        times=[float(r["time"]) for r in records if _is_number(r.get("time"))],
+        unreadable=unreadable,
+    )
+    _read_tier_state(run)
+    return run
+
+
+def _read_jsonl(path: Path) -> tuple[list[Record], list[int]]:
+    records, unreadable = [], []
+    with path.open(encoding="utf-8", errors="replace") as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                rec = None
+            if isinstance(rec, dict):
+                records.append(rec)
+            else:
+                unreadable.append(number)
+                log.warning("%s:%d: not a JSON record, ignored", path, number)
+    return records, unreadable
+
+
+def _last_per_step(records: list[Record]) -> list[Record]:
+    by_step = {r["step"]: r for r in records if isinstance(r.get("step"), int)}
+    return [by_step[s] for s in sorted(by_step)]
+
+
+def _read_tier_state(run: Run) -> None:
+    """Failure reasons from the tier ladder's state file; the report does without them when it is unreadable."""
+    path = run.path / TIER_STATE_FILE
+    if not path.is_file():
+        return
+    try:
+        state = json.loads(path.read_text(encoding="utf-8"))
+        run.tier_failures = {str(f["tier"]): str(f["reason"]) for f in state.get("failed", [])}
+        run.exhausted = bool(state.get("exhausted"))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
+        log.warning("%s: unreadable (%s); tier changes are shown without their reason", path, err)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _points(records: list[Record], key: str, scale: float = 1.0) -> list[tuple[int, float]]:
+    return [(r["step"], r[key] * scale) for r in records if _is_number(r.get(key))]
+
+
+# --- plots ------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Series:
+    label: str
+    points: list[tuple[int, float]]
+    style: str = "-"
+
+
+@dataclass(frozen=True)
+class Chart:
+    file: str
+    title: str
+    ylabel: str
+    field: str  # the metrics.jsonl field of the first series: without values the chart is skipped
+    series: list[Series]
+    from_zero: bool = True  # y axis starts at 0 (not for the loss: its fall is the point)
+
+
+@dataclass(frozen=True)
+class Marker:
+    step: int
+    label: str
+    kind: str  # "OOM shrink" | "tier change": the legend entry and the colour
+
+
+MARKER_STYLE = {"OOM shrink": ("tab:purple", "--"), "tier change": ("tab:red", "-")}  # not C0/C1: the series
+
+
+def charts(run: Run) -> list[Chart]:
+    return [
+        Chart("loss.png", "Loss", "loss per target token", "loss",
+              [Series("train", _points(run.train, "loss")), Series("eval", _points(run.evals, "eval_loss"), "o-")],
+              from_zero=False),
+        Chart("lr.png", "Learning rate", "learning rate", "lr", [Series("lr", _points(run.train, "lr"))]),
+        Chart("tokens_per_s.png", "Throughput", TOKENS_LABEL, "tokens_per_s",
+              [Series("tokens/s", _points(run.train, "tokens_per_s"))]),
+        Chart("memory.png", "Memory (GPU allocator peak; process RSS on CPU)", "GiB", "mem_used_bytes",
+              [Series("used (peak since the previous record)", _points(run.train, "mem_used_bytes", 1 / GiB)),
+               Series("total", _points(run.train, "mem_total_bytes", 1 / GiB), "--")]),
+    ]  # fmt: skip
+
+
+def markers(run: Run) -> list[Marker]:
+    shrinks = [
+        Marker(int(e["step"]), f"mbs {e.get('from_micro_batch')}→{e.get('to_micro_batch')}", "OOM shrink")
+        for e in run.shrinks
+        if isinstance(e.get("step"), int)
+    ]
+    tiers = [Marker(step, f"→ {new}", "tier change") for step, _, new in run.tier_changes()]
+    return shrinks + tiers
+
+
+def _load_matplotlib() -> tuple[Any, Any] | None:
+    """(Figure, FigureCanvasAgg), or None when matplotlib is not installed. No pyplot: no global state."""
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+    except ImportError:
+        return None
+    return Figure, FigureCanvasAgg
+
+
+def draw(chart: Chart, marks: list[Marker], path: Path, mpl: tuple[Any, Any]) -> None:
+    figure_cls, canvas_cls = mpl
+    fig = figure_cls(figsize=(8, 4), dpi=100, layout="constrained")
+    canvas_cls(fig)  # the Agg canvas: renders to PNG without a display
+    ax = fig.add_subplot()
+    for s in chart.series:
+        if s.points:
+            steps, values = zip(*s.points, strict=True)
+            ax.plot(steps, values, s.style, label=s.label, markersize=3)
+    labelled: set[str] = set()
+    for m in marks:
+        color, style = MARKER_STYLE[m.kind]
+        ax.axvline(m.step, color=color, linestyle=style, linewidth=1,
+                   label=None if m.kind in labelled else m.kind)  # fmt: skip
+        labelled.add(m.kind)
+        ax.annotate(m.label, (m.step, 1), xycoords=ax.get_xaxis_transform(), xytext=(-4, -3),
+                    textcoords="offset points", rotation=90, rotation_mode="anchor", ha="right", va="bottom",
+                    fontsize=7, color=color)  # fmt: skip
+    if chart.from_zero:
+        ax.set_ylim(bottom=0)
+    ax.set(title=chart.title, xlabel="optimizer step", ylabel=chart.ylabel)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.savefig(path)
+
+
+# --- the page ---------------------------------------------------------------------------------------
+
+
+class Page:
+    """One page written as Markdown and as HTML from the same calls."""
+
+    def __init__(self, title: str):
+        self.title = title
+        self.md = [f"# {title}", ""]
+        self.html = [f"<h1>{html.escape(title)}</h1>"]
+
+    def heading(self, text: str) -> None:
+        self.md += [f"## {text}", ""]
+        self.html.append(f"<h2>{html.escape(text)}</h2>")
+
+    def para(self, text: str) -> None:
+        self.md += [text, ""]
+        self.html.append(f"<p>{html.escape(text)}</p>")
+
+    def bullets(self, items: Iterable[str]) -> None:
+        items = list(items)
+        self.md += [*(f"- {i}" for i in items), ""]
+        self.html.append("<ul>" + "".join(f"<li>{html.escape(i)}</li>" for i in items) + "</ul>")
+
+    def table(self, header: list[str], rows: list[list[str]]) -> None:
+        def md_row(cells: list[str]) -> str:
+            return "| " + " | ".join(c.replace("|", "\\|").replace("\n", " ") for c in cells) + " |"
+
+        self.md += [md_row(header), md_row(["---"] * len(header)), *map(md_row, rows), ""]
+        head = "".join(f"<th>{html.escape(c)}</th>" for c in header)
+        body = "".join("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in row) + "</tr>" for row in rows)
+        self.html.append(f"<table><tr>{head}</tr>{body}</table>")
+
+    def image(self, alt: str, src: str) -> None:
+        self.md += [f"![{alt}]({src})", ""]
+        self.html.append(f'<p><img src="{html.escape(src)}" alt="{html.escape(alt)}"></p>')
+
+    def markdown(self) -> str:
+        return "\n".join(self.md).rstrip() + "\n"
+
+    def to_html(self) -> str:
+        return (
+            f'<!DOCTYPE html>\n<html><head><meta charset="utf-8"><title>{html.escape(self.title)}</title>'
+            f"<style>{CSS}</style></head><body>\n" + "\n".join(self.html) + "\n</body></html>\n"
+        )
+
+
+def plan_text(p: Record) -> str:
+    ckpt = {True: "on", False: "off"}.get(p.get("checkpointing"), "?")
+    return (
+        f"tier {p.get('tier')}, micro-batch {p.get('micro_batch')} x {p.get('grad_accum')} accumulation x "
+        f"{p.get('world_size')} ranks = global batch {p.get('global_batch')}, {p.get('precision', '?')}, "
+        f"activation checkpointing {ckpt}"
+    )
+
+
+def summary_rows(run: Run) -> list[list[str]]:
+    last = run.train[-1] if run.train else {}
+    plan = run.plans[-1] if run.plans else last
+    rows = [["Plan (latest start)", plan_text(plan) if plan else "no plan record"]]
+    if last and (last.get("micro_batch"), last.get("grad_accum")) != (plan.get("micro_batch"), plan.get("grad_accum")):
+        rows.append(["Micro-batch now", f"{last.get('micro_batch')} x {last.get('grad_accum')} (after OOM shrinks)"])
+    total = plan.get("total_steps", last.get("total_steps"))
+    done = last.get("step", plan.get("step", 0))
+    state = "finished" if done == total else "all tiers ran out of memory" if run.exhausted else "not finished"
+    rows.append(["Steps (last logged / total)", f"{done} / {total} ({state})"])
+    if _is_number(last.get("loss")):
+        rows.append(["Final train loss", f"{last['loss']:.4f} (step {last['step']})"])
+    rows.append(["Eval loss", _eval_text(run)])
+    rows.append(["Median throughput", _throughput_text(run)])
+    rows.append(["Peak memory", _memory_text(run)])
+    rows.append(["OOM shrinks (in process)", str(len(run.shrinks))])
+    rows.append(["Tier changes", str(len(run.tier_changes()))])
+    wall = max(run.times) - min(run.times) if run.times else None
+    rows.append(["Wall time (first to last record)", _duration(wall) if wall is not None else "unknown"])
+    return rows
+
+
+def _eval_text(run: Run) -> str:
+    evals = [r for r in run.evals if _is_number(r.get("eval_loss"))]
+    if not evals:
+        return "no eval records"
+    best, final = min(evals, key=lambda r: r["eval_loss"]), evals[-1]
+    return f"best {best['eval_loss']:.4f} (step {best['step']}), final {final['eval_loss']:.4f} (step {final['step']})"
+
+
+def _throughput_text(run: Run) -> str:
+    values = [v for _, v in _points(run.train, "tokens_per_s")]
+    if not values:
+        return "unknown"
+    return (
+        f"{statistics.median(values):,.0f} {TOKENS_LABEL}; median of {len(values)} log intervals "
+        "(wall time, evals and checkpoints included)"
+    )
+
+
+def _memory_text(run: Run) -> str:
+    used = [r for r in run.train if _is_number(r.get("mem_used_bytes"))]
+    if not used:
+        return "unknown"
+    peak = max(used, key=lambda r: r["mem_used_bytes"])
+    total = peak.get("mem_total_bytes")
+    of = f" of {total / GiB:.1f} GiB ({peak['mem_used_bytes'] / total:.0%})" if _is_number(total) and total else ""
+    return f"{peak['mem_used_bytes'] / GiB:.2f} GiB{of} at step {peak['step']} (GPU allocator peak; process RSS on CPU)"
+
+
+def _duration(seconds: float) -> str:
+    minutes, secs = divmod(round(seconds), 60)
+    hours, minutes = divmod(minutes, 60)
+    if hours:
+        return f"{hours} h {minutes:02d} min"
+    return f"{minutes} min {secs:02d} s" if minutes else f"{seconds:.1f} s"
+
+
+def history_rows(run: Run) -> list[list[str]]:
+    rows, previous = [], None
+    for p in run.plans:
+        tier = str(p.get("tier"))
+        if previous is None:
+            event, why = "resume" if p.get("resumed") else "start", ""
+        elif tier != previous:
+            event = f"tier change {previous} -> {tier}"
+            why = run.tier_failures.get(previous, f"not in {TIER_STATE_FILE} (the spec may have changed)")
+        else:
+            event, why = "resume" if p.get("resumed") else "restart", ""
+        mbs = f"{p.get('micro_batch')} x {p.get('grad_accum')} x {p.get('world_size')}"
+        rows.append([str(p.get("step")), event, tier, mbs, why])
+        previous = tier
+    return rows
+
+
+def shrink_rows(run: Run) -> list[list[str]]:
+    return [
+        [str(e.get("step")), str(e.get("tier")), f"{e.get('from_micro_batch')} -> {e.get('to_micro_batch')}",
+         f"{e.get('from_grad_accum')} -> {e.get('to_grad_accum')}", str(e.get("reason", ""))]
+        for e in run.shrinks[:MAX_SHRINK_ROWS]
+    ]  # fmt: skip
+
+
+def build_page(run: Run, plots: list[Chart], notes: list[str]) -> Page:
+    page = Page(f"Run report: {run.path.resolve().name}")
+    page.para(f"From {run.path / METRICS_FILE}: {len(run.train)} train, {len(run.evals)} eval records.")
+    page.table(["Summary", ""], summary_rows(run))
+    page.heading("Tier history")
+    page.table(["step", "event", "tier", "micro-batch x accumulation x ranks", "why"], history_rows(run))
+    if run.exhausted:
+        page.para(f"{TIER_STATE_FILE}: the last tier ran out of memory too; the ladder has nothing left to try.")
+    if run.shrinks:
+        page.heading("OOM shrinks")
+        page.table(["step", "tier", "micro-batch", "accumulation", "reason"], shrink_rows(run))
+        if len(run.shrinks) > MAX_SHRINK_ROWS:
+            page.para(f"... and {len(run.shrinks) - MAX_SHRINK_ROWS} more (see {METRICS_FILE}).")
+    if plots:
+        page.heading("Plots")
+        for chart in plots:
+            page.image(chart.title, chart.file)
+    if notes:
+        page.heading("Notes")
+        page.bullets(notes)
+    return page
+
+
+# --- entry point ------------------------------------------------------------------------------------
+
+
+def write_report(run_dir: str | Path, out: str | Path | None = None) -> Report:
+    """Write report.md, report.html and the PNG plots into `out` (default `<run_dir>/report`)."""
+    run = load_run(run_dir)
+    out_dir = Path(out) if out is not None else Path(run_dir) / "report"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    notes = [f"line {n} of {METRICS_FILE} is not a JSON record: ignored" for n in run.unreadable]
+    mpl = _load_matplotlib()
+    drawn: list[Chart] = []
+    if mpl is None:
+        notes.append(f"no plots: matplotlib is not installed ({INSTALL_HINT})")
+    else:
+        marks = markers(run)
+        for chart in charts(run):
+            if not chart.series[0].points:
+                notes.append(f"{chart.file} skipped: {chart.field} is null in every record")
+                continue
+            draw(chart, marks, out_dir / chart.file, mpl)
+            drawn.append(chart)
+    page = build_page(run, drawn, notes)
+    md, page_html = out_dir / "report.md", out_dir / "report.html"
+    md.write_text(page.markdown(), encoding="utf-8")
+    page_html.write_text(page.to_html(), encoding="utf-8")
+    return Report([md, page_html, *(out_dir / c.file for c in drawn)], notes, plots_missing=mpl is None)

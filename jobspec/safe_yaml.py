@@ -1,0 +1,207 @@
+"""Read one YAML document within bounds: size, nodes, depth and number length.
+
+A few hundred bytes of YAML can stand for billions of values through aliases ("billion
+laughs"), nest deep enough to crash a recursive parser (libyaml's composer overflows the C
+stack), or spell an integer of thousands of digits. None of it reaches the models: the text
+is parsed once (libyaml's event parser when present) and composed here without recursion,
+counting every node an alias stands for. The node graph keeps the line marks.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import yaml
+from yaml.composer import ComposerError
+
+MAX_BYTES = 1024 * 1024  # a spec is a page of settings; the ConfigMap that carries it holds 1 MiB
+MAX_NODES = 50_000  # scalars and collections, an alias counting as every node it stands for
+MAX_DEPTH = 64  # nested collections (a real spec nests 4 deep)
+MAX_NUMBER_CHARS = 100  # a YAML int or float longer than this is not a setting
+MAX_INT = 2**63 - 1  # the API server stores 64-bit integers
+
+Loader: type = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # libyaml parses ~10x faster
+
+_INT, _FLOAT = "tag:yaml.org,2002:int", "tag:yaml.org,2002:float"
+
+
+@dataclass
+class YamlLimit(Exception):
+    """A bound was crossed; `line` is 1-based, `path` the dotted place in the document."""
+
+    message: str
+    line: int | None
+    path: str
+    hint: str
+
+
+def check_size(size: int) -> None:
+    if size > MAX_BYTES:
+        raise YamlLimit(
+            f"more than {MAX_BYTES // 1024**2} MiB of YAML ({size:,} bytes): a spec is a page of settings",
+            None,
+            "",
+            "keep data and long config in files the job reads (data.path), not in the spec",
+        )
+
+
+def load(text: str) -> tuple[Any, yaml.Node | None]:
+    """(data, root node) of one YAML document. Raises yaml.YAMLError or YamlLimit."""
+    root = compose(text)
+    return construct(root), root
+
+
+def compose(text: str) -> yaml.Node | None:
+    """The node graph of one YAML document (None for an empty one), within the bounds."""
+    check_size(len(text) if len(text) > MAX_BYTES else len(text.encode("utf-8", "surrogatepass")))
+    loader = Loader(text)
+    try:
+        return _compose(loader)
+    finally:
+        loader.dispose()
+
+
+def construct(root: yaml.Node | None) -> Any:
+    """Python data of a composed document (safe types only)."""
+    if root is None:
+        return None
+    loader = Loader("")
+    try:
+        return loader.construct_document(root)
+    except (ValueError, OverflowError) as err:  # e.g. a timestamp like 2024-02-30
+        raise yaml.YAMLError(f"a value cannot be read: {err}") from None
+    finally:
+        loader.dispose()
+
+
+class _Frame:
+    __slots__ = ("anchor", "count", "height", "key", "node")
+
+    def __init__(self, node: yaml.CollectionNode, anchor: str | None) -> None:
+        self.node, self.key, self.count, self.height, self.anchor = node, None, 0, 0, anchor
+
+    def step(self) -> str:
+        if isinstance(self.node, yaml.SequenceNode):
+            return str(len(self.node.value))
+        return str(self.key.value) if isinstance(self.key, yaml.ScalarNode) else "?"
+
+
+def _compose(loader: Any) -> yaml.Node | None:
+    """PyYAML's Composer.get_single_node, iterative and counted."""
+    loader.get_event()  # StreamStart
+    if isinstance(loader.peek_event(), yaml.StreamEndEvent):
+        loader.get_event()
+        return None
+    loader.get_event()  # DocumentStart
+    anchors: dict[str, tuple[yaml.Node, int, int]] = {}  # name -> (node, nodes it stands for, height)
+    stack: list[_Frame] = []
+    total = 0
+    root: yaml.Node | None = None
+
+    def where(mark: Any) -> tuple[int | None, str]:
+        steps = [f.step() for f in stack]
+        path = ".".join(steps if len(steps) <= 6 else [*steps[:6], "..."])
+        return (mark.line + 1 if mark else None), path
+
+    def add(node: yaml.Node, size: int, height: int, mark: Any, new: int) -> None:
+        """Attach `node` (standing for `size` nodes, `height` levels) to its parent; `new` nodes are counted."""
+        nonlocal total, root
+        total += new
+        if total > MAX_NODES:
+            raise YamlLimit(
+                f"more than {MAX_NODES:,} values once aliases are expanded (an alias counts every value it repeats)",
+                *where(mark),
+                "a real spec has a few hundred values; write the list out or use fewer aliases",
+            )
+        if len(stack) + height > MAX_DEPTH:  # an alias brings the depth of what it repeats
+            raise _too_deep(*where(mark))
+        if not stack:
+            root = node
+            return
+        top = stack[-1]
+        if isinstance(top.node, yaml.SequenceNode):
+            top.node.value.append(node)
+        elif top.key is None:
+            top.key = node
+        else:
+            top.node.value.append((top.key, node))
+            top.key = None
+        top.count += size
+        top.height = max(top.height, height)
+
+    while True:
+        event = loader.get_event()
+        anchor = getattr(event, "anchor", None)
+        if anchor is not None and anchor in anchors and not isinstance(event, yaml.AliasEvent):
+            first = anchors[anchor][0].start_mark.line + 1
+            raise ComposerError(None, None, f"duplicate anchor &{anchor} (first on line {first})", event.start_mark)
+        if isinstance(event, yaml.AliasEvent):
+            if anchor not in anchors:
+                inside = any(f.anchor == anchor for f in stack)
+                problem = f"alias *{anchor} is used inside its own anchor" if inside else f"undefined alias *{anchor}"
+                raise ComposerError(None, None, problem, event.start_mark)
+            node, size, height = anchors[anchor]
+            add(node, size, height, event.start_mark, new=size)  # an alias repeats every node under it
+        elif isinstance(event, yaml.ScalarEvent):
+            tag = event.tag
+            if tag is None or tag == "!":
+                tag = loader.resolve(yaml.ScalarNode, event.value, event.implicit)
+            if tag in (_INT, _FLOAT) and len(event.value) > MAX_NUMBER_CHARS:
+                kind = "an integer" if tag == _INT else "a number"
+                raise YamlLimit(
+                    f"{kind} of {len(event.value):,} characters: too large for any setting",
+                    *where(event.start_mark),
+                    f"numbers in a spec are at most {MAX_NUMBER_CHARS} characters; quote it if it is text",
+                )
+            node = yaml.ScalarNode(tag, event.value, event.start_mark, event.end_mark, style=event.style)
+            if anchor is not None:
+                anchors[anchor] = (node, 1, 0)
+            add(node, 1, 0, event.start_mark, new=1)
+        elif isinstance(event, (yaml.SequenceStartEvent, yaml.MappingStartEvent)):
+            seq = isinstance(event, yaml.SequenceStartEvent)
+            kind = yaml.SequenceNode if seq else yaml.MappingNode
+            tag = event.tag
+            if tag is None or tag == "!":
+                tag = loader.resolve(kind, None, event.implicit)
+            node = kind(tag, [], event.start_mark, None, flow_style=event.flow_style)
+            stack.append(_Frame(node, anchor))
+            if len(stack) > MAX_DEPTH:  # checked on the way in: the closing events may never come
+                raise _too_deep(*where(event.start_mark))
+        elif isinstance(event, (yaml.SequenceEndEvent, yaml.MappingEndEvent)):
+            frame = stack.pop()
+            frame.node.end_mark = event.end_mark
+            size, height = frame.count + 1, frame.height + 1
+            if frame.anchor is not None:  # registered when complete: an alias inside it is refused above
+                anchors[frame.anchor] = (frame.node, size, height)
+            add(frame.node, size, height, frame.node.start_mark, new=1)  # its children are counted
+        elif isinstance(event, yaml.DocumentEndEvent):
+            break
+    if not isinstance(loader.peek_event(), yaml.StreamEndEvent):
+        other = loader.get_event()
+        raise ComposerError(None, None, "a second document (`---`): a spec is a single document", other.start_mark)
+    return root
+
+
+def _too_deep(line: int | None, path: str) -> YamlLimit:
+    return YamlLimit(f"nested more than {MAX_DEPTH} levels deep", line, path, "a spec nests a few levels; flatten this")
+
+
+def out_of_range(data: Any) -> list[tuple[tuple[str | int, ...], str]]:
+    """(path, problem) for every integer beyond 64 bits and every float that is not finite."""
+    found: list[tuple[tuple[str | int, ...], str]] = []
+    todo: list[tuple[tuple[str | int, ...], Any]] = [((), data)]
+    while todo:  # iterative: --set key paths may nest deeper than the recursion limit
+        loc, value = todo.pop()
+        if isinstance(value, dict):
+            todo += [((*loc, k if isinstance(k, (str, int)) else str(k)), v) for k, v in value.items()]
+        elif isinstance(value, list):
+            todo += [((*loc, i), v) for i, v in enumerate(value)]
+        elif isinstance(value, bool):
+            continue
+        elif isinstance(value, int) and abs(value) > MAX_INT:
+            found.append((loc, f"integer out of range: at most {MAX_INT} (64 bits)"))
+        elif isinstance(value, float) and not math.isfinite(value):
+            found.append((loc, "not a finite number"))
+    return found

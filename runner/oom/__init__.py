@@ -1,0 +1,17 @@
+"""Out-of-memory recovery, in one place. Read in this order:
+
+    detect.py    is it an OOM (`is_oom`), run a step with the OOM as a flag (`guarded`), free memory
+                 after the failed step (`release_memory`), the next divisor down (`next_micro_batch`)
+    shrink.py    the loop's side: ranks agree on the OOM after every micro-step (`agreement`,
+                 `raise_agreed`), redo the same step at a smaller micro-batch (`run_step`), FSDP reset,
+                 and `RecipeGuard`, which hands a micro-batch-1 OOM to the ladder (`TierOOM`)
+    ladder.py    the tier ladder's persisted state (`tier_state.json`): failed tiers, micro-batch caps,
+                 the next tier, the termination message
+    relaunch.py  the supervisor's fallback: a new worker process at the next tier (exit 75)
+    faults.py    `JOBSPEC_FAULT_OOM`: real `torch.OutOfMemoryError`s on chosen steps, tiers, micro-batches,
+                 ranks, and in the planner's probe steps
+
+The recipe (runner/recipe.py) steps down a tier in process (`Recipe._step_down`) when every rank agreed
+on the OOM, and leaves it to relaunch.py otherwise. The planner's probe search (runner/plan.py
+`verify_micro_batch`) is the same machinery before training starts.
+"""
