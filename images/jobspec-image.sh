@@ -3,7 +3,7 @@
 # Runs as root at build time, with `python` the interpreter the image will run (the base's, or the
 # CPU image's venv):
 #
-#   jobspec-image.sh wheel SRC DIST   build stage: SRC -> DIST/jobspec-*.whl + DIST/requirements.txt
+#   jobspec-image.sh wheel SRC DIST   build stage: SRC -> DIST/jobspec_k8s-*.whl + DIST/requirements.txt
 #   jobspec-image.sh user UID GID     runtime: the non-root user the pod runs as (contract.RUN_AS_UID/GID)
 #   jobspec-image.sh deps DIST        runtime: install DIST/requirements.txt, keeping the base's torch
 #   jobspec-image.sh project DIST     runtime: install the wheel itself (no deps) and import it
@@ -78,9 +78,9 @@ cmd_deps() {
 
 cmd_project() {
     dist=$1
-    set -- "$dist"/jobspec-*.whl
+    set -- "$dist"/jobspec_k8s-*.whl # the distribution jobspec-k8s (the import package is jobspec)
     if [ "$#" -ne 1 ] || [ ! -f "$1" ]; then
-        die "expected one jobspec wheel in $dist, found: $*"
+        die "expected one jobspec-k8s wheel in $dist, found: $*"
     fi
     pip_install --no-deps "$1"
     python -c 'import jobspec, runner, torch, transformers, accelerate; print("jobspec", jobspec.__version__, "torch", torch.__version__)'

@@ -11,13 +11,12 @@ import argparse
 import logging
 import os
 import sys
-import traceback
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from jobspec import __version__
+from jobspec import __version__, install_hint
 from jobspec.cli_parser import Parser as _Parser  # exits 2, and never echoes an argument (it may be a token)
-from jobspec.contract import EXIT_CONFIG, EXIT_FAILED, EXIT_OK
+from jobspec.contract import EXIT_CONFIG, EXIT_FAILED, EXIT_NO_FIT, EXIT_OK
 from jobspec.credentials import redact
 from jobspec.errors import ConfigError, JobspecError
 
@@ -28,10 +27,11 @@ EPILOG = """\
 examples:
   jobspec run examples/quickstart.yaml                train on this machine (no cluster)
   jobspec plan examples/sft_fast.yaml                 memory per tier before you submit
+  jobspec plan examples/sft_fast.yaml --gpus any      the same job on each GPU type: tier, time
   jobspec render examples/sft_fast.yaml | kubectl apply -f -
-  jobspec submit examples/sft_fast.yaml && jobspec status sft-fast -n ml
+  jobspec submit examples/sft_fast.yaml && jobspec status examples/sft_fast.yaml
 
-exit codes: 0 ok, 1 job failed, 2 bad input, 3 cluster/API error
+exit codes: 0 ok, 1 job failed, 2 bad input, 3 cluster/API error, 4 plan: nothing fits
 """
 
 
@@ -69,6 +69,24 @@ def _notes(spec: JobSpec) -> list[str]:
         notes.append("checkpoints.pvc is not set: checkpoints live in the pod and are lost when it is replaced")
     if spec.checkpoints.pvc and spec.hardware.nodes > 1:
         notes.append(f"{spec.hardware.nodes} nodes write into checkpoints.pvc: it must be ReadWriteMany")
+    image = spec.image.name
+    if image and "@" not in image:  # the spec checked the digest's shape; a tag can move under a running job
+        tag = image.rpartition("/")[2].partition(":")[2] or "latest"
+        notes.append(
+            f"image.name {image!r} is the tag :{tag}, not a digest: a retried or later pod may pull other "
+            f"code; pin it as {image}@sha256:<digest> (`crane digest {image}` prints it)"
+        )
+    hw = spec.hardware
+    if spec.memory.tier in ("zero2_offload", "minimal") and hw.memory is None and hw.vendor != "cpu":
+        notes.append(
+            f"memory.tier {spec.memory.tier} keeps optimizer state in host memory, beyond the default memory "
+            "request (8Gi per GPU): set hardware.memory to the host GiB `jobspec plan` shows"
+        )
+    if not spec.scheduling.network_policy:
+        notes.append(
+            "scheduling.network_policy is false: any pod in the cluster can reach this job's rendezvous port "
+            "(torch's TCPStore has no authentication) unless a policy of your own covers it"
+        )
     return notes
 
 
@@ -81,31 +99,40 @@ def cmd_render(args: argparse.Namespace) -> int:
 
 
 def cmd_schema(args: argparse.Namespace) -> int:
-    import json
+    from jobspec.reference import json_schema_text, markdown
 
-    from jobspec.spec import JobSpec
-
-    if args.markdown:
-        from jobspec.reference import markdown
-
-        print(markdown(), end="")
-        return EXIT_OK
-
-    schema = JobSpec.model_json_schema()
-    schema["$schema"] = "https://json-schema.org/draft/2020-12/schema"
-    schema["title"] = "jobspec job spec"
-    print(json.dumps(schema, indent=2))
+    sys.stdout.write(markdown() if args.markdown else json_schema_text())
     return EXIT_OK
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
     import json
 
-    from jobspec.plan import plan_spec, plan_table
+    from jobspec.plan import plan_spec
+    from jobspec.plan_output import plan_table
 
-    report = plan_spec(_load(args), gpu_memory=args.gpu_memory)
+    if args.rows is not None and args.rows < 1:
+        raise ConfigError(f"--rows {args.rows}: expected the number of training records, 1 or more")
+    if args.gpus and args.gpu_memory:
+        raise ConfigError("--gpus and --gpu-memory cannot be combined: --gpus plans on each type's own memory")
+    spec, prices = _load(args), {}
+    if args.gpus or args.price:
+        from jobspec.plan_gpus import compare, compare_dict, compare_table, parse_prices, select_gpus
+
+        prices = parse_prices(args.price)
+    if args.gpus:
+        reports = compare(spec, select_gpus(args.gpus), prices, args.rows)
+        json_out = args.output == "json"
+        print(json.dumps(compare_dict(spec, reports), indent=2) if json_out else compare_table(spec, reports))
+        return EXIT_OK if any(r.runs for r in reports) else EXIT_NO_FIT
+    measured = None
+    if args.from_run:
+        from jobspec.calibration import read_run
+
+        measured = read_run(args.from_run)
+    report = plan_spec(spec, gpu_memory=args.gpu_memory, rows=args.rows, prices=prices, measured=measured)
     print(json.dumps(report.to_dict(), indent=2) if args.output == "json" else plan_table(report))
-    return EXIT_OK
+    return EXIT_OK if report.runs else EXIT_NO_FIT
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -143,7 +170,7 @@ def add_export_args(parser: argparse.ArgumentParser) -> None:
 def cmd_export(args: argparse.Namespace) -> int:
     if _missing_runner_extra():
         raise ConfigError(f"jobspec export needs the runner extra ({_missing_runner_extra()} is not installed): "
-                          "pip install 'jobspec[runner]' (CPU is enough)")  # fmt: skip
+                          f"{install_hint('runner')} (CPU is enough)")  # fmt: skip
     argv = [sys.executable, "-m", "runner.export", args.checkpoint]
     for flag in ("out", "base", "dtype"):
         if getattr(args, flag):
@@ -189,18 +216,56 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-o", "--output", choices=["yaml", "json"], default="yaml", help="output format (default yaml)")
     p.set_defaults(func=cmd_render)
 
-    p = sub.add_parser("schema", parents=[common], help="print the spec's JSON Schema (for editors and CI)")
+    p = sub.add_parser(
+        "schema",
+        parents=[common],
+        help="print the spec's JSON Schema (for editors and CI)",
+        description="Print the JSON Schema of a spec file. The same schema ships in the package as "
+        "jobspec/schema/jobspec.schema.json: name it in the first line of a spec, "
+        "`# yaml-language-server: $schema=PATH`, for completion and checks in editors.",
+    )
     p.add_argument("--markdown", action="store_true", help="print the spec reference as Markdown tables instead")
     p.set_defaults(func=cmd_schema)
 
     p = sub.add_parser(
         "plan",
         parents=[common],
-        help="estimated GPU memory per tier, micro-batch, accumulation, and the tier auto picks",
-        description="Memory plan per tier from the memory model (no GPU needed). The runner re-checks it on the GPU.",
+        help="GPU memory, micro-batch, step time and job duration per tier; compare GPU types and costs",
+        description="Memory plan per tier from the memory model (no GPU needed; the runner re-checks it on the "
+        "GPU), and each tier's step time, tokens/s and job duration from the model's FLOPs per token, the GPU's "
+        "peak and an assumed efficiency per tier (printed under the table). Exits 4 when nothing fits.",
     )
     add_spec_args(p)
-    p.add_argument("--gpu-memory", metavar="SIZE", help="plan for this GPU memory (e.g. 24Gi), not the spec's GPU")
+    p.add_argument(
+        "--gpu-memory",
+        metavar="SIZE",
+        help="plan for this GPU memory, not the spec's GPU: e.g. 24Gi or 80GB; a number without a unit is GiB",
+    )
+    p.add_argument(
+        "--gpus",
+        metavar="any|TYPE,...",
+        help="compare GPU types of the catalogue (any = all) at the spec's GPU count: tier, time, cost",
+    )
+    p.add_argument(
+        "--price",
+        action="append",
+        default=[],
+        metavar="GPU=PRICE,...",
+        help="price per GPU-hour for the cost column, e.g. --price H100=2.49,A100-80GB=1.79 (repeatable)",
+    )
+    p.add_argument(
+        "--rows",
+        type=int,
+        metavar="N",
+        help="training records in the data, for the duration of an epochs-based job whose data plan cannot count",
+    )
+    p.add_argument(
+        "--from",
+        dest="from_run",
+        metavar="RUN_DIR",
+        help="correct the plan by what a run measured (its metrics.jsonl): bytes per sample and time per step, "
+        "tier by tier, shown beside the model's figures",
+    )
     p.add_argument("-o", "--output", choices=["table", "json"], default="table", help="output format")
     p.set_defaults(func=cmd_plan)
 
@@ -208,7 +273,7 @@ def build_parser() -> argparse.ArgumentParser:
         "run",
         parents=[common],
         help="train on this machine (CPU or local GPUs), no cluster",
-        description="Run the job here with the in-container runner (needs: pip install 'jobspec[runner]').",
+        description=f"Run the job here with the in-container runner (needs: {install_hint('runner')}).",
     )
     add_spec_args(p)
     p.add_argument("--nproc", type=int, metavar="N", help="processes on this machine (default: one per GPU, or 1)")
@@ -230,7 +295,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="plots and a one-page summary of a run from its metrics.jsonl",
         description="Write report.md, report.html and PNG plots (loss, learning rate, tokens/s, memory, with OOM "
         "shrinks and tier changes marked) for a run directory (the spec's checkpoints.dir). The plots need "
-        "matplotlib: pip install 'jobspec[report]'; without it only the summary is written.",
+        f"matplotlib: {install_hint('report')}; without it only the summary is written.",
     )
     p.add_argument("run_dir", metavar="RUN_DIR", help="run directory holding metrics.jsonl")
     p.add_argument("--out", metavar="DIR", help="output directory (default RUN_DIR/report)")
@@ -269,6 +334,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _report(err: Exception, code: int, debug: bool) -> int:
     """The error line (and with --debug the traceback first); the exit code stays the error's."""
     if debug:
+        import traceback
+
         sys.stderr.write(redact(traceback.format_exc()))  # messages are scrubbed; this covers the frames' text
     print(f"error: {redact(str(err))}", file=sys.stderr)
     return code

@@ -8,7 +8,6 @@ words that cannot be one are shown: option names, plain lowercase words, short n
 from __future__ import annotations
 
 import argparse
-import difflib
 import re
 import sys
 from collections.abc import Sequence
@@ -43,6 +42,8 @@ def quiet(message: str) -> str:
             value = shown(raw)
             message = f"{m['head']}{value if value == _HIDDEN else repr(value)}{m['tail']}"
             choices = re.findall(r"'([^']*)'", m.groupdict().get("choices") or "")
+            import difflib  # only for a bad argument: not on every start
+
             close = difflib.get_close_matches(raw, choices, n=1, cutoff=0.6)
             if close:
                 message += f"; did you mean {close[0]!r}?"

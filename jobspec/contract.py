@@ -11,9 +11,11 @@ EXIT_OK = 0
 EXIT_FAILED = 1  # the job (or the training process) failed for a reason not listed below
 EXIT_CONFIG = 2  # bad spec, bad flag, bad input file: retrying cannot help (podFailurePolicy FailJob)
 EXIT_CLUSTER = 3  # CLI only: the Kubernetes API refused or could not be reached
+EXIT_NO_FIT = 4  # CLI only: `jobspec plan` found no tier that fits the GPU (not even micro-batch 1)
+EXIT_STORAGE = 74  # checkpoint volume full, read-only or not writable: retrying cannot help (FailJob)
 EXIT_OOM_RETRY_TIER = 75  # OOM at micro-batch 1: retry at the next memory tier (podFailurePolicy Count)
 EXIT_OOM_LAST_TIER = 76  # OOM at the last tier: nothing left to try (podFailurePolicy FailJob)
-EXIT_PREEMPTED = 143  # SIGTERM: checkpoint written, then exit (128 + SIGTERM)
+EXIT_PREEMPTED = 143  # SIGTERM: the steps trained are checkpointed (if any), then exit (128 + SIGTERM)
 
 # Where the rendered pod finds things.
 SPEC_MOUNT_DIR = "/etc/jobspec"

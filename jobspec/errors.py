@@ -14,6 +14,14 @@ class JobspecError(Exception):
     exit_code = EXIT_FAILED
 
 
+class HintedValueError(ValueError):
+    """A validator's error that carries its fix: the loader prints `hint` on the hint line."""
+
+    def __init__(self, message: str, hint: str):
+        super().__init__(message)
+        self.hint = hint
+
+
 class ConfigError(JobspecError):
     """Bad input: a flag, a file that cannot be read, a value that makes no sense."""
 

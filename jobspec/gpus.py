@@ -1,4 +1,4 @@
-"""GPU catalogue: memory and vendor of common accelerators, keyed by the names people type.
+"""GPU catalogue: memory, vendor and 16-bit peak of common accelerators, keyed by the names people type.
 
 Used only before submit (plan, render); the runner reads the real device instead.
 """
@@ -18,31 +18,35 @@ class GpuInfo:
     vendor: Vendor
     memory_bytes: int
     bf16: bool
-    bf16_tflops: float | None = None  # dense peak, for MFU
+    # Dense (no 2:4 sparsity) 16-bit matrix peak in TFLOPS, from the vendor's datasheet: bf16 with
+    # fp32 accumulation, or fp16 on cards without bf16. `jobspec plan` sizes step times from it.
+    tflops16: float | None = None
 
 
+# Datasheet figures, dense. NVIDIA datasheets print the sparse figure first (2x): halved here.
 _CATALOGUE = [
-    GpuInfo("H200", "cuda", 141 * GiB, True, 989.0),
-    GpuInfo("H100", "cuda", 80 * GiB, True, 989.0),
-    GpuInfo("A100-80GB", "cuda", 80 * GiB, True, 312.0),
+    GpuInfo("H200", "cuda", 141 * GiB, True, 989.0),  # H200 SXM datasheet: BF16 1,979 sparse
+    GpuInfo("H100", "cuda", 80 * GiB, True, 989.0),  # H100 SXM5 datasheet: BF16 1,979 sparse
+    GpuInfo("A100-80GB", "cuda", 80 * GiB, True, 312.0),  # A100 datasheet: BF16 312 (624 sparse)
     GpuInfo("A100-40GB", "cuda", 40 * GiB, True, 312.0),
-    GpuInfo("L40S", "cuda", 48 * GiB, True, 362.0),
-    GpuInfo("A10G", "cuda", 24 * GiB, True, 70.0),
-    GpuInfo("L4", "cuda", 24 * GiB, True, 121.0),
-    GpuInfo("RTX4090", "cuda", 24 * GiB, True, 165.0),
-    GpuInfo("RTX3090", "cuda", 24 * GiB, True, 71.0),
-    GpuInfo("RTX3080-20GB", "cuda", 20 * GiB, True, 59.5),  # the seeds' modded 3080
-    GpuInfo("RTX3080", "cuda", 10 * GiB, True, 59.5),
-    GpuInfo("V100", "cuda", 32 * GiB, False),
-    GpuInfo("T4", "cuda", 16 * GiB, False),
-    GpuInfo("MI300X", "rocm", 192 * GiB, True, 1307.0),
-    GpuInfo("MI250X", "rocm", 64 * GiB, True, 191.5),  # per GCD, as torch sees it
-    GpuInfo("MI210", "rocm", 64 * GiB, True, 181.0),
-    GpuInfo("RX7900XTX", "rocm", 24 * GiB, True, 123.0),
-    GpuInfo("RX6800XT", "rocm", 16 * GiB, False),  # the seeds' 16 GB ROCm card
+    GpuInfo("L40S", "cuda", 48 * GiB, True, 362.0),  # L40S datasheet: BF16 362.05 (733 sparse)
+    # A10 datasheet: BF16 125 (250 sparse). AWS's A10G publishes no figure and clocks lower: an upper bound.
+    GpuInfo("A10G", "cuda", 24 * GiB, True, 125.0),
+    GpuInfo("L4", "cuda", 24 * GiB, True, 121.0),  # L4 datasheet: BF16 242 sparse
+    GpuInfo("RTX4090", "cuda", 24 * GiB, True, 165.2),  # Ada whitepaper: BF16, FP32 accumulate
+    GpuInfo("RTX3090", "cuda", 24 * GiB, True, 71.0),  # GA102 whitepaper: BF16, FP32 accumulate
+    GpuInfo("RTX3080-20GB", "cuda", 20 * GiB, True, 59.5),  # the seeds' modded 3080: same GA102 die
+    GpuInfo("RTX3080", "cuda", 10 * GiB, True, 59.5),  # GA102 whitepaper: BF16, FP32 accumulate
+    GpuInfo("V100", "cuda", 32 * GiB, False, 125.0),  # V100 SXM2 datasheet: tensor (fp16) 125
+    GpuInfo("T4", "cuda", 16 * GiB, False, 65.0),  # T4 datasheet: mixed precision (fp16) 65
+    GpuInfo("MI300X", "rocm", 192 * GiB, True, 1307.4),  # MI300X datasheet: BF16 1,307.4 dense
+    GpuInfo("MI250X", "rocm", 64 * GiB, True, 191.5),  # MI250X datasheet: BF16 383 per OAM = 2 GCDs; per GCD
+    GpuInfo("MI210", "rocm", 64 * GiB, True, 181.0),  # MI210 datasheet: BF16 181
+    GpuInfo("RX7900XTX", "rocm", 24 * GiB, True, 122.8),  # AMD spec sheet: FP16/BF16 122.8 (WMMA)
+    GpuInfo("RX6800XT", "rocm", 16 * GiB, False, 41.5),  # the seeds' 16 GB card; AMD spec: FP16 41.47
 ]
 
-_ALIASES = {"A100": "A100-80GB", "A100-80G": "A100-80GB", "A100-40G": "A100-40GB"}
+_ALIASES = {"A100": "A100-80GB", "A100-80G": "A100-80GB", "A100-40G": "A100-40GB", "H100-80GB": "H100"}
 
 
 def _key(name: str) -> str:
@@ -61,3 +65,18 @@ def lookup(name: str) -> GpuInfo | None:
 
 def known_names() -> list[str]:
     return [g.name for g in _CATALOGUE]
+
+
+def catalogue() -> list[GpuInfo]:
+    return list(_CATALOGUE)
+
+
+def suggest(name: str) -> list[str]:
+    """Catalogue names close to an unknown `name` ('H10' -> H100, 'MI300' -> MI300X), best first."""
+    import difflib  # only on an error: keeps it out of every CLI start
+    key = _key(name).replace("-", "")
+    keys = {_key(g.name).replace("-", ""): g.name for g in _CATALOGUE}
+    prefixed = [keys[k] for k in keys if k.startswith(key) or (len(k) >= 3 and key.startswith(k))]
+    if prefixed:
+        return prefixed[:3]
+    return [keys[k] for k in difflib.get_close_matches(key, list(keys), n=3, cutoff=0.6)]

@@ -7,7 +7,8 @@ Reading is bounded (jobspec.safe_yaml): size, nodes after alias expansion, depth
 
 from __future__ import annotations
 
-import difflib
+import copy
+import dataclasses
 import os
 import re
 import types
@@ -53,6 +54,7 @@ def load_spec(path: str | Path, overrides: Sequence[str] = ()) -> JobSpec:
 
 def parse_spec(text: str, file: str = "<spec>", overrides: Sequence[str] = ()) -> JobSpec:
     data, lines, issues = _read_yaml(text)
+    written = copy.deepcopy(data) if overrides else data  # the file alone: tells --set's problems from the file's
     set_paths: dict[Loc, str] = {}
     for n, item in enumerate(overrides, 1):
         key, source = _override_source(item, n)
@@ -73,7 +75,29 @@ def parse_spec(text: str, file: str = "<spec>", overrides: Sequence[str] = ()) -
         secrets = SpecSecrets(data)
         errors = _expand(err.errors())
         issues = [_issue(e, lines, set_paths, secrets) for e in errors[: 10 * MAX_ISSUES]]
+        if set_paths:
+            issues = _blame_overrides(issues, written, lines, secrets, list(dict.fromkeys(set_paths.values())))
         raise SpecError(file, _reported(issues, secrets, more=len(errors) - len(issues))) from None
+
+
+def _blame_overrides(
+    issues: list[SpecIssue], written: Any, lines: _Lines, secrets: SpecSecrets, sources: list[str]
+) -> list[SpecIssue]:
+    """Point a problem that the file alone does not have at the --set items, not at the file's line.
+
+    A --set can break a rule about another field (`--set hardware.gpus=H100:3` leaves the file's
+    global_batch 32 indivisible) or a section's rule (`--set training.steps=10` beside `epochs`).
+    """
+    try:
+        JobSpec.model_validate(written)
+        before: set[tuple[str, str]] = set()
+    except ValidationError as err:
+        before = {(i.path, i.message) for i in (_issue(e, lines, {}, secrets) for e in _expand(err.errors()))}
+    blamed = ", ".join(sources)
+    return [
+        dataclasses.replace(i, source=blamed) if i.source is None and (i.path, i.message) not in before else i
+        for i in issues
+    ]
 
 
 MAX_ISSUES = 50  # a spec with more problems is not a spec; the first ones say what is wrong
@@ -314,13 +338,25 @@ def _flatten(annotation: Any) -> list[Any]:
 
 def _describe(e: dict[str, Any], loc: Loc) -> tuple[str, str | None]:
     kind, msg = e["type"], e["msg"]
+    ctx = e.get("ctx") or {}
     if kind == "cross_field":
         return msg, e.get("hint")
     if msg.startswith("Value error, "):
         msg = msg[len("Value error, ") :]
+    if getattr(ctx.get("error"), "hint", None):  # a validator's HintedValueError
+        return msg, ctx["error"].hint
+    if kind == "literal_error":
+        choices = re.findall(r"'([^']*)'", str(ctx.get("expected", "")))
+        close = suggest_value(e.get("input"), choices)
+        if close:
+            more = f" (or {', '.join(close[1:])})" if close[1:] else ""
+            return msg, f"did you mean `{close[0]}`?{more}"
+        return msg, None
+    if kind in _RANGES and loc:  # every range error says the bound, on the field's own name
+        return msg, _RANGES[kind].format(name=loc[-1], **ctx)
     if kind == "extra_forbidden":
         fields = _model_fields(_annotation_at(loc[:-1])) or {}
-        close = difflib.get_close_matches(str(loc[-1]), list(fields), n=1, cutoff=0.6)
+        close = _close(str(loc[-1]), list(fields), 1)
         hint = f"did you mean `{close[0]}`?" if close else f"known fields here: {', '.join(fields)}"
         return f"unknown field {loc[-1]!r}", hint
     if kind == "missing":
@@ -328,6 +364,51 @@ def _describe(e: dict[str, Any], loc: Loc) -> tuple[str, str | None]:
     if kind.endswith("_parsing") or kind.endswith("_type"):
         return msg, "check the value's type (quote strings that look like numbers)"
     return msg, None
+
+
+_RANGES = {
+    "greater_than_equal": "{name} must be at least {ge}",
+    "greater_than": "{name} must be more than {gt}",
+    "less_than_equal": "{name} must be at most {le}",
+    "less_than": "{name} must be less than {lt}",
+    "too_short": "{name} needs at least {min_length} item(s)",
+    "too_long": "{name} takes at most {max_length} item(s)",
+    "string_too_short": "{name} needs at least {min_length} character(s)",
+    "string_too_long": "{name} takes at most {max_length} character(s)",
+}
+# Words people write for a value a setting spells differently (the seeds' tier names among them).
+_SYNONYMS = {
+    "nvidia": "cuda", "gpu": "cuda", "amd": "rocm", "hip": "rocm", "none": "cpu",
+    "bfloat16": "bf16", "float16": "fp16", "half": "fp16", "float32": "fp32", "float": "fp32", "full": "fp32",
+    "standard": "fast", "ddp": "fast", "deepspeed": "zero2", "stage2": "zero2", "stage2_offload": "zero2_offload",
+    "offload": "zero2_offload", "stage3": "zero3", "fsdp": "zero3",
+    "true": "on", "yes": "on", "enabled": "on", "false": "off", "no": "off", "disabled": "off",
+    "flash": "sdpa", "flash_attention_2": "sdpa", "chat": "messages",
+}  # fmt: skip
+
+
+def suggest_value(value: Any, choices: Sequence[str]) -> list[str]:
+    """Allowed values close to `value`, best first: same word in other case, a known synonym
+    ('nvidia' -> cuda), values it begins ('gpt2' -> gpt2-small, ...), then difflib's nearest."""
+    if not isinstance(value, (str, int, float)) or isinstance(value, bool) or not choices or len(str(value)) > 64:
+        return []  # a long text is no typo of a setting's word (and difflib's time grows with it)
+
+    def norm(word: str) -> str:
+        return word.strip().lower().replace("-", "_").replace(" ", "_")
+
+    word, keys = norm(str(value)), {norm(c): c for c in choices}
+    if word in keys:
+        return [keys[word]]
+    if _SYNONYMS.get(word) in keys:
+        return [keys[_SYNONYMS[word]]]
+    begun = [c for k, c in keys.items() if len(word) >= 2 and k.startswith(word)]
+    return begun or [keys[k] for k in _close(word, list(keys), 2)]
+
+
+def _close(word: str, choices: list[str], n: int) -> list[str]:
+    import difflib  # only for a spec with problems: not on every start
+
+    return difflib.get_close_matches(word, choices, n=n, cutoff=0.6)
 
 
 def _annotation_at(loc: Loc) -> Any:

@@ -209,8 +209,12 @@ def estimate(
     checkpointing: bool | None = None,
     attention: Attention = "sdpa",
     precision: Precision = "bf16",
+    sample_scale: float = 1.0,
 ) -> MemoryEstimate:
-    """Bytes one GPU needs to train `shape` at `tier` over `world_size` data-parallel ranks."""
+    """Bytes one GPU needs to train `shape` at `tier` over `world_size` data-parallel ranks.
+
+    `sample_scale` corrects the per-sample bytes (activations and logits) by what a run measured
+    (jobspec/calibration.py); 1.0 is the model as derived."""
     if seq_len < 1 or micro_batch < 0 or world_size < 1:
         raise ConfigError(
             f"seq_len {seq_len}, micro_batch {micro_batch}, world_size {world_size}: "
@@ -218,8 +222,8 @@ def estimate(
         )
     ckpt = CHECKPOINTING[TIERS[_tier_index(tier)]] if checkpointing is None else checkpointing
     states, host, t = _states(shape, tier, world_size, lora)
-    acts = _activations(shape, seq_len, micro_batch, ckpt, attention, precision)
-    logits = LOGITS_BYTES * seq_len * micro_batch * shape.vocab
+    acts = int(_activations(shape, seq_len, micro_batch, ckpt, attention, precision) * sample_scale)
+    logits = int(LOGITS_BYTES * seq_len * micro_batch * shape.vocab * sample_scale)
     overhead = OVERHEAD_FIXED + (states + acts + logits) * OVERHEAD_PERCENT // 100
     return MemoryEstimate(tier, micro_batch, ckpt, t, states, acts, logits, overhead, host)
 
@@ -252,6 +256,7 @@ def plan_tier(
     checkpointing: bool | None = None,
     attention: Attention = "sdpa",
     precision: Precision = "bf16",
+    sample_scale: float = 1.0,
 ) -> TierPlan:
     """The largest micro-batch at `tier` that fits `utilization * gpu_bytes` and divides the per-rank batch.
 
@@ -275,6 +280,7 @@ def plan_tier(
         checkpointing=checkpointing,
         attention=attention,
         precision=precision,
+        sample_scale=sample_scale,
     )
     fixed, one = est(micro_batch=0), est(micro_batch=1)
     per_sample = one.gpu_bytes - fixed.gpu_bytes  # bytes each sequence of the micro-batch adds
@@ -316,8 +322,9 @@ def plan_all(
     checkpointing: bool | None = None,
     attention: Attention = "sdpa",
     precision: Precision = "bf16",
+    sample_scale: dict[str, float] | None = None,
 ) -> list[TierPlan]:
-    """`plan_tier` for every tier, in TIERS order (cheapest first)."""
+    """`plan_tier` for every tier, in TIERS order (cheapest first); `sample_scale`: measured corrections by tier."""
     return [
         plan_tier(
             shape,
@@ -331,6 +338,7 @@ def plan_all(
             checkpointing=checkpointing,
             attention=attention,
             precision=precision,
+            sample_scale=(sample_scale or {}).get(t, 1.0),
         )
         for t in TIERS
     ]

@@ -1,6 +1,8 @@
-"""The spec reference in Markdown, generated from the models (`jobspec schema --markdown`).
+"""The spec's JSON Schema (`jobspec schema`) and its reference in Markdown (`--markdown`), from the models.
 
-The README carries this text between markers; a test keeps the two equal.
+The schema ships as `jobspec/schema/jobspec.schema.json` (editors name it in
+`# yaml-language-server: $schema=...`); the README carries the Markdown between markers. Tests keep
+both equal to what the models generate.
 """
 
 from __future__ import annotations
@@ -8,6 +10,7 @@ from __future__ import annotations
 import json
 import types
 import typing
+from pathlib import Path
 from typing import Annotated, Any
 
 from pydantic import BaseModel, TypeAdapter
@@ -16,6 +19,20 @@ from pydantic_core import PydanticUndefined
 
 from jobspec.spec import JobSpec
 from jobspec.units import format_bytes
+
+SCHEMA_FILE = Path(__file__).parent / "schema" / "jobspec.schema.json"
+
+
+def json_schema() -> dict[str, Any]:
+    """The JSON Schema of a spec file, as `jobspec schema` prints it and SCHEMA_FILE holds it."""
+    schema = JobSpec.model_json_schema()
+    schema["$schema"] = "https://json-schema.org/draft/2020-12/schema"
+    schema["title"] = "jobspec job spec"
+    return schema
+
+
+def json_schema_text() -> str:
+    return json.dumps(json_schema(), indent=2) + "\n"
 
 
 def _type_name(annotation: Any) -> str:

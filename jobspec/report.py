@@ -1,7 +1,7 @@
 """`jobspec report RUN_DIR`: plots and a one-page summary of a run, from its metrics.jsonl.
 
 Pure Python: no torch, so the report runs wherever the submitter does. The plots need matplotlib
-(`pip install 'jobspec[report]'`); without it the summary is still written and the plots are skipped.
+(`pip install 'jobspec-k8s[report]'`); without it the summary is still written and the plots are skipped.
 
 What is read (runner/metrics.py, runner/recipe.py, runner/oom/shrink.py, runner/oom/ladder.py):
 - `plan` records, one per start of the workers: a plan at another tier than the one before is a tier
@@ -25,12 +25,13 @@ from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
+from jobspec import install_hint
 from jobspec.contract import METRICS_FILE, TIER_STATE_FILE
 from jobspec.errors import ConfigError
 
 log = logging.getLogger(__name__)
 GiB = 1024**3
-INSTALL_HINT = "pip install 'jobspec[report]'"
+INSTALL_HINT = install_hint("report")
 # StepResult.tokens (runner/train.py): input tokens of the global step over all ranks, padding excluded,
 # divided by the wall time between two log records (which includes eval and checkpoint time).
 TOKENS_LABEL = "input tokens/s (all ranks, padding excluded)"

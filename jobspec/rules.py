@@ -1,22 +1,21 @@
 """Rules that span sections of a spec: each problem names every field involved and a fix.
 
 `JobSpec` runs them after its fields validate; the loader splits the problems by field path so
-that each is reported at its own line.
+that each is reported at its own line. This module never imports the spec: it states what it
+reads as protocols (`SpecView`), which `JobSpec` meets, so the two modules form no import circle.
 """
 
 from __future__ import annotations
 
 import posixpath
 import re
-from typing import TYPE_CHECKING
+from collections.abc import Mapping
+from typing import Protocol
 
 from jobspec import gpus as gpu_catalogue
 from jobspec.contract import SCRATCH_DIR, SHM_MOUNT, SPEC_MOUNT_DIR, WORKDIR
 from jobspec.memory import divisors
 from jobspec.presets import PRESETS
-
-if TYPE_CHECKING:
-    from jobspec.spec import JobSpec
 
 _LABEL_KEY = re.compile(r"^([a-z0-9]([-a-z0-9.]*[a-z0-9])?/)?[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$")
 _LABEL_VALUE = re.compile(r"^([A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?)?$")
@@ -32,7 +31,95 @@ class CrossFieldError(ValueError):
         self.problems = problems
 
 
-def cross_field_problems(spec: JobSpec) -> list[Problem]:
+# What the rules read of a spec (read-only properties: a frozen model's narrower types satisfy them).
+class _Gpus(Protocol):
+    @property
+    def type(self) -> str | None: ...
+    @property
+    def count(self) -> int: ...
+    @property
+    def memory(self) -> int | None: ...
+
+
+class _Hardware(Protocol):
+    @property
+    def vendor(self) -> str: ...
+    @property
+    def gpus(self) -> _Gpus: ...
+    @property
+    def nodes(self) -> int: ...
+    @property
+    def world_size(self) -> int: ...
+    @property
+    def memory(self) -> int | None: ...
+    @property
+    def shm_size(self) -> int: ...
+
+
+class _Training(Protocol):
+    @property
+    def global_batch(self) -> int: ...
+    @property
+    def micro_batch(self) -> int | str: ...
+    @property
+    def precision(self) -> str: ...
+
+
+class _Image(Protocol):
+    @property
+    def name(self) -> str | None: ...
+
+
+class _Model(Protocol):
+    @property
+    def preset(self) -> str | None: ...
+
+
+class _Data(Protocol):
+    @property
+    def max_seq_len(self) -> int: ...
+    @property
+    def pvc(self) -> str | None: ...
+    @property
+    def mount_path(self) -> str: ...
+
+
+class _Checkpoints(Protocol):
+    @property
+    def dir(self) -> str: ...
+    @property
+    def pvc(self) -> str | None: ...
+
+
+class _Scheduling(Protocol):
+    @property
+    def labels(self) -> Mapping[str, str]: ...
+    @property
+    def annotations(self) -> Mapping[str, str]: ...
+    @property
+    def node_selector(self) -> Mapping[str, str]: ...
+
+
+class SpecView(Protocol):
+    """The parts of a `JobSpec` the rules read."""
+
+    @property
+    def hardware(self) -> _Hardware: ...
+    @property
+    def training(self) -> _Training: ...
+    @property
+    def image(self) -> _Image: ...
+    @property
+    def model(self) -> _Model: ...
+    @property
+    def data(self) -> _Data: ...
+    @property
+    def checkpoints(self) -> _Checkpoints: ...
+    @property
+    def scheduling(self) -> _Scheduling: ...
+
+
+def cross_field_problems(spec: SpecView) -> list[Problem]:
     out: list[Problem] = []
     hw, tr = spec.hardware, spec.training
     world = hw.world_size
@@ -75,13 +162,10 @@ def cross_field_problems(spec: JobSpec) -> list[Problem]:
             )
         )
     elif hw.gpus.type and not info and hw.gpus.memory is None:
-        out.append(
-            (
-                "hardware.gpus.type",
-                f"unknown GPU type {hw.gpus.type!r}",
-                f"use one of {', '.join(gpu_catalogue.known_names())}, or give hardware.gpus.memory",
-            )
-        )
+        close = gpu_catalogue.suggest(hw.gpus.type)
+        known = f"one of {', '.join(gpu_catalogue.known_names())}, or give hardware.gpus.memory"
+        hint = f"did you mean {' or '.join(close)}? Otherwise use {known}" if close else f"use {known}"
+        out.append(("hardware.gpus.type", f"unknown GPU type {hw.gpus.type!r}", hint))
     if spec.model.preset:
         limit = PRESETS[spec.model.preset].max_positions
         if spec.data.max_seq_len > limit:
@@ -127,7 +211,7 @@ def cross_field_problems(spec: JobSpec) -> list[Problem]:
     return out
 
 
-def _data_mount_problems(spec: JobSpec) -> list[Problem]:
+def _data_mount_problems(spec: SpecView) -> list[Problem]:
     """`data.mount_path` must be absolute and not another of the pod's mounts (the API rejects duplicates)."""
     mount = spec.data.mount_path
     if not mount.startswith("/"):

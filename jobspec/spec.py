@@ -21,7 +21,7 @@ from jobspec.credentials import SECRET_REF_HINT, credential_kind, inline_credent
 from jobspec.presets import PRESETS
 from jobspec.rules import CrossFieldError, cross_field_problems
 from jobspec.safe_yaml import out_of_range
-from jobspec.units import ByteSize, CpuQuantity, parse_gpus
+from jobspec.units import GPUS_PATTERN, ByteSize, CpuQuantity, parse_gpus
 
 Tier = Literal[("auto", *memory.TIERS)]  # type: ignore[valid-type]
 Vendor = Literal["cuda", "rocm", "cpu"]
@@ -45,9 +45,22 @@ def _on_off(value: Any) -> Any:
     return {True: "on", False: "off"}.get(value, value) if isinstance(value, bool) else value
 
 
-JobName = Annotated[str, BeforeValidator(lambda v: _dns_label(v, 50) if isinstance(v, str) else v)]
-DnsLabel = Annotated[str, BeforeValidator(lambda v: _dns_label(v) if isinstance(v, str) else v)]
-OnOffAuto = Annotated[Literal["auto", "on", "off"], BeforeValidator(_on_off)]
+# json_schema_input_type: `jobspec schema` accepts every spelling the validator does (an editor must not flag them).
+_LABEL_SCHEMA = Annotated[str, Field(pattern=_DNS_LABEL.pattern, max_length=63)]
+JobName = Annotated[
+    str,
+    BeforeValidator(
+        lambda v: _dns_label(v, 50) if isinstance(v, str) else v,
+        json_schema_input_type=Annotated[str, Field(pattern=_DNS_LABEL.pattern, max_length=50)],
+    ),
+]
+DnsLabel = Annotated[
+    str, BeforeValidator(lambda v: _dns_label(v) if isinstance(v, str) else v, json_schema_input_type=_LABEL_SCHEMA)
+]
+# bool: YAML 1.1 reads a bare `on`/`off` as true/false.
+OnOffAuto = Annotated[
+    Literal["auto", "on", "off"], BeforeValidator(_on_off, json_schema_input_type=Literal["auto", "on", "off"] | bool)
+]
 
 
 class Section(BaseModel):
@@ -55,10 +68,46 @@ class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=False, allow_inf_nan=False)
 
 
+# distribution/reference's grammar, which kubelet and containerd parse: [host[:port]/]path[:tag][@digest].
+_IMAGE_LABEL = r"[A-Za-z0-9](?:[A-Za-z0-9-]*[A-Za-z0-9])?"
+_IMAGE_HOST = rf"(?:{_IMAGE_LABEL}(?:\.{_IMAGE_LABEL})*|\[[0-9A-Fa-f:]+\])(?::[0-9]+)?"
+_IMAGE_PATH = r"[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*"
+_IMAGE_TAG = r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}"
+_IMAGE_REF = re.compile(rf"(?P<repo>(?:{_IMAGE_HOST}/)?{_IMAGE_PATH}(?:/{_IMAGE_PATH})*)(?::{_IMAGE_TAG})?")
+_DIGEST_HEX = {"sha256": 64, "sha384": 96, "sha512": 128}  # the algorithms OCI runtimes verify
+
+
+def _image_reference(value: str | None) -> str | None:
+    """Refuse what kubelet would fail as InvalidImageName, and a digest of the wrong shape. The value is
+    never echoed: a credential in it is reported (without it) by `JobSpec._check`."""
+    if value is None or credential_kind(value):
+        return value
+    ref, at, digest = value.partition("@")
+    if at:
+        algorithm, _, hex_part = digest.partition(":")
+        want = _DIGEST_HEX.get(algorithm)
+        if want is None or len(hex_part) != want or not re.fullmatch(r"[0-9a-f]+", hex_part):
+            raise ValueError(
+                "the digest after '@' must be sha256: and 64 lowercase hex digits (sha384/sha512: 96/128), "
+                "as `crane digest IMAGE` or `docker buildx imagetools inspect IMAGE` print it"
+            )
+    match = _IMAGE_REF.fullmatch(ref)
+    if not match or len(match["repo"]) > 255:
+        raise ValueError(
+            "not an image reference: use [registry[:port]/]repository[:tag][@sha256:<digest>], with the "
+            "repository in lowercase and no spaces, e.g. ghcr.io/me/trainer:1.0@sha256:<64 hex digits>"
+        )
+    return value
+
+
 class ImageSpec(Section):
     name: Annotated[
         str | None,
-        Field(description="Container image. Default: the jobspec runner image for `hardware.vendor` (see README)."),
+        BeforeValidator(lambda v: _image_reference(v) if isinstance(v, str) else v),
+        Field(
+            description="Container image, e.g. `repo:tag` or pinned `repo@sha256:<digest>`. "
+            "Default: the jobspec runner image for `hardware.vendor` (see README)."
+        ),
     ] = None
     pull_policy: Annotated[
         Literal["Always", "IfNotPresent", "Never"], Field(description="Kubernetes imagePullPolicy.")
@@ -240,12 +289,26 @@ class HardwareSpec(Section):
     vendor: Annotated[Vendor, Field(description="cuda (NVIDIA), rocm (AMD) or cpu (no accelerator).")] = "cuda"
     gpus: Annotated[
         GpuRequest,
-        BeforeValidator(parse_gpus),
+        BeforeValidator(
+            parse_gpus,
+            json_schema_input_type=GpuRequest
+            | Annotated[int, Field(ge=1, le=64)]
+            | Annotated[str, Field(pattern=GPUS_PATTERN, examples=["H100:8", "RTX3080-20GB:2"])],
+        ),
         Field(description="GPUs per node: 'H100:8', 8, or {type, count, memory}."),
     ] = GpuRequest()
     nodes: Annotated[int, Field(ge=1, le=1024, description="Nodes (pods) in the Indexed Job.")] = 1
-    cpu: Annotated[CpuQuantity | None, Field(description="CPU request per pod, e.g. 8 or '500m'.")] = None
-    memory: Annotated[ByteSize | None, Field(description="Host memory per pod (request = limit), e.g. '64Gi'.")] = None
+    cpu: Annotated[
+        CpuQuantity | None,
+        Field(description="CPU request per pod, e.g. 8 or '500m' (no limit); default 2 per GPU, 1 per CPU process."),
+    ] = None
+    memory: Annotated[
+        ByteSize | None,
+        Field(
+            description="Host memory per pod (request = limit), e.g. '64Gi'; default a request of 8Gi per GPU, "
+            "2Gi per CPU process, with no limit."
+        ),
+    ] = None
     shm_size: Annotated[ByteSize, Field(description="Size of the memory-backed /dev/shm (dataloader workers).")] = (
         8 * 1024**3
     )
@@ -267,6 +330,14 @@ class MemorySpec(Section):
     target_utilization: Annotated[
         float, Field(ge=0.5, le=0.98, description="Fraction of GPU memory the micro-batch is sized to.")
     ] = 0.9
+    regrow_after: Annotated[
+        int | None,
+        Field(
+            ge=1,
+            description="Steps without OOM after an in-process shrink before the larger micro-batch is tried again "
+            "(at most 3 tries, the wait doubling after each); null: keep the smaller one.",
+        ),
+    ] = 50
 
 
 class CheckpointSpec(Section):
@@ -373,11 +444,15 @@ class TrackingSpec(Section):
     """Where metrics go besides `metrics.jsonl` (which is always written): through accelerate's trackers."""
 
     tensorboard: Annotated[
-        TensorBoardSpec | None, BeforeValidator(_enabled), Field(description="TensorBoard: `true` or {logdir}.")
+        TensorBoardSpec | None,
+        BeforeValidator(_enabled, json_schema_input_type=TensorBoardSpec | bool | None),
+        Field(description="TensorBoard: `true` or {logdir}."),
     ] = None
     wandb: Annotated[WandbSpec | None, Field(description="Weights & Biases: {project, entity, api_key}.")] = None
     mlflow: Annotated[
-        MlflowSpec | None, BeforeValidator(_enabled), Field(description="MLflow: `true` or {tracking_uri, ...}.")
+        MlflowSpec | None,
+        BeforeValidator(_enabled, json_schema_input_type=MlflowSpec | bool | None),
+        Field(description="MLflow: `true` or {tracking_uri, ...}."),
     ] = None
     run_name: Annotated[str | None, Field(description="Run name in the trackers; default the job name.")] = None
 
@@ -420,6 +495,13 @@ class SchedulingSpec(Section):
     ] = 120
     labels: Annotated[dict[str, str], Field(description="Extra labels on every object.")] = {}
     annotations: Annotated[dict[str, str], Field(description="Extra annotations on every object.")] = {}
+    network_policy: Annotated[
+        bool,
+        Field(
+            description="Render a NetworkPolicy: only this job's pods may connect to its pods (any TCP port; "
+            "egress stays open). false where the CNI enforces no policies or an admin manages them."
+        ),
+    ] = True
 
 
 def _hex40_counts(name: str) -> bool:
@@ -434,7 +516,9 @@ def _env_text(value: Any) -> Any:
     return str(value) if isinstance(value, (int, float)) else value
 
 
-EnvValue = Annotated[str | SecretRef, BeforeValidator(_env_text)]
+EnvValue = Annotated[
+    str | SecretRef, BeforeValidator(_env_text, json_schema_input_type=str | int | float | bool | SecretRef)
+]
 
 
 class JobSpec(Section):
@@ -492,6 +576,11 @@ class JobSpec(Section):
     @property
     def world_size(self) -> int:
         return self.hardware.world_size
+
+    @property
+    def export_dir(self) -> str:
+        """Where the exported model goes: `output.dir`, else `<checkpoints.dir>/model`."""
+        return self.output.dir or f"{self.checkpoints.dir.rstrip('/')}/model"
 
     def to_yaml_dict(self) -> dict[str, Any]:
         """The spec as plain data that `load_spec` reads back to an equal spec."""

@@ -1,5 +1,8 @@
 """Value types that parse human shorthand once: byte sizes ("16Gi", "20GB") and GPU
-requests ("H100:8"). The parsed value is what the rest of the code sees."""
+requests ("H100:8"). The parsed value is what the rest of the code sees.
+
+Each type's JSON Schema (`jobspec schema`) accepts every spelling its parser accepts, so an
+editor does not flag `gpus: H100:8` or `memory: 16Gi`."""
 
 from __future__ import annotations
 
@@ -10,6 +13,8 @@ from typing import Annotated, Any
 
 from pydantic import BeforeValidator, PlainSerializer, WithJsonSchema
 
+from jobspec.errors import HintedValueError
+
 _UNITS = {
     "": 1,
     "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3, "t": 1000**4, "tb": 1000**4,
@@ -19,6 +24,9 @@ _UNITS = {
 }  # fmt: skip
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
 MAX_BYTES = 2**63 - 1  # a Kubernetes quantity is a 64-bit integer (8 EiB)
+# A size without a unit is bytes (as in Kubernetes). Every size in a spec is memory for a pod, a GPU,
+# /dev/shm or a weights file: below 1 MiB a bare number is a missing unit ("memory: 64"), not a setting.
+MIN_BARE_BYTES = 1024**2
 _TOO_LARGE = f"too large: a size is at most {MAX_BYTES} bytes (2^63 - 1, just under 8Ei)"
 
 
@@ -51,24 +59,59 @@ def parse_bytes(value: Any) -> int:
     return int(size)
 
 
+def parse_size(value: Any) -> int:
+    """A spec's size: `parse_bytes`, refusing a number without a unit below MIN_BARE_BYTES."""
+    size = parse_bytes(value)
+    if size < MIN_BARE_BYTES and is_bare_number(value):
+        fix = f"write {size}Gi or {size}Mi (or {size}G, 10^9 bytes)" if size else "write a size with a unit, e.g. 16Gi"
+        raise HintedValueError(f"{size} bytes? a size without a unit counts bytes", fix)
+    return size
+
+
+def is_bare_number(value: Any) -> bool:
+    """A number (or a text of digits) without a unit."""
+    if isinstance(value, str):
+        match = _SIZE.match(value)
+        return bool(match) and not match.group(2)
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 def _shown(value: str) -> str:
     # Echo a short value to help fix it; a long one is not a typo of a size (it may be a token in the wrong place).
     return repr(value) if len(value) <= 12 else f"a text of {len(value)} characters"
 
 
 def format_bytes(n: int) -> str:
-    """Kubernetes quantity with the largest binary suffix that divides n exactly."""
+    """Kubernetes quantity with the largest binary suffix that divides n exactly.
+
+    `parse_size` reads every result back to n: a size below MIN_BARE_BYTES that no binary suffix
+    divides keeps a unit, as a decimal fraction of k (1001 -> '1.001k').
+    """
     for suffix, unit in (("Ti", 1024**4), ("Gi", 1024**3), ("Mi", 1024**2), ("Ki", 1024)):
         if n and n % unit == 0:
             return f"{n // unit}{suffix}"
-    return str(n)
+    if n >= MIN_BARE_BYTES:
+        return str(n)
+    digits = str(n).rjust(4, "0")
+    return f"{digits[:-3]}.{digits[-3:]}".rstrip("0").rstrip(".") + "k"
 
+
+# A number with a unit (`parse_bytes`' suffixes, any case), or 7+ digits (bytes; fewer are refused).
+SIZE_PATTERN = r"^\s*(\d{7,}(\.\d+)?|\d+(\.\d+)?\s*[kKmMgGtTpPeE][iI]?[bB]?)\s*$"
 
 ByteSize = Annotated[
     int,
-    BeforeValidator(parse_bytes),
+    BeforeValidator(parse_size),
     PlainSerializer(format_bytes, return_type=str),
-    WithJsonSchema({"type": ["string", "integer"], "examples": ["16Gi", "20GB", 1073741824]}),
+    WithJsonSchema(
+        {
+            "anyOf": [
+                {"type": "string", "pattern": SIZE_PATTERN},
+                {"type": "integer", "minimum": MIN_BARE_BYTES, "maximum": MAX_BYTES},
+            ],
+            "examples": ["16Gi", "512Mi", "20GB"],
+        }
+    ),
 ]
 
 _CPU = re.compile(r"^\d+(\.\d+)?m?$")
@@ -93,6 +136,10 @@ def parse_cpu(value: Any) -> str:
 CpuQuantity = Annotated[
     str, BeforeValidator(parse_cpu), WithJsonSchema({"type": ["string", "number"], "examples": [8, "500m"]})
 ]
+
+
+# parse_gpus' text forms: 'TYPE:COUNT', ':COUNT' or 'COUNT', and a bare 'TYPE' (one GPU).
+GPUS_PATTERN = r"^([^:]*:\d+|[^:]+)$"
 
 
 def parse_gpus(value: Any) -> dict[str, Any]:

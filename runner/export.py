@@ -50,7 +50,7 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 def resolve(path: str | Path) -> Path:
-    """The complete checkpoint `path` names (a step dir, or a run dir's newest); ConfigError otherwise."""
+    """The intact checkpoint `path` names (a step dir, or a run dir's newest); ConfigError otherwise."""
     path = Path(path)
     if not path.is_dir():
         raise ConfigError(f"{path}: no such checkpoint directory (give a step-N directory or a run directory)")
@@ -60,16 +60,26 @@ def resolve(path: str | Path) -> Path:
                 f"{path}: incomplete checkpoint (no {checkpoint.DONE} marker: its writer stopped before finishing); "
                 f"export an older one, e.g. {_newest_hint(path.parent)}"
             )
-        return path
-    newest = checkpoint.latest(path)
-    if newest is None:
-        raise ConfigError(f"{path}: no complete checkpoint (step-N directory with a {checkpoint.DONE} marker) in it")
-    return newest
+        ckpt = path
+    else:
+        ckpt = checkpoint.latest(path)
+        if ckpt is None:
+            done = checkpoint.DONE
+            raise ConfigError(f"{path}: no complete checkpoint (step-N directory with a {done} marker) in it")
+    problem = checkpoint.verify(ckpt)  # sizes and checksums against its manifest.json
+    if problem is not None:
+        raise ConfigError(f"{ckpt}: damaged checkpoint ({problem}); export an intact one, e.g. {_intact_hint(ckpt)}")
+    return ckpt
 
 
 def _newest_hint(run_dir: Path) -> str:
     newest = checkpoint.latest(run_dir)
     return str(newest) if newest else "none is complete in this run directory"
+
+
+def _intact_hint(damaged: Path) -> str:
+    older = [p for _, p in checkpoint.complete(damaged.parent) if p != damaged and checkpoint.verify(p) is None]
+    return str(older[-1]) if older else "none in this run directory verifies"
 
 
 def checkpoint_spec(ckpt: Path) -> JobSpec:
@@ -89,6 +99,11 @@ def _with_base(spec: JobSpec, base: str | None) -> JobSpec:
     return spec.model_copy(update={"model": spec.model.model_copy(update={"path": base})})
 
 
+def _precision(ckpt: Path) -> str:
+    """The precision the checkpoint was trained at (a LoRA preset's frozen base was held at that width)."""
+    return str((checkpoint.read_meta(ckpt).get("plan") or {}).get("precision", "fp32"))
+
+
 def load_trained(spec: JobSpec, ckpt: Path) -> tuple[torch.nn.Module, Any]:
     """(model on the CPU with the checkpoint's weights, tokenizer): the training model, rebuilt and loaded."""
     from jobspec.plan import model_shape
@@ -97,7 +112,7 @@ def load_trained(spec: JobSpec, ckpt: Path) -> tuple[torch.nn.Module, Any]:
 
     tokenizer = load_tokenizer(spec.model.path, model_shape(spec).vocab)
     model = build_model(spec, bos=getattr(tokenizer, "BOS", tokenizer.eos_id), eos=tokenizer.eos_id,
-                        vocab=tokenizer.vocab_size)  # fmt: skip
+                        vocab=tokenizer.vocab_size, precision=_precision(ckpt))  # fmt: skip
     lora = spec.model.lora is not None
     wanted = {n for n, p in model.named_parameters(remove_duplicate=False) if p.requires_grad or not lora}
     state = {k: v for k, v in model.state_dict().items() if k in wanted}
@@ -167,6 +182,8 @@ def write_export(spec: JobSpec, ckpt: Path, out: Path, *, final: Path, merge: bo
         if spec.model.preset:  # the base exists nowhere else (built from config and seed): ship it beside the adapter
             base = build_model(_base_spec(spec), bos=getattr(tokenizer, "BOS", tokenizer.eos_id),
                                eos=tokenizer.eos_id, vocab=tokenizer.vocab_size)  # fmt: skip
+            if _precision(ckpt) in ("bf16", "fp16"):  # the width the base was trained at
+                base.to(DTYPES[_precision(ckpt)])
             _generation_ready(base, tokenizer)
             _cast(base, dtype).save_pretrained(out / "base", **_save_kwargs(spec))
             hf_tokenizer.save_pretrained(out / "base")
@@ -238,7 +255,7 @@ def read_provenance(path: Path) -> dict[str, Any] | None:
 
 
 def default_out(spec: JobSpec) -> Path:
-    return Path(spec.output.dir or Path(spec.checkpoints.dir) / "model")
+    return Path(spec.export_dir)
 
 
 def export(

@@ -93,7 +93,9 @@ class Metrics:
 
 
 def format_line(r: dict[str, Any]) -> str:
-    """The human form of a record: `step 50/150 | loss 1.234 | lr 2.9e-03 | 12,345 tok/s | mbs 16 x 1 | ...`."""
+    """The human form of a record: `step 50/150 | loss 1.234 | lr 2.9e-03 | 12,345 input tok/s | ...`.
+
+    tokens_per_s counts the input tokens of every rank, padding excluded (not only the scored targets)."""
     if r.get("kind") == "eval":
         return f"eval step {r['step']} | eval_loss {r['eval_loss']:.4f} | {r['eval_tokens']} tokens"
     if r.get("kind") == "plan":
@@ -110,7 +112,7 @@ def format_line(r: dict[str, Any]) -> str:
     util = f" | gpu {r['gpu_util']}%" if r.get("gpu_util") is not None else ""
     return (
         f"step {r['step']}/{r['total_steps']} | loss {r['loss']:.4f} | lr {r['lr']:.2e} | "
-        f"{r['tokens_per_s']:,.0f} tok/s | {r['tier']} mbs {r['micro_batch']} x {r['grad_accum']} "
+        f"{r['tokens_per_s']:,.0f} input tok/s | {r['tier']} mbs {r['micro_batch']} x {r['grad_accum']} "
         f"x {r['world_size']} = {r['global_batch']}{mem}{util}"
     )
 

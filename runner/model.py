@@ -57,8 +57,13 @@ def preset_config(shape: ModelShape, bos: int, eos: int) -> object:
     return cfg
 
 
-def build_model(spec: JobSpec, *, bos: int, eos: int, vocab: int) -> nn.Module:
-    """The model on the CPU in fp32 (preset) or its stored dtype (path); the caller places it."""
+def build_model(spec: JobSpec, *, bos: int, eos: int, vocab: int, precision: str = "fp32") -> nn.Module:
+    """The model on the CPU in fp32 (preset) or its stored dtype (path); the caller places it.
+
+    With LoRA and 16-bit training (`precision`), a preset's frozen base is cast to that width first: it
+    takes no gradient or optimizer step, so fp32 would only double its memory (the memory model counts
+    2 bytes a frozen parameter); peft keeps the adapters in fp32.
+    """
     from transformers import AutoModelForCausalLM
 
     m = spec.model
@@ -79,6 +84,8 @@ def build_model(spec: JobSpec, *, bos: int, eos: int, vocab: int) -> nn.Module:
             )
             model.resize_token_embeddings(vocab)
     model.config.use_cache = False  # no KV cache in training (and required with checkpointing)
+    if m.lora and m.preset and precision in ("bf16", "fp16"):
+        model.to(DTYPES[precision])
     if m.lora:
         model = apply_lora(model, m.lora)
     total = sum(p.numel() for p in model.parameters())

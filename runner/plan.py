@@ -12,10 +12,11 @@ import dataclasses
 import logging
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
-from jobspec import memory
-from jobspec.contract import EXIT_OOM_LAST_TIER, EXIT_OOM_RETRY_TIER
+from jobspec import calibration, memory
+from jobspec.contract import EXIT_OOM_LAST_TIER, EXIT_OOM_RETRY_TIER, METRICS_FILE
 from jobspec.errors import ConfigError, JobspecError
 from jobspec.plan import estimate_kwargs, model_shape
 from jobspec.presets import ModelShape
@@ -155,6 +156,8 @@ def size_for_tier(
     gb, local, notes = spec.training.global_batch, _local(device, world_size, local_ranks), list(reasons)
     kw, bkw = _inputs(spec, device, world_size, local)
     per_rank_batch, shape = gb // world_size, model_shape(spec)
+    if device.is_gpu:
+        kw["sample_scale"] = _measured_scale(spec, shape, tier, kw, notes)
     precision, why_precision = resolve_precision(spec.training.precision, device)
     tp, fixed, per_sample = _sized(shape, tier, kw, bkw)
     free, where = gib(bkw["gpu_bytes"]), "free" if device.is_gpu else f"host / {local} ranks"
@@ -181,6 +184,25 @@ def size_for_tier(
         model_max_micro_batch=tp.max_micro_batch, micro_batch_fixed=isinstance(spec.training.micro_batch, int),
         reasons=tuple(notes),
     )  # fmt: skip
+
+
+def _measured_scale(spec: JobSpec, shape: ModelShape, tier: str, kw: dict[str, Any], notes: list[str]) -> float:
+    """The per-sample correction an earlier run in this run directory measured at `tier` on a GPU (the same
+    one `jobspec plan --from` applies; jobspec/calibration.py), else 1."""
+    metrics = Path(spec.checkpoints.dir) / METRICS_FILE
+    if not metrics.is_file():
+        return 1.0
+    try:
+        measured = calibration.read_run(metrics.parent).get(tier)
+    except JobspecError:
+        return 1.0
+    if measured is None or measured.device != "cuda":
+        return 1.0
+    scale, line = calibration.sample_scale(shape, measured, **kw)
+    if scale is None:
+        return 1.0
+    _note(notes, f"per-sample bytes x{scale:.2f} from this run directory's earlier measurement ({line})")
+    return scale
 
 
 def choose_tier(spec: JobSpec, device: DeviceInfo, host: HostInfo, world_size: int, local: int) -> tuple[str, str]:

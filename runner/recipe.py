@@ -1,9 +1,11 @@
 """The training recipe of one rank: `Recipe(spec)`, `setup()`, `train()`, `cleanup()` (torchtune's shape).
 
-`Recipe(spec)` checks what it can without a GPU, `setup()` probes, plans, builds data, model,
-optimizer and accelerate and resumes from the newest complete checkpoint, `train()` runs the loop and
-returns the exit code, `cleanup()` releases everything. The loop is nanoGPT-plain: step ids ->
-`Stepper.train_step` -> log / eval / checkpoint. `runner/worker.py` runs it as a process.
+`Recipe(spec)` checks what it can without a GPU, `setup()` takes the run directory's lease (rank 0,
+runner/lease.py), probes, plans, builds data, model, optimizer and accelerate, resumes from the newest
+intact checkpoint (damaged ones are skipped: runner/checkpoint.py) and checks the volume has room for
+the next one, `train()` runs the loop and returns the exit code, `cleanup()` releases everything. The
+loop is nanoGPT-plain: step ids -> `Stepper.train_step` -> log / eval / checkpoint. `runner/worker.py`
+runs it as a process.
 
 Debugging aid: JOBSPEC_RECORD_SAMPLES=1 makes every rank append `{step, rank, micro_batch, grad_accum,
 ids}` per optimizer step to `<checkpoints.dir>/samples-rank<R>.jsonl` (the ids it actually trained on).
@@ -28,6 +30,7 @@ from jobspec.spec import JobSpec
 from runner import checkpoint, engine, tracking
 from runner.data import PAD_MULTIPLE, DataOrder, load_data, rank_slice, total_steps
 from runner.dist import Control, DistEnv, destroy_process_group, init_process_group
+from runner.lease import Lease, LeaseHeld
 from runner.lineage import check_resume, lineage
 from runner.loader import Prefetcher
 from runner.metrics import GpuUtil, Metrics, Progress, memory_bytes
@@ -46,7 +49,7 @@ log = logging.getLogger("jobspec.runner")
 class Recipe:
     """One rank's training run; OOM handling (shrink, tier ladder) is `self.guard` (runner/oom/shrink.py)."""
 
-    def __init__(self, spec: JobSpec, env: DistEnv | None = None):
+    def __init__(self, spec: JobSpec, env: DistEnv | None = None, stop: StopFlag | None = None):
         gpu = spec.hardware.vendor != "cpu" and torch.cuda.is_available()
         if spec.training.precision == "fp16" and not gpu:  # rejected before any work is done
             raise ConfigError(
@@ -56,7 +59,9 @@ class Recipe:
         self.spec, self.env = spec, env or DistEnv.from_env()
         tracking.check_packages(spec)  # a missing tracker client is a config error, found before any work
         self.root = Path(spec.checkpoints.dir)
-        self.stop = StopFlag()
+        self.stop = StopFlag() if stop is None else stop  # the worker's is installed for its whole life (worker.py)
+        self.owns_stop = stop is None
+        self.lease: Lease | None = None  # rank 0's claim on the run directory (runner/lease.py)
         self.step = 0  # optimizer steps completed
         self.first_step = 0  # where this process started (the resumed step)
         self.saved_step = -1  # step of the last checkpoint written or resumed from
@@ -73,25 +78,31 @@ class Recipe:
 
     def setup(self) -> None:
         spec, env = self.spec, self.env
-        self.stop.install()
+        if self.owns_stop:
+            self.stop.install()
         self.host = probe_host()
         self.device, self.dev = engine.pick_device(spec, env.local_rank, self.host)
         log.info("%s", describe(self.dev, self.host))
         init_process_group(env, self.device, needed=False)
         self.ctrl = Control(env.world_size)
+        self._take_lease()
 
         self.tokenizer = load_tokenizer(spec.model.path, model_shape(spec).vocab)
         self.data = load_data(spec, self.tokenizer)
         self.order = DataOrder(len(self.data.train), spec.training.global_batch, spec.training.seed)
         self.total_steps = total_steps(spec, self.order)
         self.lineage = lineage(spec, self.data.train)
-        resume = checkpoint.latest(self.root)
+        resume = checkpoint.resume_point(self.root, rank=env.rank, ctrl=self.ctrl)  # verified; damaged ones skipped
         meta = checkpoint.read_meta(resume) if resume else None
         if meta is not None:
             check_resume(meta.get("lineage"), self.lineage, where=f"checkpoint {resume}",
                          force=spec.checkpoints.resume == "force")  # fmt: skip
         self.plan = self._plan(meta)
         self._build(resume, meta)
+        checkpoint.ensure_space(self.root, self.model, rank=env.rank, ctrl=self.ctrl,
+                                trainable_only=spec.model.lora is not None)  # fmt: skip
+        if self.lease is not None:
+            self.lease.beat(force=True)  # setup may have taken long (a big model, probe steps)
         self.first_step = self.step
         self.status.update(tier=self.plan.tier, step=self.step, reason="running")
         config = {"spec": spec.to_yaml_dict(), "plan": {k: v for k, v in self.plan.to_dict().items() if k != "reasons"}}
@@ -99,6 +110,18 @@ class Recipe:
         self.metrics = Metrics(self.root / METRICS_FILE, enabled=env.is_main, trackers=trackers)
         self._write_plan(resumed=resume is not None)
         self.gpu_util = GpuUtil(self.device)
+
+    def _take_lease(self) -> None:
+        """Rank 0 takes the run directory's lease (runner/lease.py); every rank stops when it cannot."""
+        held: ConfigError | None = None
+        if self.env.is_main:
+            try:
+                self.lease = Lease(self.root, self.spec.name)
+                self.lease.acquire()
+            except ConfigError as err:  # LeaseHeld, or a bad JOBSPEC_LEASE_TIMEOUT_S
+                held = err
+        if self.ctrl.any(held is not None):
+            raise held or LeaseHeld(f"{self.root} is in use by another run (rank 0's log names it)")
 
     def _build(self, resume: Path | None, meta: dict[str, Any] | None) -> None:
         """Model, optimizer, accelerator and stepper at `self.plan`, the state of `resume` (a checkpoint),
@@ -111,6 +134,7 @@ class Recipe:
             bos=getattr(self.tokenizer, "BOS", self.tokenizer.eos_id),
             eos=self.tokenizer.eos_id,
             vocab=self.tokenizer.vocab_size,
+            precision=self.plan.precision,
         )
         optimizer = engine.make_optimizer(model, spec, self.device, self.plan.tier)
         self.accelerator, self.model, self.optimizer = engine.prepare(self.plan, spec, self.device, model, optimizer)
@@ -153,6 +177,7 @@ class Recipe:
                 "resumed": resumed,
                 "total_steps": self.total_steps,
                 "pid": os.getpid(),
+                "device": self.device.type,
                 **self.plan.to_dict(),
             }
         )
@@ -275,20 +300,35 @@ class Recipe:
                     self._log_step(result, tokens / (time.perf_counter() - tic))
                     tic, tokens = time.perf_counter(), 0
                 self.progress.update(self._bar_loss(result))
+                if self.lease is not None:
+                    self.lease.beat()  # a clock check; the file is rewritten every lease.interval seconds
                 if (t.eval_every and self.step % t.eval_every == 0) or self.step == self.total_steps:
-                    self._evaluate()
+                    self._evaluate(final=self.step == self.total_steps)
                 if self.step % ck.every_steps == 0 or self.step == self.total_steps:
                     self._save()
         except Preempted:
-            log.warning("stop requested (signal %s): checkpointing step %d and exiting", self.stop.signum, self.step)
-            self._save()
-            self.status["reason"] = f"preempted at step {self.step}: checkpoint written"
-            return EXIT_PREEMPTED
+            return self._preempted()
         self.status["reason"] = "done"
         if self.env.is_main and self.spec.output.export:
             self._export()
         self._summary()
         return EXIT_OK
+
+    def _preempted(self) -> int:
+        """Every rank agreed to stop: checkpoint the steps trained since the last checkpoint, if any, and say
+        truthfully what was written (rank 0's reason becomes the termination message)."""
+        signum, step = self.stop.signum, self.step
+        if step == self.saved_step:
+            reason = f"stopped at step {step}: nothing new since checkpoint step-{step}, which the next start resumes"
+        elif step == 0:
+            reason = "stopped before the first step: no checkpoint written (nothing trained yet)"
+        else:
+            log.warning("stop requested (signal %s): checkpointing step %d and exiting", signum, step)
+            self._save()
+            reason = f"preempted at step {step}: checkpoint step-{step} written"
+        log.warning("%s", reason)
+        self.status["reason"] = reason
+        return EXIT_PREEMPTED
 
     def _can_step_down(self, err: TierOOM) -> bool:
         """Whether the next tier can start in this process: every rank knows (not a rank-local FSDP OOM),
@@ -319,7 +359,7 @@ class Recipe:
         local = self.env.local_world_size
         plan = size_for_tier(self.spec, self.dev, self.host, self.env.world_size, nxt, local_ranks=local, reasons=why)
         self.plan = agree(apply_cap(plan, self.root), self.ctrl.reduce_min)
-        resume = checkpoint.latest(self.root)
+        resume = checkpoint.resume_point(self.root, rank=self.env.rank, ctrl=self.ctrl)
         self.step = 0 if resume is None else self.step
         self._build(resume, None)
         self.status.update(tier=self.plan.tier, step=self.step, reason="running")
@@ -396,16 +436,26 @@ class Recipe:
             }
         )
 
-    def _evaluate(self) -> None:
+    def _evaluate(self, *, final: bool = False) -> None:
+        """Eval loss on this rank's share of the held-out data. A stop during the `final` one (after the last
+        step) skips it: the run saves its final checkpoint and ends done, not preempted."""
         if not self.data.eval:
             return
-        loss, n = self.stepper.evaluate(self.eval_ids, self.plan.micro_batch)
+        try:
+            loss, n = self.stepper.evaluate(self.eval_ids, self.plan.micro_batch)
+        except Preempted:  # raised on every rank at the same agreed check
+            if not final:
+                raise
+            log.warning("stop requested during the final evaluation: skipped; writing the final checkpoint")
+            return
         self.eval_loss = loss
         self.metrics.write({"kind": "eval", "step": self.step, "eval_loss": loss, "eval_tokens": n})
 
     def _save(self) -> None:
         if self.saved_step == self.step:
             return
+        if self.lease is not None:
+            self.lease.beat(force=True)  # still ours: a writer that lost its lease must not publish
         meta = {
             "epoch": self.order.epoch(max(self.step - 1, 0)),
             "samples": self.step * self.plan.global_batch,
@@ -447,10 +497,14 @@ class Recipe:
     # --- cleanup ----------------------------------------------------------------------------------------
 
     def cleanup(self) -> None:
-        for closable in (self.progress, self.metrics):
+        prefetch = getattr(getattr(self, "stepper", None), "prefetch", None)  # its DataLoader workers
+        for closable in (self.progress, self.metrics, prefetch):
             if closable is not None:
                 closable.close()
-        self.stop.restore()
+        if self.lease is not None:
+            self.lease.release()
+        if self.owns_stop:
+            self.stop.restore()
         from accelerate.state import AcceleratorState, GradientState
 
         AcceleratorState._reset_state(reset_partial_state=True)  # the next Recipe in this process starts clean

@@ -13,7 +13,7 @@
   the first of `splits` it has (`train` for data.path; `validation`, else `test`, for data.eval_path);
 - otherwise a name like `org/name` that is no local path: `datasets.load_dataset(name)`, same splits.
 
-pyarrow and datasets are optional (`pip install 'jobspec[data]'`); they are imported only when a
+pyarrow and datasets are optional (`pip install 'jobspec-k8s[data]'`); they are imported only when a
 source needs them. Arrow has no "absent": a column or struct field missing from one record reads as
 null there. Nulls are dropped, so a record holds the keys its JSON line would (`to_pylist` already
 makes structs dicts and lists of structs lists of dicts).
@@ -186,7 +186,7 @@ def _optional(module: str, field: str, source: object, what: str) -> ModuleType:
         return importlib.import_module(module)
     except ImportError:
         package = module.split(".")[0]
-        raise ConfigError(f"{field} {source} is {what}: install {package} (pip install 'jobspec[data]')") from None
+        raise ConfigError(f"{field} {source} is {what}: install {package} (pip install 'jobspec-k8s[data]')") from None
 
 
 def read_parquet(path: Path, field: str) -> Records:

@@ -41,20 +41,22 @@ from jobspec.contract import (
     EXIT_OOM_LAST_TIER,
     EXIT_OOM_RETRY_TIER,
     EXIT_PREEMPTED,
+    EXIT_STORAGE,
     RDZV_PORT,
     TERMINATION_MESSAGE_PATH,
 )
 from jobspec.errors import ConfigError, JobspecError
 from jobspec.loader import load_spec
 from jobspec.spec import JobSpec
+from runner import preflight
 from runner.hostmem import host_oom, oom_kills
 from runner.oom import relaunch
 from runner.oom.ladder import MESSAGE_LIMIT
 
 log = logging.getLogger("jobspec.runner")
 KILL_GRACE_S = float(os.environ.get("JOBSPEC_KILL_GRACE_S", "30"))  # after one rank fails, before SIGKILL
-# When ranks end differently, the most telling code wins (config > OOM ladder > failure > preempted > ok).
-_PRIORITY = [EXIT_CONFIG, EXIT_OOM_LAST_TIER, EXIT_OOM_RETRY_TIER, EXIT_FAILED, EXIT_PREEMPTED, EXIT_OK]
+# When ranks end differently, the most telling code wins (config > storage > OOM ladder > failure > preempted > ok).
+_PRIORITY = [EXIT_CONFIG, EXIT_STORAGE, EXIT_OOM_LAST_TIER, EXIT_OOM_RETRY_TIER, EXIT_FAILED, EXIT_PREEMPTED, EXIT_OK]
 
 
 @dataclass(frozen=True)
@@ -105,11 +107,27 @@ def _visible_gpus() -> int:
         return 0
 
 
+def _cpu_fallback(spec: JobSpec) -> int:
+    """Processes for a GPU spec on a machine without a GPU: no more than its CPUs, dividing the batch."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    asked = spec.hardware.gpus.count
+    n = max(d for d in range(1, min(asked, cores) + 1) if spec.training.global_batch % d == 0)
+    nodes = f"{spec.hardware.nodes} nodes x " if spec.hardware.nodes > 1 else ""
+    log.warning(
+        "the spec asks for %s%d %s GPU(s) (%s) and this machine has none: running 1 node x %d CPU process(es) "
+        "(gloo) instead, same global batch %d; --nproc N to choose",
+        nodes, asked, spec.hardware.gpus.type or "", spec.hardware.vendor, n, spec.training.global_batch,
+    )  # fmt: skip
+    return n
+
+
 def topology(spec: JobSpec, nproc: int | None) -> Topology:
     env = os.environ
     gpus = 0 if spec.hardware.vendor == "cpu" else _visible_gpus()
     if nproc is None and env.get(ENV_NPROC_PER_NODE):
         nproc = int(env[ENV_NPROC_PER_NODE])
+    if nproc is None and spec.hardware.vendor != "cpu" and not gpus:
+        nproc = _cpu_fallback(spec)
     if nproc is None:
         nproc = spec.hardware.gpus.count if not gpus else min(gpus, spec.hardware.gpus.count)
         if gpus and gpus != spec.hardware.gpus.count:
@@ -195,10 +213,12 @@ def combine(codes: list[int], killed: set[int] = frozenset()) -> tuple[int, str]
         mapped[rank] = EXIT_PREEMPTED if c == -signal.SIGTERM else c if c in _PRIORITY else EXIT_FAILED
     code = min(mapped.values(), key=_PRIORITY.index)
     first = next(r for r, c in mapped.items() if c == code)
-    reasons = {
+    reasons = {  # rank 0's own reason replaces these when it wrote one (run_attempt)
         EXIT_OK: "done",
-        EXIT_PREEMPTED: "preempted: checkpoint written",
+        # without rank 0's report it was stopped before it could train (killed by the signal while starting)
+        EXIT_PREEMPTED: "stopped by a signal before training started: no checkpoint written by this attempt",
         EXIT_CONFIG: "bad spec or data",
+        EXIT_STORAGE: "the checkpoint volume is full, read-only or not writable",
         EXIT_OOM_RETRY_TIER: "out of memory at micro-batch 1: retry at the next tier",
         EXIT_OOM_LAST_TIER: "out of memory at the last tier",
     }
@@ -216,24 +236,30 @@ def run_attempt(spec_path: str, overrides: list[str], topo: Topology, stopping: 
     """Start the workers once and wait for them."""
     fd, status_file = tempfile.mkstemp(prefix="jobspec-status-", suffix=".json")
     os.close(fd)
-    log.info(
-        "starting %d worker(s): node %d of %d, world size %d, master %s:%d",
-        topo.nproc,
-        topo.node_rank,
-        topo.nnodes,
-        topo.world_size,
-        topo.master_addr,
-        topo.master_port,
-    )
-    kills, workers = oom_kills(), Workers(spec_path, overrides, topo, status_file)  # kills: tells a host OOM
+    started: list[Workers] = []
 
     def forward(signum: int, frame: object) -> None:
         stopping[0] = True
         log.warning("signal %d: asking the workers to checkpoint and stop", signum)
-        workers.signal_all(signal.SIGTERM)
+        for workers in started:
+            workers.signal_all(signal.SIGTERM)
 
+    # Installed before the workers start: a signal meanwhile must not kill this process and orphan them.
     previous = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
+        log.info(
+            "starting %d worker(s): node %d of %d, world size %d, master %s:%d",
+            topo.nproc,
+            topo.node_rank,
+            topo.nnodes,
+            topo.world_size,
+            topo.master_addr,
+            topo.master_port,
+        )
+        kills, workers = oom_kills(), Workers(spec_path, overrides, topo, status_file)  # kills: tells a host OOM
+        started.append(workers)
+        if stopping[0]:  # the signal came while they were being started
+            workers.signal_all(signal.SIGTERM)
         codes = workers.wait(stopping)
     finally:
         for s, h in previous.items():
@@ -283,7 +309,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     try:
         spec = load_spec(args.spec, args.overrides)
-        outcome = supervise(spec, str(Path(args.spec).resolve()), args.overrides, args.nproc)
+        preflight.check(spec)  # a missing file, extra or bad fault rule: seconds, not a minute of imports
+        done = preflight.finished(spec)
+        if done:
+            log.info("%s", done)
+            outcome = Outcome(EXIT_OK, "done (already complete)")
+        else:
+            outcome = supervise(spec, str(Path(args.spec).resolve()), args.overrides, args.nproc)
     except JobspecError as err:
         print(str(err), file=sys.stderr)
         outcome = Outcome(err.exit_code, str(err).splitlines()[0])

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from runner.data import IGNORE, Batch, SFTData, micro_batches
 from runner.dist import Control
 from runner.loader import Prefetcher
-from runner.oom.detect import guarded
+from runner.oom.detect import Headroom, allocated_bytes, guarded, headroom
 from runner.oom.shrink import RankOOM, agreement, all_reduce_grads, raise_agreed
 
 log = logging.getLogger("jobspec.runner")
@@ -123,12 +123,12 @@ class Stepper:
         if self.ctrl.any(bool(self.stop)):
             raise Preempted
 
-    def agree(self, oom: str, *, stop: bool = True, optimizer: bool = False) -> None:
+    def agree(self, oom: str, *, stop: bool = True, optimizer: bool = False, room: Headroom | None = None) -> None:
         """One all-reduce MAX over ranks of [stop flag, OOM flag, rank]: StepOOM (OptimizerOOM) on every rank
         when any ran out, else Preempted on every rank when any has the stop flag (if `stop`)."""
         if oom and self.sharded_ranks:  # the others may be inside an FSDP collective: do not join another
             raise RankOOM(oom, self.rank, optimizer=optimizer)
-        mine = agreement(stop and bool(self.stop), oom, self.rank, self.world_size)
+        mine = agreement(stop and bool(self.stop), oom, self.rank, self.world_size, room)
         flags = self.ctrl.all_reduce(mine, "max")
         raise_agreed(flags, oom, self.world_size, optimizer=optimizer)
         if flags[0]:
@@ -151,6 +151,7 @@ class Stepper:
         StepOOM / OptimizerOOM on every rank when any rank ran out of memory (see the module docstring).
         """
         self.inner.zero_grad(set_to_none=True)
+        baseline = allocated_bytes()  # what the step starts with: an OOM's numbers are read against it
         if self.prefetch is not None:
             batches = self.prefetch.batches(sample_ids, micro_batch)
         else:
@@ -159,20 +160,20 @@ class Stepper:
         scale = self.world_size / max(targets, 1.0)  # global per-token mean, undoing the ranks' gradient average
         loss_sum = torch.zeros((), device=self.device)
         seen: list[int] = []
-        oom = ""  # this rank's OOM in the previous micro-step, agreed on before the next one starts
+        oom, room = "", None  # this rank's OOM in the previous micro-step, agreed on before the next one starts
         for i, batch in enumerate(batches):
-            self.agree(oom)
+            self.agree(oom, room=room)
             sync = self.world_size == 1 or (i == len(batches) - 1 and not self.manual_sync)
             with nullcontext() if sync else self.accelerator.no_sync(self.model):
                 out = guarded(partial(self._accumulate, batch, scale))
             if out.oom:
-                oom = out.reason
+                oom, room = out.reason, headroom(out.info, baseline, len(batch.sample_ids))
                 log.warning("rank %d: out of memory in micro-step %d of %d (%d samples): %s", self.rank, i + 1,
                             len(batches), len(batch.sample_ids), oom)  # fmt: skip
             else:
                 loss_sum += out.value
                 seen += batch.sample_ids
-        self.agree(oom, stop=False)  # the last micro-step's outcome, known to all before gradients move
+        self.agree(oom, stop=False, room=room)  # the last micro-step's outcome, known to all before gradients move
         if self.manual_sync:
             all_reduce_grads(self.params, self.world_size)
         update = guarded(partial(self._update, lr))

@@ -2,7 +2,12 @@
 
 Reads its place in the job from RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR and
 MASTER_PORT, runs `runner.recipe.Recipe` and exits with the contract's code: 0 done, 2 bad spec or
-data, 75/76 no tier fits, 143 stopped by SIGTERM after its checkpoint, 1 anything else (traceback logged).
+data (or a run directory held by another run, or without an intact checkpoint), 74 checkpoint volume
+full or not writable, 75/76 no tier fits, 143 stopped by SIGTERM (the steps trained are checkpointed),
+1 anything else (traceback logged).
+
+SIGTERM and SIGINT only set the stop flag, from the first line of `main` to the process's exit: a signal
+that comes after the run finished (final checkpoint written) cannot turn its exit 0 into a death by signal.
 """
 
 from __future__ import annotations
@@ -15,13 +20,15 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from jobspec.contract import EXIT_FAILED
+from jobspec.contract import EXIT_FAILED, EXIT_STORAGE
 from jobspec.errors import JobspecError
 from jobspec.loader import load_spec
 from runner.dist import DistEnv
 from runner.oom.shrink import tier_failed
 from runner.plan import NoFit
 from runner.recipe import Recipe
+from runner.storage import describe, volume_error
+from runner.train import StopFlag
 
 log = logging.getLogger("jobspec.runner")
 
@@ -49,12 +56,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("spec")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     args = parser.parse_args(argv)
+    stop = StopFlag()
+    stop.install()  # never restored: see the module docstring
     env = DistEnv.from_env()
     setup_logging(env.rank)
     worker: Recipe | None = None
     code = EXIT_FAILED
     try:
-        worker = Recipe(load_spec(args.spec, args.overrides), env)
+        worker = Recipe(load_spec(args.spec, args.overrides), env, stop=stop)
         worker.setup()
         code = worker.train()
     except NoFit as err:  # probe steps: micro-batch 1 does not fit this tier; persist it for the OOM ladder
@@ -74,9 +83,14 @@ def main(argv: list[str] | None = None) -> int:
         if worker is not None:
             worker.status["reason"] = str(err).splitlines()[0]
     except Exception as err:
-        log.exception("training failed")
-        if worker is not None:
-            worker.status["reason"] = f"{type(err).__name__}: {err}"[:300]
+        volume = volume_error(err, worker.root) if worker is not None else None
+        if worker is not None and volume is not None:  # e.g. metrics.jsonl on a full volume
+            code, worker.status["reason"] = EXIT_STORAGE, describe(volume, worker.root)
+            log.error("%s", worker.status["reason"])
+        else:
+            log.exception("training failed")
+            if worker is not None:
+                worker.status["reason"] = f"{type(err).__name__}: {err}"[:300]
     finally:
         if worker is not None:
             worker.cleanup()

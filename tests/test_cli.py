@@ -119,7 +119,8 @@ def test_render_pipes_and_reports_bad_spec(tmp_path: Path) -> None:
     result = run_cli("render", SFT)
     assert result.returncode == 0 and result.stdout.count("\n---\n") >= 2 and "kind: Job" in result.stdout
     as_json = json.loads(run_cli("render", SFT, "-o", "json").stdout)
-    assert as_json["kind"] == "List" and [o["kind"] for o in as_json["items"]] == ["ConfigMap", "Service", "Job"]
+    kinds = [o["kind"] for o in as_json["items"]]
+    assert as_json["kind"] == "List" and kinds == ["ConfigMap", "Service", "NetworkPolicy", "Job"]
     bad = tmp_path / "bad.yaml"
     bad.write_text("name: x\nmodel: {preset: tiny}\ntraining: {global_batch: 0}\n")
     result = run_cli("render", str(bad))
@@ -128,7 +129,7 @@ def test_render_pipes_and_reports_bad_spec(tmp_path: Path) -> None:
 
 def test_set_override_reaches_the_render() -> None:
     result = run_cli("render", SFT, "--set", "hardware.nodes=2", "-o", "json")
-    job = json.loads(result.stdout)["items"][2]
+    job = json.loads(result.stdout)["items"][-1]
     assert job["spec"]["completions"] == 2 and job["spec"]["parallelism"] == 2
 
 

@@ -26,6 +26,7 @@ from jobspec.contract import (
     EXIT_OOM_LAST_TIER,
     EXIT_OOM_RETRY_TIER,
     EXIT_PREEMPTED,
+    EXIT_STORAGE,
     KUEUE_QUEUE_LABEL,
     LABEL_JOB,
     LABEL_MANAGED_BY,
@@ -173,9 +174,10 @@ def test_objects_come_in_apply_order_with_labels_and_hash(example: Path) -> None
     assert [(o["kind"], o["metadata"]["name"]) for o in objs] == [
         ("ConfigMap", f"{spec.name}-spec"),
         ("Service", spec.name),
+        ("NetworkPolicy", spec.name),  # before the Job: no pod is ever open to other jobs
         ("Job", spec.name),
     ]
-    template = objs[2]["spec"]["template"]["metadata"]
+    template = objs[-1]["spec"]["template"]["metadata"]
     for meta in [o["metadata"] for o in objs] + [template]:
         assert meta.get("namespace", spec.namespace) == spec.namespace
         labels = meta["labels"]
@@ -335,7 +337,8 @@ def test_cpu_request_and_memory_request_equals_limit() -> None:
     assert resources["requests"]["cpu"] == "8" and "cpu" not in resources["limits"]
     assert resources["requests"]["memory"] == resources["limits"]["memory"] == "32Gi"
     bare = container_of(rendered(SFT, "hardware.cpu=null", "hardware.memory=null"))["resources"]
-    assert bare == {"requests": {"nvidia.com/gpu": 2}, "limits": {"nvidia.com/gpu": 2}}
+    # Defaults per GPU (2 CPUs, 8Gi), requests only: the pod is Burstable, not BestEffort.
+    assert bare == {"requests": {"cpu": "4", "memory": "16Gi", "nvidia.com/gpu": 2}, "limits": {"nvidia.com/gpu": 2}}
 
 
 # --- multi-node, Kueue, failure policy ---------------------------------------------------------------
@@ -377,7 +380,8 @@ def test_pod_failure_policy_follows_the_exit_code_contract(example: Path) -> Non
     job = by_kind(render(spec))["Job"]["spec"]
     ignore, fail, count = job["podFailurePolicy"]["rules"]
     assert ignore == {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]}
-    assert fail["action"] == "FailJob" and fail["onExitCodes"]["values"] == sorted([EXIT_CONFIG, EXIT_OOM_LAST_TIER])
+    assert fail["action"] == "FailJob"
+    assert fail["onExitCodes"]["values"] == sorted([EXIT_CONFIG, EXIT_STORAGE, EXIT_OOM_LAST_TIER])
     assert count["action"] == "Count" and count["onExitCodes"]["values"] == [EXIT_OOM_RETRY_TIER]
     for rule in (fail, count):
         codes = rule["onExitCodes"]
@@ -479,7 +483,7 @@ def test_render_is_pure() -> None:
     before = spec.model_dump()
     first = render(spec)
     snapshot = copy.deepcopy(first)
-    first[2]["spec"]["template"]["spec"]["containers"][0]["env"].clear()  # no state shared between calls
+    first[-1]["spec"]["template"]["spec"]["containers"][0]["env"].clear()  # no state shared between calls
     first[0]["metadata"]["labels"].clear()
     assert render(spec) == snapshot and spec.model_dump() == before
 
@@ -497,7 +501,8 @@ def test_import_pulls_in_neither_torch_nor_kubernetes() -> None:
 def test_to_yaml_is_multi_document_and_to_json_a_list() -> None:
     objs = render(load_spec(MULTINODE))
     text = to_yaml(objs)
-    assert text.count("\n---\n") == 2 and f"{SPEC_FILE_NAME}: |" in text  # the spec stays readable
+    assert text.count("\n---\n") == len(objs) - 1 == 3 and f"{SPEC_FILE_NAME}: |" in text  # spec stays readable
+    assert "&id" not in text and "*id" not in text  # no YAML anchors, even for a selector written twice
     assert list(yaml.safe_load_all(text)) == objs
     assert json.loads(to_json(objs)) == {"apiVersion": "v1", "kind": "List", "items": objs}
 

@@ -202,7 +202,8 @@ def test_without_matplotlib_the_summary_is_written_with_an_install_hint(run_dir:
     out = tmp_path / "out"
     result = report_in_subprocess(run_dir, out, hide_matplotlib=True)
     assert result.stdout.splitlines()[-1] == "result 0 []"
-    hints = [line for line in (result.stdout + result.stderr).splitlines() if "pip install 'jobspec[report]'" in line]
+    output = (result.stdout + result.stderr).splitlines()
+    hints = [line for line in output if "pip install 'jobspec-k8s[report]'" in line]
     assert len(hints) == 1, result.stderr
     assert sorted(p.name for p in out.iterdir()) == ["report.html", "report.md"]
     md = (out / "report.md").read_text()

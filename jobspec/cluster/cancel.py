@@ -1,4 +1,4 @@
-"""Cancel a job: delete the Job (its pods go with it), its Service and its ConfigMap.
+"""Cancel a job: delete the Job (its pods go with it), its Service, ConfigMap and NetworkPolicy.
 
 The objects are found by the job label jobspec puts on everything it renders, so a
 ConfigMap left over from an interrupted submit goes too. Objects jobspec did not make

@@ -15,7 +15,6 @@ import shlex
 import sys
 from typing import Any
 
-from jobspec.cluster.kubeconfig import DNS_LABEL
 from jobspec.contract import EXIT_CLUSTER, EXIT_CONFIG, EXIT_FAILED, EXIT_OK
 from jobspec.errors import ConfigError
 
@@ -48,7 +47,7 @@ def add_cluster_commands(subparsers: Any, common_parent: argparse.ArgumentParser
     p = add(
         "submit",
         "create the job on the cluster",
-        "Render SPEC and create its ConfigMap, Service and Job with server-side apply.\n"
+        "Render SPEC and create its ConfigMap, Service, NetworkPolicy and Job with server-side apply.\n"
         "Submitting the same spec again changes nothing and says so; a changed spec for an\n"
         "existing job is refused unless --replace (which deletes the old job first).",
     )
@@ -81,7 +80,7 @@ def add_cluster_commands(subparsers: Any, common_parent: argparse.ArgumentParser
         "Job phase, each index's newest pod (phase, restarts, attempts), and the runner's last\n"
         "reported tier, step and loss. Exits 1 when the job failed.",
     )
-    p.add_argument("name", metavar="NAME", help="job name")
+    p.add_argument("name", metavar="NAME|SPEC", help=_TARGET_HELP)
     p.add_argument("-o", "--output", choices=("table", "json"), default="table", help="output format")
     p.set_defaults(func=cmd_status)
 
@@ -90,7 +89,7 @@ def add_cluster_commands(subparsers: Any, common_parent: argparse.ArgumentParser
         "print or follow a job's log",
         "Print the log of one index's newest pod; -f follows it until that pod ends.",
     )
-    p.add_argument("name", metavar="NAME", help="job name")
+    p.add_argument("name", metavar="NAME|SPEC", help=_TARGET_HELP)
     p.add_argument("-f", "--follow", action="store_true", help="stream until the pod ends (waits for it to start)")
     p.add_argument("--index", type=int, default=0, metavar="N", help="completion index (node rank); default 0")
     p.add_argument(
@@ -102,10 +101,10 @@ def add_cluster_commands(subparsers: Any, common_parent: argparse.ArgumentParser
 
     p = add(
         "cancel",
-        "delete a job, its pods, Service and ConfigMap",
+        "delete a job, its pods, Service, ConfigMap and NetworkPolicy",
         "Delete everything jobspec created for NAME (found by its job label).",
     )
-    p.add_argument("name", metavar="NAME", help="job name")
+    p.add_argument("name", metavar="NAME|SPEC", help=_TARGET_HELP)
     p.add_argument("--wait", action="store_true", help="return only once the job's pods are gone")
     p.set_defaults(func=cmd_cancel)
 
@@ -128,7 +127,8 @@ def _connection_parent() -> argparse.ArgumentParser:
         "-n",
         "--namespace",
         metavar="NS",
-        help="namespace (default: the spec's, for submit; then the context's; then 'default')",
+        help="namespace (default: the spec's, when the command is given a spec file; then the context's; "
+        "then 'default')",
     )
     g.add_argument(
         "--request-timeout",
@@ -148,18 +148,38 @@ def _seconds(text: str) -> float:
     return value
 
 
+_TARGET_HELP = "job name, or the job's spec file (its name, and its namespace when written in it)"
+
+
 def _name(args: argparse.Namespace) -> str:
+    """The job NAME, or the name in a spec file; a spec's written namespace lands in `args.spec_namespace`.
+
+    A job name is an RFC 1123 label: an argument with a '.' or a '/' is read as a spec file.
+    """
+    from jobspec.cluster.kubeconfig import DNS_LABEL
+
+    args.spec_namespace = None
+    if "." in args.name or "/" in args.name:
+        from jobspec.loader import load_spec
+
+        spec = load_spec(args.name)
+        # As for submit: the spec's namespace counts only when written in it; its default must not hide the context's.
+        args.spec_namespace = spec.namespace if "namespace" in spec.model_fields_set else None
+        return spec.name
     if not DNS_LABEL.match(args.name):
-        raise ConfigError(f"{args.name!r} is not a valid job name (lower-case letters, digits and '-')")
+        raise ConfigError(
+            f"{args.name!r} is not a valid job name (lower-case letters, digits and '-') nor a spec file (*.yaml)"
+        )
     return args.name
 
 
 def _connect(args: argparse.Namespace) -> tuple[Any, str]:
-    """(client, namespace) for commands that work on existing objects."""
+    """(client, namespace) for commands that work on existing objects: -n, the spec's namespace, the context's."""
     from jobspec.cluster.kubeconfig import load_connection, validate_namespace
 
     conn = load_connection(args.kubeconfig, args.context)
-    namespace = validate_namespace(args.namespace or conn.namespace or "default")
+    chosen = args.namespace or getattr(args, "spec_namespace", None) or conn.namespace
+    namespace = validate_namespace(chosen or "default")
     return _client(args, conn), namespace
 
 

@@ -38,10 +38,13 @@ CONFIGMAP = Kind("ConfigMap", "v1", "configmaps")
 SERVICE = Kind("Service", "v1", "services")
 JOB = Kind("Job", "batch/v1", "jobs")
 POD = Kind("Pod", "v1", "pods")
-KINDS = {k.kind: k for k in (CONFIGMAP, SERVICE, JOB, POD)}
+NETWORK_POLICY = Kind("NetworkPolicy", "networking.k8s.io/v1", "networkpolicies")
+KINDS = {k.kind: k for k in (CONFIGMAP, SERVICE, NETWORK_POLICY, JOB, POD)}
+SUBMITTED_KINDS = (CONFIGMAP, SERVICE, NETWORK_POLICY, JOB)
 
-# Deleted in this order by `cancel` (the Job first, so no new pod mounts a missing ConfigMap).
-OWNED_KINDS = (JOB, SERVICE, CONFIGMAP)
+# Deleted in this order by `cancel` (the Job first, so no new pod mounts a missing ConfigMap; the
+# NetworkPolicy last: it guards the job's pods while they stop).
+OWNED_KINDS = (JOB, SERVICE, CONFIGMAP, NETWORK_POLICY)
 
 
 def kind_of(obj: dict[str, Any]) -> Kind:
@@ -49,7 +52,7 @@ def kind_of(obj: dict[str, Any]) -> Kind:
     if kind is None or kind.api_version != obj.get("apiVersion"):
         raise ConfigError(
             f"cannot submit {obj.get('apiVersion')}/{obj.get('kind')}: jobspec submits only "
-            + ", ".join(f"{k.api_version} {k.kind}" for k in (CONFIGMAP, SERVICE, JOB))
+            + ", ".join(f"{k.api_version} {k.kind}" for k in SUBMITTED_KINDS)
         )
     return kind
 

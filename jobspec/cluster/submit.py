@@ -1,7 +1,7 @@
 """Submit rendered objects: server-side apply, idempotent by spec hash, --replace to restart.
 
 Decision table, keyed on the Job that already has this name:
-    none                           -> apply ConfigMap, Service, Job (in that order)     "created"
+    none                           -> apply ConfigMap, Service, NetworkPolicy, Job      "created"
     same spec-hash                 -> touch nothing                                     "unchanged"
     other spec-hash, no --replace  -> SpecChanged (a Job's pod template is immutable)
     --replace                      -> delete the Job (Foreground: its pods first), wait, apply  "replaced"

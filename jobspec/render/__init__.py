@@ -1,4 +1,5 @@
-"""Render a JobSpec into plain Kubernetes objects: the spec ConfigMap, a headless Service, an Indexed Job.
+"""Render a JobSpec into plain Kubernetes objects: the spec ConfigMap, a headless Service, a NetworkPolicy
+(unless `scheduling.network_policy: false`) and an Indexed Job.
 
 Pure: no I/O, no cluster, no torch, no kubernetes client; the same spec always gives equal dicts.
 `to_yaml` / `to_json` print them for `kubectl apply -f -`; the submitter sends the dicts as they are.
@@ -22,10 +23,18 @@ from jobspec.render.env import (
     master_addr,
 )
 from jobspec.render.images import DEFAULT_IMAGES, IMAGE_REPOSITORY, default_image, image_for
-from jobspec.render.objects import headless_service, indexed_job, pod_failure_policy, spec_configmap
+from jobspec.render.objects import (
+    headless_service,
+    indexed_job,
+    network_policy,
+    pod_failure_policy,
+    spec_configmap,
+)
 from jobspec.render.output import to_json, to_yaml
 from jobspec.render.pod import (
     CONTAINER_NAME,
+    DEFAULT_CPU_PER_RANK,
+    DEFAULT_MEMORY_PER_RANK,
     GPU_RESOURCES,
     ROCM_SUPPLEMENTAL_GROUPS,
     WORKDIR,
@@ -36,7 +45,9 @@ from jobspec.spec import JobSpec
 
 __all__ = [
     "CONTAINER_NAME",
+    "DEFAULT_CPU_PER_RANK",
     "DEFAULT_IMAGES",
+    "DEFAULT_MEMORY_PER_RANK",
     "ENV_MASTER_ADDR",
     "ENV_MASTER_PORT",
     "ENV_NNODES",
@@ -55,6 +66,7 @@ __all__ = [
     "image_for",
     "indexed_job",
     "master_addr",
+    "network_policy",
     "pod_failure_policy",
     "render",
     "spec_configmap",
@@ -64,9 +76,11 @@ __all__ = [
 
 
 def render(spec: JobSpec) -> list[dict[str, Any]]:
-    """The objects for one job, in apply order: ConfigMap (the spec), headless Service, Indexed Job.
+    """The objects for one job, in apply order: ConfigMap (the spec), headless Service, NetworkPolicy,
+    Indexed Job. The policy comes before the Job, so that no pod is ever reachable from outside its job.
 
     Raises ConfigError for a spec that validates but cannot become a pod: a checkpoints.dir on top of
     one of the pod's own mounts (the same path is fine on one machine, so the spec allows it).
     """
-    return [spec_configmap(spec), headless_service(spec), indexed_job(spec)]
+    policy = [network_policy(spec)] if spec.scheduling.network_policy else []
+    return [spec_configmap(spec), headless_service(spec), *policy, indexed_job(spec)]

@@ -1,4 +1,4 @@
-"""The three objects of a job: the spec ConfigMap, the headless Service and the Indexed Job."""
+"""The objects of a job: the spec ConfigMap, the headless Service, the NetworkPolicy and the Indexed Job."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from jobspec.contract import (
     EXIT_CONFIG,
     EXIT_OOM_LAST_TIER,
     EXIT_OOM_RETRY_TIER,
+    EXIT_STORAGE,
     KUEUE_QUEUE_LABEL,
     LABEL_JOB,
     LABEL_MANAGED_BY,
@@ -44,6 +45,31 @@ def headless_service(spec: JobSpec) -> Obj:
             # Rendezvous happens before any pod is Ready, so DNS must list pods from the start.
             "publishNotReadyAddresses": True,
             "ports": [{"name": "rdzv", "port": RDZV_PORT, "targetPort": RDZV_PORT, "protocol": "TCP"}],
+        },
+    }
+
+
+def network_policy(spec: JobSpec) -> Obj:
+    """Ingress to the job's pods from the job's own pods only, on every TCP port; egress stays open.
+
+    torch's TCPStore (the rendezvous port) has no authentication, and NCCL's bootstrap and socket transport
+    and gloo listen on ephemeral ports, so no fixed port list can work: the pods of one job reach each
+    other on any TCP port, and nothing else reaches them on any port (they serve nothing: no probes, no
+    metrics endpoint). The kubelet's own traffic from the node is always allowed by NetworkPolicy.
+    """
+
+    def same_job() -> Obj:  # a fresh dict each time: no object shared inside the output
+        return {"matchLabels": {LABEL_JOB: spec.name}}
+
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": _metadata(spec, spec.name),
+        "spec": {
+            "podSelector": same_job(),
+            "policyTypes": ["Ingress"],  # Egress not listed: the hub, trackers and data stay reachable
+            # podSelector without namespaceSelector: pods of this namespace only.
+            "ingress": [{"from": [{"podSelector": same_job()}], "ports": [{"protocol": "TCP"}]}],  # no port: all
         },
     }
 
@@ -82,8 +108,9 @@ def pod_failure_policy() -> Obj:
         "rules": [
             # Preemption, eviction, node drain: not the job's fault, costs no retry.
             {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]},
-            # Retrying cannot help: a bad spec, or OOM at the last memory tier.
-            {"action": "FailJob", "onExitCodes": _exit_codes(EXIT_CONFIG, EXIT_OOM_LAST_TIER)},
+            # Retrying cannot help: a bad spec (or a run directory held by another run, or without an intact
+            # checkpoint), a full or read-only checkpoint volume, or OOM at the last memory tier.
+            {"action": "FailJob", "onExitCodes": _exit_codes(EXIT_CONFIG, EXIT_STORAGE, EXIT_OOM_LAST_TIER)},
             # OOM at micro-batch 1: the replacement pod resumes one tier down (state kept by the checkpoints).
             {"action": "Count", "onExitCodes": _exit_codes(EXIT_OOM_RETRY_TIER)},
         ]

@@ -9,7 +9,11 @@ import yaml
 
 
 class _Dumper(yaml.SafeDumper):
-    """SafeDumper that writes multi-line strings (the embedded spec) as `|` blocks."""
+    """SafeDumper that writes multi-line strings (the embedded spec) as `|` blocks, and never an
+    `&anchor`/`*alias` for a dict that appears twice: manifests are read by people and by tools."""
+
+    def ignore_aliases(self, data: Any) -> bool:
+        return True
 
 
 def _represent_str(dumper: yaml.SafeDumper, value: str) -> yaml.ScalarNode:

@@ -25,10 +25,18 @@ from jobspec.spec import JobSpec, Toleration
 from jobspec.units import format_bytes
 
 Obj = dict[str, Any]
+GiB = 1024**3
 
 CONTAINER_NAME = "runner"
 GPU_RESOURCES: Mapping[str, str] = MappingProxyType({"cuda": "nvidia.com/gpu", "rocm": "amd.com/gpu"})
 ROCM_SUPPLEMENTAL_GROUPS = (44, 109)  # video, render: owners of /dev/dri and /dev/kfd on common distros
+
+# Requests per rank (a GPU; a process for vendor cpu) when hardware.cpu / hardware.memory are unset.
+# Without cpu and memory requests a pod is BestEffort (a GPU request does not count): the first evicted
+# under node pressure. Requests, not limits: small enough for the smallest GPU nodes (4 vCPUs, 16 GiB,
+# one GPU), and the pod may use more when the node has it. Offload tiers need more: set hardware.memory.
+DEFAULT_CPU_PER_RANK: Mapping[str, int] = MappingProxyType({"cuda": 2, "rocm": 2, "cpu": 1})
+DEFAULT_MEMORY_PER_RANK: Mapping[str, int] = MappingProxyType({"cuda": 8 * GiB, "rocm": 8 * GiB, "cpu": 2 * GiB})
 
 
 def configmap_name(spec: JobSpec) -> str:
@@ -115,14 +123,18 @@ def _container(spec: JobSpec, mounts: list[Obj]) -> Obj:
 
 
 def _resources(spec: JobSpec) -> Obj:
+    """QoS Burstable, never BestEffort: cpu and memory are always requested. Never Guaranteed either,
+    which needs a CPU limit: throttling stalls dataloaders and collectives."""
     hw = spec.hardware
-    requests: Obj = {}
+    ranks = hw.gpus.count
+    requests: Obj = {"cpu": hw.cpu if hw.cpu is not None else str(DEFAULT_CPU_PER_RANK[hw.vendor] * ranks)}
     limits: Obj = {}
-    if hw.cpu is not None:
-        requests["cpu"] = hw.cpu  # no CPU limit: throttling stalls dataloaders and collectives
     if hw.memory is not None:
-        # request = limit, so the pod is never the first evicted; the /dev/shm emptyDir counts against it.
+        # request = limit: the pod is evicted only after those using more than they asked for; the /dev/shm
+        # emptyDir counts against it.
         requests["memory"] = limits["memory"] = format_bytes(hw.memory)
+    else:  # a default guess is no limit: it would OOM-kill a run that the node could have carried
+        requests["memory"] = format_bytes(DEFAULT_MEMORY_PER_RANK[hw.vendor] * ranks)
     if hw.vendor in GPU_RESOURCES:
         requests[GPU_RESOURCES[hw.vendor]] = limits[GPU_RESOURCES[hw.vendor]] = hw.gpus.count
     return {key: value for key, value in (("requests", requests), ("limits", limits)) if value}

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import gc
 import logging
+import math
+import re
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -92,12 +94,69 @@ def allocated_bytes() -> int | None:
 
 
 @dataclass(frozen=True)
+class OOMInfo:
+    """The numbers a caching allocator's OOM message carries (CUDA's and HIP's wording), in bytes:
+    "Tried to allocate R. GPU 0 has a total capacity of T of which F is free. ... Of the allocated memory
+    A is allocated by PyTorch, and U is reserved by PyTorch but unallocated." """
+
+    requested: int
+    free: int
+    allocated: int
+    reserved_free: int = 0
+
+
+_UNITS = {"B": 1, "bytes": 1, "KiB": 1024, "MiB": 1024**2, "GiB": 1024**3, "TiB": 1024**4}
+_SIZE = r"([0-9]+(?:\.[0-9]+)?) (TiB|GiB|MiB|KiB|bytes|B)\b"
+_PARTS = {
+    "requested": re.compile(r"Tried to allocate " + _SIZE),
+    "free": re.compile(r"of which " + _SIZE + r" is free"),
+    "allocated": re.compile(_SIZE + r" is allocated by PyTorch"),
+    "reserved_free": re.compile(_SIZE + r" is reserved by PyTorch but unallocated"),
+}
+
+
+def parse_oom(text: str) -> OOMInfo | None:
+    """OOMInfo from an allocator's message; None when it lacks the numbers (a kernel-launch OOM, a library's)."""
+    found: dict[str, int] = {}
+    for key, pattern in _PARTS.items():
+        m = pattern.search(text)
+        if m:
+            found[key] = int(float(m.group(1)) * _UNITS[m.group(2)])
+    if not {"requested", "free", "allocated"} <= found.keys():
+        return None
+    return OOMInfo(**found)
+
+
+@dataclass(frozen=True)
+class Headroom:
+    """What one OOM tells about the step that ran out, per rank: each sample needs at least `per_sample`
+    bytes (what was allocated plus what was asked for, over the micro-batch), and `room` bytes are there
+    for samples (all the allocator holds or could get, less what the step started with)."""
+
+    per_sample: float
+    room: float
+
+
+def headroom(info: OOMInfo | None, baseline: int | None, micro_batch: int) -> Headroom | None:
+    """From the OOM's numbers and the bytes allocated when the step started (None: nothing of the step was
+    allocated yet, as for an injected fault that fires before any compute)."""
+    if info is None or micro_batch < 1:
+        return None
+    base = info.allocated if baseline is None else baseline
+    need = info.allocated + info.requested - base
+    if need <= 0:
+        return None
+    return Headroom(per_sample=need / micro_batch, room=float(info.allocated + info.reserved_free + info.free - base))
+
+
+@dataclass(frozen=True)
 class Guarded(Generic[T]):
-    """What `guarded` gives back: the step's value, or `oom=True` and the reason it ran out."""
+    """What `guarded` gives back: the step's value, or `oom=True`, the reason and the allocator's numbers."""
 
     value: T | None
     oom: bool
     reason: str = ""
+    info: OOMInfo | None = None
 
 
 def guarded(step: Callable[[], T]) -> Guarded[T]:
@@ -113,20 +172,28 @@ def guarded(step: Callable[[], T]) -> Guarded[T]:
     except Exception as exc:
         if not is_oom(exc):
             raise
-        reason = describe(exc)
+        reason, info = describe(exc), parse_oom(str(exc))
         traceback.clear_frames(exc.__traceback__)
     # Out of the except block: no frame, traceback or exception refers to the step's tensors now.
-    return Guarded(None, True, reason)
+    return Guarded(None, True, reason, info)
 
 
-def next_micro_batch(current: int, per_rank_batch: int) -> int | None:
-    """The largest divisor of `per_rank_batch` below `current`; None when `current` is already 1.
+def next_micro_batch(current: int, per_rank_batch: int, room: Headroom | None = None) -> int | None:
+    """The micro-batch to redo the step at after an OOM at `current`; None when `current` is already 1.
 
-    Divisors keep grad_accum = per_rank_batch / micro_batch an integer, so the effective batch stays
-    exact. For per_rank_batch 24 and current 8 that is 6 (then 4, 3, 2, 1): the smallest step down,
-    which keeps as much throughput as fits.
+    Always a divisor of `per_rank_batch` (grad_accum = per_rank_batch / micro_batch stays an integer, so
+    the effective batch is exact). With the OOM's numbers (`room`): one jump, to the largest divisor that
+    `room / per_sample` says fits. `per_sample` is a lower bound (the step had not finished), so the jump
+    never lands below the true maximum; when it is still too big, the next OOM gives a tighter bound.
+    Without numbers, or when they say not even one sample fits (a transient spike looks like that): the
+    next smaller divisor, the smallest step down (24 -> 12 -> 8 -> 6 -> 4 ...).
     """
     if current < 1 or per_rank_batch < 1:
         raise ValueError(f"micro-batch {current} and per-rank batch {per_rank_batch} must be >= 1")
     smaller = [d for d in divisors(per_rank_batch) if d < current]
-    return smaller[-1] if smaller else None
+    if not smaller:
+        return None
+    if room is None or room.per_sample <= 0 or room.room < room.per_sample:
+        return smaller[-1]
+    fits = math.floor(room.room / room.per_sample)
+    return max((d for d in smaller if d <= fits), default=smaller[0])

@@ -26,12 +26,13 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from jobspec.errors import ConfigError
 from jobspec.memory import TIERS
+
+if TYPE_CHECKING:  # torch is imported where an error is raised: the supervisor parses the rules without it
+    import torch
 
 log = logging.getLogger("jobspec.runner")
 
@@ -115,7 +116,7 @@ def rules_from_env(env: Mapping[str, str] | None = None) -> FaultRules | None:
 def _micro_batch_of(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
     """Samples in a forward call: the first dimension of input_ids (or of the first tensor argument)."""
     for value in (kwargs.get("input_ids"), kwargs.get("inputs_embeds"), *args, *kwargs.values()):
-        if isinstance(value, torch.Tensor) and value.dim() > 0:
+        if hasattr(value, "dim") and hasattr(value, "shape") and value.dim() > 0:  # a tensor
             return int(value.shape[0])
     return 0
 
@@ -136,6 +137,7 @@ class FaultInjector:
     fired: set[int] = field(default_factory=set)
     injected: int = 0  # errors raised so far (for tests and the benchmark)
     handle: Any = None  # the forward pre-hook, once installed
+    per_sample_bytes: int = 0  # mbs>N: the memory model's bytes a sample, to word the OOM like the allocator
 
     def __post_init__(self) -> None:
         path = self._fired_path()
@@ -159,9 +161,24 @@ class FaultInjector:
             self.fired.add(self.step)
             self._persist_fired()
         self.injected += 1
+        import torch
+
         raise torch.OutOfMemoryError(
             f"CUDA out of memory (injected by {ENV_VAR}: {why}; rank {self.rank}, tier {self.tier}, "
-            f"step {self.step}, micro-batch {micro_batch})"
+            f"step {self.step}, micro-batch {micro_batch}).{self._allocator_words(micro_batch)}"
+        )
+
+    def _allocator_words(self, micro_batch: int) -> str:
+        """For mbs>N, the allocator's numbers of a device where exactly N samples fit (N + 1/2 samples free):
+        the fault fires before any compute, so the whole micro-batch is what it "tried to allocate"."""
+        if self.rules.mbs_above is None or micro_batch <= self.rules.mbs_above or self.per_sample_bytes <= 0:
+            return ""
+        ps, held = self.per_sample_bytes, 1024**3  # held: the weights and optimizer state, nominally
+        free = int((self.rules.mbs_above + 0.5) * ps)
+        return (
+            f" Tried to allocate {_bytes(micro_batch * ps)}. GPU 0 has a total capacity of {_bytes(held + free)} "
+            f"of which {_bytes(free)} is free. Of the allocated memory {_bytes(held)} is allocated by PyTorch, "
+            "and 0 bytes is reserved by PyTorch but unallocated."
         )
 
     def _persist_fired(self) -> None:
@@ -200,6 +217,14 @@ def install_from_env(
         injector.install(model)
         log.warning("fault injection on rank %d: %s=%r", rank, ENV_VAR, (os.environ if env is None else env)[ENV_VAR])
     return injector
+
+
+def _bytes(n: int) -> str:
+    """Sizes as the CUDA caching allocator writes them in its OOM message."""
+    for unit, size in (("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024)):
+        if n >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n} bytes"
 
 
 def probe_injector(model: torch.nn.Module, *, rank: int, tier: str) -> FaultInjector | None:

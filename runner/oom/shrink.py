@@ -30,8 +30,9 @@ from jobspec.contract import EXIT_OOM_LAST_TIER, EXIT_OOM_RETRY_TIER, TIER_STATE
 from jobspec.errors import JobspecError
 from jobspec.memory import divisors
 from runner.oom import ladder
-from runner.oom.detect import allocated_bytes, guarded, next_micro_batch, release_memory
+from runner.oom.detect import Headroom, allocated_bytes, guarded, next_micro_batch, release_memory
 from runner.oom.faults import install_from_env
+from runner.oom.regrow import TRIES, Regrow
 from runner.plan import Plan, with_micro_batch
 
 log = logging.getLogger("jobspec.runner")
@@ -39,11 +40,12 @@ BUCKET_BYTES = 25 * 1024**2  # DDP's default bucket size
 
 
 class StepOOM(Exception):
-    """Raised on every rank: some rank ran out of memory in this step's forward/backward (weights intact)."""
+    """Raised on every rank: some rank ran out of memory in this step's forward/backward (weights intact).
+    `room`: the tightest of the ranks' allocator numbers (largest bytes per sample, least room), if any."""
 
-    def __init__(self, reason: str, rank: int):
+    def __init__(self, reason: str, rank: int, room: Headroom | None = None):
         super().__init__(reason)
-        self.reason, self.rank = reason, rank
+        self.reason, self.rank, self.room = reason, rank, room
 
 
 class OptimizerOOM(StepOOM):
@@ -69,12 +71,15 @@ class TierOOM(JobspecError):
         self.tier, self.reason, self.weights_intact, self.cap, self.local = tier, reason, weights_intact, cap, local
 
 
-def agreement(stop: bool, oom: str, rank: int, world_size: int) -> list[float]:
-    """This rank's part of the per-micro-step all-reduce MAX: [stop, oom, world - rank when it ran out].
+_NO_ROOM = 1e30  # "no numbers from this rank" in the MAX of -room
 
-    The third value's MAX names the lowest rank that ran out (world - max), so every rank can say who.
-    """
-    return [float(stop), float(bool(oom)), float(world_size - rank) if oom else 0.0]
+
+def agreement(stop: bool, oom: str, rank: int, world_size: int, room: Headroom | None = None) -> list[float]:
+    """This rank's part of the per-micro-step all-reduce MAX: [stop, oom, world - rank when it ran out,
+    bytes per sample, -room]. The third value's MAX names the lowest rank that ran out (world - max); the
+    last two give every rank the same, tightest, allocator numbers (the largest need, the least room)."""
+    per_sample, minus_room = (room.per_sample, -room.room) if room is not None else (0.0, -_NO_ROOM)
+    return [float(stop), float(bool(oom)), float(world_size - rank) if oom else 0.0, per_sample, minus_room]
 
 
 def raise_agreed(flags: Sequence[float], oom: str, world_size: int, *, optimizer: bool = False) -> None:
@@ -83,7 +88,8 @@ def raise_agreed(flags: Sequence[float], oom: str, world_size: int, *, optimizer
         return
     first = world_size - int(flags[2])
     reason = oom or f"out of memory on rank {first}"
-    raise (OptimizerOOM if optimizer else StepOOM)(reason, first)
+    room = Headroom(flags[3], -flags[4]) if len(flags) > 4 and flags[3] > 0 and -flags[4] < _NO_ROOM else None
+    raise (OptimizerOOM if optimizer else StepOOM)(reason, first, room)
 
 
 def all_reduce_grads(params: Sequence[torch.nn.Parameter], world_size: int, group: Any = None) -> None:
@@ -174,10 +180,10 @@ def run_step(
             raise TierOOM(plan.tier, f"out of memory at micro-batch {plan.micro_batch}, {where}: {err.reason}",
                           weights_intact=False, cap=nxt, local=True) from None  # fmt: skip
         except OptimizerOOM as err:
-            why, rank = err.reason, err.rank
+            why, rank, room = err.reason, err.rank, None
             intact = False
         except StepOOM as err:
-            why, rank = err.reason, err.rank
+            why, rank, room = err.reason, err.rank, err.room
             intact = True
         # Out of the except block: the failed attempt's frames are gone; drop its gradients, then free.
         caught = time.time()
@@ -187,7 +193,7 @@ def run_step(
         if not intact:
             raise TierOOM(plan.tier, f"out of memory in the optimizer step {step} on rank {rank}: {why}",
                           weights_intact=False)  # fmt: skip
-        nxt = next_micro_batch(plan.micro_batch, plan.per_rank)
+        nxt = next_micro_batch(plan.micro_batch, plan.per_rank, room)
         if nxt is None:
             raise TierOOM(plan.tier, f"out of memory at micro-batch 1, step {step}, rank {rank}: {why}",
                           weights_intact=True)  # fmt: skip
@@ -195,8 +201,11 @@ def run_step(
             raise TierOOM(plan.tier, f"out of memory at step {step} on rank {rank}, FSDP cannot redo it in process "
                           f"(torch < 2.13 has no reset_iter_state): {why}", weights_intact=False, cap=nxt)  # fmt: skip
         old = plan
+        measured = "" if room is None else (
+            f" (allocator: {room.room / 2**20:,.0f} MiB of room, >= {room.per_sample / 2**20:,.1f} MiB a sample)"
+        )
         note = (
-            f"micro-batch {old.micro_batch} -> {nxt} after OOM at step {step} on rank {rank}: {why}; "
+            f"micro-batch {old.micro_batch} -> {nxt}{measured} after OOM at step {step} on rank {rank}: {why}; "
             f"accumulation {old.grad_accum} -> {old.per_rank // nxt}, global batch {old.global_batch} unchanged"
         )
         plan = with_micro_batch(old, nxt, note)  # logs the note
@@ -263,19 +272,38 @@ class RecipeGuard:
         model = recipe.accelerator.unwrap_model(recipe.model)
         env = recipe.env
         self.injector = install_from_env(model, rank=env.rank, tier=recipe.plan.tier, run_dir=recipe.root)
+        if self.injector is not None:
+            self.injector.per_sample_bytes = recipe.plan.per_sample_bytes
         self.shrinks: list[Shrink] = []
+        self.regrow = Regrow(recipe.spec.memory.regrow_after)
 
     def train_step(self, step: int) -> Any:
-        """Optimizer step `step` (0-based) with in-process shrink; updates `recipe.plan` when it shrinks."""
+        """Optimizer step `step` (0-based) with in-process shrink; updates `recipe.plan` when it shrinks, and
+        tries the larger micro-batch again after `memory.regrow_after` clean steps (runner/oom/regrow.py)."""
         r = self.recipe
         if self.injector is not None:
             self.injector.step = step + 1
+        larger = self.regrow.proposal(r.plan.micro_batch)
+        if larger is not None:
+            self._grow(step + 1, larger)
         result, r.plan = run_step(
             lambda ids, mbs: r.stepper.train_step(ids, mbs, r.lr(step)), r.step_ids(step), r.plan, step=step + 1,
             zero_grad=lambda: r.stepper.inner.zero_grad(set_to_none=True), reset=lambda: reset_fsdp(r.model),
             on_shrink=self._shrunk,
         )  # fmt: skip
+        self.regrow.stepped(r.plan.micro_batch)
         return result
+
+    def _grow(self, step: int, larger: int) -> None:
+        r, g = self.recipe, self.regrow
+        old = r.plan
+        note = (f"micro-batch {old.micro_batch} -> {larger}: trying the micro-batch from before the OOM again at "
+                f"step {step}, after {g.since} steps without one (try {g.failed + 1} of {TRIES}); accumulation "
+                f"{old.grad_accum} -> {old.per_rank // larger}, global batch {old.global_batch} unchanged")  # fmt: skip
+        r.plan = with_micro_batch(old, larger, note)
+        if r.metrics is not None:
+            r.metrics.write({"kind": "event", "event": "oom_regrow", "step": step, "tier": old.tier,
+                             "from_micro_batch": old.micro_batch, "to_micro_batch": larger, "try": g.failed + 1})
 
     def close(self) -> None:
         """Take the fault injector's hook off the model (an in-process tier step-down builds a new one)."""
@@ -284,6 +312,7 @@ class RecipeGuard:
 
     def _shrunk(self, shrink: Shrink) -> None:
         self.shrinks.append(shrink)
+        self.regrow.shrunk(shrink.from_mbs)
         if self.recipe.metrics is not None:
             self.recipe.metrics.write(shrink.record())
 

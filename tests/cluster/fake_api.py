@@ -31,6 +31,9 @@ _CORE = re.compile(
 )
 _BATCH = re.compile(r"^/apis/batch/v1/namespaces/(?P<ns>[^/]+)/(?P<plural>jobs)(?:/(?P<name>[^/]+))?$")
 _ALL_JOBS = re.compile(r"^/apis/batch/v1/(?P<plural>jobs)$")
+_NETWORKING = re.compile(
+    r"^/apis/networking.k8s.io/v1/namespaces/(?P<ns>[^/]+)/(?P<plural>networkpolicies)(?:/(?P<name>[^/]+))?$"
+)
 
 
 class FakeApi:
@@ -98,7 +101,8 @@ class FakeApi:
 
     def put(self, obj: dict[str, Any]) -> dict[str, Any]:
         obj = copy.deepcopy(obj)
-        plural = {"ConfigMap": "configmaps", "Service": "services", "Job": "jobs", "Pod": "pods"}[obj["kind"]]
+        plural = {"ConfigMap": "configmaps", "Service": "services", "Job": "jobs", "Pod": "pods",
+                  "NetworkPolicy": "networkpolicies"}[obj["kind"]]  # fmt: skip
         md = obj["metadata"]
         md.setdefault("uid", str(uuid.uuid4()))
         md.setdefault("creationTimestamp", "2025-01-01T00:00:00Z")
@@ -175,7 +179,7 @@ class FakeApi:
         """-> (status, headers, body): a dict (JSON), bytes, or a list (a follow stream script)."""
         if req.headers.get("authorization") != f"Bearer {TOKEN}":
             return 401, {}, status_body(401, "Unauthorized", "Unauthorized")
-        m = _CORE.match(req.path) or _BATCH.match(req.path) or _ALL_JOBS.match(req.path)
+        m = _CORE.match(req.path) or _BATCH.match(req.path) or _ALL_JOBS.match(req.path) or _NETWORKING.match(req.path)
         if not m:
             return (
                 404,
@@ -199,7 +203,7 @@ class FakeApi:
         return 405, {}, status_body(405, "method not allowed", "MethodNotAllowed")
 
     def _not_found(self, plural: str, name: str | None) -> tuple[int, dict[str, str], Any]:
-        group = "jobs.batch" if plural == "jobs" else plural
+        group = {"jobs": "jobs.batch", "networkpolicies": "networkpolicies.networking.k8s.io"}.get(plural, plural)
         return 404, {}, status_body(404, f'{group} "{name}" not found', "NotFound")
 
     def _list(self, plural: str, ns: str | None, query: dict[str, str]) -> dict[str, Any]:

@@ -1,4 +1,5 @@
-"""Hand-written objects of the shape `jobspec.render.render` returns (ConfigMap, Service, Job)."""
+"""Hand-written objects of the shape `jobspec.render.render` returns: ConfigMap, Service, Job, and a
+NetworkPolicy last (render puts it before the Job; submit applies the Job last whatever the order)."""
 
 from __future__ import annotations
 
@@ -54,6 +55,18 @@ def make_objects(
                         "containers": [{"name": "runner", "image": "runner:cpu", "args": ["/etc/jobspec/spec.yaml"]}],
                     },
                 },
+            },
+        },
+        {
+            "apiVersion": "networking.k8s.io/v1",
+            "kind": "NetworkPolicy",
+            "metadata": meta(name),
+            "spec": {
+                "podSelector": {"matchLabels": {LABEL_JOB: name}},
+                "policyTypes": ["Ingress"],
+                "ingress": [
+                    {"from": [{"podSelector": {"matchLabels": {LABEL_JOB: name}}}], "ports": [{"protocol": "TCP"}]}
+                ],
             },
         },
     ]

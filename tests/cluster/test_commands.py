@@ -25,7 +25,7 @@ def test_happy_path_submit_status_logs_cancel(api: FakeApi, kubeconfig: Path, cl
     assert code == EXIT_OK
     assert 'job "quickstart" in namespace "ml" created' in out
     assert f"jobspec logs quickstart -n ml --kubeconfig {kubeconfig} -f" in out
-    assert [k[0] for k in api.objects] == ["configmaps", "services", "jobs"]
+    assert [k[0] for k in api.objects] == ["configmaps", "services", "networkpolicies", "jobs"]
 
     code, out, _ = cli("submit", BARE_SPEC, *kc)
     assert code == EXIT_OK and "already submitted with this spec (Pending); nothing changed" in out
@@ -61,7 +61,7 @@ def test_client_dry_run_needs_no_cluster(api: FakeApi, cli: CliRun) -> None:
         code, out, _ = cli(*argv)
         assert code == EXIT_OK
         docs = list(yaml.safe_load_all(out))
-        assert [d["kind"] for d in docs] == ["ConfigMap", "Service", "Job"]
+        assert [d["kind"] for d in docs] == ["ConfigMap", "Service", "NetworkPolicy", "Job"]
         assert {d["metadata"]["namespace"] for d in docs} == {"default"}  # no kubeconfig: "default"
     assert api.requests == []
 
@@ -70,7 +70,7 @@ def test_server_dry_run_asks_the_server(api: FakeApi, kubeconfig: Path, cli: Cli
     code, out, _ = cli("submit", BARE_SPEC, "--dry-run=server", "--kubeconfig", str(kubeconfig))
     assert code == EXIT_OK
     assert "job.batch/quickstart created (server dry run)" in out and "nothing was persisted" in out
-    assert [p.query.get("dryRun") for p in api.calls("PATCH")] == ["All"] * 3
+    assert [p.query.get("dryRun") for p in api.calls("PATCH")] == ["All"] * 4
     assert api.objects == {}
 
 

@@ -107,7 +107,8 @@ def test_submit_status_logs_cancel(cluster: tuple[Any, str]) -> None:
         assert printed.getvalue().splitlines() == ["step 1 loss 2.1", "step 2 loss 2.2", "step 3 loss 2.3"]
 
         result = cancel(client, namespace, name, wait=True)
-        assert sorted(result.deleted) == sorted([f"job.batch/{name}", f"service/{name}", f"configmap/{name}-spec"])
+        owned = [f"job.batch/{name}", f"service/{name}", f"configmap/{name}-spec"]
+        assert sorted(result.deleted) == sorted([*owned, f"networkpolicy.networking.k8s.io/{name}"])
         with pytest.raises(NotFound):
             collect_status(client, namespace, name)
     finally:

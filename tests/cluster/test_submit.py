@@ -110,9 +110,9 @@ def test_409_on_resubmit_says_who_to_blame(api: FakeApi, client: ClusterClient) 
 
 def test_server_dry_run_sends_dry_run_all_and_persists_nothing(api: FakeApi, client: ClusterClient) -> None:
     result = submit(client, make_objects(), "ml", dry_run=True)
-    assert result.dry_run and result.outcome == "created" and len(result.applied) == 3
+    assert result.dry_run and result.outcome == "created" and len(result.applied) == 4
     patches = api.calls("PATCH")
-    assert len(patches) == 3 and all(p.query["dryRun"] == "All" for p in patches)
+    assert len(patches) == 4 and all(p.query["dryRun"] == "All" for p in patches)
     assert api.objects == {}
 
 
@@ -147,11 +147,16 @@ def test_cancel_deletes_everything_labelled_with_the_job(api: FakeApi, client: C
     api.add_pod("ml", "train", 0)
     api.requests.clear()
     result = cancel(client, "ml", "train")
-    assert result.deleted == ["job.batch/train", "service/train", "configmap/train-spec"]
+    assert result.deleted == [
+        "job.batch/train",
+        "service/train",
+        "configmap/train-spec",
+        "networkpolicy.networking.k8s.io/train",
+    ]
     lists = api.calls("GET")
     assert all(f"{LABEL_JOB}=train" in r.query["labelSelector"] for r in lists)
-    assert [r.query["propagationPolicy"] for r in api.calls("DELETE")] == ["Background"] * 3
-    assert sorted(k[2] for k in api.objects) == ["other", "other", "other-spec"]  # pods gone with the Job
+    assert [r.query["propagationPolicy"] for r in api.calls("DELETE")] == ["Background"] * 4
+    assert sorted(k[2] for k in api.objects) == ["other", "other", "other", "other-spec"]  # pods gone with the Job
 
 
 def test_cancel_wait_uses_foreground_and_polls(api: FakeApi, client: ClusterClient) -> None:

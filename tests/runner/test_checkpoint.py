@@ -1,4 +1,6 @@
-"""Checkpoints: round trip, DONE marker, pruning, existing targets, and crashes while writing."""
+"""Checkpoints: round trip, DONE marker, pruning, existing targets, and crashes while writing.
+
+Damage, verification and resume from the newest intact one: tests/runner/test_integrity.py."""
 
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ from torch import nn
 
 from runner import checkpoint
 from runner.dist import Control
+from runner.storage import StorageError
 from tests.runner.train_helpers import ROOT, runner_env
 
 CTRL = Control(1)
@@ -83,12 +86,24 @@ def test_an_error_while_writing_leaves_the_previous_checkpoint(tmp_path, monkeyp
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(checkpoint, "_publish", disk_full)
-    with pytest.raises(OSError):
+    with pytest.raises(StorageError, match=f"no space left at {tmp_path}"):
         save(tmp_path, 2, model, opt)
-    assert checkpoint.latest(tmp_path) == good and (tmp_path / ".tmp-step-2").exists()
+    assert checkpoint.latest(tmp_path) == good and checkpoint.verify(good) is None
+    assert not (tmp_path / ".tmp-step-2").exists()  # the partial checkpoint is cleaned up
     monkeypatch.undo()
     assert save(tmp_path, 2, model, opt) == tmp_path / "step-2"
     assert not (tmp_path / ".tmp-step-2").exists()
+
+
+def test_an_unrelated_error_while_writing_is_not_a_storage_error(tmp_path, monkeypatch):
+    model, opt = small_model()
+
+    def bug(*args, **kwargs):
+        raise RuntimeError("a bug, not the disk")
+
+    monkeypatch.setattr(checkpoint, "_publish", bug)
+    with pytest.raises(RuntimeError, match="a bug"):
+        save(tmp_path, 1, model, opt)
 
 
 KILLED_WRITER = textwrap.dedent("""

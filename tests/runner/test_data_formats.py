@@ -20,7 +20,7 @@ from jobspec.spec import DataSpec
 from runner.data import Row, encode_file, load_data
 from runner.records import read_records
 from runner.tokenizer import ByteTokenizer
-from tests.runner.train_helpers import ROOT, tiny_spec, write_jsonl
+from tests.runner.train_helpers import ROOT, timeout_s, tiny_spec, write_jsonl
 
 PROMPT_RESPONSE = [{"prompt": f"question {i} é ✓", "response": f"answer {i}" * (i % 3 + 1)} for i in range(7)] + [
     {"prompt": "with an extra column", "response": "kept", "source": "web"}
@@ -215,7 +215,7 @@ def test_unknown_suffix_and_non_files_say_what_is_supported(tmp_path):
         (
             ("pyarrow", "pyarrow.parquet"),
             "parquet",
-            r"is a Parquet file: install pyarrow \(pip install 'jobspec\[data\]'\)",
+            r"is a Parquet file: install pyarrow \(pip install 'jobspec-k8s\[data\]'\)",
         ),
         (("datasets",), "dataset", r"is a datasets directory \(save_to_disk\): install datasets \(pip install"),
     ],
@@ -249,7 +249,7 @@ def test_a_hub_id_offline_fails_fast_with_a_config_error(tmp_path):
     )
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf"), "HF_DATASETS_CACHE": str(tmp_path)}
     done = subprocess.run(
-        [sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120
+        [sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout_s()
     )
     assert done.returncode == 2, done.stderr
     assert "Traceback" not in done.stdout + done.stderr

@@ -77,6 +77,6 @@ def test_combine_maps_worker_exits_to_the_contract():
 
 def test_a_global_batch_that_does_not_split_over_nproc_exits_2(tmp_path):
     spec = write_spec(tmp_path / "s.yaml", tiny_spec_dict(tmp_path / "run", training={"global_batch": 9}))
-    result = run_supervisor([str(spec), "--nproc", "2"], timeout=60)
+    result = run_supervisor([str(spec), "--nproc", "2"])
     assert result.returncode == EXIT_CONFIG and "does not split over 2 processes" in result.stderr
     assert "Traceback" not in result.stderr

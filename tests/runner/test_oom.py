@@ -8,6 +8,7 @@ import weakref
 import pytest
 import torch
 
+from jobspec import memory
 from runner.oom import detect as oom
 from runner.oom.detect import OOM_MARKERS, describe, guarded, is_oom, next_micro_batch
 
@@ -136,3 +137,67 @@ def test_next_micro_batch_is_the_next_smaller_divisor(current: int, per_rank: in
 def test_next_micro_batch_rejects_nonsense() -> None:
     with pytest.raises(ValueError):
         next_micro_batch(0, 8)
+
+
+REAL_CUDA_OOM = (
+    "CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 79.19 GiB of which 1.06 GiB "
+    "is free. Including non-PyTorch memory, this process has 78.12 GiB memory in use. Of the allocated memory "
+    "75.56 GiB is allocated by PyTorch, and 1.98 GiB is reserved by PyTorch but unallocated. If reserved but "
+    "unallocated memory is large try setting PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to avoid fragmentation."
+)
+
+
+def test_parse_oom_reads_the_allocators_numbers() -> None:
+    from runner.oom.detect import OOMInfo, parse_oom
+
+    gib = 1024**3
+    assert parse_oom(REAL_CUDA_OOM) == OOMInfo(2 * gib, int(1.06 * gib), int(75.56 * gib), int(1.98 * gib))
+    assert parse_oom("CUDA error: out of memory") is None  # a kernel launch: no numbers
+    assert parse_oom("HIP out of memory. Tried to allocate 20.00 MiB. GPU 0 has a total capacity of 15.98 GiB of "
+                     "which 0 bytes is free. Of the allocated memory 15.2 GiB is allocated by PyTorch").free == 0
+
+
+def test_a_real_oom_jumps_once_to_what_the_numbers_say_fits() -> None:
+    from runner.oom.detect import headroom, parse_oom
+
+    gib = 1024**3
+    baseline = 60 * gib  # weights + optimizer state when the step started
+    # 64 samples needed at least 75.56 + 2 - 60 = 17.56 GiB (0.27 GiB a sample); 75.56 + 1.98 + 1.06 - 60
+    # = 18.6 GiB is there: 67 samples "fit" by the lower bound, so the jump is to 64's largest divisor below 64.
+    room = headroom(parse_oom(REAL_CUDA_OOM), baseline, 64)
+    assert room is not None and room.room / room.per_sample == pytest.approx(67.8, abs=0.1)
+    assert next_micro_batch(64, 256, room) == 32  # divisors of 256 below 64: 32 is the largest that fits
+
+
+def _oom_walk(per_rank: int, start: int, limit: int, per_sample: int) -> tuple[int, int]:
+    """Shrink from `start` under JOBSPEC_FAULT_OOM=mbs>limit until a micro-batch runs: (it, OOMs)."""
+    from runner.oom.detect import headroom, parse_oom
+    from runner.oom.faults import FaultInjector, FaultRules
+
+    injector = FaultInjector(FaultRules(mbs_above=limit), rank=0, tier="fast", per_sample_bytes=per_sample)
+    mbs, ooms = start, 0
+    while True:
+        try:
+            injector.check(mbs)
+            return mbs, ooms
+        except torch.OutOfMemoryError as err:
+            ooms += 1
+            nxt = next_micro_batch(mbs, per_rank, headroom(parse_oom(str(err)), None, mbs))
+            assert nxt is not None, (per_rank, start, limit)
+            mbs = nxt
+
+
+@pytest.mark.parametrize("per_sample", [300 * 1024, 37 * 1024**2, 3 * 1024**3 // 7])
+@pytest.mark.parametrize("per_rank", [128, 96, 120, 360])
+def test_from_the_whole_batch_the_true_maximum_is_reached_with_at_most_two_ooms(per_rank, per_sample) -> None:
+    for limit in range(1, per_rank):
+        got, ooms = _oom_walk(per_rank, per_rank, limit, per_sample)
+        assert got == max(d for d in memory.divisors(per_rank) if d <= limit), (per_rank, limit)
+        assert ooms <= 2, (per_rank, limit, ooms)
+
+
+def test_without_numbers_the_next_smaller_divisor() -> None:
+    assert [next_micro_batch(m, 24) for m in (24, 12, 8, 6, 4, 3, 2, 1)] == [12, 8, 6, 4, 3, 2, 1, None]
+    from runner.oom.detect import Headroom
+
+    assert next_micro_batch(24, 24, Headroom(per_sample=10.0, room=5.0)) == 12  # "nothing fits": one step only

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from tests.runner.train_helpers import ROOT
+from tests.runner.train_helpers import ROOT, timeout_s
 
 SCRIPT = r"""
 import logging, sys, time
@@ -44,7 +44,7 @@ def test_the_bar_shows_the_loss_and_log_lines_do_not_break_it():
         if not chunk:
             break
         out += chunk
-    assert proc.wait(timeout=60) == 0
+    assert proc.wait(timeout=timeout_s(120)) == 0
     text = out.decode()
     assert "loss=0.5000" in text and "loss=0.2500" in text  # the loss of each step reaches the bar
     lines = [line.rstrip("\r").split("\r")[-1] for line in text.replace("\x1b[A", "").split("\n")]

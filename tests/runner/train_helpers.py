@@ -5,8 +5,11 @@ Real training everywhere (tiny preset, short sequences, few steps); only the GPU
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import shlex
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -17,6 +20,12 @@ import yaml
 from runner.data import BUNDLED
 
 ROOT = Path(__file__).resolve().parents[2]
+
+# Training subprocesses take 5-60 s on 2 idle cores; shared CI machines run them several times slower.
+# A limit only decides how long a hang takes to fail, so it is generous, and scaled by the environment.
+TIMEOUT_SCALE_ENV = "JOBSPEC_TEST_TIMEOUT_SCALE"
+TRAINING_TIMEOUT_S = 600.0
+STDERR_TAIL = 4000  # characters of stderr a timeout report shows
 
 
 def tiny_spec_dict(run_dir: Path, **sections: dict[str, Any]) -> dict[str, Any]:
@@ -66,6 +75,26 @@ def train_in_process(spec, keep_worker: bool = False):
     return code, worker
 
 
+def worker_in_process(spec_file: Path, status_file: Path, *overrides: str) -> tuple[int, dict[str, Any]]:
+    """`python -m runner.worker SPEC` (rank 0 of 1) in this process: (exit code, the status it reports to the
+    supervisor). The worker's signal handlers are put back afterwards."""
+    from runner import worker
+
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    previous = os.environ.get("JOBSPEC_STATUS_FILE")
+    os.environ["JOBSPEC_STATUS_FILE"] = str(status_file)
+    try:
+        code = worker.main([str(spec_file), *[a for o in overrides for a in ("--set", o)]])
+    finally:
+        for s, h in handlers.items():
+            signal.signal(s, h)
+        if previous is None:
+            os.environ.pop("JOBSPEC_STATUS_FILE", None)
+        else:
+            os.environ["JOBSPEC_STATUS_FILE"] = previous
+    return code, json.loads(status_file.read_text())
+
+
 def records(run_dir: Path, kind: str = "train") -> list[dict[str, Any]]:
     path = Path(run_dir) / "metrics.jsonl"
     rows = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
@@ -78,15 +107,75 @@ def runner_env(**extra: str) -> dict[str, str]:
     return {**env, **extra}
 
 
-def run_supervisor(args: list[str], timeout: float = 240, **env: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "runner", *args],
+def timeout_s(base: float = TRAINING_TIMEOUT_S) -> float:
+    """`base` seconds times $JOBSPEC_TEST_TIMEOUT_SCALE (default 1; e.g. 3 on a slow, shared machine)."""
+    raw = os.environ.get(TIMEOUT_SCALE_ENV, "1")
+    try:
+        scale = float(raw)
+    except ValueError:
+        scale = float("nan")
+    if not scale > 0:  # nan too
+        raise ValueError(f"{TIMEOUT_SCALE_ENV}={raw!r}: expected a positive number, e.g. 2")
+    return base * scale
+
+
+def _timeout_report(what: str, limit: float, stderr: str | bytes | None) -> str:
+    if isinstance(stderr, bytes):
+        stderr = stderr.decode(errors="replace")
+    tail = (stderr or "")[-STDERR_TAIL:] or "(nothing on stderr)"
+    return (
+        f"timed out after {limit:g} s ({TIMEOUT_SCALE_ENV}={os.environ.get(TIMEOUT_SCALE_ENV, '1')}) "
+        f"waiting for {what}; killed it. Last stderr:\n{tail}"
+    )
+
+
+def _kill_group(proc: subprocess.Popen) -> tuple[Any, Any]:
+    """SIGKILL the process group (supervisor, workers, dataloader workers) and collect what they wrote."""
+    with contextlib.suppress(ProcessLookupError):  # already gone, with all its children
+        os.killpg(proc.pid, signal.SIGKILL)
+    try:
+        return proc.communicate(timeout=30)
+    except subprocess.TimeoutExpired as err:  # a child left the group and holds the pipe open
+        proc.kill()
+        return err.stdout, err.stderr
+
+
+def run_supervisor(args: list[str], timeout: float = TRAINING_TIMEOUT_S, **env: str) -> subprocess.CompletedProcess:
+    """`python -m runner ARGS` to its end. Every call starts training (or a process that could), so the
+    limit is never below TRAINING_TIMEOUT_S, and it is scaled (timeout_s). On a timeout the whole process
+    group is killed and the failure says what was running, for how long, and the end of its stderr."""
+    cmd = [sys.executable, "-m", "runner", *args]
+    limit = timeout_s(max(timeout, TRAINING_TIMEOUT_S))
+    proc = subprocess.Popen(
+        cmd,
         cwd=ROOT,
         env=runner_env(**env),
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
-        timeout=timeout,
+        start_new_session=True,  # its own process group: a timeout kills the workers too
     )
+    try:
+        out, err = proc.communicate(timeout=limit)
+    except subprocess.TimeoutExpired:
+        _, err = _kill_group(proc)
+        shown = " ".join([*(f"{k}={shlex.quote(v)}" for k, v in env.items()), *map(shlex.quote, cmd)])
+        raise AssertionError(_timeout_report(f"`{shown}`", limit, err)) from None
+    except BaseException:  # Ctrl-C, or an error here: never leave a training run behind
+        _kill_group(proc)
+        raise
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def communicate_or_fail(proc: subprocess.Popen, what: str, timeout: float | None = None) -> tuple[Any, Any]:
+    """`proc.communicate()` within timeout_s() (or `timeout`); on a timeout kill it and fail naming `what`."""
+    limit = timeout_s() if timeout is None else timeout
+    try:
+        return proc.communicate(timeout=limit)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        _, err = proc.communicate()
+        raise AssertionError(_timeout_report(what, limit, err)) from None
 
 
 CHAT = [

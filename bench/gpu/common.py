@@ -1,0 +1,262 @@
+"""What every part of the suite shares: its settings, the time budget, the data, specs and recipes, timers.
+
+Nothing here measures anything by itself; the parts (gputests, sizing, recovery, throughput) do.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import json
+import os
+import random
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@dataclass(frozen=True)
+class Config:
+    """The suite's sizes: `gpu()` for one GPU within ~9 minutes a part, `cpu_smoke()` for the CPU in under a minute."""
+
+    device: str  # "cuda" | "cpu"
+    precision: str  # autocast precision of every run (bf16 on the GPU, fp32 on the CPU)
+    seq: int  # tokens per row; every row is exactly this long
+    sizing_presets: tuple[str, ...]
+    tiers: tuple[str, ...]  # the tiers that fit one GPU (zero2 / zero3 save nothing on one rank)
+    per_rank: int  # per-rank batch the sizing searches the divisors of
+    sizing_fault: str | None  # JOBSPEC_FAULT_OOM for the sizing runs (smoke: "mbs>5,probes")
+    recovery_preset: str
+    recovery_batch: int  # global batch = the spec's fixed micro-batch of the recovery runs
+    recovery_rounds: int
+    throughput_preset: str
+    throughput_batch: int  # global batch of runner vs plain (micro-batch auto, both models on the GPU)
+    rounds: int  # paired, interleaved rounds of runner vs plain (after one warm-up round)
+    round_steps: int  # optimizer steps per side per round
+    tier_batch: int  # global batch of the tier-speed runs
+    tier_steps: int  # measured steps per tier per round (after 2 warm-up steps)
+    soak_batch: int
+    soak_steps: int
+    budget_s: float  # no new item starts after this many seconds of a part
+    smoke: bool = False
+    threads: int | None = None  # torch CPU threads (smoke: 1, so a busy shared machine does not oversubscribe)
+    peak_tflops: float | None = None  # override of the device's dense bf16 peak
+
+    @classmethod
+    def gpu(cls) -> Config:
+        return cls(
+            device="cuda",
+            precision="bf16",
+            seq=1024,
+            sizing_presets=("gpt2-small", "gpt2-medium", "llama-1b"),
+            tiers=("fast", "zero2_offload", "minimal"),
+            per_rank=360,
+            sizing_fault=None,
+            recovery_preset="gpt2-small",
+            recovery_batch=32,
+            recovery_rounds=3,
+            throughput_preset="gpt2-small",
+            throughput_batch=32,
+            rounds=8,
+            round_steps=5,
+            tier_batch=64,
+            tier_steps=10,
+            soak_batch=120,
+            soak_steps=200,
+            budget_s=420.0,
+        )
+
+    @classmethod
+    def cpu_smoke(cls) -> Config:
+        return cls(
+            device="cpu",
+            precision="fp32",
+            seq=64,
+            sizing_presets=("tiny",),
+            tiers=("fast", "zero2_offload", "minimal"),
+            per_rank=24,
+            sizing_fault="mbs>5,probes",
+            recovery_preset="tiny",
+            recovery_batch=8,
+            recovery_rounds=1,
+            throughput_preset="tiny",
+            throughput_batch=16,
+            rounds=3,
+            round_steps=3,
+            tier_batch=16,
+            tier_steps=3,
+            soak_batch=16,
+            soak_steps=20,
+            budget_s=120.0,
+            smoke=True,
+            threads=1,
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class Budget:
+    """Seconds left for one part; an item that would start after the budget is recorded as skipped."""
+
+    def __init__(self, seconds: float):
+        self.seconds, self.start = seconds, time.perf_counter()
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.start
+
+    def spent(self) -> bool:
+        return self.elapsed() >= self.seconds
+
+    def skip_note(self) -> str:
+        return f"skipped: time budget ({self.elapsed():.0f} s of {self.seconds:.0f} s spent)"
+
+
+@contextlib.contextmanager
+def environ(**values: str | None) -> Iterator[None]:
+    """Set (str) or unset (None) environment variables for the block; restore them after."""
+    old = {k: os.environ.get(k) for k in values}
+    try:
+        for k, v in values.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def write_data(path: Path, rows: int, seq: int, seed: int = 0) -> Path:
+    """`rows` prompt/response records of random words, each longer than `seq` byte tokens: every training
+    row is truncated to exactly `seq` positions (the longest sequence the plan sizes for), with targets."""
+    rng = random.Random(seed)
+    letters = "abcdefghijklmnopqrstuvwxyz"
+
+    def words(n_chars: int) -> str:
+        out: list[str] = []
+        while sum(len(w) + 1 for w in out) < n_chars:
+            out.append("".join(rng.choice(letters) for _ in range(rng.randint(2, 9))))
+        return " ".join(out)
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as f:
+        for _ in range(rows):
+            f.write(json.dumps({"prompt": words(min(48, seq // 4)), "response": words(seq + 16)}) + "\n")
+    return path
+
+
+def spec_for(
+    cfg: Config,
+    run_dir: Path,
+    data: Path,
+    *,
+    preset: str,
+    tier: str,
+    global_batch: int,
+    micro_batch: int | str = "auto",
+    steps: int = 10**6,
+    utilization: float = 0.9,
+    log_every: int = 10**6,
+):  # -> JobSpec
+    """A spec for one in-process Recipe: no export, no periodic checkpoints, no eval until the end."""
+    import yaml
+
+    from jobspec.loader import parse_spec
+
+    return parse_spec(
+        yaml.safe_dump(
+            {
+                "name": "gpu-suite",
+                "model": {"preset": preset},
+                "data": {"path": str(data), "max_seq_len": cfg.seq, "eval_fraction": 0.01},
+                "training": {
+                    "global_batch": global_batch,
+                    "micro_batch": micro_batch,
+                    "steps": steps,
+                    "warmup_steps": 0,
+                    "learning_rate": 1e-4,
+                    "precision": cfg.precision,
+                    "log_every": log_every,
+                    "eval_batches": 1,
+                },
+                "hardware": {"vendor": cfg.device, "gpus": 1},
+                "memory": {"tier": tier, "target_utilization": utilization},
+                "checkpoints": {"dir": str(run_dir), "every_steps": 10**6, "keep": 1},
+                "output": {"export": False},
+            }
+        )
+    )
+
+
+def release(recipe: Any) -> None:
+    """Everything a finished Recipe held: loader workers, the process group, accelerate's state, GPU cache."""
+    import torch
+
+    try:
+        stepper = getattr(recipe, "stepper", None)
+        if stepper is not None and stepper.prefetch is not None:
+            stepper.prefetch.close()
+    finally:
+        recipe.cleanup()
+    for name in ("stepper", "model", "optimizer", "accelerator", "guard"):
+        if hasattr(recipe, name):
+            setattr(recipe, name, None)
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.set_per_process_memory_fraction(1.0)
+        torch.cuda.empty_cache()
+
+
+@contextlib.contextmanager
+def recipe_for(spec: Any) -> Iterator[Any]:
+    """`Recipe(spec)`, set up (probe, plan, probe steps, build) and released after the block."""
+    import torch
+
+    from runner.recipe import Recipe
+
+    gc.collect()  # the previous run's leftovers must not shrink the free memory this one plans with
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    recipe = Recipe(spec)
+    try:
+        recipe.setup()
+        yield recipe
+    finally:
+        release(recipe)
+
+
+def sync() -> None:
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
+def cpu_seconds() -> float:
+    """CPU seconds of this process (all threads) and its live children (DataLoader workers), user + system."""
+    total = time.process_time()
+    try:
+        import psutil
+
+        for child in psutil.Process().children(recursive=True):
+            with contextlib.suppress(psutil.Error):
+                t = child.cpu_times()
+                total += t.user + t.system
+    except ImportError:  # children not counted; the report says CPU time is this process's
+        pass
+    return total
+
+
+def median(xs: list[float]) -> float | None:
+    import statistics
+
+    return statistics.median(xs) if xs else None

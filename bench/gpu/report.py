@@ -1,0 +1,289 @@
+"""The suite's record as Markdown, and several part records merged into one.
+
+Every section is always written, in the same order, whatever ran: a part not run in this call says so,
+and a figure that needs a GPU reads "n/a (CPU)" in a CPU record (its JSON value is null).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from bench.gpu.calibrate import text as calibration_text
+
+PARTS: dict[str, tuple[str, ...]] = {
+    "tests": ("gpu_tests", "recovery"),
+    "sizing": ("sizing", "memory_model", "calibration"),
+    "throughput": ("throughput", "tiers", "soak"),
+}
+KEYS = ("schema", "environment", "config", "parts", "seconds", *(k for ks in PARTS.values() for k in ks))
+SECTIONS = {
+    "gpu_tests": "## GPU test tier (pytest -m gpu)",
+    "recovery": "## OOM recovery",
+    "sizing": "## Sizing: memory model, verified, exhaustive",
+    "memory_model": "## Memory model error",
+    "calibration": "## Calibration",
+    "throughput": "## Throughput: runner vs plain loop",
+    "tiers": "## Tier speed",
+    "soak": "## VRAM soak",
+}
+GIB = 1024**3
+
+
+class Fmt:
+    def __init__(self, cpu: bool):
+        self.na = "n/a (CPU)" if cpu else "n/a"
+
+    def __call__(self, v: Any, spec: str = "") -> str:
+        if v is None:
+            return self.na
+        if spec == "gib":
+            return f"{v / GIB:.2f}"
+        if spec == "pct":
+            return f"{v:+.1%}"
+        return format(v, spec) if spec else str(v)
+
+
+def table(head: list[str], rows: list[list[str]]) -> list[str]:
+    return ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head), *("| " + " | ".join(r) + " |" for r in rows)]
+
+
+def _tests(s: dict[str, Any], f: Fmt) -> list[str]:
+    lines = [
+        f"`{s['command']}`: exit {s['exit_code']}, {s.get('passed', 0)} passed, {s.get('failed', 0)} failed, "
+        f"{s.get('error', 0)} errors, {s.get('skipped', 0)} skipped in {s['wall_s']} s.",
+        "",
+    ]
+    rows = [[c["test"], c["outcome"], str(c["seconds"]), c["message"] or "-"] for c in s.get("cases", [])]
+    return lines + table(["test", "outcome", "s", "message"], rows)
+
+
+def _recovery(rs: list[dict[str, Any]], f: Fmt) -> list[str]:
+    rows = []
+    for r in rs:
+        last = r["runs"][-1]
+        path = ", ".join(last.get("shrinks") or []) or "-"
+        tiers = "; ".join(f"{t['from']} -> {t['to']} in {t['seconds']} s" for t in last.get("tier_changes") or [])
+        tiers = tiers or last.get("tier_path") or (f"skipped: {last['skipped']}" if "skipped" in last else "-")
+        rows.append(
+            [
+                r["scenario"],
+                str(r["rounds"]),
+                {True: "yes", False: "NO"}.get(r["ok"], "-"),
+                f(r.get("median_recovery_s")),
+                f(r.get("median_step_s_before") or r.get("median_step_s")),
+                str(r["steps_lost"]),
+                {True: "yes", False: "NO"}.get(r["same_samples"], "-"),
+                path,
+                tiers,
+                f(r.get("median_wall_s")),
+                f(r.get("median_cpu_s")),
+            ]
+        )
+    notes = sorted({run.get("squeeze", "") for r in rs for run in r["runs"] if run.get("squeeze")})
+    errors = [
+        f"{run['scenario']} round {run['round']}: {run['error']}" for r in rs for run in r["runs"] if "error" in run
+    ]
+    head = [
+        "scenario",
+        "rounds",
+        "ok",
+        "OOM -> next step s (median)",
+        "usual step s",
+        "steps lost",
+        "same samples",
+        "micro-batch shrinks",
+        "tier",
+        "wall s",
+        "CPU s",
+    ]
+    return table(head, rows) + [""] + [f"- squeeze: {n}" for n in notes] + [f"- {e}" for e in errors]
+
+
+def _sizing(rs: list[dict[str, Any]], f: Fmt) -> list[str]:
+    rows = [
+        [
+            r["preset"],
+            r["tier"],
+            r.get("status", "ok")[:60],
+            f(r.get("model_micro_batch")),
+            f(r.get("verified_micro_batch")),
+            f(r.get("verify_probes")),
+            f(r.get("probe_bound")),
+            f(r.get("verify_s")),
+            f(r.get("exhaustive_micro_batch")),
+            f(r.get("exhaustive_probes")),
+            f(r.get("exhaustive_s")),
+            f(r.get("verified_over_exhaustive")),
+        ]
+        for r in rs
+    ]
+    head = [
+        "preset",
+        "tier",
+        "status",
+        "model",
+        "verified",
+        "probes",
+        "bound",
+        "verify s",
+        "exhaustive",
+        "exh. probes",
+        "exh. s",
+        "verified/exh.",
+    ]
+    return table(head, rows)
+
+
+def _memory(ms: list[dict[str, Any]], f: Fmt) -> list[str]:
+    rows = []
+    for m in ms:
+        p, x = m["predicted"], m["measured"]
+        rows.append(
+            [
+                m["preset"],
+                m["tier"],
+                str(m["micro_batch"]),
+                f(p["total"], "gib"),
+                f(p["states"] + p["activations"] + p["logits"], "gib"),
+                f(x.get("peak_allocated"), "gib"),
+                f(x.get("peak_reserved"), "gib"),
+                f(x.get("context"), "gib"),
+                f(x.get("device_peak"), "gib"),
+                f(m.get("error_device"), "pct"),
+                f(m.get("error_allocated"), "pct"),
+                x.get("oom") or "-",
+            ]
+        )
+    head = [
+        "preset",
+        "tier",
+        "mbs",
+        "predicted GiB",
+        "predicted w/o overhead",
+        "peak allocated",
+        "peak reserved",
+        "outside allocator",
+        "device peak",
+        "error (device)",
+        "error (allocated)",
+        "OOM",
+    ]
+    return [
+        *table(head, rows),
+        "",
+        "error = measured / predicted - 1; device = peak reserved + memory outside the "
+        "caching allocator (CUDA context); the model's prediction includes its 1 GiB + 5 % "
+        "overhead, `w/o overhead` is compared with peak allocated.",
+    ]
+
+
+def _throughput(t: dict[str, Any], f: Fmt) -> list[str]:
+    head = ["side", "median tokens/s", "wall s/step", "CPU s/step", "MFU"]
+    rows = [
+        [
+            side,
+            f(t[side]["median_tokens_per_s"], ",.0f"),
+            f(t[side]["median_wall_s_per_step"]),
+            f(t[side]["median_cpu_s_per_step"]),
+            f(t[side]["mfu"], ".1%"),
+        ]
+        for side in ("runner", "plain")
+    ]
+    return [
+        f"{t['preset']}, seq {t['seq_len']}, {t['precision']}, micro-batch {t['micro_batch']} x {t['grad_accum']}, "
+        f"{t['rounds']} paired rounds of {t['steps_per_round']} steps (first side alternating).",
+        "",
+        *table(head, rows),
+        "",
+        f"runner / plain: {f(t['ratio_of_medians'])} (ratio of medians), "
+        f"{f(t['median_paired_ratio'])} (median of per-round ratios).",
+    ]
+
+
+def _tiers(ts: list[dict[str, Any]], f: Fmt) -> list[str]:
+    rows = [
+        [
+            t["tier"],
+            f(t["micro_batch"]),
+            f(t["tokens_per_s"], ",.0f"),
+            f(t["median_wall_s_per_step"]),
+            f(t["median_cpu_s_per_step"]),
+            f(t["ratio_to_fast"]),
+            f(t["mfu"], ".1%"),
+            "; ".join(r["error"] for r in t["runs"] if "error" in r)[:120] or "-",
+        ]
+        for t in ts
+    ]
+    return table(["tier", "micro-batch", "tokens/s", "wall s/step", "CPU s/step", "/ fast", "MFU", "errors"], rows)
+
+
+def _soak(s: dict[str, Any], f: Fmt) -> list[str]:
+    return [
+        f"{s['preset']} {s['tier']}, micro-batch {s['micro_batch']} x {s['grad_accum']}: {s['steps']} of "
+        f"{s['steps_asked']} steps in {s['wall_s']} s wall, {s['cpu_s']} s CPU; {f(s['tokens_per_s'], ',.0f')} "
+        f"tokens/s, MFU {f(s['mfu'], '.1%')}.",
+        f"- OOMs: {s['runner_shrinks']} runner shrinks, {f(s['allocator_ooms'])} allocator OOMs",
+        f"- peak VRAM: {f(s['vram_pct_device'])} % of the device (reserved + outside the allocator), "
+        f"{f(s['vram_pct_allocated'])} % allocated; peak allocated {f(s['peak_allocated'], 'gib')} GiB, "
+        f"reserved {f(s['peak_reserved'], 'gib')} GiB of {f(s['device_total'], 'gib')} GiB",
+    ]
+
+
+RENDER: dict[str, Callable[[Any, Fmt], list[str]]] = {
+    "gpu_tests": _tests,
+    "recovery": _recovery,
+    "sizing": _sizing,
+    "memory_model": _memory,
+    "calibration": lambda c, f: [calibration_text(c)],
+    "throughput": _throughput,
+    "tiers": _tiers,
+    "soak": _soak,
+}
+
+
+def markdown(record: dict[str, Any]) -> str:
+    env, cfg = record["environment"], record.get("config") or {}
+    f = Fmt(cpu=cfg.get("device") == "cpu")
+    lines = [
+        f"# jobspec GPU proof: {env['device']}",
+        "",
+        f"{env['date']}, mode {env['mode']}, parts {', '.join(record['parts'])}; seconds per part "
+        f"{record.get('seconds')}.",
+        "",
+    ]
+    lines += table(["", ""], [[k, f(v)] for k, v in env.items() if k != "argv"])
+    lines += [
+        "",
+        "MFU = tokens/s x FLOPs/token / dense bf16 peak; FLOPs/token = 6N + 6*L*C*T (llm.c; N all "
+        "parameters incl. embeddings, L layers, C hidden, T row length); tokens are input tokens, padding "
+        "excluded. Medians throughout; CPU seconds are this process and its loader workers.",
+    ]
+    for key, title in SECTIONS.items():
+        lines += ["", title, ""]
+        part = next(p for p, ks in PARTS.items() if key in ks)
+        value = record.get(key)
+        if value is None:
+            lines.append(f"Not run in this call (`--part {part}`).")
+        elif isinstance(value, dict) and "status" in value and len(value) == 1:
+            lines.append(value["status"])
+        else:
+            lines += RENDER[key](value, f)
+    return "\n".join(lines) + "\n"
+
+
+def merge(records: list[dict[str, Any]]) -> dict[str, Any]:
+    """One record from several part records: each section from the last record that has it."""
+    out = {k: None for k in KEYS}
+    out.update(
+        schema=records[0]["schema"],
+        environment=records[0]["environment"],
+        config=records[0]["config"],
+        parts=[],
+        seconds={},
+    )
+    for r in records:
+        out["parts"] += [p for p in r["parts"] if p not in out["parts"]]
+        out["seconds"].update(r.get("seconds") or {})
+        out.update({k: r[k] for k in KEYS[5:] if r.get(k) is not None})
+    return out

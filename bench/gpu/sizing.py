@@ -1,0 +1,266 @@
+"""Sizing and the memory model's error, per preset and tier, through the runner's own setup path.
+
+For each (preset, tier) a real `Recipe` is set up at sequence `cfg.seq` with `micro_batch: auto` and a
+per-rank batch of `cfg.per_rank`: it probes the device, asks the memory model for a micro-batch (the
+guess) and checks it with real probe steps (`runner.plan.verify_micro_batch`, called by
+`Recipe._verify_micro_batch`). The suite wraps that call, so it records the guess, every probe (micro-batch,
+outcome, seconds, peak allocated and reserved) and the seconds it took, and then runs the exhaustive search
+with the very same probe step (`try_step`, the runner's `oom_guard` with the plan's budget): every divisor of
+the per-rank batch from the largest down until the first that fits. Nothing is assumed about memory being
+monotone: every larger divisor was tried and failed.
+
+Then the memory: three real optimizer steps (`Stepper.train_step`, two micro-batches each, so the gradients of
+the first micro-batch are alive while the second one's activations are) at the verified micro-batch, and the
+peak allocated and reserved bytes against `jobspec.memory.estimate` at that micro-batch. "Device" memory adds
+what the process holds outside the caching allocator (CUDA context, library handles): (total - free) - reserved.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from bench.gpu.common import Budget, Config, environ, recipe_for, spec_for, sync
+
+
+def _peaks() -> tuple[int | None, int | None]:
+    import torch
+
+    if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
+        return None, None
+    return int(torch.cuda.max_memory_allocated()), int(torch.cuda.max_memory_reserved())
+
+
+class _Observer:
+    """Stands in for `runner.recipe.verify_micro_batch`: the real one, timed, then the exhaustive search, then
+    (for the calibration's straight line) probes at 1 and about half the maximum.
+    Every probe is recorded: micro-batch, outcome, seconds, peak allocated and reserved, and what it was for."""
+
+    def __init__(self, per_rank: int):
+        self.per_rank = per_rank
+        self.probes: list[dict[str, Any]] = []
+        self.seen: dict[str, Any] = {}
+        self.purpose = "verify"
+
+    def _timed(self, try_step: Callable[[int], bool]) -> Callable[[int], bool]:
+        def timed(mbs: int) -> bool:  # oom_guard resets the peak stats before every step
+            t0 = time.perf_counter()
+            ok = bool(try_step(mbs))
+            alloc, reserved = _peaks()
+            self.probes.append(
+                {
+                    "micro_batch": mbs,
+                    "ok": ok,
+                    "purpose": self.purpose,
+                    "seconds": round(time.perf_counter() - t0, 4),
+                    "peak_allocated": alloc if ok else None,
+                    "peak_reserved": reserved if ok else None,
+                }
+            )
+            return ok
+
+        return timed
+
+    def __call__(self, plan: Any, try_step: Callable[[int], bool], **kw: Any) -> Any:
+        from jobspec.memory import divisors
+        from runner import plan as planning
+
+        timed = self._timed(try_step)
+        self.seen.update(guess=plan.micro_batch, model_max=plan.model_max_micro_batch, budget=plan.budget_bytes)
+        t0 = time.perf_counter()
+        try:
+            verified = planning.verify_micro_batch(plan, timed, **kw)
+        finally:
+            self.seen.update(verify_s=time.perf_counter() - t0, verify_probes=len(self.probes))
+        self.purpose, t0 = "exhaustive", time.perf_counter()
+        best, steps = descending_search(self.per_rank, timed)
+        self.seen.update(exhaustive=best, exhaustive_probes=steps, exhaustive_s=time.perf_counter() - t0)
+        self.purpose = "calibration"  # a line through >= 3 sizes, all probed with Adam's moments allocated
+        for target in (1, best // 2):
+            passed = {p["micro_batch"] for p in self.probes if p["ok"] and p["purpose"] != "verify"}
+            mbs = max((d for d in divisors(self.per_rank) if d <= target), default=0)
+            if mbs and mbs not in passed:
+                timed(mbs)
+        return verified
+
+
+def descending_search(per_rank: int, try_step: Callable[[int], bool]) -> tuple[int, int]:
+    """(largest divisor of `per_rank` whose probe step fits, probe steps run): from the largest down."""
+    from jobspec.memory import divisors
+
+    steps = 0
+    for d in reversed(divisors(per_rank)):
+        steps += 1
+        if try_step(d):
+            return d, steps
+    return 0, steps
+
+
+def _measure(recipe: Any, steps: int = 3) -> dict[str, Any]:
+    """Peak memory over `steps` real optimizer steps of two micro-batches at the plan's micro-batch."""
+    import torch
+
+    from runner.oom.shrink import StepOOM
+
+    mbs, gpu = recipe.plan.micro_batch, recipe.device.type == "cuda"
+    recipe.stepper.prefetch.close()  # ids of our choosing: collated in process
+    sync()
+    if gpu:
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        ooms0 = torch.cuda.memory_stats().get("num_ooms", 0)  # the probe search's OOMs are not this run's
+    t0, oom, done = time.perf_counter(), None, 0
+    for s in range(steps):
+        ids = recipe.step_ids(s)[: min(2 * mbs, recipe.plan.per_rank)]
+        try:
+            recipe.stepper.train_step(ids, mbs, recipe.lr(s))
+            done += 1
+        except StepOOM as err:  # the verified micro-batch ran out in a real step: a finding, not a crash
+            oom = str(err)
+            break
+    sync()
+    out: dict[str, Any] = {
+        "steps": done,
+        "seconds": round(time.perf_counter() - t0, 3),
+        "oom": oom,
+        "peak_allocated": None,
+        "peak_reserved": None,
+        "context": None,
+        "device_peak": None,
+        "device_total": None,
+        "num_ooms": None,
+    }
+    if gpu:
+        alloc, reserved = _peaks()
+        free, total = torch.cuda.mem_get_info()
+        context = max(0, (total - free) - torch.cuda.memory_reserved())  # outside the caching allocator
+        out.update(
+            peak_allocated=alloc,
+            peak_reserved=reserved,
+            context=int(context),
+            device_peak=int(reserved or 0) + int(context),
+            device_total=int(total),
+            num_ooms=int(torch.cuda.memory_stats().get("num_ooms", 0) - ooms0),
+        )
+    return out
+
+
+def _predicted(spec: Any, tier: str, mbs: int, precision: str) -> dict[str, Any]:
+    from jobspec import memory
+    from jobspec.plan import estimate_kwargs, model_shape
+
+    shape, kw = model_shape(spec), estimate_kwargs(spec, 1, precision)
+    e, e0, e1 = (memory.estimate(shape, tier=tier, micro_batch=m, **kw) for m in (mbs, 0, 1))
+    return {
+        "states": e.states,
+        "activations": e.activations,
+        "logits": e.logits,
+        "overhead": e.overhead,
+        "total": e.gpu_bytes,
+        "checkpointing": e.checkpointing,
+        "params": shape.params,
+        "per_sample_activations": e1.activations - e0.activations,
+        "per_sample_logits": e1.logits - e0.logits,
+    }
+
+
+def size_one(cfg: Config, work: Path, data: Path, preset: str, tier: str) -> tuple[dict[str, Any], dict | None]:
+    """(sizing entry, memory-model entry or None) for one preset at one tier."""
+    import runner.recipe
+    from runner.plan import NoFit
+
+    run_dir = work / f"sizing-{preset}-{tier}"
+    spec = spec_for(cfg, run_dir, data, preset=preset, tier=tier, global_batch=cfg.per_rank)
+    obs, real = _Observer(cfg.per_rank), runner.recipe.verify_micro_batch
+    entry: dict[str, Any] = {
+        "preset": preset,
+        "tier": tier,
+        "seq_len": cfg.seq,
+        "per_rank": cfg.per_rank,
+        "probe_bound": round(math.log2(cfg.per_rank) + 3, 2),
+        "status": "ok",
+    }
+    mem = None
+    t0 = time.perf_counter()
+    runner.recipe.verify_micro_batch = obs  # the runner's own call site, observed
+    try:
+        with environ(JOBSPEC_FAULT_OOM=cfg.sizing_fault), recipe_for(spec) as recipe:
+            entry["setup_s"] = round(time.perf_counter() - t0, 2)
+            plan = recipe.plan
+            entry.update(
+                verified_micro_batch=plan.micro_batch,
+                grad_accum=plan.grad_accum,
+                precision=plan.precision,
+                checkpointing=plan.checkpointing,
+                budget_bytes=plan.budget_bytes,
+            )
+            measured = _measure(recipe)
+            mem = {
+                "preset": preset,
+                "tier": tier,
+                "micro_batch": plan.micro_batch,
+                "predicted": _predicted(spec, tier, plan.micro_batch, plan.precision),
+                "measured": measured,
+            }
+    except NoFit as err:
+        entry.update(status="no fit", reason=str(err))
+    finally:
+        runner.recipe.verify_micro_batch = real
+    s = obs.seen
+    entry.update(
+        model_micro_batch=s.get("guess"),
+        model_max_micro_batch=s.get("model_max"),
+        verify_probes=s.get("verify_probes"),
+        verify_s=_r(s.get("verify_s")),
+        exhaustive_micro_batch=s.get("exhaustive"),
+        exhaustive_probes=s.get("exhaustive_probes"),
+        exhaustive_s=_r(s.get("exhaustive_s")),
+        probes=obs.probes,
+    )
+    v, x = entry.get("verified_micro_batch"), entry.get("exhaustive_micro_batch")
+    entry["verified_over_exhaustive"] = round(v / x, 3) if v and x else None
+    if "guess" not in s and entry["status"] == "ok":
+        entry["status"] = "no probe steps (the runner only probes on a GPU, or with JOBSPEC_FAULT_OOM's `probes`)"
+    if mem is not None:
+        mem.update(_errors(mem))
+    return entry, mem
+
+
+def _r(x: float | None) -> float | None:
+    return None if x is None else round(x, 3)
+
+
+def _errors(mem: dict[str, Any]) -> dict[str, Any]:
+    """Measured / predicted - 1: whole device, and the allocator's part against the model without overhead."""
+    p, m = mem["predicted"], mem["measured"]
+    if m.get("device_peak") is None:
+        return {"error_device": None, "error_allocated": None}
+    model_alloc = p["states"] + p["activations"] + p["logits"]
+    return {
+        "error_device": round(m["device_peak"] / p["total"] - 1, 4),
+        "error_allocated": round(m["peak_allocated"] / model_alloc - 1, 4),
+    }
+
+
+def run(cfg: Config, work: Path, data: Path, budget: Budget, save: Callable[[], None], record: dict[str, Any]) -> None:
+    """Fill record["sizing"] and record["memory_model"], tier by tier (fast for every preset first)."""
+    record["sizing"], record["memory_model"] = [], []
+    for tier in cfg.tiers:
+        for preset in cfg.sizing_presets:
+            if budget.spent():
+                record["sizing"].append({"preset": preset, "tier": tier, "status": budget.skip_note()})
+                continue
+            try:
+                entry, mem = size_one(cfg, work, data, preset, tier)
+            except Exception as err:  # one failing configuration must not lose the others' figures
+                entry, mem = (
+                    {"preset": preset, "tier": tier, "status": f"error: {type(err).__name__}: {err}"[:500]},
+                    None,
+                )
+            record["sizing"].append(entry)
+            if mem is not None:
+                record["memory_model"].append(mem)
+            save()

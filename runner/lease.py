@@ -1,0 +1,256 @@
+"""One writer per run directory: a lease file that rank 0 holds while its job trains.
+
+    <checkpoints.dir>/lease.json   {"holder", "job", "host", "pid", "pid_start", "boot_id", "pid_ns",
+                                    "since", "heartbeat"}   (times: seconds since the epoch)
+
+`acquire()` creates the file with O_CREAT|O_EXCL. The holder renews it (`beat()`: heartbeat time) at
+most every `interval` seconds from the training loop and before every checkpoint, by writing a new file
+and renaming it over the old one, after checking the lease is still its own; `release()` removes it at
+exit. Another run finds the file and stops with exit 2 naming the holder, unless the lease is stale:
+
+  - its heartbeat is older than JOBSPEC_LEASE_TIMEOUT_S (default 600 s): the holder stopped renewing;
+  - the holder ran in this kernel and PID namespace (same boot id and pid namespace) and that process is
+    gone (or the pid now belongs to a newer process): a worker that crashed or was SIGKILLed, before
+    the supervisor's relaunch, or an earlier run in this very process;
+  - this is a pod of a Kubernetes Indexed Job (JOB_COMPLETION_INDEX is set) with the holder's hostname
+    and another PID namespace: hostnames are `<job>-<index>`, so that is the previous pod of this index,
+    which the Job replaces only once it has ended (podReplacementPolicy: Failed).
+
+A stale lease is taken over with a warning: a new file renamed over it, then read back (of two runs
+that took over at once, the one whose record is not there stops). A holder whose lease was taken over
+(it stalled past the timeout) finds out at its next renewal and stops (LeaseLost, exit 2).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import time
+import uuid
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from jobspec.errors import ConfigError
+
+log = logging.getLogger("jobspec.runner")
+LEASE_FILE = "lease.json"
+TIMEOUT_ENV = "JOBSPEC_LEASE_TIMEOUT_S"
+DEFAULT_TIMEOUT_S = 600.0
+SETTLE_S = 1.0  # an unreadable lease this young may be one another run is writing right now
+
+
+class LeaseHeld(ConfigError):
+    """Another live run holds the run directory."""
+
+
+class LeaseLost(ConfigError):
+    """This run's lease was taken over by another run (it stalled past the timeout)."""
+
+
+def timeout_s() -> float:
+    text = os.environ.get(TIMEOUT_ENV, "")
+    try:
+        value = float(text) if text else DEFAULT_TIMEOUT_S
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        raise ConfigError(f"{TIMEOUT_ENV}={text!r}: give the lease timeout in seconds, e.g. 600")
+    return value
+
+
+class Lease:
+    """This process's claim on `root` (see the module docstring)."""
+
+    def __init__(self, root: str | Path, job: str, *, timeout: float | None = None):
+        self.root, self.job = Path(root), job
+        self.path = self.root / LEASE_FILE
+        self.timeout = timeout_s() if timeout is None else timeout
+        self.interval = min(60.0, self.timeout / 4)  # several renewals fit in one timeout
+        self.holder = uuid.uuid4().hex
+        self.since = time.time()
+        self.held = False
+        self._renewed = 0.0  # time.monotonic() of the last renewal
+
+    def acquire(self) -> None:
+        """Take the lease, or a stale one over; LeaseHeld when a live run holds it."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        for _ in range(3):  # a holder that releases between our two looks: look again
+            if self._create():
+                return self._took()
+            current = self._read_settled()
+            if current is None and not self.path.exists():
+                continue
+            now = time.time()
+            why = "it is unreadable" if current is None else stale_reason(current, _identity(), now, self.timeout)
+            if why is None:
+                raise LeaseHeld(self._held_message(current))
+            log.warning("taking over the lease %s of %s: %s", self.path, describe(current), why)
+            self._replace()
+            after = self._read()
+            if after is None or after.get("holder") != self.holder:
+                raise LeaseHeld(f"{self._held_message(after)} (it took the stale lease over at the same time)")
+            return self._took()
+        raise LeaseHeld(f"{self.path} keeps appearing and disappearing: another run is starting in {self.root}")
+
+    def beat(self, *, force: bool = False) -> None:
+        """Renew the heartbeat (at most every `interval` s unless `force`); LeaseLost when it is not ours."""
+        now = time.monotonic()
+        if not self.held or (not force and now - self._renewed < self.interval):
+            return
+        current = self._read()
+        if current is None or current.get("holder") != self.holder:
+            self.held = False
+            raise LeaseLost(
+                f"the lease on {self.root} was taken over by {describe(current)} (this run last renewed it "
+                f"{now - self._renewed:.0f} s ago; {TIMEOUT_ENV}={self.timeout:.0f}): stopping, since two writers "
+                "corrupt each other's checkpoints"
+            )
+        self._replace()
+        self._renewed = now
+
+    def release(self) -> None:
+        """Remove the lease if it is still ours (never raises: it runs while exiting)."""
+        if not self.held:
+            return
+        self.held = False
+        try:
+            current = self._read()
+            if current is not None and current.get("holder") == self.holder:
+                self.path.unlink(missing_ok=True)
+        except OSError as err:
+            log.warning("could not release the lease %s: %s", self.path, err)
+
+    # --- the file -----------------------------------------------------------------------------------------
+
+    def _record(self) -> bytes:
+        record = {"holder": self.holder, "job": self.job, **_identity(), "since": self.since, "heartbeat": time.time()}
+        return json.dumps(record, indent=1).encode()
+
+    def _create(self) -> bool:
+        try:
+            fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        except FileExistsError:
+            return False
+        with os.fdopen(fd, "wb") as f:
+            f.write(self._record())
+            f.flush()
+            os.fsync(f.fileno())
+        return True
+
+    def _replace(self) -> None:
+        tmp = self.path.with_name(f".{LEASE_FILE}.{self.holder}")
+        with open(tmp, "wb") as f:
+            f.write(self._record())
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, self.path)  # atomic: a reader sees the old record or the new one
+
+    def _read(self) -> dict[str, Any] | None:
+        try:
+            record = json.loads(self.path.read_text())
+        except (OSError, ValueError):
+            return None
+        return record if isinstance(record, dict) else None
+
+    def _read_settled(self) -> dict[str, Any] | None:
+        """The holder's record; an unreadable one is read again after SETTLE_S (its writer may be mid-write)."""
+        record = self._read()
+        if record is None:
+            time.sleep(SETTLE_S)
+            record = self._read()
+        return record
+
+    def _took(self) -> None:
+        self.held, self._renewed = True, time.monotonic()
+        log.info("lease %s taken (holder %s, pid %d)", self.path, self.holder[:8], os.getpid())
+
+    def _held_message(self, current: dict[str, Any] | None) -> str:
+        age = time.time() - _float(current, "heartbeat")
+        return (
+            f"{self.root} is in use by another run: {describe(current)}. Two writers in one run directory corrupt "
+            f"each other's checkpoints and metrics. Let that run finish or stop it, or give this run another "
+            f"checkpoints.dir. If it is gone (its machine died), its lease expires in {max(self.timeout - age, 0):.0f} "
+            f"s ({TIMEOUT_ENV}={self.timeout:.0f}); or delete {self.path} once you are sure"
+        )
+
+
+def stale_reason(holder: dict[str, Any], me: dict[str, Any], now: float, timeout: float) -> str | None:
+    """Why the lease `holder` wrote may be taken over by the process `me` (see the module docstring), or None."""
+    age = now - _float(holder, "heartbeat")
+    if age > timeout:
+        return f"its last heartbeat was {age:.0f} s ago ({TIMEOUT_ENV}={timeout:.0f})"
+    same_ns = bool(me.get("boot_id")) and (holder.get("boot_id"), holder.get("pid_ns")) == (me["boot_id"], me["pid_ns"])
+    pid = holder.get("pid")
+    if same_ns and isinstance(pid, int):
+        if pid == me["pid"]:
+            return "it was left by an earlier run in this process"
+        if not _alive(pid, holder.get("pid_start")):
+            return f"its process {pid} on this host has exited"
+    if os.environ.get("JOB_COMPLETION_INDEX") is not None and holder.get("host") == me["host"] and not same_ns:
+        return f"it was held by the previous pod of this Job index ({me['host']}), which has ended"
+    return None
+
+
+def describe(record: dict[str, Any] | None) -> str:
+    if record is None:
+        return "an unknown holder (unreadable lease file)"
+    since = datetime.fromtimestamp(_float(record, "since"), timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
+    beat = time.time() - _float(record, "heartbeat")
+    return (f"job {record.get('job')!r} on host {record.get('host')}, pid {record.get('pid')}, since {since}, "
+            f"last heartbeat {beat:.0f} s ago")  # fmt: skip
+
+
+def _float(record: dict[str, Any] | None, key: str) -> float:
+    value = (record or {}).get(key)
+    return float(value) if isinstance(value, int | float) else 0.0
+
+
+def _identity() -> dict[str, Any]:
+    pid = os.getpid()
+    stat = _proc_stat(pid)
+    return {"host": socket.gethostname(), "pid": pid, "pid_start": stat[1] if stat else None,
+            "boot_id": _read_text("/proc/sys/kernel/random/boot_id"), "pid_ns": _pid_ns()}  # fmt: skip
+
+
+def _alive(pid: int, start: Any) -> bool:
+    """Whether process `pid` (started at `start` clock ticks after boot, when known) still runs here."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # it exists, under another user
+        pass
+    stat = _proc_stat(pid)
+    if stat is None:
+        return True  # no /proc: the signal test is all there is
+    state, started = stat
+    return state not in ("Z", "X") and (start is None or started == start)
+
+
+def _proc_stat(pid: int) -> tuple[str, int] | None:
+    """(state, start time in clock ticks after boot) of `pid` from /proc, or None."""
+    text = _read_text(f"/proc/{pid}/stat")
+    if text is None:
+        return None
+    fields = text.rsplit(")", 1)[-1].split()  # after "pid (comm)": state is field 3, starttime field 22
+    try:
+        return fields[0], int(fields[19])
+    except (IndexError, ValueError):
+        return None
+
+
+def _pid_ns() -> str | None:
+    try:
+        return os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return None
+
+
+def _read_text(path: str) -> str | None:
+    try:
+        return Path(path).read_text().strip()
+    except OSError:
+        return None

@@ -1,0 +1,199 @@
+"""The GPU proof suite (bench/gpu) cannot rot between GPU sessions: its CPU smoke runs every part here.
+
+`python -m bench.gpu --smoke` trains the tiny preset for real (probe steps through JOBSPEC_FAULT_OOM's
+`probes` rule, an OOM squeeze by fault injection, runner vs plain loop, every one-rank tier) and must
+write the same JSON keys and Markdown sections as a GPU run, GPU-only figures null / "n/a (CPU)".
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from bench.gpu import calibrate, common, device, prepare, report
+from jobspec import memory
+from jobspec.presets import PRESETS
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, str, float]:
+    out = tmp_path_factory.mktemp("gpu-suite")
+    t0 = time.perf_counter()
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench.gpu", "--smoke", "--out", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    wall = time.perf_counter() - t0
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    print(f"\n--smoke: {wall:.1f} s")
+    return json.loads((out / "gpu-suite-smoke.json").read_text()), (out / "gpu-suite-smoke.md").read_text(), wall
+
+
+@pytest.mark.slow
+def test_smoke_writes_every_section_with_cpu_figures(smoke) -> None:
+    record, md, wall = smoke
+    assert tuple(record) == report.KEYS and record["parts"] == list(report.PARTS)
+    assert all(record[k] is not None for k in report.KEYS), [k for k in report.KEYS if record[k] is None]
+    for title in report.SECTIONS.values():
+        assert f"\n{title}\n" in md
+    assert "n/a (CPU)" in md and "Not run in this call" not in md
+    assert record["environment"]["driver"] is None and record["environment"]["peak_tflops"] is None
+    assert wall < 180, f"--smoke took {wall:.0f} s; it is meant to take under a minute"
+
+    tests = record["gpu_tests"]  # pytest -m gpu collected the gpu tests and skipped them all here
+    assert tests["exit_code"] == 0 and tests["total"] >= 3 and tests["skipped"] == tests["total"]
+
+
+@pytest.mark.slow
+def test_smoke_sizing_runs_the_runners_probe_search(smoke) -> None:
+    record = smoke[0]
+    sizing = {s["tier"]: s for s in record["sizing"]}
+    assert set(sizing) == {"fast", "zero2_offload", "minimal"}
+    for s in sizing.values():  # JOBSPEC_FAULT_OOM="mbs>5,probes": the largest divisor of 24 that fits is 4
+        assert s["status"] == "ok", s
+        assert s["model_micro_batch"] == 24 and s["verified_micro_batch"] == 4 == s["exhaustive_micro_batch"]
+        assert s["verify_probes"] <= s["probe_bound"] and s["verified_over_exhaustive"] == 1.0
+        assert {p["micro_batch"] for p in s["probes"] if not p["ok"]} >= {6, 24}
+    for m in record["memory_model"]:
+        assert m["predicted"]["total"] > m["predicted"]["states"] > 0
+        assert m["measured"]["device_peak"] is None and m["error_device"] is None and m["measured"]["oom"] is None
+    assert record["calibration"]["status"].startswith("no GPU measurements")
+
+
+@pytest.mark.slow
+def test_smoke_recovery_throughput_tiers_soak(smoke) -> None:
+    record = smoke[0]
+    rec = {r["scenario"]: r for r in record["recovery"]}
+    shrink, down = rec["shrink"], rec["step-down"]
+    assert shrink["ok"] and shrink["steps_lost"] == [0] and shrink["same_samples"]
+    assert shrink["runs"][0]["shrinks"] == ["8->4", "4->2"] and shrink["median_recovery_s"] > 0
+    assert down["ok"] and down["steps_lost"] == [0] and down["same_samples"]
+    assert [(t["from"], t["to"]) for t in down["runs"][0]["tier_changes"]] == [("fast", "zero2_offload")]
+    assert down["runs"][0]["final_tier"] == "zero2_offload" and down["runs"][0]["steps_done"] == 7
+    assert "skipped" in rec["relaunch"]["runs"][0]
+
+    tp = record["throughput"]
+    assert tp["runner"]["median_tokens_per_s"] > 0 and tp["plain"]["median_tokens_per_s"] > 0
+    assert tp["runner"]["mfu"] is None and tp["ratio_of_medians"] > 0 and tp["rounds"] == 3
+    tiers = {t["tier"]: t for t in record["tiers"]}
+    assert tiers["fast"]["ratio_to_fast"] == 1.0 and all(t["tokens_per_s"] > 0 for t in tiers.values())
+    soak = record["soak"]
+    assert soak["steps"] == soak["steps_asked"] == 20 and soak["runner_shrinks"] == 0
+    assert soak["vram_pct_device"] is None and soak["allocator_ooms"] is None
+
+
+def _probe(m: int, peak: float) -> dict:
+    return {"micro_batch": m, "ok": True, "peak_allocated": int(peak), "peak_reserved": int(peak)}
+
+
+def test_calibration_recovers_known_constants() -> None:
+    """Peaks made from the memory model with known factors: the fit must give those factors back."""
+    a, a_ckpt, b, fixed, pct = 1.3, 1.7, 0.9, 700 * 2**20, 0.04
+    sizing, mems = [], []
+    for preset in ("gpt2-small", "gpt2-medium", "llama-1b"):
+        for tier in ("fast", "zero2_offload"):
+            kw = dict(tier=tier, seq_len=1024, world_size=1)
+            e0, e1 = (
+                memory.estimate(PRESETS[preset], micro_batch=0, **kw),
+                memory.estimate(PRESETS[preset], micro_batch=1, **kw),
+            )
+            act1, log1 = e1.activations - e0.activations, e1.logits - e0.logits
+            scale = a_ckpt if e1.checkpointing else a
+            per_sample = scale * act1 + b * log1
+            sizing.append(
+                {
+                    "preset": preset,
+                    "tier": tier,
+                    "probes": [_probe(m, e0.states + m * per_sample) for m in (1, 2, 4, 8)],
+                }
+            )
+            e = memory.estimate(PRESETS[preset], micro_batch=8, **kw)
+            body = e.states + scale * e.activations + b * e.logits
+            pred = {
+                "states": e.states,
+                "activations": e.activations,
+                "logits": e.logits,
+                "total": e.gpu_bytes,
+                "checkpointing": e.checkpointing,
+                "per_sample_activations": act1,
+                "per_sample_logits": log1,
+            }
+            meas = {
+                "peak_allocated": body,
+                "peak_reserved": body,
+                "context": fixed,
+                "device_peak": body + fixed + pct * body,
+            }
+            mems.append({"preset": preset, "tier": tier, "micro_batch": 8, "predicted": pred, "measured": meas})
+    cal = calibrate.calibrate({"sizing": sizing, "memory_model": mems})
+    assert cal["status"] == "ok", cal
+    s = cal["suggested"]
+    assert s["ACT_BYTES"] == pytest.approx(34 * a, rel=1e-3) and s["CKPT_BYTES"] == pytest.approx(2 * a_ckpt, rel=1e-3)
+    assert s["LOGITS_BYTES"] == pytest.approx(8 * b, rel=1e-3)
+    assert s["OVERHEAD_FIXED"] == pytest.approx(fixed, rel=1e-3) and s["OVERHEAD_PERCENT"] == pytest.approx(4, rel=1e-3)
+    assert cal["worst_error_suggested"] < 1e-3 and any(abs(e["error_now"]) > 0.05 for e in cal["errors"])
+    assert "LOGITS_BYTES" in calibrate.text(cal)
+
+
+def _record(**sections: object) -> dict:
+    rec = dict.fromkeys(report.KEYS)
+    env = {"date": "2026-01-01T00:00:00+00:00", "mode": "gpu", "device": "NVIDIA H100 80GB HBM3", "driver": "580"}
+    rec.update({"schema": 1, "environment": env, "config": {"device": "cuda"}, "parts": [], "seconds": {}, **sections})
+    return rec
+
+
+def test_report_says_which_part_was_not_run_and_merge_joins_parts() -> None:
+    soak = {
+        "preset": "gpt2-small",
+        "tier": "fast",
+        "micro_batch": 60,
+        "grad_accum": 2,
+        "steps": 200,
+        "steps_asked": 200,
+        "wall_s": 50.0,
+        "cpu_s": 49.0,
+        "tokens_per_s": 1e5,
+        "mfu": 0.4,
+        "runner_shrinks": 0,
+        "allocator_ooms": 0,
+        "vram_pct_device": 88.0,
+        "vram_pct_allocated": 80.0,
+        "peak_allocated": 60 * 2**30,
+        "peak_reserved": 66 * 2**30,
+        "device_total": 80 * 2**30,
+    }
+    a = _record(parts=["throughput"], seconds={"throughput": 300}, soak=soak)
+    b = _record(parts=["sizing"], seconds={"sizing": 400}, calibration={"status": "no GPU measurements", "current": {}})
+    md = report.markdown(a)
+    assert "Not run in this call (`--part sizing`)" in md and "Not run in this call (`--part tests`)" in md
+    assert "88.0 % of the device" in md and "n/a (CPU)" not in md
+    merged = report.merge([a, b])
+    assert merged["parts"] == ["throughput", "sizing"] and merged["seconds"] == {"throughput": 300, "sizing": 400}
+    assert merged["soak"] == soak and merged["calibration"]["status"] == "no GPU measurements"
+    assert tuple(merged) == report.KEYS
+
+
+def test_mfu_inputs_and_wheel_preparation() -> None:
+    s = PRESETS["gpt2-small"]
+    assert device.flops_per_token("gpt2-small", 1024) == 6 * s.params + 6 * 12 * 768 * 1024
+    cfg = common.Config.gpu()
+    assert device.peak_tflops(cfg, "NVIDIA H100 80GB HBM3")[0] == 989
+    assert device.peak_tflops(cfg, "NVIDIA H100 PCIe")[0] == 756
+    assert device.peak_tflops(cfg, "NVIDIA H200")[0] == 989
+    assert device.peak_tflops(cfg, "NVIDIA A100-SXM4-80GB")[0] == 312
+    assert device.peak_tflops(cfg, "Some GPU")[0] is None  # no guessed peak, no MFU
+    assert device.mfu(1e5, 10**9, 989.0) == pytest.approx(1e14 / 989e12)
+    cmd = prepare.command(ROOT / ".gpu-wheels")
+    assert cmd[cmd.index("--python-version") + 1] == "3.12" and "--no-deps" in cmd
+    assert {c.split("==")[0] for c in cmd if "==" in c} == set(prepare.PACKAGES)
+    assert ".gpu-wheels/" in (ROOT / ".gitignore").read_text().splitlines()
