@@ -340,6 +340,15 @@ class MemorySpec(Section):
     ] = 50
 
 
+_SUB_PATH = re.compile(r"^[A-Za-z0-9._-]+(/[A-Za-z0-9._-]+)*$")
+
+
+def _sub_path(value: Any) -> Any:
+    if isinstance(value, str) and (not _SUB_PATH.match(value) or ".." in value.split("/")):
+        raise ValueError("must be a relative path of letters, digits, '.', '_' and '-' (no '..', no leading '/')")
+    return value
+
+
 class CheckpointSpec(Section):
     dir: Annotated[
         str, Field(min_length=1, description="Run directory: checkpoints, metrics.jsonl and tier state.")
@@ -348,6 +357,14 @@ class CheckpointSpec(Section):
         DnsLabel | None,
         Field(description="PersistentVolumeClaim mounted at `dir`; without one, checkpoints die with the pod."),
     ] = None
+    sub_path: Annotated[
+        str | None,
+        BeforeValidator(_sub_path),
+        Field(
+            description="Directory on `pvc` that is mounted at `dir`: auto = the job name, so jobs sharing one "
+            "volume never share a run directory; null mounts the volume's root."
+        ),
+    ] = "auto"
     every_steps: Annotated[int, Field(ge=1, description="Optimizer steps between checkpoints.")] = 200
     keep: Annotated[int, Field(ge=1, description="Checkpoints kept; older ones are deleted.")] = 2
     resume: Annotated[
@@ -576,6 +593,12 @@ class JobSpec(Section):
     @property
     def world_size(self) -> int:
         return self.hardware.world_size
+
+    @property
+    def checkpoint_sub_path(self) -> str | None:
+        """The directory of `checkpoints.pvc` mounted at `checkpoints.dir` (None: the volume's root)."""
+        sub = self.checkpoints.sub_path
+        return self.name if sub == "auto" else sub
 
     @property
     def export_dir(self) -> str:

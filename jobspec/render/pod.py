@@ -169,6 +169,8 @@ def _volumes(spec: JobSpec) -> tuple[list[Obj], list[Obj]]:
         {"name": "scratch", "mountPath": SCRATCH_DIR},
         {"name": "checkpoints", "mountPath": checkpoint_dir},
     ]
+    if pvc and spec.checkpoint_sub_path:  # each job its own directory on a shared volume
+        mounts[-1]["subPath"] = spec.checkpoint_sub_path
     if spec.data.pvc:  # training data, read-only: a bug in the runner cannot damage the data set
         volumes.append({"name": "data", "persistentVolumeClaim": {"claimName": spec.data.pvc, "readOnly": True}})
         mounts.append({"name": "data", "mountPath": spec.data.mount_path, "readOnly": True})

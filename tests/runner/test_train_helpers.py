@@ -38,8 +38,10 @@ def test_a_timed_out_wait_names_what_it_waited_for_and_the_stderr_so_far() -> No
 def test_run_supervisor_reports_the_command_and_kills_it(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
     monkeypatch.setattr(train_helpers, "TRAINING_TIMEOUT_S", 0.5)  # far less than the runner needs to start
     monkeypatch.setenv(TIMEOUT_SCALE_ENV, "1")
-    spec = tmp_path / "s.yaml"
-    spec.write_text("name: x\n")
+    # A valid spec that trains for long: a bad one is refused (exit 2) in well under 0.5 s on an idle machine.
+    spec = train_helpers.write_spec(
+        tmp_path / "s.yaml", train_helpers.tiny_spec_dict(tmp_path / "run", training={"steps": 100000})
+    )
     with pytest.raises(AssertionError) as info:
         run_supervisor([str(spec)], timeout=0.1, JOBSPEC_KILL_GRACE_S="5")
     text = str(info.value)
