@@ -12,14 +12,11 @@ import pytest
 from jobspec.cli import main
 from jobspec.loader import load_spec
 from jobspec.plan import plan_spec, shape_from_config
+from tests.cli_helpers import run_cli
 
 ROOT = Path(__file__).resolve().parents[1]
 SFT = str(ROOT / "examples" / "sft_fast.yaml")
 GiB = 1024**3
-
-
-def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "jobspec", *args], capture_output=True, text=True, cwd=ROOT)
 
 
 @pytest.mark.parametrize("command", ["validate", "render", "schema", "plan", "run"])

@@ -3,8 +3,6 @@ the --set that caused a problem, and `plan` that says (and exits non-zero) when 
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,6 +14,7 @@ from jobspec.errors import SpecError
 from jobspec.loader import parse_spec, suggest_value
 from jobspec.plan import gpu_memory_bytes, plan_spec
 from jobspec.units import MAX_BYTES, MIN_BARE_BYTES, format_bytes, parse_size
+from tests.cli_helpers import run_cli
 
 ROOT = Path(__file__).resolve().parents[1]
 SFT = ROOT / "examples" / "sft_fast.yaml"
@@ -129,10 +128,6 @@ def test_gpu_memory_flag_reads_a_bare_number_as_gib() -> None:
     assert gpu_memory_bytes("24Gi") == 24 * GiB and gpu_memory_bytes("20GB") == 20 * 10**9
     report = plan_spec(parse_spec(SFT.read_text()), gpu_memory="24")
     assert report.gpu_bytes == 24 * GiB and report.gpu_label.startswith("24 GiB")
-
-
-def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "jobspec", *args], capture_output=True, text=True, cwd=ROOT)
 
 
 def test_plan_exits_4_when_nothing_fits() -> None:

@@ -6,8 +6,6 @@ numbers past int64 or float range, oversized files: each is one located issue an
 
 from __future__ import annotations
 
-import contextlib
-import io
 import subprocess
 import sys
 import time
@@ -20,9 +18,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from jobspec import safe_yaml
-from jobspec.cli import main
 from jobspec.errors import SpecError
 from jobspec.loader import MAX_ISSUES, load_spec, parse_spec
+from tests.cli_helpers import cli
 
 ROOT = Path(__file__).resolve().parents[1]
 GOOD = "name: demo\nmodel:\n  preset: tiny\ntraining:\n  global_batch: 8\n  steps: 10\nhardware:\n  vendor: cpu\n"
@@ -43,16 +41,6 @@ def refused(text: str, overrides: tuple[str, ...] = ()) -> SpecError:
     assert err.exit_code == 2 and err.issues
     assert all(i.line is not None or i.source or i.path == "" for i in err.issues), str(err)
     return err
-
-
-def cli(*argv: str) -> tuple[int, str]:
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        try:
-            code = main(list(argv))
-        except SystemExit as exc:  # argparse
-            code = int(exc.code or 0)
-    return code, out.getvalue() + err.getvalue()
 
 
 # --- aliases ---------------------------------------------------------------------------------

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -19,14 +17,11 @@ from jobspec.plan import plan_spec
 from jobspec.plan_gpus import compare, parse_prices
 from jobspec.plan_output import plan_table
 from jobspec.presets import PRESETS
+from tests.cli_helpers import run_cli
 
 ROOT = Path(__file__).resolve().parents[1]
 MULTINODE = ROOT / "examples" / "multinode.yaml"  # llama-1b, 2 x 8 H100, steps 10000, seq 2048, batch 256
 SFT = ROOT / "examples" / "sft_fast.yaml"  # gpt2-medium, 2 x RTX3080-20GB, 3 epochs of data not here
-
-
-def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "jobspec", *args], capture_output=True, text=True, cwd=ROOT)
 
 
 def test_flops_per_token_is_6n_plus_attention() -> None:

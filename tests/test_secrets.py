@@ -7,8 +7,6 @@ stdout or stderr, and that the exit code is 2.
 
 from __future__ import annotations
 
-import contextlib
-import io
 import string
 import time
 from pathlib import Path
@@ -17,24 +15,14 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from jobspec.cli import main
 from jobspec.cluster.errors import Op, error_for_status, server_message
 from jobspec.cluster.status import parse_report
 from jobspec.credentials import credential_kind, is_secret_name, redact
 from jobspec.errors import SpecError
 from jobspec.loader import parse_spec
+from tests.cli_helpers import cli
 
 GOOD = "name: demo\nmodel:\n  preset: tiny\ntraining:\n  global_batch: 8\n  steps: 10\nhardware:\n  vendor: cpu\n"
-
-
-def cli(*argv: str) -> tuple[int, str]:
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        try:
-            code = main(list(argv))
-        except SystemExit as exc:  # argparse
-            code = int(exc.code or 0)
-    return code, out.getvalue() + err.getvalue()
 
 
 def pieces(value: str, n: int = 6) -> set[str]:
