@@ -16,15 +16,16 @@ throughput is taken. Pure Python: no torch.
 
 from __future__ import annotations
 
-import json
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from jobspec import memory
+from jobspec.contract import METRICS_FILE
 from jobspec.errors import ConfigError
 from jobspec.presets import ModelShape
+from jobspec.units import human_bytes
 
 SCALE_LIMITS = (0.25, 8.0)  # beyond these the measurement, not the model, is suspect: clamp and say so
 
@@ -44,22 +45,18 @@ class Measured:
 
 def read_run(run_dir: str | Path) -> dict[str, Measured]:
     """Per tier, the last plan the run trained with there and its measurements. ConfigError without metrics."""
-    path = Path(run_dir) / "metrics.jsonl"
+    from jobspec.report import read_records  # the report's reader: a truncated line is skipped, not fatal
+
+    path = Path(run_dir) / METRICS_FILE
     try:
-        lines = path.read_text(encoding="utf-8").splitlines()
+        records, _ = read_records(path)
     except OSError as err:
-        raise ConfigError(f"--from {run_dir}: no readable metrics.jsonl ({err.strerror or err}); give a run "
+        raise ConfigError(f"--from {run_dir}: no readable {METRICS_FILE} ({err.strerror or err}); give a run "
                           "directory (the spec's checkpoints.dir of a run that trained)") from None  # fmt: skip
     plan: dict[str, Any] | None = None
     seen: dict[tuple[str, int], dict[str, Any]] = {}
     last: dict[str, Any] | None = None  # the previous train record of the same attempt
-    for line in lines:
-        try:
-            rec = json.loads(line)
-        except ValueError:
-            continue  # a truncated last line: a run killed mid-write
-        if not isinstance(rec, dict):
-            continue
+    for rec in records:
         if rec.get("kind") == "plan":
             plan, last = rec, None
         elif rec.get("kind") == "train" and plan is not None and rec.get("tier") and rec.get("micro_batch"):
@@ -93,13 +90,13 @@ def sample_scale(shape: ModelShape, measured: Measured, **estimate_kw: Any) -> t
     model_sample = (at1.activations + at1.logits) - (at0.activations + at0.logits)
     measured_sample = (measured.peak_bytes - at0.states) / measured.micro_batch
     if model_sample <= 0 or measured_sample <= 0:
-        return None, f"{measured.tier}: peak {_gib(measured.peak_bytes)} is below the model's states: not used"
+        return None, f"{measured.tier}: peak {human_bytes(measured.peak_bytes)} is below the model's states: not used"
     scale = measured_sample / model_sample
     low, high = SCALE_LIMITS
     clamped = min(max(scale, low), high)
     line = (
-        f"{measured.tier}: at micro-batch {measured.micro_batch} the model says {_gib(model_sample)} a sample, "
-        f"the run measured {_gib(measured_sample)} (peak {_gib(measured.peak_bytes)}): x{scale:.2f}"
+        f"{measured.tier}: at micro-batch {measured.micro_batch} the model says {human_bytes(model_sample)} a sample, "
+        f"the run measured {human_bytes(measured_sample)} (peak {human_bytes(measured.peak_bytes)}): x{scale:.2f}"
     )
     if clamped != scale:
         line += f", clamped to x{clamped:.2f}"
@@ -118,5 +115,3 @@ def scales(shape: ModelShape, runs: dict[str, Measured], **estimate_kw: Any) -> 
     return out, lines
 
 
-def _gib(n: float) -> str:
-    return f"{n / 1024**3:.2f} GiB" if abs(n) >= 0.1 * 1024**3 else f"{n / 1024**2:.1f} MiB"

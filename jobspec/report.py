@@ -80,7 +80,7 @@ def load_run(run_dir: str | Path) -> Run:
     metrics = path / METRICS_FILE
     if not metrics.is_file():
         raise ConfigError(f"{path}: no {METRICS_FILE}, so not a run directory; {expected}")
-    records, unreadable = _read_jsonl(metrics)
+    records, unreadable = read_records(metrics)
     if not records:
         raise ConfigError(f"{metrics}: no records; expected the JSON lines the runner writes from its first step")
     by_kind: dict[str, list[Record]] = {}
@@ -99,7 +99,8 @@ def load_run(run_dir: str | Path) -> Run:
     return run
 
 
-def _read_jsonl(path: Path) -> tuple[list[Record], list[int]]:
+def read_records(path: Path) -> tuple[list[Record], list[int]]:
+    """(the JSON object records of a metrics.jsonl, the numbers of the lines that are not one)."""
     records, unreadable = [], []
     with path.open(encoding="utf-8", errors="replace") as f:
         for number, line in enumerate(f, 1):

@@ -160,3 +160,11 @@ def parse_gpus(value: Any) -> dict[str, Any]:
             raise ValueError(f"a GPU count of {len(count)} digits: at most 64 GPUs per node")
         return {"type": kind, "count": int(count)} if kind else {"count": int(count)}
     raise ValueError("expected 'TYPE:COUNT' such as 'H100:8', or a mapping {type, count}")
+
+
+def human_bytes(n: float) -> str:
+    """Bytes for log lines and reports: GiB, or MiB / KiB below 0.1 GiB (0.3 MiB a sample is not 0.00 GiB)."""
+    for unit, size in (("GiB", 1024**3), ("MiB", 1024**2)):
+        if abs(n) >= 0.1 * size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n / 1024:.2f} KiB"

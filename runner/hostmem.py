@@ -187,14 +187,6 @@ HOST_TIGHT_BYTES = 2 * 1024**3
 HOST_OFFLOAD_SHARE = 0.8
 
 
-def gib(n: float) -> str:
-    """Bytes for log lines: GiB, or MiB / KiB below 0.1 GiB (a tiny model's 0.3 MiB per sample is not 0.00 GiB)."""
-    for unit, size in (("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024)):
-        if abs(n) >= 0.1 * size or unit == "KiB":
-            return f"{n / size:.2f} {unit}"
-    return f"{n:.0f} B"  # not reached
-
-
 def offload_fits(host_bytes_per_rank: int, local_ranks: int, host: HostInfo) -> bool:
     """Whether `local_ranks` processes can each offload `host_bytes_per_rank` to this host."""
     return host_bytes_per_rank * local_ranks <= HOST_OFFLOAD_SHARE * host.available_bytes

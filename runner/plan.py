@@ -21,7 +21,8 @@ from jobspec.errors import ConfigError, JobspecError
 from jobspec.plan import estimate_kwargs, model_shape
 from jobspec.presets import ModelShape
 from jobspec.spec import JobSpec
-from runner.hostmem import HOST_OFFLOAD_SHARE, HOST_PROCESS_BYTES, HostInfo, gib, loader_settings, offload_fits
+from jobspec.units import human_bytes as gib
+from runner.hostmem import HOST_OFFLOAD_SHARE, HOST_PROCESS_BYTES, HostInfo, loader_settings, offload_fits
 from runner.probe import DeviceInfo, largest_passing, resolve_precision
 
 log = logging.getLogger("jobspec.runner")

@@ -17,7 +17,7 @@ import torch
 
 from jobspec.contract import EXIT_STORAGE
 from jobspec.errors import JobspecError
-from runner.hostmem import gib
+from jobspec.units import human_bytes as gib
 
 MARGIN = 1.02  # the filesystem's own blocks and the small files, on top of the expected bytes
 _FULL = {errno.ENOSPC, errno.EDQUOT}
