@@ -11,7 +11,8 @@ Out of memory: after every micro-step all ranks agree on [stop, oom] in one all-
 did one anyway); when any rank ran out, every rank raises `StepOOM` with the weights untouched and
 `runner.oom.shrink.run_step` redoes the step at a smaller micro-batch. DDP over several ranks exchanges
 gradients after that agreement (`all_reduce_grads`), never inside a backward one rank may not finish;
-FSDP keeps its own reduce-scatter in the last backward (see runner/oom/shrink.py).
+FSDP over several ranks keeps its gathers and reduce-scatters inside forward and backward, and the
+same agreement runs before each of them (runner/oom/fsdp.py).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from __future__ import annotations
 import logging
 import math
 import signal
+import traceback
 from collections.abc import Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass, field
@@ -31,7 +33,8 @@ import torch.nn.functional as F
 from runner.data import IGNORE, Batch, SFTData, micro_batches
 from runner.dist import Control
 from runner.loader import Prefetcher
-from runner.oom.detect import Headroom, allocated_bytes, guarded, headroom
+from runner.oom import fsdp
+from runner.oom.detect import Guarded, Headroom, allocated_bytes, guarded, headroom
 from runner.oom.shrink import RankOOM, agreement, all_reduce_grads, raise_agreed
 
 log = logging.getLogger("jobspec.runner")
@@ -116,7 +119,9 @@ class Stepper:
         self.rank = accelerator.process_index
         # DDP exchanges gradients after the OOM agreement (all_reduce_grads), not inside the last backward
         self.manual_sync = isinstance(model, torch.nn.parallel.DistributedDataParallel)
-        self.sharded_ranks = self.world_size > 1 and not self.manual_sync  # FSDP: an OOM cannot be agreed on
+        self.sharded_ranks = self.world_size > 1 and not self.manual_sync  # FSDP over several ranks
+        # FSDP over several ranks: agree before each of its collectives (runner/oom/fsdp.py); None: restart
+        self.gate = fsdp.install(model, ctrl, self.rank) if self.sharded_ranks else None
 
     def check_stop(self) -> None:
         """Raise Preempted on every rank as soon as any rank has the flag (agreed by all-reduce MAX)."""
@@ -126,7 +131,9 @@ class Stepper:
     def agree(self, oom: str, *, stop: bool = True, optimizer: bool = False, room: Headroom | None = None) -> None:
         """One all-reduce MAX over ranks of [stop flag, OOM flag, rank]: StepOOM (OptimizerOOM) on every rank
         when any ran out, else Preempted on every rank when any has the stop flag (if `stop`)."""
-        if oom and self.sharded_ranks:  # the others may be inside an FSDP collective: do not join another
+        if oom and self.sharded_ranks and (self.gate is None or optimizer):
+            # the others may wait in a collective this rank will not join (FSDP's without the gate, the
+            # gradient norm's all-reduce in clipping): do not start another one
             raise RankOOM(oom, self.rank, optimizer=optimizer)
         mine = agreement(stop and bool(self.stop), oom, self.rank, self.world_size, room)
         flags = self.ctrl.all_reduce(mine, "max")
@@ -165,7 +172,7 @@ class Stepper:
             self.agree(oom, room=room)
             sync = self.world_size == 1 or (i == len(batches) - 1 and not self.manual_sync)
             with nullcontext() if sync else self.accelerator.no_sync(self.model):
-                out = guarded(partial(self._accumulate, batch, scale))
+                out = self._micro_step(batch, scale)
             if out.oom:
                 oom, room = out.reason, headroom(out.info, baseline, len(batch.sample_ids))
                 log.warning("rank %d: out of memory in micro-step %d of %d (%d samples): %s", self.rank, i + 1,
@@ -180,6 +187,25 @@ class Stepper:
         self.agree(update.reason, stop=False, optimizer=True)  # a stop now would lose a finished step
         self.inner.zero_grad(set_to_none=True)
         return StepResult(loss_sum, int(targets), int(tokens), update.value, seen)
+
+    def _micro_step(self, batch: Batch, scale: float) -> Guarded[torch.Tensor]:
+        """Forward and backward of one micro-batch; an OOM on this rank comes back as `oom=True`. With the
+        FSDP gate armed, another rank's OOM agreed before one of FSDP's collectives raises StepOOM here,
+        at once: that agreement was this micro-step's (no other all-reduce follows)."""
+        if self.gate is None:
+            return guarded(partial(self._accumulate, batch, scale))
+        self.gate.armed = True
+        try:
+            return guarded(partial(self._accumulate, batch, scale))
+        except fsdp.PeerOOM as peer:
+            flags = peer.flags
+            traceback.clear_frames(peer.__traceback__)  # its frames hold the failed forward's tensors
+        finally:
+            self.gate.armed = False
+        log.warning("rank %d: rank %d ran out of memory; agreed before an FSDP collective, no rank waits in it",
+                    self.rank, self.world_size - int(flags[2]))  # fmt: skip
+        raise_agreed(flags, "", self.world_size)
+        raise AssertionError("an agreed PeerOOM always carries the OOM flag")  # pragma: no cover
 
     def _accumulate(self, batch: Batch, scale: float) -> torch.Tensor:
         ce = self.loss_sum(batch)

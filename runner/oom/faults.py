@@ -10,9 +10,13 @@ all of them to one global rank:
     rank=R     only global rank R injects; the other ranks run clean
     probes     the rules also apply to the planner's probe steps, which then run on the CPU too (the
                GPU planning path, exercised without a GPU)
+    backward   the rules fire mid-backward instead of before the forward: when the gradient reaches the
+               output of the model's middle layer, after the forward and half the backward have run
+               (and, on a sharded tier, after FSDP's gathers and reduce-scatters of the upper half)
 
-Example: `JOBSPEC_FAULT_OOM="mbs>2,rank=1"`. The error raised is a real `torch.OutOfMemoryError`,
-from a forward pre-hook on the model, so it takes the same path as an allocator failure. Without
+Example: `JOBSPEC_FAULT_OOM="mbs>2,rank=1,backward"`. The error raised is a real `torch.OutOfMemoryError`,
+from a forward pre-hook on the model (or a gradient hook on the middle layer's output), so it takes
+the same path as an allocator failure. Without
 `probes` it is installed after planning: the rules apply to training steps only. Steps
 that fired are recorded per rank in `FIRED_FILE_TEMPLATE` in the run directory.
 """
@@ -38,8 +42,8 @@ log = logging.getLogger("jobspec.runner")
 
 ENV_VAR = "JOBSPEC_FAULT_OOM"
 FIRED_FILE_TEMPLATE = "fault_oom_fired.rank{rank}.json"
-_RULE = re.compile(r"^\s*(?:(mbs)\s*>\s*(\d+)|(tier|step|rank)\s*=\s*([A-Za-z0-9_]+)|(probes))\s*$")
-_SYNTAX = "rules are mbs>N, tier=NAME, step=K, rank=R and probes, separated by commas"
+_RULE = re.compile(r"^\s*(?:(mbs)\s*>\s*(\d+)|(tier|step|rank)\s*=\s*([A-Za-z0-9_]+)|(probes|backward))\s*$")
+_SYNTAX = "rules are mbs>N, tier=NAME, step=K, rank=R, probes and backward, separated by commas"
 
 
 @dataclass(frozen=True)
@@ -51,6 +55,7 @@ class FaultRules:
     steps: frozenset[int] = frozenset()
     rank: int | None = None
     probes: bool = False  # also in the planner's probe steps
+    backward: bool = False  # fire mid-backward (the middle layer's output gradient), not before the forward
 
     def reason(self, *, rank: int, tier: str, step: int, micro_batch: int, fired: frozenset[int] = frozenset()) -> str:
         """Why this forward must run out of memory; "" when no rule fires. `fired`: steps already used."""
@@ -73,13 +78,13 @@ def parse_rules(text: str | None) -> FaultRules | None:
     rank: int | None = None
     tiers: set[str] = set()
     steps: set[int] = set()
-    probes = False
+    flags = {"probes": False, "backward": False}
     for raw in text.split(","):
         m = _RULE.match(raw)
         if not m:
             raise ConfigError(f"{ENV_VAR}={text!r}: cannot read rule {raw.strip()!r}; {_SYNTAX}")
         if m.group(5):
-            probes = True
+            flags[m.group(5)] = True
             continue
         if m.group(1):
             if mbs is not None:
@@ -103,9 +108,9 @@ def parse_rules(text: str | None) -> FaultRules | None:
             rank = int(value)
     if mbs is None and not tiers and not steps:
         raise ConfigError(
-            f"{ENV_VAR}={text!r}: rank=R or probes alone injects nothing; add mbs>N, tier=NAME or step=K"
+            f"{ENV_VAR}={text!r}: rank=R, probes or backward alone injects nothing; add mbs>N, tier=NAME or step=K"
         )
-    return FaultRules(mbs, frozenset(tiers), frozenset(steps), rank, probes)
+    return FaultRules(mbs, frozenset(tiers), frozenset(steps), rank, flags["probes"], flags["backward"])
 
 
 def rules_from_env(env: Mapping[str, str] | None = None) -> FaultRules | None:
@@ -136,7 +141,8 @@ class FaultInjector:
     step: int = 0
     fired: set[int] = field(default_factory=set)
     injected: int = 0  # errors raised so far (for tests and the benchmark)
-    handle: Any = None  # the forward pre-hook, once installed
+    handles: list[Any] = field(default_factory=list)  # the hooks, once installed
+    pending: int | None = None  # `backward`: the micro-batch of the forward in flight
     per_sample_bytes: int = 0  # mbs>N: the memory model's bytes a sample, to word the OOM like the allocator
 
     def __post_init__(self) -> None:
@@ -190,19 +196,54 @@ class FaultInjector:
         tmp.write_text(json.dumps({"fired_steps": sorted(self.fired)}))
         os.replace(tmp, path)
 
-    def install(self, model: torch.nn.Module) -> torch.utils.hooks.RemovableHandle:
-        """Hook `check` in front of `model`'s forward (prepended: it fires before FSDP's gathers)."""
+    def install(self, model: torch.nn.Module) -> None:
+        """Hook `check` in front of `model`'s forward (prepended: it fires before FSDP's gathers), or with the
+        `backward` rule, on the gradient of the middle layer's output (`_middle_layer`)."""
 
-        def hook(_module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-            self.check(_micro_batch_of(args, kwargs))
+        def before_forward(_module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+            if self.rules.backward:
+                self.pending = _micro_batch_of(args, kwargs)  # planted on the middle layer's output below
+            else:
+                self.check(_micro_batch_of(args, kwargs))
 
-        self.handle = model.register_forward_pre_hook(hook, with_kwargs=True, prepend=True)
-        return self.handle
+        def plant(_module: torch.nn.Module, _args: Any, output: Any) -> None:
+            micro_batch, self.pending = self.pending, None  # once per model forward (not in a recompute)
+            out = _first_tensor(output)
+            if micro_batch is not None and out is not None and out.requires_grad:
+                out.register_hook(lambda _grad: self.check(micro_batch))
+
+        self.handles = [model.register_forward_pre_hook(before_forward, with_kwargs=True, prepend=True)]
+        if self.rules.backward:
+            self.handles.append(_middle_layer(model).register_forward_hook(plant))
 
     def remove(self) -> None:
-        if self.handle is not None:
-            self.handle.remove()
-            self.handle = None
+        for handle in self.handles:
+            handle.remove()
+        self.handles = []
+
+
+def _middle_layer(model: torch.nn.Module) -> torch.nn.Module:
+    """The middle block of the model's longest ModuleList (a transformer's layers); the model itself if none."""
+    import torch
+
+    stacks = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList) and len(m)]
+    if not stacks:
+        return model
+    layers = max(stacks, key=len)
+    return layers[len(layers) // 2]
+
+
+def _first_tensor(output: Any) -> torch.Tensor | None:
+    """The hidden states a layer returns: a tensor, the first of a tuple, or the first value of a ModelOutput."""
+    import torch
+
+    if isinstance(output, torch.Tensor):
+        return output
+    if isinstance(output, (tuple, list)) and output:
+        return _first_tensor(output[0])
+    if isinstance(output, dict) and output:
+        return _first_tensor(next(iter(output.values())))
+    return None
 
 
 def install_from_env(

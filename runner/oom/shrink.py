@@ -11,8 +11,10 @@ optimizer step itself ran out (Adam's state does not shrink with the micro-batch
 
 Why the gradients of DDP are exchanged by `all_reduce_grads` after the agreement rather than by DDP's
 reducer during the last backward: a rank that runs out of memory in that backward would leave the
-others waiting in an all-reduce it never joins. Sharded tiers (FSDP) gather weights inside forward
-and backward, so a rank-local OOM there cannot be agreed in process on several ranks; see README.
+others waiting in an all-reduce it never joins. Sharded tiers (FSDP) gather weights and reduce-scatter
+gradients inside forward and backward: there the same agreement runs before each of FSDP's collectives
+(runner/oom/fsdp.py), so a rank-local OOM shrinks every rank in process too. Where that cannot be
+done (an OOM in the optimizer step of a sharded tier, a torch without the API), `RankOOM` restarts.
 """
 
 from __future__ import annotations
@@ -53,8 +55,9 @@ class OptimizerOOM(StepOOM):
 
 
 class RankOOM(StepOOM):
-    """Raised on the rank that ran out only, on a sharded tier with several ranks: FSDP's gathers inside
-    forward and backward may hold the other ranks in a collective this rank will not join, so no agreement
+    """Raised on the rank that ran out only, on a sharded tier with several ranks, where the others may wait
+    in a collective this rank will not join: the gradient norm's all-reduce after an OOM in the optimizer
+    step, or FSDP's gathers when the pre-collective agreement is off (runner/oom/fsdp.py). No agreement
     is attempted. The rank persists a micro-batch cap and exits 75; the supervisor restarts all ranks."""
 
     def __init__(self, reason: str, rank: int, *, optimizer: bool = False):

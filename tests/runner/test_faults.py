@@ -33,8 +33,8 @@ def test_unset_means_no_rules(text: str | None) -> None:
         ("step=0", "counts from 1"),
         ("mbs>2,mbs>4", "mbs>N is given twice"),
         ("mbs>2,rank=0,rank=1", "rank=R is given twice"),
-        ("rank=0", "rank=R or probes alone injects nothing"),
-        ("probes", "rank=R or probes alone injects nothing"),
+        ("rank=0", "rank=R, probes or backward alone injects nothing"),
+        ("probes", "rank=R, probes or backward alone injects nothing"),
         ("mbs>2,,step=3", "cannot read rule ''"),
         ("oom=1", "cannot read rule 'oom=1'"),
     ],
@@ -85,13 +85,46 @@ def _model() -> torch.nn.Module:
 def test_injector_raises_a_real_oom_in_forward() -> None:
     model = _model()
     injector = FaultInjector(FaultRules(mbs_above=2), rank=0, tier="fast")
-    handle = injector.install(model)
+    injector.install(model)
     model(torch.zeros(2, 5, dtype=torch.long))  # 2 samples: fine
     with pytest.raises(torch.OutOfMemoryError) as err:
         model(torch.zeros(4, 5, dtype=torch.long))
     assert is_oom(err.value) and "micro-batch 4" in str(err.value) and ENV_VAR in str(err.value)
-    handle.remove()
+    injector.remove()
     model(torch.zeros(4, 5, dtype=torch.long))
+    assert injector.injected == 1
+
+
+def test_backward_rule_fires_mid_backward_after_the_upper_layers_gradients() -> None:
+    """`backward`: the forward completes; the OOM comes when the gradient reaches the middle layer's output,
+    so the layers above it already have gradients and it and the layers below do not."""
+    layers = torch.nn.ModuleList(torch.nn.Linear(4, 4) for _ in range(4))
+
+    class Stack(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = layers
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for layer in self.layers:
+                x = layer(x)
+            return x
+
+    model = Stack()
+    injector = FaultInjector(parse_rules("mbs>2,backward"), rank=0, tier="fast")
+    injector.install(model)
+    model(torch.ones(2, 4)).sum().backward()  # 2 samples: no fault
+    model.zero_grad(set_to_none=True)
+    out = model(torch.ones(3, 4))  # the forward of 3 samples runs through
+    with torch.no_grad():
+        model(torch.ones(3, 4))  # an evaluation forward plants nothing
+    with pytest.raises(torch.OutOfMemoryError) as err:
+        out.sum().backward()
+    assert "micro-batch 3" in str(err.value) and injector.injected == 1
+    assert [layer.weight.grad is not None for layer in layers] == [False, False, False, True]  # above layer 2
+    injector.remove()
+    model.zero_grad(set_to_none=True)
+    model(torch.ones(3, 4)).sum().backward()
     assert injector.injected == 1
 
 

@@ -243,13 +243,75 @@ def test_two_ranks_one_oom_no_hang_both_shrink_same_weights(tmp_path):
     assert [r["loss"] for r in records(run_dir)] == pytest.approx([r["loss"] for r in records(one)], rel=1e-5)
 
 
-def test_sharded_tier_rank_local_oom_restarts_all_ranks_at_a_smaller_micro_batch(tmp_path):
-    """FSDP gathers inside forward: rank 0 waits in a collective rank 1 never joins, so no in-process
-    agreement; rank 1 records a micro-batch cap and exits 75, the supervisor restarts both ranks."""
+FULL_WEIGHTS_SCRIPT = RANK_SCRIPT.replace(  # FSDP2 holds DTensor shards: gather each in full (collective)
+    "{k: v.detach() for k, v in", "{k: getattr(v, 'full_tensor', lambda: v)().detach() for k, v in"
+)
+
+
+def run_two_ranks(tmp_path: Path, spec: Path, **env_vars: str) -> list[str]:
+    """Both ranks of `spec` as two processes on loopback; their stderr. Each saves its full weights."""
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "WORLD_SIZE": "2",
+           "LOCAL_WORLD_SIZE": "2", "OMP_NUM_THREADS": "1", "JOBSPEC_RECORD_SAMPLES": "1", **env_vars}  # fmt: skip
+    procs = [
+        subprocess.Popen([sys.executable, "-c", FULL_WEIGHTS_SCRIPT, str(spec), str(tmp_path / f"w{r}.pt")],
+                         cwd=ROOT, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, stderr=subprocess.PIPE,
+                         text=True)
+        for r in (0, 1)
+    ]  # fmt: skip
+    try:  # a hang fails here, bounded, naming the rank
+        errs = [communicate_or_fail(p, f"rank {r} of the two-rank run")[1] for r, p in enumerate(procs)]
+    finally:
+        for p in procs:
+            p.kill()
+    assert [p.returncode for p in procs] == [EXIT_OK, EXIT_OK], errs[1][-3000:] + errs[0][-3000:]
+    return errs
+
+
+@pytest.mark.parametrize(
+    ("tier", "where", "micro_batch"),
+    [("zero2", "backward", 4), ("zero3", "backward", 4), ("minimal", "backward", 4), ("zero3", "forward", 4),
+     ("zero2", "backward", 2)],  # the last: an accumulation micro-step, whose backward has no collective
+)  # fmt: skip
+def test_sharded_tier_rank_local_oom_shrinks_every_rank_in_process(tmp_path, tier, where, micro_batch):
+    """Rank 1 alone runs out, mid-backward (or before its forward): the ranks agree before FSDP's next
+    collective (runner/oom/fsdp.py), both shrink in the same process, and redo the step from the same
+    samples; the weights are the same on both ranks and the losses those of one process at the new size."""
+    run_dir = tmp_path / "run"
+    sections = {"training": {"micro_batch": micro_batch, "steps": 3}, "memory": {"tier": tier}}
+    spec = write_spec(tmp_path / "s.yaml", tiny_spec_dict(run_dir, **sections))
+    limit = micro_batch // 2
+    rules = f"mbs>{limit},rank=1" + (",backward" if where == "backward" else "")
+    errs = run_two_ranks(tmp_path, spec, **{ENV_VAR: rules})
+    # Rank 0 learnt of it inside FSDP, before a gather or reduce-scatter rank 1 would never have joined
+    # (in an accumulation micro-step of zero2 the backward has none: at the end of the micro-step).
+    inside = "rank 0: rank 1 ran out of memory; agreed before an FSDP collective" in errs[0]
+    assert inside == (micro_batch == 4), errs[0][-4000:]
+    assert [(e["step"], e["oom_rank"], e["from_micro_batch"], e["to_micro_batch"]) for e in events(run_dir)] == [
+        (1, 1, micro_batch, limit)
+    ]
+    assert [(p["tier"], p["micro_batch"]) for p in records(run_dir, "plan")] == [(tier, micro_batch)]  # no restart
+    assert load_state(run_dir) is None or load_state(run_dir).caps == {}
+    order = order_of(run_dir)
+    for s0, s1 in zip(samples(run_dir, 0), samples(run_dir, 1), strict=True):
+        assert s0["ids"] + s1["ids"] == order.step_samples(s0["step"] - 1)
+        assert (s0["micro_batch"], s1["micro_batch"]) == (limit, limit)
+    w0, w1 = (torch.load(tmp_path / f"w{r}.pt") for r in (0, 1))
+    assert w0.keys() == w1.keys()
+    for k in w0:
+        assert torch.equal(w0[k], w1[k]), k
+    one = tmp_path / "one"  # the same 8 samples a step, accumulated in one process at the new micro-batch
+    assert train_in_process(tiny_spec(one, training={"micro_batch": limit, "steps": 3}))[0] == EXIT_OK
+    assert [r["loss"] for r in records(run_dir)] == pytest.approx([r["loss"] for r in records(one)], rel=1e-5)
+
+
+def test_sharded_tier_rank_local_oom_restarts_all_ranks_without_the_agreement(tmp_path):
+    """JOBSPEC_FSDP_AGREE=0 (and a torch without FSDP2's custom collectives): no agreement before FSDP's
+    collectives, so rank 1 records a micro-batch cap and exits 75, and the supervisor restarts both ranks."""
     run_dir = tmp_path / "run"
     sections = {"training": {"micro_batch": 4, "steps": 3}, "memory": {"tier": "zero3"}}
     spec = write_spec(tmp_path / "s.yaml", tiny_spec_dict(run_dir, **sections))
-    result = run_supervisor([str(spec), "--nproc", "2"], JOBSPEC_KILL_GRACE_S="5", **{ENV_VAR: "mbs>2,rank=1"})
+    result = run_supervisor([str(spec), "--nproc", "2"], JOBSPEC_KILL_GRACE_S="5", JOBSPEC_FSDP_AGREE="0",
+                            **{ENV_VAR: "mbs>2,rank=1"})  # fmt: skip
     assert result.returncode == EXIT_OK, result.stderr[-3000:]
     assert "relaunching at the same tier, with a smaller micro-batch" in result.stderr
     state = load_state(run_dir)
