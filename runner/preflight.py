@@ -46,13 +46,14 @@ def finished(spec: JobSpec) -> str | None:
     """A message when the run directory already holds the last step and its export; None otherwise.
 
     Read from the newest complete checkpoint's meta.json (total_steps as that run computed it) and the
-    export's provenance; anything unreadable means "not known to be finished" and the workers decide.
+    export's provenance; anything unreadable, or a newest checkpoint that fails its manifest, means "not
+    known to be finished" and the workers decide (they resume from the newest intact one).
     """
     from runner import checkpoint
 
     root = Path(spec.checkpoints.dir)
     newest = checkpoint.latest(root)
-    if newest is None:
+    if newest is None or checkpoint.verify(newest) is not None:
         return None
     try:
         meta = checkpoint.read_meta(newest)

@@ -282,16 +282,33 @@ def run_attempt(spec_path: str, overrides: list[str], topo: Topology, stopping: 
 
 
 def supervise(spec: JobSpec, spec_path: str, overrides: list[str], nproc: int | None) -> Outcome:
-    """Run the job on this node, relaunched down the OOM tier ladder (runner.oom.relaunch.supervise)."""
+    """Run the job on this node, relaunched down the OOM tier ladder (runner.oom.relaunch.supervise).
+
+    SIGTERM/SIGINT are caught for the whole ladder, not only while workers run: one that arrives between
+    two launches (the relaunch wait) starts no new launch and ends the run as preempted, with its
+    termination message, instead of killing this process with the default action."""
     topo, stopping, last = topology(spec, nproc), [False], []  # stopping: set by SIGTERM/SIGINT
 
+    def between(signum: int, frame: object) -> None:
+        stopping[0] = True
+        log.warning("signal %d between two launches: no relaunch", signum)
+
     def launch(tier: str) -> int:  # the workers read the tier from the tier state themselves
-        last[:] = [run_attempt(spec_path, overrides, topo, stopping)]
+        if stopping[0]:
+            status = last[0].status if last else {}  # the previous launch's tier, step and loss
+            last[:] = [Outcome(EXIT_PREEMPTED, f"stopped by a signal before the relaunch at tier {tier}", status)]
+        else:
+            last[:] = [run_attempt(spec_path, overrides, topo, stopping)]
         return last[0].exit_code
 
-    r = relaunch.supervise(launch, spec.checkpoints.dir, spec.memory.tier, world_size=topo.world_size,
-                           per_rank_batch=spec.training.global_batch // topo.world_size,
-                           fallback=spec.memory.fallback, relaunch=topo.nnodes == 1)  # fmt: skip
+    previous = {s: signal.signal(s, between) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        r = relaunch.supervise(launch, spec.checkpoints.dir, spec.memory.tier, world_size=topo.world_size,
+                               per_rank_batch=spec.training.global_batch // topo.world_size,
+                               fallback=spec.memory.fallback, relaunch=topo.nnodes == 1)  # fmt: skip
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
     same = r.exit_code == last[-1].exit_code and not (r.message and r.exit_code != EXIT_OK)
     return last[-1] if same else Outcome(r.exit_code, r.message or last[-1].reason, last[-1].status)
 

@@ -79,6 +79,10 @@ def test_a_finished_job_is_not_trained_again(tmp_path):
     assert result.returncode == EXIT_OK, result.stderr[-2000:]
     assert "nothing to do" in result.stderr and "step 4 of 4" in result.stderr and "starting" not in result.stderr
     assert preflight.finished(tiny_spec(tmp_path / "run", training={"steps": 6})) is None  # more steps: train on
+    # The last checkpoint damaged (a file cut short): not "complete"; the workers resume from an intact one.
+    shard = next((tmp_path / "run" / "step-4").glob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[:-7])
+    assert preflight.finished(tiny_spec(tmp_path / "run", training={"steps": 4})) is None
 
 
 def test_preflight_names_a_tracker_whose_client_is_missing(tmp_path, monkeypatch):
