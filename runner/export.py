@@ -167,7 +167,7 @@ def write_export(spec: JobSpec, ckpt: Path, out: Path, *, final: Path, merge: bo
     """Write the export of `ckpt` into the empty directory `out` (renamed to `final` later); returns provenance."""
     from transformers.utils import logging as hf_logging
 
-    from runner.model import build_model
+    from runner.model import build_model, frozen_base_width
 
     hf_logging.disable_progress_bar()  # "Writing model shards" bars are noise in pod logs
     meta = checkpoint.read_meta(ckpt)
@@ -182,8 +182,7 @@ def write_export(spec: JobSpec, ckpt: Path, out: Path, *, final: Path, merge: bo
         if spec.model.preset:  # the base exists nowhere else (built from config and seed): ship it beside the adapter
             base = build_model(_base_spec(spec), bos=getattr(tokenizer, "BOS", tokenizer.eos_id),
                                eos=tokenizer.eos_id, vocab=tokenizer.vocab_size)  # fmt: skip
-            if _precision(ckpt) in ("bf16", "fp16"):  # the width the base was trained at
-                base.to(DTYPES[_precision(ckpt)])
+            frozen_base_width(base, _precision(ckpt))  # as build_model held it in training
             _generation_ready(base, tokenizer)
             _cast(base, dtype).save_pretrained(out / "base", **_save_kwargs(spec))
             hf_tokenizer.save_pretrained(out / "base")

@@ -57,6 +57,11 @@ def preset_config(shape: ModelShape, bos: int, eos: int) -> object:
     return cfg
 
 
+def frozen_base_width(model: nn.Module, precision: str) -> nn.Module:
+    """A LoRA preset's frozen base at the width it trains at: 16-bit with bf16/fp16 training, else fp32."""
+    return model.to(DTYPES[precision]) if precision in ("bf16", "fp16") else model
+
+
 def build_model(spec: JobSpec, *, bos: int, eos: int, vocab: int, precision: str = "fp32") -> nn.Module:
     """The model on the CPU in fp32 (preset) or its stored dtype (path); the caller places it.
 
@@ -84,8 +89,8 @@ def build_model(spec: JobSpec, *, bos: int, eos: int, vocab: int, precision: str
             )
             model.resize_token_embeddings(vocab)
     model.config.use_cache = False  # no KV cache in training (and required with checkpointing)
-    if m.lora and m.preset and precision in ("bf16", "fp16"):
-        model.to(DTYPES[precision])
+    if m.lora and m.preset:
+        frozen_base_width(model, precision)
     if m.lora:
         model = apply_lora(model, m.lora)
     total = sum(p.numel() for p in model.parameters())
