@@ -310,6 +310,16 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# Pydantic searches the entry points of every installed distribution for plugins the first time a
+# model is built: importlib.metadata reads each one's metadata (5-10 ms CPU here, more in a large
+# environment) in a command that builds its models once and exits. These commands run in this process
+# alone, so they skip the search unless the user set the variable (then their value stands); `run` and
+# `export` start the runner, and the cluster commands the client's credential plugins: those get the
+# environment as the user gave it. See README, "CLI start-up".
+PYDANTIC_PLUGINS_ENV = "PYDANTIC_DISABLE_PLUGINS"
+_NO_PYDANTIC_PLUGINS = frozenset({cmd_validate, cmd_render, cmd_plan, cmd_schema})
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -318,6 +328,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return EXIT_CONFIG
+    plugins_off = args.func in _NO_PYDANTIC_PLUGINS and PYDANTIC_PLUGINS_ENV not in os.environ
+    if plugins_off:  # before the command imports pydantic; undone below for a caller of main() (tests)
+        os.environ[PYDANTIC_PLUGINS_ENV] = "__all__"
     try:
         return args.func(args)
     except JobspecError as err:
@@ -329,6 +342,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_OK
     except OSError as err:
         return _report(ConfigError(str(err)), EXIT_CONFIG, debug)
+    finally:
+        if plugins_off:
+            os.environ.pop(PYDANTIC_PLUGINS_ENV, None)
 
 
 def _report(err: Exception, code: int, debug: bool) -> int:
