@@ -1,16 +1,23 @@
 """Seconds from an OOM to the next completed step, in process and across a tier restart; steps lost.
 
-    python bench/recovery.py [--steps 12] [--fault-step 6] [--vendor cpu|cuda] [--keep DIR]
+    python bench/recovery.py [--steps 12] [--fault-step 6] [--rounds 3] [--vendor cpu|cuda] [--keep DIR]
 
-Runs the real runner (`python -m runner SPEC`, tiny preset) with `JOBSPEC_FAULT_OOM` three times:
-  shrink      micro-batch 8, `step=K`: step K runs out at 8, shrinks to 4 and is redone in process;
-  step-down   micro-batch 1, `step=K`: micro-batch 1 runs out, the worker checkpoints step K-1 and
-              rebuilds itself at the next tier in the same process, resuming from that checkpoint;
-  relaunch    the same with JOBSPEC_STEP_DOWN=restart: the worker exits 75 and the supervisor starts
-              a new one at the next tier (the fallback for a poisoned device or a rank-local OOM).
-Recovery = time of step K's metrics record - time of the OOM (the shrink event's `oom_at`, or the
-tier state's failure time). Steps lost = last step completed before the OOM - step resumed from
-(the goal is 0). The usual step time is printed beside it for scale.
+Runs the real runner (`python -m runner SPEC`, tiny preset) with `JOBSPEC_FAULT_OOM="step=K,backward"`:
+the fault fires mid-backward, when the gradient reaches the middle transformer layer's output (after the
+forward and half the backward of step K's first micro-step ran). Four scenarios, interleaved per round:
+  shrink                  micro-batch 8: step K runs out at 8, shrinks and is redone in process;
+  step-down               micro-batch 1: micro-batch 1 runs out, the worker checkpoints step K-1 (the
+                          fallback should the process die) and rebuilds itself at the next tier in the
+                          same process, handing the trained state over in memory (runner/handoff.py);
+  step-down, checkpoint   the same with JOBSPEC_STEP_DOWN=checkpoint: the new tier reads the checkpoint back;
+  relaunch                JOBSPEC_STEP_DOWN=restart: the worker exits 75 and the supervisor starts a new
+                          one at the next tier (the fallback for a poisoned device or a rank-local OOM).
+Recovery = time of step K's metrics record - time of the fault (the mtime of the injector's fired-step
+file, written just before the error is raised). Usual step = median gap between consecutive train records
+at the tier (and micro-batch) training ended with, leaving out step 1 and step K. Steps lost = steps
+trained twice, from the sample ids the runner records (JOBSPEC_RECORD_SAMPLES=1: one record per finished
+step): every step 1..N must be recorded, a step recorded again was lost and redone, and every run must
+have trained each step on the same ids (the goal: 0 lost, same ids).
 """
 
 from __future__ import annotations
@@ -29,6 +36,8 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+
+from runner.oom.faults import FIRED_FILE_TEMPLATE
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -51,15 +60,21 @@ def run(run_dir: Path, spec: dict[str, Any], fault: str, **extra: str) -> tuple[
     run_dir.mkdir(parents=True, exist_ok=True)
     path = run_dir.parent / f"{run_dir.name}.yaml"
     path.write_text(yaml.safe_dump(spec))
-    env = {**os.environ, "JOBSPEC_FAULT_OOM": fault, "PYTHONUNBUFFERED": "1", **extra}
+    env = {**os.environ, "JOBSPEC_FAULT_OOM": fault, "JOBSPEC_RECORD_SAMPLES": "1", "PYTHONUNBUFFERED": "1",
+           **extra}  # fmt: skip
     t0, cpu0 = time.perf_counter(), _child_cpu()
     proc = subprocess.run([sys.executable, "-m", "runner", str(path)], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=600)  # fmt: skip
     wall, cpu = time.perf_counter() - t0, _child_cpu() - cpu0
     if proc.returncode != 0:
-        sys.stderr.write(proc.stderr[-4000:])
-        raise SystemExit(f"runner exited {proc.returncode} for {fault!r}")
+        (run_dir.parent / f"{run_dir.name}.stderr").write_text(proc.stderr)
+        errors = [line for line in proc.stderr.splitlines() if "Error:" in line and "[supervisor]" not in line]
+        raise RunnerFailed(f"runner exited {proc.returncode}: {(errors or ['?'])[-1].strip()[:240]}")
     return wall, cpu
+
+
+class RunnerFailed(Exception):
+    """The runner did not finish the scenario (its stderr is kept beside the run directory)."""
 
 
 def _child_cpu() -> float:
@@ -72,46 +87,68 @@ def metrics(run_dir: Path) -> list[dict[str, Any]]:
 
 
 def step_time(rows: list[dict[str, Any]], skip: set[int]) -> float:
-    """Median seconds between consecutive train records, leaving out the steps in `skip`."""
+    """Median seconds between consecutive train records at the last record's tier and micro-batch, leaving
+    out the steps in `skip`."""
     train = [r for r in rows if r.get("kind") == "train"]
+    last = train[-1]
     gaps = [b["time"] - a["time"] for a, b in itertools.pairwise(train) if b["step"] == a["step"] + 1
-            and b["step"] not in skip]  # fmt: skip
+            and b["step"] not in skip and all((r["tier"], r["micro_batch"]) == (last["tier"], last["micro_batch"])
+                                              for r in (a, b))]  # fmt: skip
     return statistics.median(gaps) if gaps else float("nan")
+
+
+def fault_time(run_dir: Path) -> float:
+    """Unix time the fault fired: the injector writes its fired-step file just before raising the OOM."""
+    return (run_dir / FIRED_FILE_TEMPLATE.format(rank=0)).stat().st_mtime
+
+
+def recorded(run_dir: Path, steps: int) -> tuple[int, dict[int, list[int]]]:
+    """(steps lost, the ids of each step) from samples-rank0.jsonl; raises when a step is missing or was
+    trained twice on different ids."""
+    seen: dict[int, list[int]] = {}
+    lost = 0
+    for line in (run_dir / "samples-rank0.jsonl").read_text().splitlines():
+        rec = json.loads(line)
+        if rec["step"] in seen:
+            lost += 1
+            if seen[rec["step"]] != rec["ids"]:
+                raise SystemExit(f"{run_dir}: step {rec['step']} was trained again on other samples")
+        seen[rec["step"]] = rec["ids"]
+    if sorted(seen) != list(range(1, steps + 1)):
+        raise SystemExit(f"{run_dir}: recorded steps {sorted(seen)}, expected 1..{steps}")
+    return lost, seen
 
 
 def in_process(base: Path, steps: int, k: int, vendor: str) -> dict[str, Any]:
     run_dir = base / "in_process"
-    wall, cpu = run(run_dir, spec_dict(run_dir, micro_batch=8, steps=steps, vendor=vendor), f"step={k}")
+    wall, cpu = run(run_dir, spec_dict(run_dir, micro_batch=8, steps=steps, vendor=vendor), f"step={k},backward")
     rows = metrics(run_dir)
     event = next(r for r in rows if r.get("event") == "oom_shrink")
     done = next(r for r in rows if r.get("kind") == "train" and r["step"] == k)
-    resumed = [r for r in rows if r.get("kind") == "plan"]
-    return {
-        "scenario": "in-process shrink",
-        "recovery_s": done["time"] - event["oom_at"],
-        "step_s": step_time(rows, {1, k}),
-        "steps_lost": 0 if len(resumed) == 1 else None,
-        "detail": f"micro-batch {event['from_micro_batch']} -> {event['to_micro_batch']}",
-        "wall_s": wall,
-        "cpu_s": cpu,
-    }
+    lost, ids = recorded(run_dir, steps)
+    return {"scenario": "in-process shrink", "recovery_s": done["time"] - fault_time(run_dir),
+            "step_s": step_time(rows, {1, k}), "steps_lost": lost, "ids": ids,
+            "detail": f"micro-batch {event['from_micro_batch']} -> {event['to_micro_batch']}",
+            "wall_s": wall, "cpu_s": cpu}  # fmt: skip
 
 
 def tier_step_down(base: Path, steps: int, k: int, vendor: str, how: str = "in_process") -> dict[str, Any]:
     run_dir = base / f"tier_{how}"
     spec = spec_dict(run_dir, micro_batch=1, steps=steps, vendor=vendor)
-    wall, cpu = run(run_dir, spec, f"step={k}", JOBSPEC_STEP_DOWN=how)
+    wall, cpu = run(run_dir, spec, f"step={k},backward", JOBSPEC_STEP_DOWN=how)
     rows = metrics(run_dir)
     state = json.loads((run_dir / "tier_state.json").read_text())
     failed = state["failed"][0]
-    before = [r["step"] for r in rows if r.get("kind") == "train" and r["time"] <= failed["at"]]
     plans = [r for r in rows if r.get("kind") == "plan"]
-    resumed_from = plans[-1]["step"]
-    done = next(r for r in rows if r.get("kind") == "train" and r["step"] == k and r["time"] > failed["at"])
-    where = "in process" if how == "in_process" else "relaunch"
-    return {"scenario": f"tier {failed['tier']} -> {plans[-1]['tier']}, {where}",
-            "recovery_s": done["time"] - failed["at"], "step_s": step_time(rows, {1, k, resumed_from + 1}),
-            "steps_lost": max(before, default=0) - resumed_from, "detail": f"resumed from step {resumed_from}",
+    fired = fault_time(run_dir)
+    done = next(r for r in rows if r.get("kind") == "train" and r["step"] == k and r["time"] > fired)
+    lost, ids = recorded(run_dir, steps)
+    change = next((r for r in rows if r.get("event") == "tier_change"), {})
+    where = {"in_process": "in process", "checkpoint": "in process, state from checkpoint", "restart": "relaunch"}
+    source = change.get("state", "checkpoint")  # a relaunch has no tier_change event: it resumes a checkpoint
+    return {"scenario": f"tier {failed['tier']} -> {plans[-1]['tier']}, {where[how]}",
+            "recovery_s": done["time"] - fired, "step_s": step_time(rows, {1, k}), "steps_lost": lost,
+            "ids": ids, "detail": f"resumed at step {plans[-1]['step']}, state from {source}",
             "wall_s": wall, "cpu_s": cpu}  # fmt: skip
 
 
@@ -127,22 +164,35 @@ def main() -> None:
     scenarios = {
         "shrink": lambda d: in_process(d, args.steps, args.fault_step, args.vendor),
         "step-down": lambda d: tier_step_down(d, args.steps, args.fault_step, args.vendor, "in_process"),
+        "step-down, checkpoint": lambda d: tier_step_down(d, args.steps, args.fault_step, args.vendor, "checkpoint"),
         "relaunch": lambda d: tier_step_down(d, args.steps, args.fault_step, args.vendor, "restart"),
     }
     rounds: dict[str, list[dict[str, Any]]] = {name: [] for name in scenarios}
+    failed: dict[str, list[str]] = {name: [] for name in scenarios}
     for i in range(args.rounds):  # interleaved: each round runs every scenario once, in turn
         for name, scenario in scenarios.items():
-            rounds[name].append(scenario(base / f"round{i}"))
-    print(f"OOM recovery ({args.vendor}, tiny preset, global batch 8, fault at step {args.fault_step}; "
+            try:
+                rounds[name].append(scenario(base / f"round{i}"))
+            except RunnerFailed as err:
+                failed[name].append(f"round {i}: {err}")
+    first = next((rs[0]["ids"] for rs in rounds.values() if rs), None)
+    print(f"OOM recovery ({args.vendor}, tiny preset, global batch 8, fault mid-backward at step {args.fault_step}; "
           f"medians of {args.rounds} interleaved rounds):")  # fmt: skip
-    for rs in rounds.values():
+    for name, rs in rounds.items():
+        for why in failed[name]:
+            print(f"  {name:60s} FAILED {why}")
+        if not rs:
+            continue
         med = {k: statistics.median(r[k] for r in rs) for k in ("recovery_s", "step_s", "wall_s", "cpu_s")}
         ratio = statistics.median(r["recovery_s"] / r["step_s"] for r in rs)
-        lost = sorted({r["steps_lost"] for r in rs}, key=str)
+        lost = sorted({r["steps_lost"] for r in rs})
+        same = "same ids" if all(r["ids"] == first for r in rs) else "OTHER IDS"
         print(
-            f"  {rs[0]['scenario']:40s} OOM -> next step {med['recovery_s']:6.2f} s = {ratio:5.1f} usual steps "
-            f"({med['step_s']:.3f} s); steps lost {lost}; run {med['wall_s']:.1f} s wall, {med['cpu_s']:.1f} s CPU"
+            f"  {rs[0]['scenario']:60s} OOM -> next step {med['recovery_s']:5.2f} s = {ratio:4.1f} usual steps "
+            f"({med['step_s']:.3f} s); steps lost {lost}, {same}; run {med['wall_s']:.1f} s wall, "
+            f"{med['cpu_s']:.1f} s CPU"
         )
+        print(f"      {rs[0]['detail']}; per round: " + ", ".join(f"{r['recovery_s']:.2f} s" for r in rs))
 
 
 if __name__ == "__main__":

@@ -28,8 +28,12 @@ OPTIM_BYTES = 12
 # does not wrap the model in DDP, so there are no buckets.
 DDP_BUCKET_BYTES = 2
 # Offload tiers keep the fp32 grad partition that CPU Adam reads on the host next to the 12 bytes of
-# optimizer state (DeepSpeed does): host needs 16 bytes per trainable param per rank's shard.
+# optimizer state (fp32 parameter copy, m, v): host needs 16 bytes per trainable param per rank's shard.
 HOST_GRAD_BYTES = 4
+# zero2_offload (FSDP2 + torchao's CPU-offload optimizer) keeps FSDP2's own shards on the GPU: the fp32
+# parameter (the all-gather's source) and the fp32 gradient (reduce_dtype fp32), 4 bytes each.
+SHARD_MASTER_BYTES = 4
+SHARD_GRAD_BYTES = 4
 # ZeRO-3 / FSDP FULL_SHARD gather one module's bf16 weights at a time. Factor 3: the module in use,
 # the one prefetched, and the module's unsharded grads before reduce-scatter, all sized like the
 # largest module (block, embedding or untied head); an upper bound, as the largest is gathered once.
@@ -159,6 +163,20 @@ def _states(shape: ModelShape, tier: str, world_size: int, lora: LoraShape | Non
     frozen base plus the adapters (2 bytes each) and only the adapters carry grads and optimizer state;
     zero2 tiers shard that trainable part, zero3 shards every weight (FULL_SHARD does not tell frozen
     from trainable), minimal moves every weight to the host.
+
+    zero2_offload, what runner/engine.py builds (FSDP2 reshard_after_forward=False, 16-bit mixed
+    precision, Adam through torchao's CPUOffloadOptimizer), w weights held, t trainable, N ranks:
+        GPU   2w                   every weight gathered in 16 bits, held from forward to backward
+            + (2(w - t) + 4t) / N  FSDP2's shards: frozen weights in 16 bits, trainable ones in fp32
+            + 4t / N               the fp32 gradient shards (reduce_dtype fp32)
+            = 2w + (2w + 6t) / N   (full fine-tuning: 2P + 8P/N)
+        host  16t / N              torchao's pinned fp32 copy of each shard, of its gradient, and Adam's
+                                   m and v (4 + 4 + 8)
+    FSDP2 keeps its fp32 shard on the GPU (the all-gather's source), so only Adam's 8t/N leave it; the
+    host copy is a second one. Transient buffers (one module's gradients around its reduce-scatter) are
+    left to the overhead, as for zero2. Several ranks accumulating over micro-batches without gradient
+    sync hold unsharded fp32 gradients (4t) until the last one, which this does not count.
+    tests/runner/test_offload.py counts these bytes on real tensors.
     """
     t = trainable_params(shape, lora)
     w = shape.params + (t if lora else 0)  # weights held: base (frozen with LoRA) + adapters
@@ -171,8 +189,9 @@ def _states(shape: ModelShape, tier: str, world_size: int, lora: LoraShape | Non
         return WEIGHT_BYTES * w + per_trainable * t + buckets, 0, t
     if tier == "zero2":
         return WEIGHT_BYTES * w + per_trainable * t // n, 0, t
-    if tier == "zero2_offload":  # bf16 grads are partitioned on GPU, then copied out to CPU Adam
-        return WEIGHT_BYTES * w + GRAD_BYTES * t // n, host_opt, t
+    if tier == "zero2_offload":  # formula in the docstring
+        shards = WEIGHT_BYTES * (w - t) + (SHARD_MASTER_BYTES + SHARD_GRAD_BYTES) * t
+        return WEIGHT_BYTES * w + shards // n, host_opt, t
     if tier == "zero3":
         return (WEIGHT_BYTES * w + per_trainable * t) // n + gathered, 0, t
     _tier_index(tier)  # raises for unknown names

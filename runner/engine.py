@@ -3,17 +3,20 @@
 Tier -> FSDP2 (accelerate `fsdp_version=2`, one FSDP unit per transformer block):
     zero2          reshard_after_forward=False: grads and optimizer state sharded, parameters kept
                    gathered between forward and backward (FSDP1's SHARD_GRAD_OP)
-    zero2_offload  as zero2 plus CPUOffloadPolicy (FSDP2 offloads parameters, grads and the optimizer
-                   step together; it has no optimizer-only offload)
+    zero2_offload  as zero2, with Adam's states and step on the host (`offload_optimizer`: torchao's
+                   CPUOffloadOptimizer, runner/offload.py); parameters and gradients stay on the GPU.
+                   FSDP2's CPUOffloadPolicy is not used: it would offload the parameters too
     zero3          reshard_after_forward=True: parameters sharded too (FULL_SHARD)
-    minimal        as zero3 plus CPUOffloadPolicy
+    minimal        as zero3 plus CPUOffloadPolicy (parameters, gradients and the optimizer step on the host)
 Activation checkpointing follows `plan.checkpointing` (transformers' non-reentrant checkpointing).
+What each tier holds, per device: jobspec/memory.py `_states`, checked by tests/runner/test_offload.py.
 
 CPU: accelerate 1.15 turns an `fsdp_plugin` into DistributedType.FSDP only for accelerator device
 types (MULTI_GPU, ...); for MULTI_CPU it silently trains with DDP. torch's FSDP2 itself runs on CPU
 over gloo, so for sharded tiers on CPU the runner sets the accelerator state to FSDP itself (the same
-`fsdp2_prepare_model` path as on GPU). CPUOffloadPolicy cannot run there (it pins host memory, which
-needs an accelerator) and would move nothing, so on CPU the offload tiers shard without offload.
+`fsdp2_prepare_model` path as on GPU). On CPU there is no host to offload to: CPUOffloadPolicy cannot run
+(it pins host memory, which needs an accelerator) and torchao's optimizer asserts a CUDA/XPU device, and
+either would move nothing, so `minimal` trains as zero3 and `zero2_offload` as zero2 there.
 """
 
 from __future__ import annotations
@@ -34,7 +37,9 @@ from runner.probe import DeviceInfo, probe_device
 log = logging.getLogger("jobspec.runner")
 MIXED = {"bf16": "bf16", "fp16": "fp16", "fp32": "no"}  # plan precision -> accelerate mixed_precision
 DTYPE = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-OFFLOAD_TIERS = ("zero2_offload", "minimal")
+PARAM_OFFLOAD_TIERS = ("minimal",)  # FSDP2 CPUOffloadPolicy: parameters, gradients and the step on the host
+OPTIMIZER_OFFLOAD_TIERS = ("zero2_offload",)  # torchao: optimizer states and the step on the host
+OFFLOAD_TIERS = PARAM_OFFLOAD_TIERS + OPTIMIZER_OFFLOAD_TIERS
 RESHARD_TIERS = ("zero3", "minimal")
 
 
@@ -53,17 +58,34 @@ def pick_device(spec: JobSpec, local_rank: int, host: HostInfo) -> tuple[torch.d
 
 
 def make_optimizer(model: nn.Module, spec: JobSpec, device: torch.device, tier: str) -> torch.optim.Optimizer:
-    """AdamW on the trainable parameters; weight decay on matrices only (not biases, norms); fused on GPU."""
+    """AdamW on the trainable parameters; weight decay on matrices only (not biases, norms); fused on GPU.
+
+    For zero2_offload on a GPU this AdamW only carries the parameter groups: `prepare` hands them, once FSDP2
+    has sharded them, to `offload_optimizer`."""
     params = [p for p in model.parameters() if p.requires_grad]
     groups = [
         {"params": [p for p in params if p.dim() >= 2], "weight_decay": spec.training.weight_decay},
         {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
     ]
-    # Offloaded tiers step the optimizer on the host: the fused CUDA kernel does not apply there.
+    # Offloaded tiers step the optimizer on the host: the fused CUDA kernel does not apply there
+    # (zero2_offload's host AdamWs are fused CPU ones, runner/offload.py).
     fused = device.type == "cuda" and tier not in OFFLOAD_TIERS
     return torch.optim.AdamW(
         [g for g in groups if g["params"]], lr=spec.training.peak_lr, betas=(0.9, 0.95), fused=fused or None
     )
+
+
+def offload_optimizer(optimizer: torch.optim.Optimizer, device: torch.device, tier: str) -> torch.optim.Optimizer:
+    """The optimizer a tier steps with, given `optimizer` over the parameters as FSDP2 left them.
+
+    zero2_offload on a GPU: `HostAdamW` over the same groups (runner/offload.py: torchao's CPUOffloadOptimizer,
+    Adam's states and step on the host). Otherwise `optimizer` itself: `minimal` offloads through FSDP2's
+    CPUOffloadPolicy, and on CPU the parameters already live where the states would go."""
+    if tier not in OPTIMIZER_OFFLOAD_TIERS or device.type != "cuda":
+        return optimizer
+    from runner.offload import HostAdamW
+
+    return HostAdamW(optimizer)
 
 
 def fsdp_plugin(plan: Plan, model: nn.Module, device: torch.device) -> Any:
@@ -73,7 +95,7 @@ def fsdp_plugin(plan: Plan, model: nn.Module, device: torch.device) -> Any:
     from accelerate import FullyShardedDataParallelPlugin
     from torch.distributed.fsdp import CPUOffloadPolicy
 
-    offload = plan.tier in OFFLOAD_TIERS
+    offload = plan.tier in PARAM_OFFLOAD_TIERS
     if offload and device.type != "cuda":
         log.info("tier %s on CPU: sharding without CPU offload (the weights already live on the CPU)", plan.tier)
         offload = False
@@ -115,10 +137,22 @@ def prepare(
     plugin = fsdp_plugin(plan, model, device)
     accelerator = Accelerator(mixed_precision=MIXED[plan.precision], cpu=device.type == "cpu", fsdp_plugin=plugin)
     if plugin is not None and accelerator.distributed_type != DistributedType.FSDP:
-        # accelerate ignores the plugin on CPU (and on one GPU without LOCAL_RANK): see the module docstring
-        accelerator.state.distributed_type = DistributedType.FSDP
+        # accelerate ignores the plugin on CPU (and on one GPU without LOCAL_RANK): see the module docstring.
+        # PartialState's copy too, as AcceleratorState itself does: every later AcceleratorState() (the
+        # optimizer wrapper makes one) copies it back over ours, and accelerate would then take the model
+        # for DDP (a no_sync that syncs every micro-step, clipping that ignores the DTensor shards).
+        from accelerate.state import PartialState
+
+        accelerator.state.distributed_type = PartialState._shared_state["distributed_type"] = DistributedType.FSDP
         accelerator.state.fsdp_plugin = plugin
-    model, optimizer = accelerator.prepare(model, optimizer)
+    model, optimizer = accelerator.prepare(model, optimizer)  # FSDP2 swaps the sharded parameters in
+    inner = getattr(optimizer, "optimizer", optimizer)  # accelerate's AcceleratedOptimizer wrapper
+    stepping = offload_optimizer(inner, device, plan.tier)
+    if stepping is not inner:
+        placeholder = optimizer  # it holds no state yet; dropped so that fp16 unscaling sees each gradient once
+        optimizer = accelerator.prepare_optimizer(stepping, device_placement=False)
+        accelerator._optimizers.remove(placeholder)
+        log.info("engine: optimizer states and step on the host (torchao CPUOffloadOptimizer)")
     if spec.training.compile:
         model.compile()  # in place: state-dict keys stay those of the plain model
     if device.type == "cuda":

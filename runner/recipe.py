@@ -27,7 +27,7 @@ from jobspec import memory
 from jobspec.contract import EXIT_OK, EXIT_OOM_RETRY_TIER, EXIT_PREEMPTED, METRICS_FILE, TIER_STATE_FILE
 from jobspec.errors import ConfigError
 from jobspec.spec import JobSpec
-from runner import checkpoint, engine, tracking
+from runner import checkpoint, engine, handoff, tracking
 from runner.data import PAD_MULTIPLE, DataOrder, load_data, rank_slice, total_steps
 from runner.dist import Control, DistEnv, destroy_process_group, init_process_group
 from runner.lease import Lease, LeaseHeld
@@ -73,6 +73,7 @@ class Recipe:
         self.started = time.perf_counter()
         self.trained_tokens = 0  # input tokens (padding excluded) trained on by this process's run
         self.exported: Path | None = None
+        self.state_from = "checkpoint"  # where the last _build took the trained state from ("memory": a step-down)
 
     # --- setup ------------------------------------------------------------------------------------------
 
@@ -123,9 +124,10 @@ class Recipe:
         if self.ctrl.any(held is not None):
             raise held or LeaseHeld(f"{self.root} is in use by another run (rank 0's log names it)")
 
-    def _build(self, resume: Path | None, meta: dict[str, Any] | None) -> None:
-        """Model, optimizer, accelerator and stepper at `self.plan`, the state of `resume` (a checkpoint),
-        the loader from the step it holds, and the OOM guard. Run again by an in-process tier step-down."""
+    def _build(self, resume: Path | None, meta: dict[str, Any] | None, kept: handoff.Handoff | None = None) -> None:
+        """Model, optimizer, accelerator and stepper at `self.plan`, the state of `resume` (a checkpoint) or of
+        `kept` (handed over in memory by an in-process tier step-down, which runs this again; the newest
+        checkpoint when the new tier cannot take it), the loader from that step, and the OOM guard."""
         spec, env = self.spec, self.env
         if self.plan.tier != "fast":
             init_process_group(env, self.device, needed=True)  # FSDP needs a group even for one rank
@@ -152,6 +154,11 @@ class Recipe:
             self._verify_micro_batch()  # a new plan: real probe steps check it
         if probe_faults is not None:
             probe_faults.remove()
+        handed = kept is not None and self._give_state(kept)
+        if kept is not None and not handed:  # the new tier cannot take it: the newest checkpoint, as before
+            resume = checkpoint.resume_point(self.root, rank=env.rank, ctrl=self.ctrl)
+            self.step = self.step if resume is not None else 0
+        self.state_from = "memory" if handed else "checkpoint"  # for the step-down's log and event
         if resume is not None:
             meta = checkpoint.load(
                 resume,
@@ -189,7 +196,9 @@ class Recipe:
         self.guard.close()
         self.stepper.prefetch.close()
         self.stepper = self.model = self.optimizer = self.accelerator = self.guard = None  # type: ignore[assignment]
-        AcceleratorState._reset_state()  # the next Accelerator may carry another FSDP plugin
+        # The next Accelerator may carry another FSDP plugin. PartialState too: an FSDP run leaves its
+        # distributed_type at FSDP, and the next Accelerator would then take FSDP without its plugin.
+        AcceleratorState._reset_state(reset_partial_state=True)
         GradientState._reset_state()
         release_memory()
 
@@ -275,10 +284,11 @@ class Recipe:
             try:
                 return self._loop()
             except TierOOM as err:  # micro-batch 1 ran out: checkpoint, persist "tier X failed"
+                oom_at = time.time()
                 code = self.guard.give_up(err)
                 if code != EXIT_OOM_RETRY_TIER or not self._can_step_down(err):
                     return code  # 76, or the relaunch fallback (75)
-                self._step_down(err)
+                self._step_down(err, oom_at)
 
     def _loop(self) -> int:
         t, ck = self.spec.training, self.spec.checkpoints
@@ -347,29 +357,75 @@ class Recipe:
                 return False
         return True
 
-    def _step_down(self, err: TierOOM) -> None:
-        """The next tier in this process: release everything, plan the tier, rebuild, and resume from the
-        newest checkpoint (written by give_up when the weights were intact: the same step is redone from
-        the same samples; otherwise the last good one)."""
+    def _step_down(self, err: TierOOM, oom_at: float) -> None:
+        """The next tier in this process: release everything, plan the tier, rebuild, and go on from the step
+        the OOM interrupted, redone from the same samples. When the weights were intact (give_up has written
+        them as a checkpoint, the fallback should this process die), the state is handed over in memory
+        (runner/handoff.py); otherwise, or when the new tier cannot take it, it comes from the newest
+        checkpoint. `oom_at`: when the OOM reached `train` (unix time, for the event)."""
         t0, old = time.perf_counter(), self.plan
         nxt = memory.next_tier(err.tier, self.env.world_size)  # what give_up recorded, computed by every rank
         assert nxt is not None  # give_up returned 75: a next tier exists
+        kept = self._take_state(err)
         self._teardown()
         why = [f"tier {old.tier} -> {nxt} in process after an OOM at micro-batch 1: {err.reason}"]
         local = self.env.local_world_size
         plan = size_for_tier(self.spec, self.dev, self.host, self.env.world_size, nxt, local_ranks=local, reasons=why)
         self.plan = agree(apply_cap(plan, self.root), self.ctrl.reduce_min)
-        resume = checkpoint.resume_point(self.root, rank=self.env.rank, ctrl=self.ctrl)
-        self.step = 0 if resume is None else self.step
-        self._build(resume, None)
+        resume = None
+        if kept is None:
+            resume = checkpoint.resume_point(self.root, rank=self.env.rank, ctrl=self.ctrl)
+            self.step = 0 if resume is None else self.step
+        self._build(resume, None, kept)
+        del kept  # the host copies
         self.status.update(tier=self.plan.tier, step=self.step, reason="running")
         seconds = time.perf_counter() - t0
-        log.warning("tier %s -> %s in process in %.2f s; resuming at step %d, micro-batch %d x %d", old.tier,
-                    self.plan.tier, seconds, self.step, self.plan.micro_batch, self.plan.grad_accum)  # fmt: skip
+        source = {"memory": "the state handed over in memory", "checkpoint": f"checkpoint step-{self.step}"}
+        log.warning("tier %s -> %s in process in %.2f s; resuming at step %d from %s, micro-batch %d x %d",
+                    old.tier, self.plan.tier, seconds, self.step, source[self.state_from] if self.step else "scratch",
+                    self.plan.micro_batch, self.plan.grad_accum)  # fmt: skip
         self.metrics.write({"kind": "event", "event": "tier_change", "step": self.step, "from_tier": old.tier,
                             "to_tier": self.plan.tier, "in_process": True, "seconds": round(seconds, 3),
+                            "state": self.state_from if self.step else "none", "oom_at": round(oom_at, 3),
                             "reason": err.reason})  # fmt: skip
-        self._write_plan(resumed=resume is not None)
+        self._write_plan(resumed=self.step > 0)
+
+    def _take_state(self, err: TierOOM) -> handoff.Handoff | None:
+        """The trained state to hand to the next tier in memory, when every rank can (weights intact: the
+        OOM came before the optimizer step); None: the next tier loads the newest checkpoint."""
+        if not err.weights_intact or os.environ.get("JOBSPEC_STEP_DOWN") == "checkpoint":
+            return None
+        room = None  # one CPU process: the host copies are the tensors themselves, or replace them
+        if self.device.type != "cpu":
+            room = int(handoff.HOST_SHARE * probe_host().available_bytes / self.env.local_world_size)
+        try:
+            kept = handoff.take(self.accelerator.unwrap_model(self.model), self.optimizer, rank=self.env.rank,
+                                world=self.env.world_size, trainable_only=self.spec.model.lora is not None,
+                                room=room)  # fmt: skip
+        except (RuntimeError, MemoryError) as exc:  # the host copies did not fit: the checkpoint has it all
+            kept = f"{type(exc).__name__}: {exc}"
+        why = kept if isinstance(kept, str) else None
+        if self.ctrl.any(why is not None):
+            log.warning("tier step-down: the next tier loads the checkpoint instead of the state in memory (%s)",
+                        why or "another rank cannot hand it over")  # fmt: skip
+            return None
+        return kept  # type: ignore[return-value]
+
+    def _give_state(self, kept: handoff.Handoff) -> bool:
+        """Write the handed-over state into the new tier; False on every rank when any cannot take it (the
+        caller then loads the checkpoint, which overwrites whatever was written)."""
+        model = self.accelerator.unwrap_model(self.model)
+        why = handoff.fits(kept, model, self.optimizer)
+        if why is None:
+            try:
+                handoff.give(kept, model, self.optimizer)
+            except (RuntimeError, ValueError, KeyError, TypeError) as exc:  # an optimizer with its own layout
+                why = f"{type(exc).__name__}: {exc}"
+        if self.ctrl.any(why is not None):
+            log.warning("tier step-down: loading the checkpoint, the new tier cannot take the state in memory (%s)",
+                        why or "on another rank")  # fmt: skip
+            return False
+        return True
 
     def _bar_loss(self, r: StepResult) -> float | None:
         """This step's loss for the progress bar (rank 0's share on several ranks); no sync without a bar."""

@@ -66,8 +66,9 @@ GPT2_TABLE = [
     # 16P = 1,991,036,928; alloc 2,723,606,528; overhead 1,073,741,824 + 136,180,326
     ("fast", 1, 16 * P_GPT2, GPT2_ACT, 0, 3_933_528_678),  # 3.663 GiB
     ("zero2", 1, 2 * P_GPT2 + 14 * P_GPT2, GPT2_ACT, 0, 3_933_528_678),  # same: one rank shards nothing
-    # 4P = 497,759,232; alloc 955,077,632; overhead GiB + 47,753,881; host 16P
-    ("zero2_offload", 1, 4 * P_GPT2, GPT2_CKPT, 16 * P_GPT2, 2_076_573_337),  # 1.934 GiB, host 1.854
+    # zero2_offload (jobspec/memory.py `_states`: 2w + (2w + 6t)/N on the GPU, 16t/N on the host; w = t = P):
+    # 2P + 8P = 10P = 1,244,398,080; alloc 1,701,716,480; overhead GiB + 85,085,824; host 16P
+    ("zero2_offload", 1, 10 * P_GPT2, GPT2_CKPT, 16 * P_GPT2, 2_860_544_128),  # 2.664 GiB, host 1.854
     # 16P + 231,584,256 = 2,222,621,184; alloc 2,679,939,584; overhead GiB + 133,996,979
     ("zero3", 1, 16 * P_GPT2 + GPT2_GATHER, GPT2_CKPT, 0, 3_887_678_387),  # 3.621 GiB
     # alloc 688,902,656; overhead GiB + 34,445,132; host 16P + 2P = 2,239,916,544
@@ -76,8 +77,8 @@ GPT2_TABLE = [
     ("fast", 8, 18 * P_GPT2, GPT2_ACT, 0, 4_194_852_275),  # 3.907 GiB
     # 2P + 14P/8 = 248,879,616 + 217,769,664; alloc 1,199,218,880; overhead GiB + 59,960,944
     ("zero2", 8, 466_649_280, GPT2_ACT, 0, 2_332_921_648),  # 2.173 GiB
-    # 2P + 2P/8 = 279,989,568; alloc 737,307,968; overhead GiB + 36,865,398; host 16P/8
-    ("zero2_offload", 8, 279_989_568, GPT2_CKPT, 248_879_616, 1_847_915_190),  # 1.721 GiB, host 0.232
+    # 2P + 8P/8 = 3P = 373,319,424; alloc 830,637,824; overhead GiB + 41,531,891; host 16P/8
+    ("zero2_offload", 8, 3 * P_GPT2, GPT2_CKPT, 248_879_616, 1_945_911_539),  # 1.812 GiB, host 0.232
     # 16P/8 + gathered = 248,879,616 + 231,584,256; alloc 937,782,272; overhead GiB + 46,889,113
     ("zero3", 8, 480_463_872, GPT2_CKPT, 0, 2_058_413_209),  # 1.917 GiB
     # GPU as on one rank; host 16P/8 + 2P/8 = 248,879,616 + 31,109,952
@@ -103,14 +104,15 @@ QWEN_ACT, QWEN_CKPT, QWEN_LOGITS, QWEN_GATHER = 1_711_276_032, 171_966_464, 1_24
 QWEN_TABLE = [
     ("fast", 1, 16 * P_QWEN18, QWEN_ACT, 0, 35_033_718_784),  # 32.628 GiB
     ("zero2", 1, 16 * P_QWEN18, QWEN_ACT, 0, 35_033_718_784),  # 32.628 GiB
-    ("zero2_offload", 1, 4 * P_QWEN18, QWEN_CKPT, 16 * P_QWEN18, 10_275_260_416),  # 9.570 GiB, host 27.369
+    # 10P = 18,366,812,160; alloc 19,783,438,336; overhead GiB + 989,171,916
+    ("zero2_offload", 1, 10 * P_QWEN18, QWEN_CKPT, 16 * P_QWEN18, 21_846_352_076),  # 20.346 GiB, host 27.369
     ("zero3", 1, 16 * P_QWEN18 + QWEN_GATHER, QWEN_CKPT, 0, 35_377_782_784),  # 32.948 GiB
     ("minimal", 1, QWEN_GATHER, QWEN_CKPT, 18 * P_QWEN18, 4_521_538_355),  # 4.211 GiB, host 30.790
     ("fast", 8, 18 * P_QWEN18, QWEN_ACT, 0, 38_890_749_337),  # 36.220 GiB
     # 2P + 14P/8 = 3,673,362,432 + 3,214,192,128
     ("zero2", 8, 6_887_554_560, QWEN_ACT, 0, 11_409_406_643),  # 10.626 GiB
-    # 2P + 2P/8 = 3,673,362,432 + 459,170,304; host 16P/8
-    ("zero2_offload", 8, 4_132_532_736, QWEN_CKPT, 3_673_362_432, 6_900_358_681),  # 6.426 GiB, host 3.421
+    # 2P + 8P/8 = 3P = 5,510,043,648; alloc 6,926,669,824; overhead GiB + 346,333,491; host 16P/8
+    ("zero2_offload", 8, 3 * P_QWEN18, QWEN_CKPT, 3_673_362_432, 8_346_745_139),  # 7.774 GiB, host 3.421
     # 16P/8 + gathered = 3,673,362,432 + 1,866,989,568
     ("zero3", 8, 5_540_352_000, QWEN_CKPT, 0, 8_378_568_908),  # 7.803 GiB
     # host 16P/8 + 2P/8 = 3,673,362,432 + 459,170,304
@@ -179,6 +181,8 @@ def test_lora_states() -> None:
     assert z2.states == 2 * (P_QWEN18 + t) + 14 * t // 8  # grads + optimizer of the adapters sharded
     off = estimate(QWEN18, tier="zero2_offload", seq_len=1024, micro_batch=1, world_size=8, lora=qkvo)
     assert off.host == 16 * t // 8 == 12_582_912
+    # w = P + t held in 16 bits; shards: the frozen base in 16 bits, the adapters in fp32 with fp32 grads
+    assert off.states == 2 * (P_QWEN18 + t) + (2 * P_QWEN18 + 8 * t) // 8 == 3_685_945_344 + 465_461_760
     z3 = estimate(QWEN18, tier="zero3", seq_len=1024, micro_batch=1, world_size=8, lora=qkvo)
     assert z3.states == (2 * (P_QWEN18 + t) + 14 * t) // 8 + QWEN_GATHER  # full shard: the base too
 
@@ -226,7 +230,7 @@ def test_plan_rejects_bad_input() -> None:
 
 
 def test_one_rank_skips_sharding_only_tiers() -> None:
-    # gpt2-small on one rank: fast needs 3.663 GiB, zero3 (checkpointed) 3.621, zero2_offload 1.934.
+    # gpt2-small on one rank: fast needs 3.663 GiB, zero3 (checkpointed) 3.621, zero2_offload 2.664.
     # A budget of 3.64 GiB fits zero3 but not fast; auto must still not pick zero3 (no sharding gain).
     plans = plan_all(GPT2, gpu_bytes=int(3.64 * GiB / 0.9), global_batch=8, world_size=1, seq_len=1024)
     by = {p.tier: p for p in plans}
@@ -249,7 +253,8 @@ def test_one_rank_skips_sharding_only_tiers() -> None:
 # 6-12 GB stage2_offload, 4-6 GB stage3, <4 GB minimal. Our qwen-0.5b, seq 1024, global batch 16:
 #   fast          16P = 7,904,081,920 + acts 34*1024*896*24 = 748,683,264 + logits 1,244,659,712
 #                 + GiB + 5 % = 11,466,037,964 (10.68 GiB) -> fits 0.9 * 12 GiB = 11,596,411,699, not 8 GiB
-#   zero2_offload 4P + ckpt 75,235,328 + logits + GiB + 5 % = 4,534,453,120 (4.22 GiB) -> fits 8, not 4
+#   zero2_offload 10P + ckpt 75,235,328 + logits + GiB + 5 % = 7,646,685,376 (7.12 GiB) -> fits 8 GiB
+#                 (budget 7,730,941,132), not 4
 #   minimal       3*2*136,134,656 + ckpt + logits + GiB + 5 % = 3,317,279,948 (3.09 GiB) -> fits 4 GiB
 # Where we differ: one rank skips stage3 (it shards nothing; the seeds' stage3 gain was its activation
 # checkpointing, which our zero2_offload also has), so 4-6 GiB cards land on minimal, and our logits

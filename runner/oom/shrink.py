@@ -168,7 +168,7 @@ def run_step(
     """`train_step(ids, micro_batch)` with in-process shrink; returns (its result, the plan it ran with).
 
     `step` is the 1-based number of the step being computed (for logs and metrics). `reset()` restores
-    the wrapper's per-iteration state after the aborted step (`reset_fsdp`); False: it cannot, and the
+    the wrapper's per-iteration state after the aborted step (`reset_wrapper`); False: it cannot, and the
     shrink happens by a restart instead. Raises TierOOM when micro-batch 1 ran out, or when the optimizer
     step did (weights possibly touched).
     """
@@ -201,8 +201,9 @@ def run_step(
             raise TierOOM(plan.tier, f"out of memory at micro-batch 1, step {step}, rank {rank}: {why}",
                           weights_intact=True)  # fmt: skip
         if not restored:
-            raise TierOOM(plan.tier, f"out of memory at step {step} on rank {rank}, FSDP cannot redo it in process "
-                          f"(torch < 2.13 has no reset_iter_state): {why}", weights_intact=False, cap=nxt)  # fmt: skip
+            why = f"the model wrapper cannot redo it in process (FSDP2 needs torch >= 2.13): {why}"
+            raise TierOOM(plan.tier, f"out of memory at step {step} on rank {rank}; {why}", weights_intact=False,
+                          cap=nxt)  # fmt: skip
         old = plan
         measured = "" if room is None else (
             f" (allocator: {room.room / 2**20:,.0f} MiB of room, >= {room.per_sample / 2**20:,.1f} MiB a sample)"
@@ -216,6 +217,20 @@ def run_step(
             on_shrink(Shrink(step, plan.tier, old.micro_batch, nxt, old.grad_accum, plan.grad_accum, rank, why,
                              caught))  # fmt: skip
         _set_rng(rng)  # the redo draws the same random numbers as a first attempt would
+
+
+def reset_wrapper(model: torch.nn.Module) -> bool:
+    """After an OOM inside the wrapped model's forward or backward: DDP's reducer forgets the half-done
+    gradient reduction (else the redo's forward raises "Expected to have finished reduction in the prior
+    iteration"); FSDP2 as `reset_fsdp`. True when the wrapper is ready for the redo."""
+    if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        reducer = getattr(model, "reducer", None)
+        if reducer is None or not hasattr(reducer, "_reset_state"):
+            log.warning("cannot reset DDP after the OOM: the shrink happens by a restart")
+            return False
+        reducer._reset_state()
+        return True
+    return reset_fsdp(model)
 
 
 def reset_fsdp(model: torch.nn.Module) -> bool:
@@ -291,7 +306,7 @@ class RecipeGuard:
             self._grow(step + 1, larger)
         result, r.plan = run_step(
             lambda ids, mbs: r.stepper.train_step(ids, mbs, r.lr(step)), r.step_ids(step), r.plan, step=step + 1,
-            zero_grad=lambda: r.stepper.inner.zero_grad(set_to_none=True), reset=lambda: reset_fsdp(r.model),
+            zero_grad=lambda: r.stepper.inner.zero_grad(set_to_none=True), reset=lambda: reset_wrapper(r.model),
             on_shrink=self._shrunk,
         )  # fmt: skip
         self.regrow.stepped(r.plan.micro_batch)

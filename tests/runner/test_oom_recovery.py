@@ -353,3 +353,14 @@ def test_recovers_from_an_oom_inside_a_block(tmp_path, where, tier):
     assert [(e["step"], e["from_micro_batch"], e["to_micro_batch"]) for e in events(tmp_path / "shrunk")] == [(2, 4, 2)]
     assert shrunk == pytest.approx(run(tmp_path / "plain4", 4, False)[:1] + run(tmp_path / "plain2", 2, False)[1:],
                                    rel=1e-5)  # fmt: skip
+
+
+def test_an_oom_mid_backward_under_the_supervisor_shrinks_in_process(tmp_path):
+    """Under the supervisor accelerate wraps even one worker in DDP, whose reducer an OOM mid-backward leaves
+    half done: the redo must reset it (else "Expected to have finished reduction in the prior iteration")."""
+    run_dir = tmp_path / "run"
+    spec = write_spec(tmp_path / "s.yaml", tiny_spec_dict(run_dir, training={"micro_batch": 8, "steps": 3}))
+    result = run_supervisor([str(spec)], **{ENV_VAR: "mbs>4,backward"})
+    assert result.returncode == EXIT_OK, result.stderr[-3000:]
+    assert [(e["step"], e["from_micro_batch"], e["to_micro_batch"]) for e in events(run_dir)] == [(1, 8, 4)]
+    assert [r["step"] for r in records(run_dir)] == [1, 2, 3]

@@ -207,3 +207,26 @@ def test_every_tier_trains_on_one_gpu(tmp_path, tier):
     plan, last = records(tmp_path / "run", "plan")[0], records(tmp_path / "run")[-1]
     assert plan["tier"] == tier and plan["precision"] in ("bf16", "fp16") and plan["probes"] >= 1
     assert last["step"] == 6 and last["mem_used_bytes"] > 0 and (tmp_path / "run" / "step-6" / "DONE").is_file()
+
+
+@pytest.mark.parametrize("tier", ["zero2", "zero3"])
+def test_a_sharded_tier_on_cpu_is_fsdp2_to_accelerate(tmp_path, tier):
+    """accelerate takes FSDP2 on the CPU for DDP unless told otherwise, and forgets being told when it builds
+    its optimizer wrapper: then no_sync does nothing (FSDP reduce-scatters every micro-step) and clipping
+    ignores the shards. The runner's state must survive the whole prepare."""
+    from torch.distributed.fsdp import FSDPModule
+
+    from runner.recipe import Recipe
+
+    recipe = Recipe(tiny_spec(tmp_path / "run", training={"micro_batch": 2, "steps": 3}, memory={"tier": tier}))
+    try:
+        recipe.setup()
+        assert recipe.accelerator.is_fsdp2 and recipe.stepper.wrapped
+        groups = [g for m in recipe.model.modules() if isinstance(m, FSDPModule)
+                  for g in m._get_fsdp_state()._fsdp_param_groups]  # fmt: skip
+        with recipe.accelerator.no_sync(recipe.model):
+            assert groups and not any(g.reduce_grads for g in groups)
+        assert all(g.reduce_grads for g in groups)
+        assert recipe.train() == EXIT_OK
+    finally:
+        recipe.cleanup()

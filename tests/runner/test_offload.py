@@ -1,0 +1,379 @@
+"""zero2_offload's optimizer offload (runner/offload.py), and what every tier holds against the memory model.
+
+No GPU here. torchao's CPUOffloadOptimizer needs one only at a boundary, and `fake_cuda` fakes that and
+nothing else: torchao's device check, CUDA streams and events (every copy runs in order on the CPU here, so
+there is nothing to wait for) and pinned allocation (plain host memory; the requests are recorded). FSDP2
+over gloo, torchao's hooks, host copies and fused CPU AdamW, accelerate, the Stepper and DCP are the real ones.
+
+Bytes are counted on the tensors themselves (a DTensor by its local shard) around one optimizer step, by
+role: the GPU's (parameters as FSDP2 shards them, the 16-bit parameters it gathers in forward and holds into
+backward, gradients, and the optimizer state of tiers that keep it there) and the host's (HostAdamW's copies
+of parameters and gradients, and Adam's state). On CPU the two are one memory; the roles are what the memory
+model (jobspec/memory.py `_states`) describes for a GPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import shutil
+import sys
+from dataclasses import dataclass
+
+import pytest
+import torch
+from torch import nn
+
+from jobspec import memory
+from jobspec.contract import EXIT_OK
+from jobspec.errors import ConfigError
+from jobspec.plan import lora_shape, model_shape
+from runner import checkpoint, engine
+from runner.dist import Control, DistEnv, destroy_process_group, init_process_group
+from runner.model import build_model
+from runner.offload import HostAdamW
+from runner.plan import Plan
+from tests.runner.train_helpers import records, tiny_spec, train_in_process
+
+CPU, GPU = torch.device("cpu"), torch.device("cuda")
+SEQ = 16
+LORA = {"lora": {"rank": 8, "targets": ["c_attn"]}}
+
+
+class _Event:
+    def synchronize(self) -> None:
+        pass
+
+
+class _Stream:
+    """A CUDA stream where there is none: the copies it would order run in order on the CPU already."""
+
+    def wait_stream(self, other: object) -> None:
+        pass
+
+    def record_event(self) -> _Event:
+        return _Event()
+
+    def synchronize(self) -> None:
+        pass
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch) -> list[torch.Size]:
+    """The CUDA boundary torchao's CPUOffloadOptimizer touches; returns the shapes it asked to pin."""
+    import torchao.optim.cpu_offload as cpu_offload
+
+    pinned: list[torch.Size] = []
+    empty_like = torch.empty_like
+
+    def unpinned(t, *args, pin_memory=False, **kwargs):
+        if pin_memory:
+            pinned.append(t.shape)
+        return empty_like(t, *args, **kwargs)
+
+    monkeypatch.setattr(cpu_offload, "get_available_devices", lambda: ["cpu", "cuda"])
+    monkeypatch.setattr(torch.cuda, "Stream", _Stream)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: _Stream())
+    monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
+    monkeypatch.setattr(torch, "empty_like", unpinned)
+    return pinned
+
+
+@pytest.fixture
+def as_on_a_gpu(fake_cuda, monkeypatch) -> list[torch.Size]:
+    """engine.prepare picks the optimizer as it would on a GPU (the model itself stays on the CPU)."""
+    choose = engine.offload_optimizer
+    monkeypatch.setattr(engine, "offload_optimizer", lambda optimizer, device, tier: choose(optimizer, GPU, tier))
+    return fake_cuda
+
+
+@pytest.fixture
+def group():
+    """FSDP2 wants a process group even alone; accelerate's singletons are reset after each test."""
+    from accelerate.state import AcceleratorState, GradientState
+
+    init_process_group(DistEnv(), CPU, needed=True)
+    yield
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+    destroy_process_group()
+
+
+def reset_accelerate() -> None:
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(reset_partial_state=True)  # the next Accelerator may carry another FSDP plugin
+    GradientState._reset_state()
+
+
+def build(spec, tier: str):
+    """(accelerator, model, optimizer) as runner/recipe.py builds them at `tier`, on the CPU."""
+    precision = spec.training.precision
+    model = build_model(spec, bos=257, eos=258, vocab=262, precision=precision)
+    plan = Plan(tier, 2, 1, 2, 1, False, precision, 0, False, SEQ, 0, 0)
+    return engine.prepare(plan, spec, CPU, model, engine.make_optimizer(model, spec, CPU, tier))
+
+
+def tensor_bytes(t: torch.Tensor) -> int:
+    local = t.to_local() if hasattr(t, "to_local") else t  # a DTensor: this rank's shard
+    return local.numel() * local.element_size()
+
+
+def storage(t: torch.Tensor) -> int:
+    return (t.to_local() if hasattr(t, "to_local") else t).untyped_storage().data_ptr()
+
+
+def batch(seed: int) -> torch.Tensor:
+    return torch.randint(0, 256, (2, SEQ), generator=torch.Generator().manual_seed(seed))
+
+
+@dataclass(frozen=True)
+class Footprint:
+    params: int  # the parameters as the optimizer sees them (FSDP2: this rank's shards)
+    held: int  # parameters FSDP2 gathered in forward and still holds when backward starts
+    grads: int
+    optim: int  # the optimizer's state tensors (step counters, 0-dim, left out)
+    host: int  # HostAdamW's host copies of the parameters and their gradients
+
+    @property
+    def gpu(self) -> int:  # everything but the optimizer's state: the GPU's part at every tier bar `fast`-like
+        return self.params + self.held + self.grads
+
+
+def footprint(accelerator, model: nn.Module, optimizer, max_norm: float | None = None) -> Footprint:
+    """One step on one micro-batch; tensors counted when each is largest (held: between forward and backward)."""
+    sharded = list(model.parameters())
+    x = batch(0)
+    loss = model(input_ids=x, labels=x).loss
+    held = sum(tensor_bytes(p) for p in model.parameters() if not any(p is q for q in sharded))
+    accelerator.backward(loss)
+    if max_norm is not None:
+        accelerator.clip_grad_norm_(model.parameters(), max_norm)
+    optimizer.step()
+    inner = getattr(optimizer, "optimizer", optimizer)
+    states = [v for s in inner.state.values() for v in s.values() if torch.is_tensor(v) and v.dim() > 0]
+    host = [t for h in getattr(inner, "host", {}).values() for t in (h, h.grad)]
+    return Footprint(
+        params=sum(map(tensor_bytes, sharded)),
+        held=held,
+        grads=sum(tensor_bytes(p.grad) for p in model.parameters() if p.grad is not None),
+        optim=sum(map(tensor_bytes, states)),
+        host=sum(map(tensor_bytes, host)),
+    )
+
+
+def modelled(spec, tier: str) -> tuple[int, int, int, int, int]:
+    """(GPU, host, trainable, weights held, gathered-module bound) from the memory model, one rank."""
+    shape, lora = model_shape(spec), lora_shape(spec)
+    gpu, host, t = memory._states(shape, tier, 1, lora)
+    w = shape.params + (t if lora else 0)
+    gathered = memory.GATHER_FACTOR * memory.WEIGHT_BYTES * memory._largest_module(shape)
+    return gpu, host, t, w, gathered
+
+
+# --- which optimizer a tier steps with --------------------------------------------------------------------
+
+
+def test_only_zero2_offload_on_a_gpu_steps_on_the_host(fake_cuda, tmp_path):
+    spec = tiny_spec(tmp_path)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    plain = engine.make_optimizer(model, spec, GPU, "zero2_offload")
+    host = engine.offload_optimizer(plain, GPU, "zero2_offload")
+    assert isinstance(host, HostAdamW) and host.param_groups is plain.param_groups
+    # a pinned host copy of every parameter and of its gradient, none kept on the device (minimal_size=0)
+    assert sorted(map(tuple, fake_cuda)) == sorted(tuple(p.shape) for p in model.parameters() for _ in "pg")
+    assert set(host.host) == set(model.parameters()) and host.offload.d_opt is None
+    assert all(h.device == CPU and h is not p for p, h in host.host.items())
+    for device, tier in [(CPU, "zero2_offload"), (GPU, "fast"), (GPU, "zero2"), (GPU, "zero3"), (GPU, "minimal")]:
+        assert engine.offload_optimizer(plain, device, tier) is plain, (device, tier)
+
+
+def test_the_tier_names_the_package_when_torchao_is_missing(monkeypatch, tmp_path):
+    monkeypatch.setitem(sys.modules, "torchao.optim", None)  # `from torchao.optim import ...` raises ImportError
+    model = nn.Linear(4, 4)
+    with pytest.raises(ConfigError, match=r"zero2_offload.*torchao.*pip install torchao"):
+        engine.offload_optimizer(engine.make_optimizer(model, tiny_spec(tmp_path), GPU, "zero2_offload"),
+                                 GPU, "zero2_offload")  # fmt: skip
+
+
+# --- bytes per device against the memory model ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("lora", [{}, LORA], ids=["full", "lora"])
+def test_zero2_offload_holds_params_and_grads_on_the_gpu_and_adam_on_the_host(group, as_on_a_gpu, tmp_path, lora):
+    spec = tiny_spec(tmp_path, model=lora, training={"precision": "bf16"}, memory={"tier": "zero2_offload"})
+    accelerator, model, optimizer = build(spec, "zero2_offload")
+    assert isinstance(optimizer.optimizer, HostAdamW) and accelerator._optimizers == [optimizer]
+    f = footprint(accelerator, model, optimizer, max_norm=1.0)
+    gpu, host, t, w, _ = modelled(spec, "zero2_offload")
+    # GPU: 16-bit weights held through backward (2w), FSDP2's shards (frozen 16-bit, trainable fp32), fp32 grads
+    assert (f.held, f.params, f.grads) == (2 * w, 2 * (w - t) + 4 * t, 4 * t)
+    assert f.gpu == gpu
+    # host: fp32 copy of each trainable shard and of its gradient (8t), Adam's m and v (8t)
+    assert (f.host, f.optim) == (8 * t, 8 * t)
+    assert f.host + f.optim == host
+    # Adam's state is its own memory, not the parameters' or gradients' (on a GPU: pinned host memory)
+    inner = optimizer.optimizer
+    on_gpu = {storage(x) for p in model.parameters() for x in (p, p.grad) if x is not None}
+    on_host = [v for s in inner.state.values() for v in s.values() if torch.is_tensor(v) and v.dim() > 0]
+    assert on_host and not {storage(v) for v in on_host} & on_gpu
+
+
+# What the engine holds at each tier on one rank in 16-bit training, w = t = P (all trainable), against the
+# memory model. Two tiers differ from it; the gaps are asserted so that a fix of `_states` shows up here:
+#   zero2   the model counts 2w + 14t/N (16-bit gradients, 12 bytes of fp32 master + Adam); FSDP2 holds its
+#           fp32 shard (4t/N) and fp32 gradients (4t/N) beside Adam's 8t/N: 2w + (2w + 14t)/N, 2w/N more.
+#   minimal the model's host counts 16t/N + 2w/N; CPUOffloadPolicy keeps the fp32 shard (2(w - t) + 4t)/N,
+#           fp32 gradients and Adam's state there: (2w + 14t)/N, 2t/N less. On CPU it trains as zero3.
+@pytest.mark.parametrize("tier", memory.TIERS)
+def test_every_tier_holds_what_the_memory_model_says(group, tmp_path, tier):
+    spec = tiny_spec(tmp_path, training={"precision": "bf16"}, memory={"tier": tier})
+    accelerator, model, optimizer = build(spec, tier)
+    f = footprint(accelerator, model, optimizer)
+    gpu, host, t, w, gathered = modelled(spec, tier)
+    assert w == t
+    states = f.params + f.grads + f.optim  # what persists from step to step
+    if tier == "fast":  # one rank: no DDP buckets
+        assert (f.held, states, f.host) == (0, gpu, 0) and (gpu, host) == (16 * t, 0)
+    elif tier == "zero2":
+        assert (f.held, states) == (2 * w, 16 * t) and f.held + states - gpu == 2 * w  # the model's gap
+    elif tier == "zero2_offload":  # on CPU it trains as zero2 (nothing to offload to): Adam stays put
+        assert not isinstance(optimizer.optimizer, HostAdamW)
+        assert f.gpu == gpu and f.optim == 8 * t and host == 16 * t
+    elif tier == "zero3":  # the root module (embeddings, tied head) is not resharded after forward
+        assert states == gpu - gathered == 16 * t and 0 < f.held <= gathered
+    else:  # minimal, on CPU as zero3; on a GPU all of `states` is the host's
+        assert states == 16 * t and host - states == 2 * t and gpu == gathered and 0 < f.held <= gathered
+
+
+# --- training, clipping and checkpoints through HostAdamW ----------------------------------------------------
+
+
+def train_steps(accelerator, model, optimizer, steps: int, max_norm: float) -> None:
+    """`steps` optimizer steps of two accumulated micro-batches each, clipped, as the Stepper does them."""
+    for step in range(steps):
+        for micro in range(2):
+            x = batch(10 * step + micro)
+            accelerator.backward(model(input_ids=x, labels=x).loss)
+        accelerator.clip_grad_norm_(model.parameters(), max_norm)
+        optimizer.step()
+        optimizer.optimizer.zero_grad(set_to_none=True)
+
+
+def weights(model: nn.Module) -> list[torch.Tensor]:
+    return [p.detach().full_tensor().clone() for p in model.parameters()]
+
+
+def test_host_adamw_steps_as_adamw_does_with_clipping_and_accumulation(group, as_on_a_gpu, tmp_path, monkeypatch):
+    spec = tiny_spec(tmp_path, training={"precision": "bf16"})
+    reference = build(spec, "zero2")
+    train_steps(*reference, steps=3, max_norm=0.05)  # norms are ~5: clipping scales every step
+    expected = weights(reference[1])
+    reset_accelerate()
+    offloaded = build(spec, "zero2_offload")
+    assert isinstance(offloaded[2].optimizer, HostAdamW)
+    train_steps(*offloaded, steps=3, max_norm=0.05)
+    torch.testing.assert_close(weights(offloaded[1]), expected)  # fused CPU AdamW vs the for-loop one
+    # torchao alone copies each gradient in backward, before clipping: it would step on unclipped ones
+    reset_accelerate()
+    monkeypatch.setattr(HostAdamW, "_copy_grads", lambda self: None)
+    hooks_only = build(spec, "zero2_offload")
+    train_steps(*hooks_only, steps=3, max_norm=0.05)
+    assert not all(torch.allclose(a, b) for a, b in zip(weights(hooks_only[1]), expected, strict=True))
+
+
+def test_a_probe_step_at_lr_0_changes_nothing_and_reset_forgets_the_moments(group, as_on_a_gpu, tmp_path):
+    """What runner/plan.py's probe steps do through the Stepper (probe_step, reset_optimizer)."""
+    _, model, optimizer = built = build(tiny_spec(tmp_path, training={"precision": "bf16"}), "zero2_offload")
+    before = weights(model)
+    for group_ in optimizer.param_groups:
+        group_["lr"] = 0.0
+    train_steps(*built, steps=1, max_norm=1.0)
+    torch.testing.assert_close(weights(model), before, rtol=0, atol=0)
+    inner = optimizer.optimizer
+    assert len(inner.state) == len(before) and all(float(s["step"]) == 1.0 for s in inner.state.values())
+    inner.state.clear()
+    assert len(inner.state) == 0 and not inner.state_dict()["state"]
+    for group_ in optimizer.param_groups:
+        group_["lr"] = 1e-3
+    train_steps(*built, steps=1, max_norm=1.0)
+    assert all(float(s["step"]) == 1.0 for s in inner.state.values()) and len(inner.state) == len(before)
+    assert not all(torch.equal(a, b) for a, b in zip(weights(model), before, strict=True))
+
+
+def test_a_zero2_offload_checkpoint_loads_at_any_tier_and_back(group, as_on_a_gpu, tmp_path):
+    spec = tiny_spec(tmp_path, training={"precision": "bf16"})
+    ctrl = Control(1)
+    source = build(spec, "zero2_offload")
+    train_steps(*source, steps=2, max_norm=1.0)
+    path = checkpoint.save(tmp_path / "ck", 2, source[1], source[2], {"plan": {}}, rank=0, ctrl=ctrl, keep=3)
+    saved = source[2].optimizer.state_dict()
+    for tier in ("zero2", "zero2_offload"):  # a plain AdamW (the ladder's fast/zero2 side), then HostAdamW
+        reset_accelerate()
+        _, model, optimizer = build(spec, tier)
+        checkpoint.load(path, model, optimizer, rank=0, ctrl=ctrl)
+        torch.testing.assert_close(weights(model), weights(source[1]), rtol=0, atol=0)
+        loaded = optimizer.optimizer.state_dict()
+        assert len(loaded["state"]) == len(saved["state"]) == len(list(model.parameters()))
+        for i, s in saved["state"].items():
+            for key in ("exp_avg", "exp_avg_sq"):
+                assert torch.equal(loaded["state"][i][key].full_tensor(), s[key].full_tensor()), (tier, i, key)
+            assert float(loaded["state"][i]["step"]) == 2.0
+    # the host copies HostAdamW steps from are the loaded weights, not the fresh model's: one more step
+    # from the checkpoint lands where the source's next step does
+    train_steps(*source, steps=1, max_norm=1.0)
+    reset_accelerate()
+    resumed = build(spec, "zero2_offload")
+    checkpoint.load(path, resumed[1], resumed[2], rank=0, ctrl=ctrl)
+    train_steps(*resumed, steps=1, max_norm=1.0)
+    torch.testing.assert_close(weights(resumed[1]), weights(source[1]), rtol=0, atol=0)
+
+
+@pytest.mark.slow
+def test_a_resumed_zero2_offload_run_matches_an_uninterrupted_one(as_on_a_gpu, tmp_path):
+    """The Recipe's whole path (Stepper: LR per step, clipping; DCP checkpoints) with HostAdamW, as on a GPU."""
+    sections = {"training": {"micro_batch": 2, "steps": 8}, "checkpoints": {"every_steps": 4},
+                "memory": {"tier": "zero2_offload"}}  # fmt: skip
+    code, full = train_in_process(tiny_spec(tmp_path / "full", **sections))
+    assert code == EXIT_OK and isinstance(full.optimizer.optimizer, HostAdamW)
+    (tmp_path / "part").mkdir()
+    shutil.copytree(tmp_path / "full" / "step-4", tmp_path / "part" / "step-4")
+    code, part = train_in_process(tiny_spec(tmp_path / "part", **sections))
+    assert code == EXIT_OK
+    a = {r["step"]: r["loss"] for r in records(tmp_path / "full")}
+    b = {r["step"]: r["loss"] for r in records(tmp_path / "part")}
+    assert sorted(b) == [5, 6, 7, 8] and all(b[s] == a[s] for s in b), (a, b)
+    for (k, v), (_, w) in zip(full.model.state_dict().items(), part.model.state_dict().items(), strict=True):
+        assert torch.equal(v.full_tensor(), w.full_tensor()), k
+
+
+# --- on a GPU (pytest -m gpu on the device machine) -------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA or ROCm GPU")
+def test_on_a_gpu_parameters_stay_on_the_device_and_adam_state_goes_to_pinned_host_memory(tmp_path):
+    spec = tiny_spec(tmp_path, training={"precision": "bf16"}, hardware={"vendor": "cuda"},
+                     memory={"tier": "zero2_offload"})  # fmt: skip
+    init_process_group(DistEnv(), GPU, needed=True)
+    try:
+        model = build_model(spec, bos=257, eos=258, vocab=262, precision="bf16")
+        plan = Plan("zero2_offload", 2, 1, 2, 1, False, "bf16", 0, False, SEQ, 0, 0)
+        accelerator, model, optimizer = engine.prepare(
+            plan, spec, GPU, model, engine.make_optimizer(model, spec, GPU, "zero2_offload")
+        )
+        inner = optimizer.optimizer
+        assert isinstance(inner, HostAdamW)
+        x = batch(0).to(GPU)
+        accelerator.backward(model(input_ids=x, labels=x).loss)
+        accelerator.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        assert all(p.device.type == "cuda" and p.grad.device.type == "cuda" for p in model.parameters())
+        states = [v for s in inner.state.values() for v in s.values() if torch.is_tensor(v) and v.dim() > 0]
+        assert states and all(v.to_local().device.type == "cpu" and v.to_local().is_pinned() for v in states)
+        assert all(h.to_local().is_pinned() and h.grad.to_local().is_pinned() for h in inner.host.values())
+    finally:
+        from accelerate.state import AcceleratorState, GradientState
+
+        AcceleratorState._reset_state(reset_partial_state=True)
+        GradientState._reset_state()
+        destroy_process_group()
