@@ -79,9 +79,9 @@ def take(model: nn.Module, optimizer: Any, *, rank: int, world: int, trainable_o
     bytes the copies may take (None: no limit, the state already lives on the host)."""
     names = _names(model)
     kept = {n for n, p in model.named_parameters() if p.requires_grad or not trainable_only}
+    sd = optimizer.state_dict()
     if room is not None:
-        state_tensors = sum(1 for s in optimizer.state_dict()["state"].values() for v in s.values()
-                            if torch.is_tensor(v) and v.dim() > 0)  # fmt: skip
+        state_tensors = sum(1 for s in sd["state"].values() for v in s.values() if torch.is_tensor(v) and v.dim() > 0)
         per_param = 1 + state_tensors / max(len(kept), 1)
         need = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if n in kept) * per_param / world
         if need > room:
@@ -95,7 +95,6 @@ def take(model: nn.Module, optimizer: Any, *, rank: int, world: int, trainable_o
             params[n] = _host(local)
     keys = model.state_dict(keep_vars=True).keys()
     buffers = {n: _host(b) for n, b in model.named_buffers() if n in keys and not trainable_only}
-    sd = optimizer.state_dict()
     order = [p for g in optimizer.param_groups for p in g["params"]]
     state: dict[str, dict[str, Any]] = {}
     for index, values in sd["state"].items():

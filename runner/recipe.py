@@ -156,8 +156,7 @@ class Recipe:
             probe_faults.remove()
         handed = kept is not None and self._give_state(kept)
         if kept is not None and not handed:  # the new tier cannot take it: the newest checkpoint, as before
-            resume = checkpoint.resume_point(self.root, rank=env.rank, ctrl=self.ctrl)
-            self.step = self.step if resume is not None else 0
+            resume = self._newest_checkpoint()
         self.state_from = "memory" if handed else "checkpoint"  # for the step-down's log and event
         if resume is not None:
             meta = checkpoint.load(
@@ -372,10 +371,7 @@ class Recipe:
         local = self.env.local_world_size
         plan = size_for_tier(self.spec, self.dev, self.host, self.env.world_size, nxt, local_ranks=local, reasons=why)
         self.plan = agree(apply_cap(plan, self.root), self.ctrl.reduce_min)
-        resume = None
-        if kept is None:
-            resume = checkpoint.resume_point(self.root, rank=self.env.rank, ctrl=self.ctrl)
-            self.step = 0 if resume is None else self.step
+        resume = self._newest_checkpoint() if kept is None else None
         self._build(resume, None, kept)
         del kept  # the host copies
         self.status.update(tier=self.plan.tier, step=self.step, reason="running")
@@ -389,6 +385,13 @@ class Recipe:
                             "state": self.state_from if self.step else "none", "oom_at": round(oom_at, 3),
                             "reason": err.reason})  # fmt: skip
         self._write_plan(resumed=self.step > 0)
+
+    def _newest_checkpoint(self) -> Path | None:
+        """The checkpoint a step-down without the state in memory resumes from (collective); none: step 0."""
+        resume = checkpoint.resume_point(self.root, rank=self.env.rank, ctrl=self.ctrl)
+        if resume is None:
+            self.step = 0
+        return resume
 
     def _take_state(self, err: TierOOM) -> handoff.Handoff | None:
         """The trained state to hand to the next tier in memory, when every rank can (weights intact: the
