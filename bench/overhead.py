@@ -33,10 +33,10 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from jobspec.loader import parse_spec  # noqa: E402
-from runner.data import IGNORE, Batch, micro_batches  # noqa: E402
-from runner.model import build_model  # noqa: E402
-from runner.recipe import Recipe  # noqa: E402
+from jobspec.spec.loader import parse_spec  # noqa: E402
+from runner.data.dataset import IGNORE, Batch, micro_batches  # noqa: E402
+from runner.model.build import build_model  # noqa: E402
+from runner.train.recipe import Recipe  # noqa: E402
 
 
 def make_spec(args: argparse.Namespace, run_dir: str):  # -> JobSpec

@@ -8,7 +8,7 @@ forward and half the backward of step K's first micro-step ran). Four scenarios,
   shrink                  micro-batch 8: step K runs out at 8, shrinks and is redone in process;
   step-down               micro-batch 1: micro-batch 1 runs out, the worker checkpoints step K-1 (the
                           fallback should the process die) and rebuilds itself at the next tier in the
-                          same process, handing the trained state over in memory (runner/handoff.py);
+                          same process, handing the trained state over in memory (runner/train/handoff.py);
   step-down, checkpoint   the same with JOBSPEC_STEP_DOWN=checkpoint: the new tier reads the checkpoint back;
   relaunch                JOBSPEC_STEP_DOWN=restart: the worker exits 75 and the supervisor starts a new
                           one at the next tier (the fallback for a poisoned device or a rank-local OOM).

@@ -31,8 +31,8 @@ def gpt2_probe(preset: str, seq_len: int, device: Any) -> tuple[Callable[[int], 
     import torch
     from transformers import AutoModelForCausalLM
 
-    from jobspec.presets import PRESETS
-    from runner.model import preset_config
+    from jobspec.catalog.presets import PRESETS
+    from runner.model.build import preset_config
 
     shape = PRESETS[preset]
     cfg = preset_config(shape, bos=0, eos=0)
@@ -57,7 +57,7 @@ def gpt2_probe(preset: str, seq_len: int, device: Any) -> tuple[Callable[[int], 
 
 def exhaustive(per_rank: int, try_step: Callable[[int], bool]) -> tuple[int, int]:
     """(largest divisor that fits, probe steps): ascending until the first failure (memory is monotone)."""
-    from jobspec.memory import divisors
+    from jobspec.catalog.tiers import divisors
 
     best, steps = 0, 0
     for d in divisors(per_rank):
@@ -72,9 +72,10 @@ def measure(preset: str, seq_len: int, per_rank: int, utilization: float = 0.9) 
     """Plan, verify and search exhaustively on GPU 0; every figure in one dict."""
     import torch
 
-    from jobspec.spec import JobSpec
-    from runner.plan import initial_plan, verify_micro_batch
-    from runner.probe import describe, oom_guard, probe_device, probe_host
+    from jobspec.spec.models import JobSpec
+    from runner.oom.detect import oom_guard
+    from runner.sizing.plan import initial_plan, verify_micro_batch
+    from runner.sizing.probe import describe, probe_device, probe_host
 
     host = probe_host()
     device_info = probe_device(0, host=host)

@@ -17,11 +17,11 @@ from typing import TYPE_CHECKING
 from jobspec import __version__, install_hint
 from jobspec.cli_parser import Parser as _Parser  # exits 2, and never echoes an argument (it may be a token)
 from jobspec.contract import EXIT_CONFIG, EXIT_FAILED, EXIT_NO_FIT, EXIT_OK
-from jobspec.credentials import redact
 from jobspec.errors import ConfigError, JobspecError
+from jobspec.spec.credentials import redact
 
 if TYPE_CHECKING:  # the spec module costs pydantic's import; commands load it when they need it
-    from jobspec.spec import JobSpec
+    from jobspec.spec.models import JobSpec
 
 EPILOG = """\
 examples:
@@ -49,7 +49,7 @@ def add_spec_args(parser: argparse.ArgumentParser) -> None:
 
 
 def _load(args: argparse.Namespace) -> JobSpec:
-    from jobspec.loader import load_spec
+    from jobspec.spec.loader import load_spec
 
     return load_spec(args.spec, args.overrides)
 
@@ -99,7 +99,7 @@ def cmd_render(args: argparse.Namespace) -> int:
 
 
 def cmd_schema(args: argparse.Namespace) -> int:
-    from jobspec.reference import json_schema_text, markdown
+    from jobspec.spec.reference import json_schema_text, markdown
 
     sys.stdout.write(markdown() if args.markdown else json_schema_text())
     return EXIT_OK
@@ -108,8 +108,8 @@ def cmd_schema(args: argparse.Namespace) -> int:
 def cmd_plan(args: argparse.Namespace) -> int:
     import json
 
-    from jobspec.plan import plan_spec
-    from jobspec.plan_output import plan_table
+    from jobspec.plan.output import plan_table
+    from jobspec.plan.planner import plan_spec
 
     if args.rows is not None and args.rows < 1:
         raise ConfigError(f"--rows {args.rows}: expected the number of training records, 1 or more")
@@ -117,7 +117,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         raise ConfigError("--gpus and --gpu-memory cannot be combined: --gpus plans on each type's own memory")
     spec, prices = _load(args), {}
     if args.gpus or args.price:
-        from jobspec.plan_gpus import compare, compare_dict, compare_table, parse_prices, select_gpus
+        from jobspec.plan.compare import compare, compare_dict, compare_table, parse_prices, select_gpus
 
         prices = parse_prices(args.price)
     if args.gpus:
@@ -127,7 +127,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         return EXIT_OK if any(r.runs for r in reports) else EXIT_NO_FIT
     measured = None
     if args.from_run:
-        from jobspec.calibration import read_run
+        from jobspec.plan.calibration import read_run
 
         measured = read_run(args.from_run)
     report = plan_spec(spec, gpu_memory=args.gpu_memory, rows=args.rows, prices=prices, measured=measured)
@@ -159,7 +159,7 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 
 def add_export_args(parser: argparse.ArgumentParser) -> None:
-    """`jobspec export`'s arguments (runner/export.py parses the same ones)."""
+    """`jobspec export`'s arguments (runner/output/export.py parses the same ones)."""
     parser.add_argument("checkpoint", metavar="CHECKPOINT", help="a step-N checkpoint directory, or a run directory")
     parser.add_argument("--out", metavar="DIR", help="where to write (default: the spec's output.dir)")
     parser.add_argument("--merge", action="store_true", help="LoRA: write merged full weights, not an adapter")
@@ -171,7 +171,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     if _missing_runner_extra():
         raise ConfigError(f"jobspec export needs the runner extra ({_missing_runner_extra()} is not installed): "
                           f"{install_hint('runner')} (CPU is enough)")  # fmt: skip
-    argv = [sys.executable, "-m", "runner.export", args.checkpoint]
+    argv = [sys.executable, "-m", "runner.output.export", args.checkpoint]
     for flag in ("out", "base", "dtype"):
         if getattr(args, flag):
             argv += [f"--{flag}", getattr(args, flag)]

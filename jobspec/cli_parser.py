@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from typing import Any, NoReturn
 
 from jobspec.contract import EXIT_CONFIG
-from jobspec.credentials import credential_kind, redact
+from jobspec.spec.credentials import credential_kind, redact
 
 _PLAIN = re.compile(r"-{0,2}[a-z][a-z-]{0,31}|-?\d{1,12}(\.\d{1,6})?")  # --outptu, valdate, eight, 12.5
 _HIDDEN = "<not shown>"

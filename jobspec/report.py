@@ -3,7 +3,7 @@
 Pure Python: no torch, so the report runs wherever the submitter does. The plots need matplotlib
 (`pip install 'jobspec-k8s[report]'`); without it the summary is still written and the plots are skipped.
 
-What is read (runner/metrics.py, runner/recipe.py, runner/oom/shrink.py, runner/oom/ladder.py):
+What is read (runner/output/metrics.py, runner/train/recipe.py, runner/oom/shrink.py, runner/oom/ladder.py):
 - `plan` records, one per start of the workers: a plan at another tier than the one before is a tier
   change (the OOM ladder stepped down); the reason comes from `tier_state.json` when it is there;
 - `train` and `eval` records; a resumed run redoes the steps after its checkpoint, so for a step
@@ -32,7 +32,7 @@ from jobspec.errors import ConfigError
 log = logging.getLogger(__name__)
 GiB = 1024**3
 INSTALL_HINT = install_hint("report")
-# StepResult.tokens (runner/train.py): input tokens of the global step over all ranks, padding excluded,
+# StepResult.tokens (runner/train/step.py): input tokens of the global step over all ranks, padding excluded,
 # divided by the wall time between two log records (which includes eval and checkpoint time).
 TOKENS_LABEL = "input tokens/s (all ranks, padding excluded)"
 MAX_SHRINK_ROWS = 10  # the page stays one page

@@ -6,10 +6,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from jobspec import calibration, memory
 from jobspec.cli import main
-from jobspec.loader import load_spec
-from jobspec.plan import estimate_kwargs, model_shape, plan_spec
+from jobspec.plan import calibration, memory
+from jobspec.plan.planner import estimate_kwargs, model_shape, plan_spec
+from jobspec.spec.loader import load_spec
 
 ROOT = Path(__file__).resolve().parents[1]
 SPEC = ROOT / "examples" / "sft_fast.yaml"  # gpt2-medium, seq 1024, 2 x RTX3080-20GB, global batch 32
@@ -65,9 +65,9 @@ def test_no_metrics_is_a_clear_error(tmp_path, capsys):
 
 
 def test_the_runner_plans_with_its_run_directorys_measurement(tmp_path):
-    from runner.hostmem import HostInfo
-    from runner.plan import size_for_tier
-    from runner.probe import DeviceInfo
+    from runner.sizing.hostmem import HostInfo
+    from runner.sizing.plan import size_for_tier
+    from runner.sizing.probe import DeviceInfo
 
     gib = 1024**3
     spec = load_spec(SPEC, [f"checkpoints.dir={tmp_path / 'run'}"])

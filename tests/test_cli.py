@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from jobspec.cli import main
-from jobspec.loader import load_spec
-from jobspec.plan import plan_spec, shape_from_config
+from jobspec.plan.planner import plan_spec, shape_from_config
+from jobspec.spec.loader import load_spec
 from tests.cli_helpers import run_cli
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -11,9 +11,9 @@ from hypothesis import strategies as st
 
 from jobspec.contract import EXIT_CONFIG, EXIT_NO_FIT, EXIT_OK
 from jobspec.errors import SpecError
-from jobspec.loader import parse_spec, suggest_value
-from jobspec.plan import gpu_memory_bytes, plan_spec
-from jobspec.units import MAX_BYTES, MIN_BARE_BYTES, format_bytes, parse_size
+from jobspec.plan.planner import gpu_memory_bytes, plan_spec
+from jobspec.spec.loader import parse_spec, suggest_value
+from jobspec.spec.units import MAX_BYTES, MIN_BARE_BYTES, format_bytes, parse_size
 from tests.cli_helpers import run_cli
 
 ROOT = Path(__file__).resolve().parents[1]

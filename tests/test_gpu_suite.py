@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 
 from bench.gpu import calibrate, common, device, prepare, report
-from jobspec import memory
-from jobspec.presets import PRESETS
+from jobspec.catalog.presets import PRESETS
+from jobspec.plan import memory
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -215,7 +215,7 @@ def _renderer(module: str = "jobspec.render") -> ModuleType:
 @pytest.mark.parametrize("vendor", DOCKERFILES)
 def test_renderer_defaults_to_the_documented_tag(vendor: str) -> None:
     render = _renderer()
-    from jobspec.loader import load_spec
+    from jobspec.spec.loader import load_spec
 
     spec = load_spec(REPO / "examples" / EXAMPLE_FOR_VENDOR[vendor])
     assert spec.hardware.vendor == vendor and spec.image.name is None

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from jobspec.cli import main
 from jobspec.errors import ConfigError, SpecError
-from jobspec.loader import apply_override, load_spec, parse_spec
+from jobspec.spec.loader import apply_override, load_spec, parse_spec
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = sorted((ROOT / "examples").glob("*.yaml"))

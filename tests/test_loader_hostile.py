@@ -17,9 +17,9 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from jobspec import safe_yaml
 from jobspec.errors import SpecError
-from jobspec.loader import MAX_ISSUES, load_spec, parse_spec
+from jobspec.spec import safe_yaml
+from jobspec.spec.loader import MAX_ISSUES, load_spec, parse_spec
 from tests.cli_helpers import cli
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -361,7 +361,7 @@ def test_cli_subprocess_billion_laughs(hostile_files: dict[str, Path]) -> None:
 
 def test_runner_supervisor_exits_2(hostile_files: dict[str, Path], tmp_path: Path,
                                    monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
-    from runner.supervisor import main as supervisor_main
+    from runner.process.supervisor import main as supervisor_main
 
     term = tmp_path / "termination-log"
     monkeypatch.setenv("JOBSPEC_TERMINATION_LOG", str(term))
@@ -372,7 +372,7 @@ def test_runner_supervisor_exits_2(hostile_files: dict[str, Path], tmp_path: Pat
 
 def test_runner_worker_exits_2(hostile_files: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
     pytest.importorskip("torch")
-    from runner.worker import main as worker_main
+    from runner.process.worker import main as worker_main
 
     for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "JOBSPEC_STATUS_FILE"):
         monkeypatch.delenv(key, raising=False)

@@ -9,19 +9,17 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from jobspec.catalog.presets import PRESETS
+from jobspec.catalog.tiers import TIERS, divisors, next_tier
 from jobspec.errors import ConfigError
-from jobspec.memory import (
-    TIERS,
+from jobspec.plan.memory import (
     LoraShape,
-    divisors,
     estimate,
-    next_tier,
     pick_tier,
     plan_all,
     plan_tier,
     trainable_params,
 )
-from jobspec.presets import PRESETS
 
 GiB = 1024**3
 GPT2 = PRESETS["gpt2-small"]
@@ -66,7 +64,7 @@ GPT2_TABLE = [
     # 16P = 1,991,036,928; alloc 2,723,606,528; overhead 1,073,741,824 + 136,180,326
     ("fast", 1, 16 * P_GPT2, GPT2_ACT, 0, 3_933_528_678),  # 3.663 GiB
     ("zero2", 1, 2 * P_GPT2 + 14 * P_GPT2, GPT2_ACT, 0, 3_933_528_678),  # same: one rank shards nothing
-    # zero2_offload (jobspec/memory.py `_states`: 2w + (2w + 6t)/N on the GPU, 16t/N on the host; w = t = P):
+    # zero2_offload (jobspec/plan/memory.py `_states`: 2w + (2w + 6t)/N on the GPU, 16t/N on the host; w = t = P):
     # 2P + 8P = 10P = 1,244,398,080; alloc 1,701,716,480; overhead GiB + 85,085,824; host 16P
     ("zero2_offload", 1, 10 * P_GPT2, GPT2_CKPT, 16 * P_GPT2, 2_860_544_128),  # 2.664 GiB, host 1.854
     # 16P + 231,584,256 = 2,222,621,184; alloc 2,679,939,584; overhead GiB + 133,996,979

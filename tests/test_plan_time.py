@@ -8,15 +8,16 @@ from pathlib import Path
 
 import pytest
 
-from jobspec import gpus, throughput
+from jobspec.catalog import gpus
+from jobspec.catalog.presets import PRESETS
 from jobspec.contract import EXIT_CONFIG, EXIT_OK
-from jobspec.job_length import count_rows, job_length
-from jobspec.loader import parse_spec
-from jobspec.memory import LoraShape, trainable_params
-from jobspec.plan import plan_spec
-from jobspec.plan_gpus import compare, parse_prices
-from jobspec.plan_output import plan_table
-from jobspec.presets import PRESETS
+from jobspec.plan import throughput
+from jobspec.plan.compare import compare, parse_prices
+from jobspec.plan.job_length import count_rows, job_length
+from jobspec.plan.memory import LoraShape, trainable_params
+from jobspec.plan.output import plan_table
+from jobspec.plan.planner import plan_spec
+from jobspec.spec.loader import parse_spec
 from tests.cli_helpers import run_cli
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -42,7 +42,6 @@ from jobspec.contract import (
     TERMINATION_MESSAGE_PATH,
 )
 from jobspec.errors import ConfigError
-from jobspec.loader import load_spec, parse_spec
 from jobspec.render import (
     CONTAINER_NAME,
     DEFAULT_IMAGES,
@@ -58,8 +57,9 @@ from jobspec.render import (
     to_json,
     to_yaml,
 )
-from jobspec.spec import JobSpec
-from jobspec.units import format_bytes
+from jobspec.spec.loader import load_spec, parse_spec
+from jobspec.spec.models import JobSpec
+from jobspec.spec.units import format_bytes
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = sorted((ROOT / "examples").glob("*.yaml"))

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from jobspec.errors import SpecError
-from jobspec.loader import parse_spec
 from jobspec.render import render
+from jobspec.spec.loader import parse_spec
 
 BASE = """\
 name: {name}

@@ -9,9 +9,9 @@ from typing import Any
 import pytest
 import yaml
 
-from jobspec.loader import load_spec
 from jobspec.render import output as out
 from jobspec.render import render
+from jobspec.spec.loader import load_spec
 
 ROOT = Path(__file__).resolve().parents[1]
 needs_libyaml = pytest.mark.skipif(out._CDumper is None, reason="PyYAML without its C extension")

@@ -17,9 +17,9 @@ from kubernetes_validate.utils import major_minor
 from jobspec.cli import _notes
 from jobspec.contract import ANNOTATION_SPEC_HASH, LABEL_JOB, RDZV_PORT
 from jobspec.errors import SpecError
-from jobspec.loader import load_spec, parse_spec
 from jobspec.render import DEFAULT_CPU_PER_RANK, DEFAULT_MEMORY_PER_RANK, ENV_SPEC_HASH, render
-from jobspec.units import format_bytes, parse_size
+from jobspec.spec.loader import load_spec, parse_spec
+from jobspec.spec.units import format_bytes, parse_size
 
 from .test_render import EXAMPLES, K8S_VERSIONS, MULTINODE, QUICKSTART, ROCM, SFT, by_kind, container_of, rendered
 

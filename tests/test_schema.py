@@ -18,8 +18,8 @@ import jsonschema
 import pytest
 import yaml
 
-from jobspec.loader import parse_spec
-from jobspec.reference import SCHEMA_FILE, json_schema_text
+from jobspec.spec.loader import parse_spec
+from jobspec.spec.reference import SCHEMA_FILE, json_schema_text
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = sorted((ROOT / "examples").glob("*.yaml"))

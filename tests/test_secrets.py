@@ -17,9 +17,9 @@ from hypothesis import strategies as st
 
 from jobspec.cluster.errors import Op, error_for_status, server_message
 from jobspec.cluster.status import parse_report
-from jobspec.credentials import credential_kind, is_secret_name, redact
 from jobspec.errors import SpecError
-from jobspec.loader import parse_spec
+from jobspec.spec.credentials import credential_kind, is_secret_name, redact
+from jobspec.spec.loader import parse_spec
 from tests.cli_helpers import cli
 
 GOOD = "name: demo\nmodel:\n  preset: tiny\ntraining:\n  global_batch: 8\n  steps: 10\nhardware:\n  vendor: cpu\n"

@@ -1,6 +1,6 @@
 """Suggested memory-model constants from a suite record's measured peaks (`python -m bench.gpu --calibrate R.json`).
 
-Prints what `jobspec/memory.py` would need to match the measurements; it changes nothing. Three fits:
+Prints what `jobspec/plan/memory.py` would need to match the measurements; it changes nothing. Three fits:
 
 1. per-sample bytes: each sizing run's passing probe steps give (micro-batch, peak allocated); a straight
    line through them gives the measured bytes per sample (slope). Across presets, whose activation/logit
@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from jobspec import memory
+from jobspec.plan import memory
 
 
 def _line(probes: list[dict[str, Any]]) -> tuple[float, float] | None:
@@ -134,8 +134,8 @@ def calibrate(record: dict[str, Any]) -> dict[str, Any]:
 def text(cal: dict[str, Any]) -> str:
     """The calibration as lines to print (and for the report)."""
     if cal["status"] != "ok":
-        return f"calibration: {cal['status']} (jobspec/memory.py keeps {cal['current']})"
-    lines = ["calibration (suggested constants for jobspec/memory.py; nothing is changed):"]
+        return f"calibration: {cal['status']} (jobspec/plan/memory.py keeps {cal['current']})"
+    lines = ["calibration (suggested constants for jobspec/plan/memory.py; nothing is changed):"]
     for k, v in cal["suggested"].items():
         lines.append(f"  {k:17s} {cal['current'][k]!s:>12} -> {v}")
     for name, f in cal["fits"].items():

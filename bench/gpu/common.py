@@ -170,7 +170,7 @@ def spec_for(
     """A spec for one in-process Recipe: no export, no periodic checkpoints, no eval until the end."""
     import yaml
 
-    from jobspec.loader import parse_spec
+    from jobspec.spec.loader import parse_spec
 
     return parse_spec(
         yaml.safe_dump(
@@ -221,7 +221,7 @@ def recipe_for(spec: Any) -> Iterator[Any]:
     """`Recipe(spec)`, set up (probe, plan, probe steps, build) and released after the block."""
     import torch
 
-    from runner.recipe import Recipe
+    from runner.train.recipe import Recipe
 
     gc.collect()  # the previous run's leftovers must not shrink the free memory this one plans with
     if torch.cuda.is_available():

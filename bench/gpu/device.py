@@ -24,7 +24,7 @@ DENSE_BF16_TFLOPS: tuple[tuple[str, float], ...] = (
 def flops_per_token(preset: str, seq: int) -> int:
     """DESIGN.md / llm.c: 6N + 6*L*C*T (N all parameters incl. embeddings, L layers, C hidden, T row length).
     Model FLOPs: activation recomputation (checkpointing tiers) is not counted."""
-    from jobspec.presets import PRESETS
+    from jobspec.catalog.presets import PRESETS
 
     s = PRESETS[preset]
     return 6 * s.params + 6 * s.layers * s.hidden * seq

@@ -2,7 +2,7 @@
 
 For each (preset, tier) a real `Recipe` is set up at sequence `cfg.seq` with `micro_batch: auto` and a
 per-rank batch of `cfg.per_rank`: it probes the device, asks the memory model for a micro-batch (the
-guess) and checks it with real probe steps (`runner.plan.verify_micro_batch`, called by
+guess) and checks it with real probe steps (`runner.sizing.plan.verify_micro_batch`, called by
 `Recipe._verify_micro_batch`). The suite wraps that call, so it records the guess, every probe (micro-batch,
 outcome, seconds, peak allocated and reserved) and the seconds it took, and then runs the exhaustive search
 with the very same probe step (`try_step`, the runner's `oom_guard` with the plan's budget): every divisor of
@@ -11,7 +11,7 @@ monotone: every larger divisor was tried and failed.
 
 Then the memory: three real optimizer steps (`Stepper.train_step`, two micro-batches each, so the gradients of
 the first micro-batch are alive while the second one's activations are) at the verified micro-batch, and the
-peak allocated and reserved bytes against `jobspec.memory.estimate` at that micro-batch. "Device" memory adds
+peak allocated and reserved bytes against `jobspec.plan.memory.estimate` at that micro-batch. "Device" memory adds
 what the process holds outside the caching allocator (CUDA context, library handles): (total - free) - reserved.
 """
 
@@ -35,7 +35,7 @@ def _peaks() -> tuple[int | None, int | None]:
 
 
 class _Observer:
-    """Stands in for `runner.recipe.verify_micro_batch`: the real one, timed, then the exhaustive search, then
+    """Stands in for `runner.train.recipe.verify_micro_batch`: the real one, timed, then the exhaustive search, then
     (for the calibration's straight line) probes at 1 and about half the maximum.
     Every probe is recorded: micro-batch, outcome, seconds, peak allocated and reserved, and what it was for."""
 
@@ -65,8 +65,8 @@ class _Observer:
         return timed
 
     def __call__(self, plan: Any, try_step: Callable[[int], bool], **kw: Any) -> Any:
-        from jobspec.memory import divisors
-        from runner import plan as planning
+        from jobspec.catalog.tiers import divisors
+        from runner.sizing import plan as planning
 
         timed = self._timed(try_step)
         self.seen.update(guess=plan.micro_batch, model_max=plan.model_max_micro_batch, budget=plan.budget_bytes)
@@ -89,7 +89,7 @@ class _Observer:
 
 def descending_search(per_rank: int, try_step: Callable[[int], bool]) -> tuple[int, int]:
     """(largest divisor of `per_rank` whose probe step fits, probe steps run): from the largest down."""
-    from jobspec.memory import divisors
+    from jobspec.catalog.tiers import divisors
 
     steps = 0
     for d in reversed(divisors(per_rank)):
@@ -149,8 +149,8 @@ def _measure(recipe: Any, steps: int = 3) -> dict[str, Any]:
 
 
 def _predicted(spec: Any, tier: str, mbs: int, precision: str) -> dict[str, Any]:
-    from jobspec import memory
-    from jobspec.plan import estimate_kwargs, model_shape
+    from jobspec.plan import memory
+    from jobspec.plan.planner import estimate_kwargs, model_shape
 
     shape, kw = model_shape(spec), estimate_kwargs(spec, 1, precision)
     e, e0, e1 = (memory.estimate(shape, tier=tier, micro_batch=m, **kw) for m in (mbs, 0, 1))
@@ -169,12 +169,12 @@ def _predicted(spec: Any, tier: str, mbs: int, precision: str) -> dict[str, Any]
 
 def size_one(cfg: Config, work: Path, data: Path, preset: str, tier: str) -> tuple[dict[str, Any], dict | None]:
     """(sizing entry, memory-model entry or None) for one preset at one tier."""
-    import runner.recipe
-    from runner.plan import NoFit
+    import runner.train.recipe
+    from runner.sizing.plan import NoFit
 
     run_dir = work / f"sizing-{preset}-{tier}"
     spec = spec_for(cfg, run_dir, data, preset=preset, tier=tier, global_batch=cfg.per_rank)
-    obs, real = _Observer(cfg.per_rank), runner.recipe.verify_micro_batch
+    obs, real = _Observer(cfg.per_rank), runner.train.recipe.verify_micro_batch
     entry: dict[str, Any] = {
         "preset": preset,
         "tier": tier,
@@ -185,7 +185,7 @@ def size_one(cfg: Config, work: Path, data: Path, preset: str, tier: str) -> tup
     }
     mem = None
     t0 = time.perf_counter()
-    runner.recipe.verify_micro_batch = obs  # the runner's own call site, observed
+    runner.train.recipe.verify_micro_batch = obs  # the runner's own call site, observed
     try:
         with environ(JOBSPEC_FAULT_OOM=cfg.sizing_fault), recipe_for(spec) as recipe:
             entry["setup_s"] = round(time.perf_counter() - t0, 2)
@@ -208,7 +208,7 @@ def size_one(cfg: Config, work: Path, data: Path, preset: str, tier: str) -> tup
     except NoFit as err:
         entry.update(status="no fit", reason=str(err))
     finally:
-        runner.recipe.verify_micro_batch = real
+        runner.train.recipe.verify_micro_batch = real
     s = obs.seen
     entry.update(
         model_micro_batch=s.get("guess"),

@@ -160,7 +160,7 @@ def _name(args: argparse.Namespace) -> str:
 
     args.spec_namespace = None
     if "." in args.name or "/" in args.name:
-        from jobspec.loader import load_spec
+        from jobspec.spec.loader import load_spec
 
         spec = load_spec(args.name)
         # As for submit: the spec's namespace counts only when written in it; its default must not hide the context's.
@@ -211,8 +211,8 @@ def cmd_submit(args: argparse.Namespace) -> int:
     from jobspec.cluster.kubeconfig import context_namespace, load_connection, validate_namespace
     from jobspec.cluster.output import format_submit
     from jobspec.cluster.submit import in_namespace, submit
-    from jobspec.loader import load_spec
     from jobspec.render import render, to_yaml
+    from jobspec.spec.loader import load_spec
 
     mode = _dry_run_mode(args)
     spec = load_spec(args.spec, args.overrides)

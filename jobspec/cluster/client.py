@@ -20,8 +20,8 @@ from jobspec.cluster.errors import ApiTimeout, NotFound, Op, Unreachable, error_
 from jobspec.cluster.kubeconfig import Connection
 from jobspec.cluster.resources import POD, Kind, kind_of
 from jobspec.cluster.retry import HttpStatus, RetryPolicy
-from jobspec.credentials import redact
 from jobspec.errors import ClusterError
+from jobspec.spec.credentials import redact
 
 log = logging.getLogger(__name__)
 

@@ -11,8 +11,8 @@ import json
 import re
 from dataclasses import dataclass, replace
 
-from jobspec.credentials import redact
 from jobspec.errors import ClusterError
+from jobspec.spec.credentials import redact
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from jobspec.cluster.resources import JOB, POD
 from jobspec.contract import ANNOTATION_SPEC_HASH, KUEUE_QUEUE_LABEL
-from jobspec.credentials import redact
+from jobspec.spec.credentials import redact
 
 if TYPE_CHECKING:  # the client module pulls in urllib3 and tenacity: only for commands that connect
     from jobspec.cluster.client import ClusterClient

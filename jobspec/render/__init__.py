@@ -41,7 +41,7 @@ from jobspec.render.pod import (
     checkpoint_mount_path,
     configmap_name,
 )
-from jobspec.spec import JobSpec
+from jobspec.spec.models import JobSpec
 
 __all__ = [
     "CONTAINER_NAME",

@@ -16,7 +16,7 @@ from jobspec.contract import (
     RDZV_PORT,
     SCRATCH_DIR,
 )
-from jobspec.spec import JobSpec, SecretRef
+from jobspec.spec.models import JobSpec, SecretRef
 
 COMPLETION_INDEX_ANNOTATION = "batch.kubernetes.io/job-completion-index"
 

@@ -6,7 +6,7 @@ from collections.abc import Mapping
 from types import MappingProxyType
 
 from jobspec import __version__
-from jobspec.spec import JobSpec
+from jobspec.spec.models import JobSpec
 
 IMAGE_REPOSITORY = "ghcr.io/jobspec/runner"
 DEFAULT_IMAGES: Mapping[str, str] = MappingProxyType(

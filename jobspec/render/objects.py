@@ -21,7 +21,7 @@ from jobspec.contract import (
     SPEC_FILE_NAME,
 )
 from jobspec.render.pod import CONTAINER_NAME, configmap_name, pod_spec
-from jobspec.spec import JobSpec
+from jobspec.spec.models import JobSpec
 
 Obj = dict[str, Any]
 

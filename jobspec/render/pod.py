@@ -21,8 +21,8 @@ from jobspec.contract import (
 from jobspec.errors import ConfigError
 from jobspec.render.env import container_env
 from jobspec.render.images import image_for
-from jobspec.spec import JobSpec, Toleration
-from jobspec.units import format_bytes
+from jobspec.spec.models import JobSpec, Toleration
+from jobspec.spec.units import format_bytes
 
 Obj = dict[str, Any]
 GiB = 1024**3

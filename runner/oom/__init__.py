@@ -11,7 +11,7 @@
     faults.py    `JOBSPEC_FAULT_OOM`: real `torch.OutOfMemoryError`s on chosen steps, tiers, micro-batches,
                  ranks, and in the planner's probe steps
 
-The recipe (runner/recipe.py) steps down a tier in process (`Recipe._step_down`) when every rank agreed
-on the OOM, and leaves it to relaunch.py otherwise. The planner's probe search (runner/plan.py
+The recipe (runner/train/recipe.py) steps down a tier in process (`Recipe._step_down`) when every rank agreed
+on the OOM, and leaves it to relaunch.py otherwise. The planner's probe search (runner/sizing/plan.py
 `verify_micro_batch`) is the same machinery before training starts.
 """

@@ -5,7 +5,7 @@ as in accelerate's `utils/memory.py`, but without its three bugs:
 
 - memory is released *after* the `except` block: inside it, the traceback's frames still pin every
   tensor the failed step allocated, so `empty_cache()` there frees nothing;
-- every rank agrees on the outcome (`Stepper.agree` in runner/train.py: one all-reduce MAX of
+- every rank agrees on the outcome (`Stepper.agree` in runner/train/step.py: one all-reduce MAX of
   [stop, OOM, rank] per micro-step), so a rank that ran out does not leave the others waiting in a
   collective it will never join;
 - the micro-batch moves to the next smaller divisor of the per-rank batch and gradient accumulation
@@ -21,13 +21,14 @@ import re
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 import torch
 
-from jobspec.memory import divisors
+from jobspec.catalog.tiers import divisors
 
 log = logging.getLogger("jobspec.runner")
+GiB = 1024**3
 T = TypeVar("T")
 
 # Messages of allocation failures that reach Python as a plain RuntimeError (or torch.AcceleratorError)
@@ -197,3 +198,37 @@ def next_micro_batch(current: int, per_rank_batch: int, room: Headroom | None = 
         return smaller[-1]
     fits = math.floor(room.room / room.per_sample)
     return max((d for d in smaller if d <= fits), default=smaller[0])
+
+
+def oom_guard(step: Callable[[int], Any], *, budget_bytes: int | None = None) -> Callable[[int], bool]:
+    """Turn a probe step into `try_step(mbs) -> bool` for the planner's probe steps (`verify_micro_batch`).
+
+    `step(mbs)` runs forward, backward and optimizer.step() at the longest sequence length and zeroes
+    its gradients (set_to_none) before returning. An OOM (`is_oom`) gives False, with memory
+    released after the except block (`guarded`). With `budget_bytes`, a step whose peak
+    reserved memory exceeds it also counts as no fit, so the search respects
+    `memory.target_utilization` instead of filling the GPU to the last byte.
+    """
+
+    def try_step(mbs: int) -> bool:
+        on_gpu = torch.cuda.is_available()
+        if on_gpu:
+            torch.cuda.reset_peak_memory_stats()
+        baseline = allocated_bytes()
+        if guarded(lambda: step(mbs)).oom:
+            release_memory(baseline)
+            return False
+        if not on_gpu or budget_bytes is None:
+            return True
+        peak = torch.cuda.max_memory_reserved()  # bytes, this process's caching allocator
+        torch.cuda.empty_cache()
+        if peak > budget_bytes:
+            log.info(
+                "micro-batch %d ran but reserved %.2f GiB > budget %.2f GiB: no fit",
+                mbs,
+                peak / GiB,
+                budget_bytes / GiB,
+            )
+        return peak <= budget_bytes
+
+    return try_step

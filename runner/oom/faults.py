@@ -32,8 +32,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from jobspec.catalog.tiers import TIERS
 from jobspec.errors import ConfigError
-from jobspec.memory import TIERS
 
 if TYPE_CHECKING:  # torch is imported where an error is raised: the supervisor parses the rules without it
     import torch

@@ -23,9 +23,9 @@ from typing import Any
 
 from tenacity import RetryCallState, Retrying, retry_if_exception_type, stop_after_attempt, wait_fixed
 
+from jobspec.catalog.tiers import TIERS, next_tier  # one ladder for the planner, `jobspec plan` and the runner
 from jobspec.contract import EXIT_OOM_LAST_TIER, EXIT_OOM_RETRY_TIER, TIER_STATE_FILE
 from jobspec.errors import ConfigError
-from jobspec.memory import TIERS, next_tier  # one ladder for the planner, `jobspec plan` and the runner
 
 log = logging.getLogger("jobspec.runner")
 STATE_VERSION = 1

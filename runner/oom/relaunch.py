@@ -12,8 +12,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from jobspec.catalog.tiers import divisors
 from jobspec.contract import EXIT_OOM_LAST_TIER, EXIT_OOM_RETRY_TIER
-from jobspec.memory import divisors
 from runner.oom.ladder import (
     RetryAtNextTier,
     TierState,

@@ -28,14 +28,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from jobspec.catalog.tiers import divisors
 from jobspec.contract import EXIT_OOM_LAST_TIER, EXIT_OOM_RETRY_TIER, TIER_STATE_FILE
 from jobspec.errors import JobspecError
-from jobspec.memory import divisors
 from runner.oom import ladder
 from runner.oom.detect import Headroom, allocated_bytes, guarded, next_micro_batch, release_memory
 from runner.oom.faults import install_from_env
 from runner.oom.regrow import TRIES, Regrow
-from runner.plan import Plan, with_micro_batch
+from runner.sizing.plan import Plan, with_micro_batch
 
 log = logging.getLogger("jobspec.runner")
 BUCKET_BYTES = 25 * 1024**2  # DDP's default bucket size

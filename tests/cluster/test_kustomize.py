@@ -145,8 +145,8 @@ def test_kueue_component_is_consistent(with_kueue: list[dict[str, Any]]) -> None
 
 
 def test_local_queue_matches_the_queue_label_the_renderer_sets(with_kueue: list[dict[str, Any]]) -> None:
-    from jobspec.loader import load_spec
     from jobspec.render import render
+    from jobspec.spec.loader import load_spec
 
     (lq,) = by_kind(with_kueue, "LocalQueue")
     queued = []

@@ -60,8 +60,8 @@ def cluster() -> Iterator[tuple[Any, str]]:
 
 
 def tiny_job(name: str, namespace: str) -> list[dict[str, Any]]:
-    from jobspec.loader import load_spec
     from jobspec.render import render
+    from jobspec.spec.loader import load_spec
 
     objects = render(load_spec(REPO / "examples" / "quickstart.yaml", [f"name={name}", f"namespace={namespace}"]))
     job = next(o for o in objects if o["kind"] == "Job")

@@ -15,9 +15,9 @@ import pytest
 import torch
 from torch import nn
 
-from runner import checkpoint
+from runner.checkpoint import store
+from runner.checkpoint.storage import StorageError
 from runner.dist import Control
-from runner.storage import StorageError
 from tests.runner.train_helpers import ROOT, runner_env
 
 CTRL = Control(1)
@@ -35,7 +35,7 @@ def small_model(seed: int = 0) -> tuple[nn.Module, torch.optim.Optimizer]:
 
 
 def save(root, step, model, opt, keep=3):
-    return checkpoint.save(root, step, model, opt, {"plan": {}}, rank=0, ctrl=CTRL, keep=keep)
+    return store.save(root, step, model, opt, {"plan": {}}, rank=0, ctrl=CTRL, keep=keep)
 
 
 def test_round_trip_restores_weights_optimizer_and_rng(tmp_path):
@@ -46,7 +46,7 @@ def test_round_trip_restores_weights_optimizer_and_rng(tmp_path):
     path = save(tmp_path, 7, model, opt)
     expected = (random.random(), np.random.rand(), torch.rand(1))
     fresh, fresh_opt = small_model(seed=99)
-    meta = checkpoint.load(path, fresh, fresh_opt, rank=0, ctrl=CTRL)
+    meta = store.load(path, fresh, fresh_opt, rank=0, ctrl=CTRL)
     assert meta["step"] == 7 and (path / "DONE").is_file()
     assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), fresh.state_dict().values(), strict=True))
     for p, q in zip(opt.state.values(), fresh_opt.state.values(), strict=True):
@@ -58,10 +58,10 @@ def test_only_marked_checkpoints_count_and_keep_prunes(tmp_path):
     model, opt = small_model()
     for step in (1, 2, 3, 4):
         save(tmp_path, step, model, opt, keep=2)
-    assert [s for s, _ in checkpoint.complete(tmp_path)] == [3, 4]
+    assert [s for s, _ in store.complete(tmp_path)] == [3, 4]
     (tmp_path / "step-9").mkdir()  # renamed but never marked: a writer died between rename and DONE
     (tmp_path / ".tmp-step-10").mkdir()
-    assert checkpoint.latest(tmp_path) == tmp_path / "step-4"
+    assert store.latest(tmp_path) == tmp_path / "step-4"
     save(tmp_path, 12, model, opt, keep=2)
     names = sorted(p.name for p in tmp_path.iterdir())
     assert names == ["step-12", "step-4"]  # the unmarked older dir and the stale temp dir are gone
@@ -75,7 +75,7 @@ def test_an_existing_target_is_tolerated(tmp_path):
     assert (first / "meta.json").stat().st_mtime_ns == stamp and not list(tmp_path.glob(".tmp-*"))
     (first / "DONE").unlink()  # an incomplete step-5 from an older attempt: replaced
     save(tmp_path, 5, model, opt)
-    assert (first / "DONE").is_file() and checkpoint.latest(tmp_path) == first
+    assert (first / "DONE").is_file() and store.latest(tmp_path) == first
 
 
 def test_an_error_while_writing_leaves_the_previous_checkpoint(tmp_path, monkeypatch):
@@ -85,10 +85,10 @@ def test_an_error_while_writing_leaves_the_previous_checkpoint(tmp_path, monkeyp
     def disk_full(*args, **kwargs):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(checkpoint, "_publish", disk_full)
+    monkeypatch.setattr(store, "_publish", disk_full)
     with pytest.raises(StorageError, match=f"no space left at {tmp_path}"):
         save(tmp_path, 2, model, opt)
-    assert checkpoint.latest(tmp_path) == good and checkpoint.verify(good) is None
+    assert store.latest(tmp_path) == good and store.verify(good) is None
     assert not (tmp_path / ".tmp-step-2").exists()  # the partial checkpoint is cleaned up
     monkeypatch.undo()
     assert save(tmp_path, 2, model, opt) == tmp_path / "step-2"
@@ -101,20 +101,20 @@ def test_an_unrelated_error_while_writing_is_not_a_storage_error(tmp_path, monke
     def bug(*args, **kwargs):
         raise RuntimeError("a bug, not the disk")
 
-    monkeypatch.setattr(checkpoint, "_publish", bug)
+    monkeypatch.setattr(store, "_publish", bug)
     with pytest.raises(RuntimeError, match="a bug"):
         save(tmp_path, 1, model, opt)
 
 
 KILLED_WRITER = textwrap.dedent("""
     import sys, time
-    from runner import checkpoint
+    from runner.checkpoint import store
     from tests.runner.test_checkpoint import CTRL, small_model
 
     root, where = sys.argv[1], sys.argv[2]
     model, opt = small_model()
-    checkpoint.save(root, 1, model, opt, {{}}, rank=0, ctrl=CTRL, keep=3)
-    real = getattr(checkpoint, where)
+    store.save(root, 1, model, opt, {{}}, rank=0, ctrl=CTRL, keep=3)
+    real = getattr(store, where)
 
     def pause(*args, **kwargs):
         if where == "rng_state" or str(args[0]).endswith("DONE"):
@@ -122,9 +122,9 @@ KILLED_WRITER = textwrap.dedent("""
             time.sleep(120)
         return real(*args, **kwargs)
 
-    setattr(checkpoint, where, pause)
+    setattr(store, where, pause)
     model[0].weight.data += 1.0
-    checkpoint.save(root, 2, model, opt, {{}}, rank=0, ctrl=CTRL, keep=3)
+    store.save(root, 2, model, opt, {{}}, rank=0, ctrl=CTRL, keep=3)
 """)
 
 
@@ -146,10 +146,10 @@ def test_sigkill_while_writing_leaves_the_previous_checkpoint_loadable(tmp_path,
     assert proc.returncode == -signal.SIGKILL
     leftover = tmp_path / (".tmp-step-2" if where == "rng_state" else "step-2")
     assert leftover.is_dir() and not (leftover / "DONE").exists()
-    assert checkpoint.latest(tmp_path) == tmp_path / "step-1"
+    assert store.latest(tmp_path) == tmp_path / "step-1"
     model, opt = small_model(seed=5)
-    assert checkpoint.load(tmp_path / "step-1", model, opt, rank=0, ctrl=CTRL)["step"] == 1
+    assert store.load(tmp_path / "step-1", model, opt, rank=0, ctrl=CTRL)["step"] == 1
     expected, _ = small_model()
     assert torch.equal(model[0].weight, expected[0].weight)  # step 1's weights, not the +1 of step 2
     save(tmp_path, 3, model, opt)
-    assert not leftover.exists() and checkpoint.latest(tmp_path) == tmp_path / "step-3"
+    assert not leftover.exists() and store.latest(tmp_path) == tmp_path / "step-3"

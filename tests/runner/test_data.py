@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from jobspec.errors import ConfigError
-from jobspec.spec import DataSpec
-from runner.data import (
+from jobspec.spec.models import DataSpec
+from runner.data.dataset import (
     BUNDLED,
     IGNORE,
     DataOrder,
@@ -18,7 +18,7 @@ from runner.data import (
     rank_slice,
     total_steps,
 )
-from runner.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
+from runner.data.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
 from tests.runner.train_helpers import CHAT, save_test_tokenizer, tiny_spec, write_jsonl
 
 

@@ -16,10 +16,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from jobspec.errors import ConfigError
-from jobspec.spec import DataSpec
-from runner.data import Row, encode_file, load_data
-from runner.records import read_records
-from runner.tokenizer import ByteTokenizer
+from jobspec.spec.models import DataSpec
+from runner.data.dataset import Row, encode_file, load_data
+from runner.data.records import read_records
+from runner.data.tokenizer import ByteTokenizer
 from tests.runner.train_helpers import ROOT, timeout_s, tiny_spec, write_jsonl
 
 PROMPT_RESPONSE = [{"prompt": f"question {i} é ✓", "response": f"answer {i}" * (i % 3 + 1)} for i in range(7)] + [
@@ -239,8 +239,8 @@ def test_a_hub_id_offline_fails_fast_with_a_config_error(tmp_path):
     script = (
         "import sys\n"
         "from jobspec.errors import ConfigError\n"
-        "from jobspec.spec import DataSpec\n"
-        "from runner.records import read_records\n"
+        "from jobspec.spec.models import DataSpec\n"
+        "from runner.data.records import read_records\n"
         "try:\n"
         "    read_records('jobspec-test/no-such-dataset', DataSpec())\n"
         "except ConfigError as err:\n"

@@ -19,9 +19,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from jobspec.contract import EXIT_CONFIG, EXIT_OK
-from runner import export
-from runner.data import BUNDLED, flatten
-from runner.tokenizer import ByteTokenizer
+from runner.data.dataset import BUNDLED, flatten
+from runner.data.tokenizer import ByteTokenizer
+from runner.output import export
 from tests.runner.train_helpers import (
     CHAT,
     ROOT,

@@ -16,8 +16,9 @@ import torch
 from torch import nn
 
 from jobspec.contract import EXIT_CONFIG, EXIT_OK
-from runner import checkpoint, export, manifest
-from runner.checkpoint import DamagedCheckpoint
+from runner.checkpoint import manifest, store
+from runner.checkpoint.store import DamagedCheckpoint
+from runner.output import export
 from tests.runner.test_checkpoint import CTRL, save, small_model
 from tests.runner.train_helpers import (
     records,
@@ -35,7 +36,7 @@ def _shard(ckpt: Path) -> Path:
 
 
 def _edit_meta(ckpt: Path, **changes: object) -> None:
-    meta = checkpoint.read_meta(ckpt)
+    meta = store.read_meta(ckpt)
     (ckpt / "meta.json").write_text(json.dumps({**meta, **changes}))
 
 
@@ -65,16 +66,16 @@ DAMAGE: dict[str, tuple[Callable[[Path], None], str]] = {
 def test_verify_names_each_kind_of_damage(tmp_path, kind):
     model, opt = small_model()
     ckpt = save(tmp_path, 4, model, opt)
-    assert checkpoint.verify(ckpt) is None
+    assert store.verify(ckpt) is None
     damage, expected = DAMAGE[kind]
     damage(ckpt)
-    problem = checkpoint.verify(ckpt)
+    problem = store.verify(ckpt)
     assert problem is not None and expected in problem, problem
 
 
 def test_the_manifest_lists_every_file_with_size_and_checksum(tmp_path):
     model, opt = small_model()
-    ckpt = checkpoint.save(tmp_path, 2, model, opt, {"plan": {}}, rank=0, ctrl=CTRL, keep=3,
+    ckpt = store.save(tmp_path, 2, model, opt, {"plan": {}}, rank=0, ctrl=CTRL, keep=3,
                            files={"spec.yaml": b"name: x\n"})  # fmt: skip
     listed = json.loads((ckpt / "manifest.json").read_text())
     names = {p.name for p in ckpt.iterdir()} - {"manifest.json", "DONE"}
@@ -82,7 +83,7 @@ def test_the_manifest_lists_every_file_with_size_and_checksum(tmp_path):
     for name, entry in listed["files"].items():
         assert entry["bytes"] == (ckpt / name).stat().st_size
         assert entry["crc32"] == manifest.crc32_file(ckpt / name)
-    assert checkpoint.read_meta(ckpt)["format"] == checkpoint.FORMAT
+    assert store.read_meta(ckpt)["format"] == store.FORMAT
 
 
 def test_large_files_are_checked_by_sampled_blocks_and_fully_on_request(tmp_path, monkeypatch):
@@ -102,22 +103,22 @@ def test_large_files_are_checked_by_sampled_blocks_and_fully_on_request(tmp_path
     with open(shard, "r+b") as f:
         f.seek(gap)
         f.write(bytes(4096))
-    assert checkpoint.verify(ckpt) is None  # the documented limit of the sampled check: a hole between samples
-    assert "does not match its checksum" in checkpoint.verify(ckpt, full=True)
+    assert store.verify(ckpt) is None  # the documented limit of the sampled check: a hole between samples
+    assert "does not match its checksum" in store.verify(ckpt, full=True)
     shard.write_bytes(bytes(size))  # zeroed whole: every sample sees it
-    assert "does not match its checksum at byte 0" in checkpoint.verify(ckpt)
+    assert "does not match its checksum at byte 0" in store.verify(ckpt)
 
 
 def test_a_checkpoint_from_before_manifests_is_checked_for_its_files(tmp_path):
     model, opt = small_model()
     ckpt = save(tmp_path, 4, model, opt)
     (ckpt / "manifest.json").unlink()
-    meta = checkpoint.read_meta(ckpt)
+    meta = store.read_meta(ckpt)
     del meta["format"]
     (ckpt / "meta.json").write_text(json.dumps(meta))
-    assert checkpoint.verify(ckpt) is None
+    assert store.verify(ckpt) is None
     (ckpt / "rng-0.pt").unlink()
-    assert checkpoint.verify(ckpt) == "rng-0.pt is missing"
+    assert store.verify(ckpt) == "rng-0.pt is missing"
 
 
 def test_the_newest_intact_checkpoint_wins_and_damaged_ones_are_moved_aside(tmp_path, caplog):
@@ -126,13 +127,13 @@ def test_the_newest_intact_checkpoint_wins_and_damaged_ones_are_moved_aside(tmp_
         save(tmp_path, step, model, opt, keep=5)
     (tmp_path / "step-3" / "rng-0.pt").write_bytes(b"")
     with caplog.at_level(logging.WARNING, logger="jobspec.runner"):
-        assert checkpoint.newest_intact(tmp_path) == tmp_path / "step-2"  # read-only: nothing moved
+        assert store.newest_intact(tmp_path) == tmp_path / "step-2"  # read-only: nothing moved
         assert (tmp_path / "step-3").is_dir()
-        assert checkpoint.resume_point(tmp_path, rank=0, ctrl=CTRL) == tmp_path / "step-2"
+        assert store.resume_point(tmp_path, rank=0, ctrl=CTRL) == tmp_path / "step-2"
     assert "checkpoint" in caplog.text and "step-3 is damaged (rng-0.pt has 0 bytes" in caplog.text
     assert not (tmp_path / "step-3").exists() and (tmp_path / "step-3.damaged").is_dir()
     save(tmp_path, 3, model, opt, keep=1)  # the run goes on from step 2: a new step-3, and pruning to 1
-    assert checkpoint.verify(tmp_path / "step-3") is None
+    assert store.verify(tmp_path / "step-3") is None
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step-3", "step-3.damaged"]  # evidence kept
 
 
@@ -141,7 +142,7 @@ def test_saving_over_a_damaged_step_replaces_it(tmp_path):
     ckpt = save(tmp_path, 2, model, opt)
     _shard(ckpt).write_bytes(b"")
     save(tmp_path, 2, model, opt)  # e.g. a resume from step 1 that reaches step 2 again
-    assert checkpoint.verify(ckpt) is None
+    assert store.verify(ckpt) is None
 
 
 def test_no_intact_checkpoint_is_a_clear_error(tmp_path):
@@ -151,7 +152,7 @@ def test_no_intact_checkpoint_is_a_clear_error(tmp_path):
     DAMAGE["shard-zeroed"][0](tmp_path / "step-1")
     DAMAGE["meta-wrong-step"][0](tmp_path / "step-2")
     with pytest.raises(DamagedCheckpoint) as err:
-        checkpoint.resume_point(tmp_path, rank=0, ctrl=CTRL)
+        store.resume_point(tmp_path, rank=0, ctrl=CTRL)
     text = str(err.value)
     assert err.value.exit_code == EXIT_CONFIG and f"no intact checkpoint in {tmp_path}" in text
     assert "step-2: meta.json says step 3" in text and "step-1: __0_0.distcp does not match" in text
@@ -213,7 +214,7 @@ def test_a_resume_skips_a_damaged_newest_checkpoint_and_matches_an_uninterrupted
     want = {r["step"]: r["loss"] for r in records(uninterrupted)}
     got = {r["step"]: r["loss"] for r in records(run)}
     assert sorted(got) == [3, 4, 5, 6, 7, 8] and all(got[s] == want[s] for s in got), (want, got)
-    assert checkpoint.verify(run / "step-4") is None  # written again, intact
+    assert store.verify(run / "step-4") is None  # written again, intact
 
 
 def test_a_run_with_no_intact_checkpoint_exits_2_naming_the_damage(tmp_path, uninterrupted):
@@ -244,4 +245,4 @@ def test_two_ranks_write_one_manifest_and_resume_the_same_intact_step(tmp_path):
     assert "step-4 is damaged (rng-1.pt" not in result.stderr  # rank 1's file is fine: rank 0's is named
     assert "step-4 is damaged (rng-0.pt does not match its checksum" in result.stderr
     assert records(run, "plan")[-1]["step"] == 2 and (run / "step-4.damaged").is_dir()
-    assert checkpoint.verify(run / "step-6") is None and checkpoint.verify(run / "step-4") is None
+    assert store.verify(run / "step-6") is None and store.verify(run / "step-4") is None

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
+from jobspec.catalog.tiers import TIERS
 from jobspec.contract import EXIT_OK, EXIT_OOM_LAST_TIER, EXIT_OOM_RETRY_TIER, TIER_STATE_FILE
 from jobspec.errors import ConfigError
-from jobspec.memory import TIERS
 from runner.oom.ladder import (
     MESSAGE_LIMIT,
     RetryAtNextTier,
@@ -230,7 +230,7 @@ def test_termination_message_stays_json_within_the_kubelet_limit() -> None:
     import json
 
     from runner.oom.ladder import MESSAGE_LIMIT
-    from runner.supervisor import Outcome
+    from runner.process.supervisor import Outcome
 
     for reason in ("short", "é" * 5000, "x" * 10_000):
         text = Outcome(76, reason, {"tier": "minimal", "step": 3, "loss": 1.5}).message()

@@ -1,4 +1,4 @@
-"""One writer per run directory: the lease (runner/lease.py) and what a second run sees."""
+"""One writer per run directory: the lease (runner/checkpoint/lease.py) and what a second run sees."""
 
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ import pytest
 
 from jobspec.contract import EXIT_CONFIG, EXIT_OK, EXIT_PREEMPTED
 from jobspec.errors import ConfigError
-from runner import lease as lease_mod
-from runner.lease import LEASE_FILE, Lease, LeaseHeld, LeaseLost
+from runner.checkpoint import lease as lease_mod
+from runner.checkpoint.lease import LEASE_FILE, Lease, LeaseHeld, LeaseLost
 from tests.runner.train_helpers import (
     ROOT,
     communicate_or_fail,
@@ -138,7 +138,7 @@ def test_a_bad_timeout_is_a_config_error(tmp_path, monkeypatch):
 
 HOLD = """
 import sys, time
-from runner.lease import Lease
+from runner.checkpoint.lease import Lease
 Lease(sys.argv[1], "runner-test").acquire()
 print("HELD", flush=True)
 time.sleep(300)

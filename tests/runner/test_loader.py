@@ -7,10 +7,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from jobspec.loader import load_spec
-from runner.data import DataOrder, load_data, micro_batches, rank_slice
-from runner.loader import Prefetcher
-from runner.tokenizer import load_tokenizer
+from jobspec.spec.loader import load_spec
+from runner.data.dataset import DataOrder, load_data, micro_batches, rank_slice
+from runner.data.loader import Prefetcher
+from runner.data.tokenizer import load_tokenizer
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -1,10 +1,10 @@
 """The memory model's LoRA figures against what peft really allocates, counted in tensor bytes on CPU.
 
-Model states with LoRA (jobspec/memory.py `_states`, tier fast, one rank): the frozen base at 2 bytes a
+Model states with LoRA (jobspec/plan/memory.py `_states`, tier fast, one rank): the frozen base at 2 bytes a
 parameter plus 16 bytes per adapter parameter (its weight, gradient and Adam's two moments). peft keeps
 the adapters in fp32 beside a bf16 base (`autocast_adapter_dtype`), so for a model stored in bf16 the
 count is exact. A preset is built in fp32: with 16-bit training the runner casts its frozen base to
-that width (runner/model.py), which makes the count exact too; fp32 training (CPU) keeps 4 bytes a
+that width (runner/model/build.py), which makes the count exact too; fp32 training (CPU) keeps 4 bytes a
 frozen parameter, 2P more than the model says (asserted, so the gap is not forgotten).
 """
 
@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import torch
 
-from jobspec import memory
-from jobspec.plan import lora_shape, model_shape
-from runner.engine import make_optimizer
-from runner.model import build_model
+from jobspec.plan import memory
+from jobspec.plan.planner import lora_shape, model_shape
+from runner.model.build import build_model
+from runner.train.engine import make_optimizer
 from tests.runner.train_helpers import tiny_spec
 
 

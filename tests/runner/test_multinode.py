@@ -21,11 +21,11 @@ from pathlib import Path
 import pytest
 
 from jobspec.contract import ENV_MASTER_ADDR, ENV_MASTER_PORT, ENV_NNODES, ENV_NODE_RANK, EXIT_OK
-from runner import checkpoint
-from runner.data import DataOrder, load_data
+from runner.checkpoint import store
+from runner.data.dataset import DataOrder, load_data
+from runner.data.tokenizer import ByteTokenizer
 from runner.oom.faults import ENV_VAR
 from runner.oom.ladder import load_state
-from runner.tokenizer import ByteTokenizer
 from tests.runner.train_helpers import ROOT, records, runner_env, timeout_s, tiny_spec, tiny_spec_dict, write_spec
 
 pytestmark = pytest.mark.slow
@@ -116,14 +116,14 @@ def test_a_killed_node_fails_its_peer_and_the_pair_resumes_with_the_same_samples
         training={"micro_batch": 4, "steps": 400}, checkpoints={"every_steps": 3}))  # fmt: skip
     nodes = start_nodes(spec, free_port())
     deadline = time.monotonic() + timeout_s()
-    while checkpoint.latest(run) is None or checkpoint.read_meta(checkpoint.latest(run))["step"] < 3:
+    while store.latest(run) is None or store.read_meta(store.latest(run))["step"] < 3:
         assert all(p.poll() is None for p in nodes), "a node ended before the first checkpoint"
         assert time.monotonic() < deadline, "waited for checkpoint step-3"
         time.sleep(0.2)
     os.killpg(nodes[1].pid, signal.SIGKILL)  # node 1's pod is gone (supervisor and worker)
     ends = finish(nodes)
     assert ends[0][0] != EXIT_OK  # node 0 cannot go on without its peer: it fails, the Job recreates both
-    resumed_from = checkpoint.read_meta(checkpoint.latest(run))["step"]
+    resumed_from = store.read_meta(store.latest(run))["step"]
     # The recreated pods: the same spec, fewer steps so that the test ends soon after the resume.
     short = tiny_spec_dict(run, hardware={"vendor": "cpu", "gpus": 1, "nodes": 2},
                            training={"micro_batch": 4, "steps": resumed_from + 2}, checkpoints={"every_steps": 3},

@@ -9,9 +9,9 @@ import signal
 import pytest
 
 from jobspec.contract import EXIT_CONFIG, EXIT_FAILED, EXIT_OK, EXIT_OOM_RETRY_TIER, EXIT_PREEMPTED
-from runner.data import DataOrder, load_data
-from runner.supervisor import combine
-from runner.tokenizer import ByteTokenizer
+from runner.data.dataset import DataOrder, load_data
+from runner.data.tokenizer import ByteTokenizer
+from runner.process.supervisor import combine
 from tests.runner.train_helpers import records, run_supervisor, tiny_spec, tiny_spec_dict, train_in_process, write_spec
 
 SECTIONS = {"training": {"micro_batch": 2, "steps": 4}, "checkpoints": {"every_steps": 2}}  # per rank: 2 x 2

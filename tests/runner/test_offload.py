@@ -1,4 +1,4 @@
-"""zero2_offload's optimizer offload (runner/offload.py), and what every tier holds against the memory model.
+"""zero2_offload's optimizer offload (runner/train/offload.py), and what every tier holds against the memory model.
 
 No GPU here. torchao's CPUOffloadOptimizer needs one only at a boundary, and `fake_cuda` fakes that and
 nothing else: torchao's device check, CUDA streams and events (every copy runs in order on the CPU here, so
@@ -9,7 +9,7 @@ Bytes are counted on the tensors themselves (a DTensor by its local shard) aroun
 role: the GPU's (parameters as FSDP2 shards them, the 16-bit parameters it gathers in forward and holds into
 backward, gradients, and the optimizer state of tiers that keep it there) and the host's (HostAdamW's copies
 of parameters and gradients, and Adam's state). On CPU the two are one memory; the roles are what the memory
-model (jobspec/memory.py `_states`) describes for a GPU.
+model (jobspec/plan/memory.py `_states`) describes for a GPU.
 """
 
 from __future__ import annotations
@@ -23,15 +23,17 @@ import pytest
 import torch
 from torch import nn
 
-from jobspec import memory
+from jobspec.catalog import tiers
 from jobspec.contract import EXIT_OK
 from jobspec.errors import ConfigError
-from jobspec.plan import lora_shape, model_shape
-from runner import checkpoint, engine
+from jobspec.plan import memory
+from jobspec.plan.planner import lora_shape, model_shape
+from runner.checkpoint import store
 from runner.dist import Control, DistEnv, destroy_process_group, init_process_group
-from runner.model import build_model
-from runner.offload import HostAdamW
-from runner.plan import Plan
+from runner.model.build import build_model
+from runner.sizing.plan import Plan
+from runner.train import engine
+from runner.train.offload import HostAdamW
 from tests.runner.train_helpers import records, tiny_spec, train_in_process
 
 CPU, GPU = torch.device("cpu"), torch.device("cuda")
@@ -106,7 +108,7 @@ def reset_accelerate() -> None:
 
 
 def build(spec, tier: str):
-    """(accelerator, model, optimizer) as runner/recipe.py builds them at `tier`, on the CPU."""
+    """(accelerator, model, optimizer) as runner/train/recipe.py builds them at `tier`, on the CPU."""
     precision = spec.training.precision
     model = build_model(spec, bos=257, eos=258, vocab=262, precision=precision)
     plan = Plan(tier, 2, 1, 2, 1, False, precision, 0, False, SEQ, 0, 0)
@@ -224,7 +226,7 @@ def test_zero2_offload_holds_params_and_grads_on_the_gpu_and_adam_on_the_host(gr
 #           fp32 shard (4t/N) and fp32 gradients (4t/N) beside Adam's 8t/N: 2w + (2w + 14t)/N, 2w/N more.
 #   minimal the model's host counts 16t/N + 2w/N; CPUOffloadPolicy keeps the fp32 shard (2(w - t) + 4t)/N,
 #           fp32 gradients and Adam's state there: (2w + 14t)/N, 2t/N less. On CPU it trains as zero3.
-@pytest.mark.parametrize("tier", memory.TIERS)
+@pytest.mark.parametrize("tier", tiers.TIERS)
 def test_every_tier_holds_what_the_memory_model_says(group, tmp_path, tier):
     spec = tiny_spec(tmp_path, training={"precision": "bf16"}, memory={"tier": tier})
     accelerator, model, optimizer = build(spec, tier)
@@ -282,7 +284,7 @@ def test_host_adamw_steps_as_adamw_does_with_clipping_and_accumulation(group, as
 
 
 def test_a_probe_step_at_lr_0_changes_nothing_and_reset_forgets_the_moments(group, as_on_a_gpu, tmp_path):
-    """What runner/plan.py's probe steps do through the Stepper (probe_step, reset_optimizer)."""
+    """What runner/sizing/plan.py's probe steps do through the Stepper (probe_step, reset_optimizer)."""
     _, model, optimizer = built = build(tiny_spec(tmp_path, training={"precision": "bf16"}), "zero2_offload")
     before = weights(model)
     for group_ in optimizer.param_groups:
@@ -305,12 +307,12 @@ def test_a_zero2_offload_checkpoint_loads_at_any_tier_and_back(group, as_on_a_gp
     ctrl = Control(1)
     source = build(spec, "zero2_offload")
     train_steps(*source, steps=2, max_norm=1.0)
-    path = checkpoint.save(tmp_path / "ck", 2, source[1], source[2], {"plan": {}}, rank=0, ctrl=ctrl, keep=3)
+    path = store.save(tmp_path / "ck", 2, source[1], source[2], {"plan": {}}, rank=0, ctrl=ctrl, keep=3)
     saved = source[2].optimizer.state_dict()
     for tier in ("zero2", "zero2_offload"):  # a plain AdamW (the ladder's fast/zero2 side), then HostAdamW
         reset_accelerate()
         _, model, optimizer = build(spec, tier)
-        checkpoint.load(path, model, optimizer, rank=0, ctrl=ctrl)
+        store.load(path, model, optimizer, rank=0, ctrl=ctrl)
         torch.testing.assert_close(weights(model), weights(source[1]), rtol=0, atol=0)
         loaded = optimizer.optimizer.state_dict()
         assert len(loaded["state"]) == len(saved["state"]) == len(list(model.parameters()))
@@ -323,7 +325,7 @@ def test_a_zero2_offload_checkpoint_loads_at_any_tier_and_back(group, as_on_a_gp
     train_steps(*source, steps=1, max_norm=1.0)
     reset_accelerate()
     resumed = build(spec, "zero2_offload")
-    checkpoint.load(path, resumed[1], resumed[2], rank=0, ctrl=ctrl)
+    store.load(path, resumed[1], resumed[2], rank=0, ctrl=ctrl)
     train_steps(*resumed, steps=1, max_norm=1.0)
     torch.testing.assert_close(weights(resumed[1]), weights(source[1]), rtol=0, atol=0)
 

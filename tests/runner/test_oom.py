@@ -8,7 +8,7 @@ import weakref
 import pytest
 import torch
 
-from jobspec import memory
+from jobspec.catalog import tiers
 from runner.oom import detect as oom
 from runner.oom.detect import OOM_MARKERS, describe, guarded, is_oom, next_micro_batch
 
@@ -192,7 +192,7 @@ def _oom_walk(per_rank: int, start: int, limit: int, per_sample: int) -> tuple[i
 def test_from_the_whole_batch_the_true_maximum_is_reached_with_at_most_two_ooms(per_rank, per_sample) -> None:
     for limit in range(1, per_rank):
         got, ooms = _oom_walk(per_rank, per_rank, limit, per_sample)
-        assert got == max(d for d in memory.divisors(per_rank) if d <= limit), (per_rank, limit)
+        assert got == max(d for d in tiers.divisors(per_rank) if d <= limit), (per_rank, limit)
         assert ooms <= 2, (per_rank, limit, ooms)
 
 

@@ -13,7 +13,7 @@ import torch
 from jobspec.contract import EXIT_OK
 from runner.oom.faults import ENV_VAR
 from runner.oom.ladder import load_state
-from runner.recipe import Recipe
+from runner.train.recipe import Recipe
 from tests.runner.train_helpers import records, run_supervisor, tiny_spec, tiny_spec_dict, write_spec
 
 pytestmark = [

@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from jobspec.contract import EXIT_OK, EXIT_OOM_LAST_TIER, TIER_STATE_FILE
-from runner import checkpoint
-from runner.data import DataOrder
+from runner.checkpoint import store
+from runner.data.dataset import DataOrder
 from runner.oom.faults import ENV_VAR
 from runner.oom.ladder import load_state
 from tests.runner.train_helpers import (
@@ -46,8 +46,8 @@ def samples(run_dir: Path, rank: int = 0) -> list[dict]:
 
 
 def order_of(run_dir: Path) -> DataOrder:
-    from runner.data import load_data
-    from runner.tokenizer import ByteTokenizer
+    from runner.data.dataset import load_data
+    from runner.data.tokenizer import ByteTokenizer
 
     return DataOrder(len(load_data(tiny_spec(run_dir), ByteTokenizer()).train), 8, 42)
 
@@ -85,7 +85,7 @@ def test_shrink_in_process_matches_an_uninterrupted_run(tmp_path, monkeypatch):
     for k in a:
         torch.testing.assert_close(a[k], b[k], rtol=1e-5, atol=1e-6)
     # The shrunk plan is what the checkpoint keeps, so a resume does not hit the OOM again.
-    assert checkpoint.read_meta(checkpoint.latest(shrunk_dir))["plan"]["micro_batch"] == 2
+    assert store.read_meta(store.latest(shrunk_dir))["plan"]["micro_batch"] == 2
     assert not (shrunk_dir / TIER_STATE_FILE).exists()  # no tier failed: no ladder state
 
 
@@ -171,7 +171,7 @@ def test_every_tier_failing_exits_76_with_the_reason_and_keeps_the_checkpoint(tm
     assert "fast:" in message["reason"] and "zero2_offload:" in message["reason"]
     assert [p["tier"] for p in records(run_dir, "plan")] == ["fast", "fast", "zero2_offload", "minimal"]
     # Nothing corrupted: step-3 is still the newest complete checkpoint, and it trains on.
-    assert checkpoint.latest(run_dir) == run_dir / "step-3"
+    assert store.latest(run_dir) == run_dir / "step-3"
     code, _ = train_in_process(tiny_spec(run_dir, training={"micro_batch": 2, "steps": 4}))
     assert code == EXIT_OK and records(run_dir)[-1]["step"] == 4
 
@@ -188,8 +188,8 @@ def test_fallback_false_fails_at_once_with_the_reason(tmp_path, monkeypatch):
 
 RANK_SCRIPT = """
 import sys, torch
-from jobspec.loader import load_spec
-from runner.recipe import Recipe
+from jobspec.spec.loader import load_spec
+from runner.train.recipe import Recipe
 r = Recipe(load_spec(sys.argv[1]))
 r.setup()
 code = r.train()
@@ -325,7 +325,7 @@ def test_sharded_tier_rank_local_oom_restarts_all_ranks_without_the_agreement(tm
 def test_recovers_from_an_oom_inside_a_block(tmp_path, where, tier):
     """A real OOM escapes from the middle of a sharded model (one rank, FSDP2 zero3): the step is redone
     at a smaller micro-batch and the run matches an uninterrupted one at that micro-batch."""
-    from runner.recipe import Recipe
+    from runner.train.recipe import Recipe
 
     def run(run_dir: Path, micro_batch: int, fail: bool) -> list[float]:
         recipe = Recipe(tiny_spec(run_dir, training={"micro_batch": micro_batch, "steps": 3},

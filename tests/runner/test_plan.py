@@ -14,14 +14,15 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from jobspec import memory
+from jobspec.catalog import tiers
+from jobspec.catalog.presets import PRESETS
 from jobspec.contract import EXIT_OOM_LAST_TIER, EXIT_OOM_RETRY_TIER
 from jobspec.errors import ConfigError
-from jobspec.presets import PRESETS
-from jobspec.spec import JobSpec
-from runner.hostmem import HostInfo
-from runner.plan import NoFit, Plan, agree, initial_plan, size_for_tier, verify_micro_batch, with_micro_batch
-from runner.probe import DeviceInfo, largest_passing
+from jobspec.plan import memory
+from jobspec.spec.models import JobSpec
+from runner.sizing.hostmem import HostInfo
+from runner.sizing.plan import NoFit, Plan, agree, initial_plan, size_for_tier, verify_micro_batch, with_micro_batch
+from runner.sizing.probe import DeviceInfo, largest_passing
 
 GiB = 1024**3
 SEQ = {"gpt2-small": 1024, "qwen-1.8b": 2048}
@@ -287,12 +288,12 @@ def test_with_micro_batch_recomputes_accumulation_and_estimate() -> None:
 
 
 def largest_divisor_at_most(n: int, limit: int) -> int:
-    return max(d for d in memory.divisors(n) if d <= limit)
+    return max(d for d in tiers.divisors(n) if d <= limit)
 
 
 @pytest.mark.parametrize("per_rank", [*range(1, 65), 96, 120, 128, 240, 360, 720, 1024])
 def test_search_finds_the_largest_divisor_within_the_probe_bound(per_rank: int) -> None:
-    cands = memory.divisors(per_rank)
+    cands = tiers.divisors(per_rank)
     bound = math.log2(per_rank) + 3
     for guess in cands:
         for true_max in range(0, per_rank + 2):

@@ -11,9 +11,9 @@ from types import ModuleType
 import pytest
 import torch
 
-from jobspec.spec import JobSpec
-from runner.plan import initial_plan
-from runner.probe import describe, probe_device, probe_host
+from jobspec.spec.models import JobSpec
+from runner.sizing.plan import initial_plan
+from runner.sizing.probe import describe, probe_device, probe_host
 
 pytestmark = [
     pytest.mark.gpu,
@@ -64,4 +64,4 @@ def test_verified_micro_batch_matches_exhaustive_search_and_peak_memory() -> Non
     assert r["peak_reserved_gib"] <= r["budget_gib"] + 1e-6  # oom_guard holds the plan's budget
     ratio = r["peak_allocated_gib"] / r["predicted_gib"]
     print(f"peak allocated / predicted = {ratio:.2f}")
-    assert 0.3 < ratio < 1.5, "the memory model is far off the measured peak: recalibrate jobspec/memory.py"
+    assert 0.3 < ratio < 1.5, "the memory model is far off the measured peak: recalibrate jobspec/plan/memory.py"

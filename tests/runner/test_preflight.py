@@ -11,7 +11,7 @@ import pytest
 
 from jobspec.contract import EXIT_CONFIG, EXIT_OK
 from jobspec.errors import ConfigError
-from runner import preflight, supervisor
+from runner.process import preflight, supervisor
 from tests.runner.train_helpers import (
     ROOT,
     runner_env,
@@ -57,7 +57,7 @@ def test_a_missing_runner_extra_says_which_extra_to_install(tmp_path, monkeypatc
 
 
 def test_the_checks_import_no_torch():
-    code = "import sys; import runner.preflight, runner.supervisor; print('torch' in sys.modules)"
+    code = "import sys; import runner.process.preflight, runner.process.supervisor; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=timeout_s())
     assert out.stdout.strip() == "False", out.stderr[-2000:]
 
@@ -86,7 +86,7 @@ def test_a_finished_job_is_not_trained_again(tmp_path):
 
 
 def test_preflight_names_a_tracker_whose_client_is_missing(tmp_path, monkeypatch):
-    from runner import tracking
+    from runner.output import tracking
 
     real = tracking.importlib.util.find_spec
     monkeypatch.setattr(tracking.importlib.util, "find_spec", lambda n, *a: None if n == "mlflow" else real(n, *a))

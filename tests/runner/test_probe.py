@@ -12,9 +12,10 @@ import pynvml
 import pytest
 import torch
 
-from runner import hostmem, probe
-from runner.hostmem import HostInfo, loader_settings, probe_host
-from runner.probe import DeviceInfo, describe, oom_guard, probe_device, resolve_precision
+from runner.oom.detect import oom_guard
+from runner.sizing import hostmem, probe
+from runner.sizing.hostmem import HostInfo, loader_settings, probe_host
+from runner.sizing.probe import DeviceInfo, describe, probe_device, resolve_precision
 
 GiB = 1024**3
 MEMINFO = "MemTotal:       65536000 kB\nMemFree:         1000000 kB\nMemAvailable:   52428800 kB\n"

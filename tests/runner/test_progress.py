@@ -13,7 +13,7 @@ from tests.runner.train_helpers import ROOT, timeout_s
 SCRIPT = r"""
 import logging, sys, time
 logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(message)s")
-from runner.metrics import Progress
+from runner.output.metrics import Progress
 bar = Progress(4, 0, enabled=True)
 for i in range(4):
     logging.getLogger("jobspec.runner").info("log line %d", i)

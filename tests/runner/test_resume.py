@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from jobspec.contract import EXIT_OK, EXIT_PREEMPTED
-from runner import checkpoint
+from runner.checkpoint import store
 from tests.runner.train_helpers import (
     ROOT,
     communicate_or_fail,
@@ -80,9 +80,9 @@ def test_sigterm_checkpoints_exits_143_and_the_checkpoint_resumes(tmp_path):
             proc.kill()
     assert proc.returncode == EXIT_PREEMPTED, stderr[-3000:]
     assert "Traceback" not in stderr
-    saved = checkpoint.latest(run)
+    saved = store.latest(run)
     assert saved is not None and (saved / "DONE").is_file()
-    step = checkpoint.read_meta(saved)["step"]
+    step = store.read_meta(saved)["step"]
     assert step >= 3 and saved.name == f"step-{step}"
     message = json.loads(term.read_text())
     assert message["exit_code"] == EXIT_PREEMPTED and message["tier"] == "fast" and message["step"] == step
@@ -99,7 +99,7 @@ NO_EXPORT = {"export": False}
 
 
 def test_sigterm_before_the_first_step_writes_no_checkpoint_and_says_so(tmp_path, monkeypatch):
-    from runner.recipe import Recipe
+    from runner.train.recipe import Recipe
 
     real_train = Recipe.train
 
@@ -113,7 +113,7 @@ def test_sigterm_before_the_first_step_writes_no_checkpoint_and_says_so(tmp_path
     code, status = worker_in_process(spec, tmp_path / "status.json")
     assert code == EXIT_PREEMPTED and status["step"] == 0
     assert status["reason"] == "stopped before the first step: no checkpoint written (nothing trained yet)"
-    assert checkpoint.latest(run) is None and not list(run.glob("*step-*"))
+    assert store.latest(run) is None and not list(run.glob("*step-*"))
 
 
 def test_sigterm_while_the_workers_start_reports_no_checkpoint(tmp_path):
@@ -142,12 +142,12 @@ def test_sigterm_while_the_workers_start_reports_no_checkpoint(tmp_path):
     assert proc.returncode == EXIT_PREEMPTED, stderr[-3000:]
     message = json.loads(term.read_text())
     assert message["exit_code"] == EXIT_PREEMPTED and "no checkpoint written" in message["reason"], message
-    assert checkpoint.latest(run) is None
+    assert store.latest(run) is None
 
 
 def test_sigterm_during_the_final_evaluation_still_ends_done(tmp_path, monkeypatch):
     """The last step is trained: the final evaluation is skipped, the final checkpoint written, exit 0."""
-    from runner.train import Stepper
+    from runner.train.step import Stepper
 
     real_evaluate = Stepper.evaluate
 
@@ -160,14 +160,14 @@ def test_sigterm_during_the_final_evaluation_still_ends_done(tmp_path, monkeypat
     spec = write_spec(tmp_path / "s.yaml", tiny_spec_dict(run, training={"steps": 4}, output=NO_EXPORT))
     code, status = worker_in_process(spec, tmp_path / "status.json")
     assert code == EXIT_OK and status["reason"] == "done" and status["step"] == 4
-    assert checkpoint.latest(run) == run / "step-4" and checkpoint.verify(run / "step-4") is None
+    assert store.latest(run) == run / "step-4" and store.verify(run / "step-4") is None
     assert not records(run, "eval")
 
 
 SIGTERM_AFTER_THE_END = """
 import os, signal, sys, time
-from runner import worker
-from runner.recipe import Recipe
+from runner.process import worker
+from runner.train.recipe import Recipe
 
 real_cleanup = Recipe.cleanup
 
@@ -188,4 +188,4 @@ def test_sigterm_after_the_final_checkpoint_exits_0(tmp_path):
                             env=runner_env(JOBSPEC_STATUS_FILE=str(status)), capture_output=True, text=True,
                             timeout=timeout_s())  # fmt: skip
     assert result.returncode == EXIT_OK, result.stderr[-3000:]  # it used to die by the signal (-15 -> 143)
-    assert json.loads(status.read_text())["reason"] == "done" and checkpoint.latest(run) == run / "step-3"
+    assert json.loads(status.read_text())["reason"] == "done" and store.latest(run) == run / "step-3"

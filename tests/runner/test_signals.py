@@ -8,7 +8,7 @@ import sys
 import time
 
 from jobspec.contract import EXIT_PREEMPTED
-from runner import checkpoint
+from runner.checkpoint import store
 from tests.runner.train_helpers import (
     ROOT,
     communicate_or_fail,
@@ -37,8 +37,8 @@ def test_sigint_checkpoints_and_exits_143(tmp_path):
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode == EXIT_PREEMPTED, stderr[-3000:]
-    saved = checkpoint.latest(run)
-    assert saved is not None and checkpoint.read_meta(saved)["step"] >= 2 and "Traceback" not in stderr
+    saved = store.latest(run)
+    assert saved is not None and store.read_meta(saved)["step"] >= 2 and "Traceback" not in stderr
 
 
 def test_sigterm_between_two_launches_ends_preempted_with_a_termination_message(tmp_path, monkeypatch):
@@ -48,8 +48,8 @@ def test_sigterm_between_two_launches_ends_preempted_with_a_termination_message(
     import os
 
     from jobspec.contract import EXIT_OOM_RETRY_TIER
-    from runner import supervisor
     from runner.oom import ladder
+    from runner.process import supervisor
     from tests.runner.train_helpers import tiny_spec
 
     spec = tiny_spec(tmp_path / "run", memory={"tier": "fast"})

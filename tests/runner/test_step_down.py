@@ -1,4 +1,4 @@
-"""The in-process tier step-down hands the trained state over in memory (runner/handoff.py): the redone step
+"""The in-process tier step-down hands the trained state over in memory (runner/train/handoff.py): the redone step
 uses the same samples and gives the same result as the checkpoint path and as a run started at the new tier
 from the checkpoint written before the step-down. Real training on CPU; the OOM fires mid-backward."""
 
@@ -12,10 +12,11 @@ import pytest
 import torch
 
 from jobspec.contract import EXIT_OK
-from runner import checkpoint, handoff
-from runner.data import DataOrder, load_data
+from runner.checkpoint import store
+from runner.data.dataset import DataOrder, load_data
+from runner.data.tokenizer import ByteTokenizer
 from runner.oom.faults import ENV_VAR
-from runner.tokenizer import ByteTokenizer
+from runner.train import handoff
 from tests.runner.train_helpers import records, run_supervisor, tiny_spec, tiny_spec_dict, train_in_process, write_spec
 
 FAULT = "step=4,backward"  # step 4 runs out in its first micro-step's backward: steps 1-3 are kept
@@ -68,7 +69,7 @@ def test_the_state_in_memory_trains_as_the_checkpoint_and_as_a_run_started_from_
     )
     assert memory.plan.tier == "zero2_offload"
     # The checkpoint the step-down wrote before rebuilding (the fallback should the process die) is there.
-    assert checkpoint.verify(tmp_path / "memory" / "step-3") is None
+    assert store.verify(tmp_path / "memory" / "step-3") is None
 
     from_checkpoint = faulted(tmp_path / "checkpoint", monkeypatch, "checkpoint")
     assert tier_change(tmp_path / "checkpoint")["state"] == "checkpoint"

@@ -15,8 +15,8 @@ import pytest
 from torch.distributed.checkpoint.api import CheckpointException
 
 from jobspec.contract import EXIT_FAILED, EXIT_OK, EXIT_PREEMPTED, EXIT_STORAGE
-from runner import checkpoint, storage
-from runner.supervisor import combine
+from runner.checkpoint import storage, store
+from runner.process.supervisor import combine
 from tests.runner.train_helpers import records, tiny_spec_dict, worker_in_process, write_spec
 
 Usage = namedtuple("Usage", "total used free")
@@ -52,7 +52,7 @@ def test_no_room_for_a_later_checkpoint_keeps_the_previous_one(tmp_path, monkeyp
     assert code == EXIT_STORAGE
     need = storage.directory_bytes(run / "step-4")  # the previous checkpoint's size is the estimate
     assert status["reason"].startswith(f"no space left at {run}: needs about {storage.gib(need)}, has 1.00 MiB")
-    assert checkpoint.latest(run) == run / "step-4" and checkpoint.verify(run / "step-4") is None
+    assert store.latest(run) == run / "step-4" and store.verify(run / "step-4") is None
     assert not list(run.glob(".tmp-*")) and status["step"] == 8
 
 
@@ -68,7 +68,7 @@ def test_no_room_for_a_later_checkpoint_keeps_the_previous_one(tmp_path, monkeyp
 def test_an_os_error_while_writing_exits_74_and_keeps_the_previous_checkpoint(tmp_path, monkeypatch, code, says):
     """At the boundary: DCP's save raises as it would on the volume (root ignores permissions, so EACCES
     cannot be had for real here). Wrapped the way DCP reports a rank's failure."""
-    run, real = tmp_path / "run", checkpoint.dcp.save
+    run, real = tmp_path / "run", store.dcp.save
 
     def failing_save(state, *, storage_writer, **kwargs):
         if "step-8" not in str(storage_writer.path):
@@ -77,16 +77,16 @@ def test_an_os_error_while_writing_exits_74_and_keeps_the_previous_checkpoint(tm
                       str(storage_writer.path / "__0_0.distcp"))  # fmt: skip
         raise CheckpointException("write_data", {0: (err, None)})
 
-    monkeypatch.setattr(checkpoint.dcp, "save", failing_save)
+    monkeypatch.setattr(store.dcp, "save", failing_save)
     exit_code, status = _run(tmp_path, run)
     assert exit_code == EXIT_STORAGE and status["reason"].startswith(says.format(run=run)), status["reason"]
-    assert checkpoint.latest(run) == run / "step-4" and checkpoint.verify(run / "step-4") is None
+    assert store.latest(run) == run / "step-4" and store.verify(run / "step-4") is None
     assert not list(run.glob(".tmp-*")) and not (run / "lease.json").exists()
 
 
 def test_a_failed_save_on_sigterm_does_not_claim_a_checkpoint(tmp_path, monkeypatch):
     """Preempted at step 3, and the checkpoint it writes then fails: 74 and the disk's reason, not 143."""
-    from runner.recipe import Recipe
+    from runner.train.recipe import Recipe
 
     run, real_step = tmp_path / "run", Recipe.train_step
 
@@ -100,11 +100,11 @@ def test_a_failed_save_on_sigterm_does_not_claim_a_checkpoint(tmp_path, monkeypa
     _free(monkeypatch, lambda: MIB if records(run) and records(run)[-1]["step"] >= 3 else 10**12)
     code, status = _run(tmp_path, run, training={"steps": 100})
     assert code == EXIT_STORAGE and status["reason"].startswith(f"no space left at {run}")
-    assert "written" not in status["reason"] and checkpoint.latest(run) is None
+    assert "written" not in status["reason"] and store.latest(run) is None
 
 
 def test_a_full_metrics_volume_is_a_storage_exit_too(tmp_path, monkeypatch):
-    from runner.metrics import Metrics
+    from runner.output.metrics import Metrics
 
     def full(self, record):
         raise OSError(errno.ENOSPC, "No space left on device", str(tmp_path / "run" / "metrics.jsonl"))
@@ -172,5 +172,5 @@ def test_a_real_enospc_while_writing_exits_74_and_cleans_up(tmp_path, small_volu
     code, status = _run(tmp_path, run)
     assert code == EXIT_STORAGE and status["reason"].startswith(f"no space left at {run}: needs about 6."), status
     assert re.search(r", has (3\.9\d|4\.00) MiB", status["reason"])  # measured after the partial write was removed
-    assert checkpoint.latest(run) is None and not list(run.glob(".tmp-*"))  # the partial checkpoint is gone
+    assert store.latest(run) is None and not list(run.glob(".tmp-*"))  # the partial checkpoint is gone
     assert shutil.disk_usage(small_volume).free > 3.5 * MIB

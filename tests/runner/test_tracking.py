@@ -9,7 +9,7 @@ import pytest
 from jobspec.contract import EXIT_CONFIG, EXIT_OK
 from jobspec.errors import ConfigError, SpecError
 from jobspec.render import render
-from runner.tracking import scalars
+from runner.output.tracking import scalars
 from tests.runner.train_helpers import records, run_supervisor, tiny_spec, tiny_spec_dict, train_in_process, write_spec
 
 
@@ -33,7 +33,7 @@ def test_a_tracker_whose_client_is_missing_fails_before_training(tmp_path, monke
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))
     spec = tiny_spec(tmp_path / "run", tracking={"wandb": {"project": "p"}})
-    from runner.recipe import Recipe
+    from runner.train.recipe import Recipe
 
     with pytest.raises(ConfigError, match=r"tracking.wandb: .*pip install wandb"):
         Recipe(spec)

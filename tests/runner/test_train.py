@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from jobspec.contract import EXIT_CONFIG, EXIT_OK
-from runner import checkpoint
+from runner.checkpoint import store
 from tests.runner.train_helpers import (
     CHAT,
     ROOT,
@@ -83,7 +83,7 @@ def test_checkpoints_are_complete_and_pruned_to_keep(learned):
     assert names == ["step-100", "step-75"]  # keep: 2
     for name in names:
         assert (run_dir / name / "DONE").is_file()
-        meta = checkpoint.read_meta(run_dir / name)
+        meta = store.read_meta(run_dir / name)
         assert meta["plan"]["tier"] == "fast" and meta["spec_hash"] and meta["step"] == int(name[5:])
 
 
@@ -114,7 +114,7 @@ def test_lora_trains_the_adapters_only(tmp_path):
         model={"lora": {"rank": 4, "targets": ["c_attn", "mlp.c_proj"]}},
         training={"steps": 6, "learning_rate": 1e-2},
     )
-    from runner.model import build_model
+    from runner.model.build import build_model
 
     before = build_model(spec, bos=257, eos=258, vocab=262).state_dict()
     code, worker = train_in_process(spec)
@@ -185,7 +185,7 @@ def test_bad_data_in_the_worker_exits_2_without_traceback(tmp_path):
 
 
 def test_quickstart_example_is_a_cpu_spec_that_fits_the_time_budget():
-    from jobspec.loader import load_spec
+    from jobspec.spec.loader import load_spec
 
     spec = load_spec(ROOT / "examples" / "quickstart.yaml")
     assert spec.hardware.vendor == "cpu" and spec.model.preset == "tiny"
@@ -216,7 +216,7 @@ def test_a_sharded_tier_on_cpu_is_fsdp2_to_accelerate(tmp_path, tier):
     ignores the shards. The runner's state must survive the whole prepare."""
     from torch.distributed.fsdp import FSDPModule
 
-    from runner.recipe import Recipe
+    from runner.train.recipe import Recipe
 
     recipe = Recipe(tiny_spec(tmp_path / "run", training={"micro_batch": 2, "steps": 3}, memory={"tier": tier}))
     try:

@@ -17,7 +17,7 @@ from typing import Any
 
 import yaml
 
-from runner.data import BUNDLED
+from runner.data.dataset import BUNDLED
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -52,7 +52,7 @@ def tiny_spec_dict(run_dir: Path, **sections: dict[str, Any]) -> dict[str, Any]:
 
 
 def tiny_spec(run_dir: Path, **sections: dict[str, Any]):  # -> JobSpec
-    from jobspec.loader import parse_spec
+    from jobspec.spec.loader import parse_spec
 
     return parse_spec(yaml.safe_dump(tiny_spec_dict(run_dir, **sections)))
 
@@ -64,7 +64,7 @@ def write_spec(path: Path, spec: dict[str, Any]) -> Path:
 
 def train_in_process(spec, keep_worker: bool = False):
     """Run one Recipe (rank 0 of 1) in this process; returns (exit code, worker)."""
-    from runner.recipe import Recipe
+    from runner.train.recipe import Recipe
 
     worker = Recipe(spec)
     try:
@@ -76,9 +76,9 @@ def train_in_process(spec, keep_worker: bool = False):
 
 
 def worker_in_process(spec_file: Path, status_file: Path, *overrides: str) -> tuple[int, dict[str, Any]]:
-    """`python -m runner.worker SPEC` (rank 0 of 1) in this process: (exit code, the status it reports to the
+    """`python -m runner.process.worker SPEC` (rank 0 of 1) in this process: (exit code, the status it reports to the
     supervisor). The worker's signal handlers are put back afterwards."""
-    from runner import worker
+    from runner.process import worker
 
     handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
     previous = os.environ.get("JOBSPEC_STATUS_FILE")

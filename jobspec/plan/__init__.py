@@ -1,0 +1,12 @@
+"""Before submit: how much memory and time a spec takes, tier by tier. Read in this order:
+
+    memory.py       the memory model: bytes per GPU for a shape, tier, sequence length and micro-batch
+    throughput.py   FLOPs per token, the GPU's peak, step time and duration
+    job_length.py   optimizer steps and tokens per step, from the spec (and the data when it is here)
+    calibration.py  what earlier runs measured (their metrics.jsonl), scaled into the model
+    planner.py      `jobspec plan`: a spec -> a `PlanReport` per tier; spec -> model shape, once
+    output.py       the table and notes `jobspec plan` prints
+    compare.py      `jobspec plan --gpus any`: the same job on every GPU type of the catalogue
+
+Shared with the runner (in the pod it sizes from the same model), so nothing here imports torch.
+"""

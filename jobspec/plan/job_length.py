@@ -1,0 +1,68 @@
+"""How long a job is: optimizer steps and tokens per step, from the spec (and the data, when it is here).
+
+`jobspec plan` turns this into a duration per tier; the runner counts steps the same way
+(runner/data/dataset.py: `DataOrder`, `total_steps`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from importlib.util import find_spec
+from pathlib import Path
+
+from jobspec.spec.models import JobSpec
+
+
+@dataclass(frozen=True)
+class JobLength:
+    """The optimizer steps a job runs, and the tokens each takes (rows of max_seq_len tokens)."""
+
+    steps: int | None  # None: epochs over data this machine cannot count
+    tokens_per_step: int
+    how: str  # where `steps` comes from, or why it is unknown
+
+
+ROW_COUNT_LIMIT = 1024**3  # bytes of JSON lines `plan` counts rows in (about a second); beyond: --rows
+
+
+def count_rows(spec: JobSpec) -> tuple[int | None, str]:
+    """(records, where) of the training data when it is a JSON-lines file here (or the bundled set)."""
+    if spec.data.path is None:
+        runner = find_spec("runner")
+        where = "the bundled set"
+        folders = list(runner.submodule_search_locations or []) if runner else []
+        if not folders:
+            return None, f"{where} (the runner is not installed)"
+        path = Path(folders[0]) / "data" / "sft_synthetic.jsonl"
+    else:
+        path, where = Path(spec.data.path), f"data.path {spec.data.path}"
+    if path.suffix not in (".jsonl", ".ndjson") or not path.is_file():
+        return None, f"{where} is not a JSON-lines file on this machine"
+    if path.stat().st_size > ROW_COUNT_LIMIT:
+        return None, f"{where} is over {ROW_COUNT_LIMIT // 1024**3} GiB"
+    with path.open("rb") as f:
+        return sum(1 for line in f if line.strip()), where
+
+
+def job_length(spec: JobSpec, rows: int | None = None) -> JobLength:
+    """`training.steps`, else epochs over the rows (counted here, or `rows`), as the runner counts them:
+    eval_fraction held out, an epoch's last partial batch dropped, epochs x steps per epoch rounded up."""
+    tr = spec.training
+    tokens = tr.global_batch * spec.data.max_seq_len
+    if tr.steps is not None:
+        return JobLength(tr.steps, tokens, f"training.steps {tr.steps:,}")
+    where = "--rows"
+    if rows is None:
+        rows, where = count_rows(spec)
+    epochs = tr.epochs or 1.0
+    if rows is None:
+        return JobLength(None, tokens, f"{epochs:g} epoch(s), rows unknown ({where}): pass --rows N")
+    train = rows - (0 if spec.data.eval_path else int(rows * spec.data.eval_fraction))
+    per_epoch = train // tr.global_batch
+    if per_epoch < 1:
+        few = f"{train:,} training rows ({where}) are fewer than global batch {tr.global_batch}"
+        return JobLength(None, tokens, few)
+    steps = max(1, math.ceil(epochs * per_epoch))
+    how = f"{epochs:g} epoch(s) x {per_epoch:,} steps ({train:,} training rows of {where} / global batch)"
+    return JobLength(steps, tokens, how)

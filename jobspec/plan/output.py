@@ -1,0 +1,85 @@
+"""`jobspec plan`'s table: memory, speed and duration per tier, and the time model's assumptions."""
+
+from __future__ import annotations
+
+from jobspec.plan import memory, throughput
+from jobspec.plan.planner import GiB, PlanReport, assumptions, lora_shape
+
+
+def plan_table(report: PlanReport) -> str:
+    spec = report.spec
+    head = (
+        f"{spec.name}: {report.shape.params / 1e6:,.0f}M params, seq {spec.data.max_seq_len}, "
+        f"global batch {spec.training.global_batch} over {spec.world_size} rank(s), {report.gpu_label} per GPU"
+    )
+    priced = report.price is not None
+    rows = [("tier", "GiB/GPU", "host GiB", "fits", "micro", "accum", "ckpt", "step", "tok/s", "MFU", "time")]
+    rows[0] += ("cost",) * priced + ("note",)
+    for p in report.plans:
+        mark = "<- " + ("auto" if spec.memory.tier == "auto" else "spec") if p is report.chosen else ""
+        if p is report.runs and p is not report.chosen:
+            mark = "<- runs here (memory.fallback)"
+        t = report.times.get(p.tier)
+        cost = report.tier_cost(p.tier)
+        rows.append(
+            (
+                p.tier,
+                f"{p.estimate.gpu_bytes / GiB:.1f}",
+                f"{p.estimate.host / GiB:.1f}" if p.estimate.host else "-",
+                "yes" if p.fits else "no",
+                str(p.micro_batch or "-"),
+                str(p.grad_accum or "-"),
+                "yes" if p.estimate.checkpointing else "no",
+                f"{t.step_seconds:.3g} s" if t else "-",
+                f"{t.tokens_per_second:,.0f}" if t else "-",
+                f"{t.mfu:.0%}" if t else "-",
+                throughput.format_duration(t.total_seconds) if t else "-",
+                *((f"{cost:,.2f}" if cost is not None else "-",) if priced else ()),
+                "  ".join(filter(None, (p.reason, mark))),
+            )
+        )
+    lines = [head, "", *format_columns(rows)]
+    if report.runs is None:
+        lines.append("\nnothing fits: use a larger GPU, more GPUs, a shorter data.max_seq_len, or LoRA")
+    elif report.chosen is not report.runs and report.chosen is not None:
+        lines.append(f"\ntier {report.chosen.tier} does not fit: memory.fallback steps down to {report.runs.tier}")
+    budget = f"{spec.memory.target_utilization:.0%}"
+    lines.append(f"\nGiB/GPU is at the micro-batch shown (1 when nothing fits); sized to {budget} of the GPU.")
+    if report.measured:
+        lines.append("\nmeasured (--from): " + "\n  ".join(report.measured))
+    return "\n".join([*lines, *time_notes(report)])
+
+
+def format_columns(rows: list[tuple[str, ...]]) -> list[str]:
+    """Left-aligned columns; the last (the note) unpadded."""
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
+    return [("  ".join(c.ljust(w) for c, w in zip(r[:-1], widths, strict=True)) + "  " + r[-1]).rstrip() for r in rows]
+
+
+def time_notes(report: PlanReport, peak: str | None = None) -> list[str]:
+    """The time model and its assumptions, stated under the table (`peak`: how to name the GPU's peak)."""
+    if report.peak_tflops is None:
+        return [report.time_note]
+    spec, a = report.spec, assumptions(report)
+    flops = throughput.flops_per_token(report.shape, a["s"], lora=lora_shape(spec), checkpointing=False).model
+    eff = ", ".join(f"{t} {e:.0%}" for t, e in throughput.EFFICIENCY.items())
+    length = report.length
+    attention = f"6·{a['L']}·{a['h']}·{a['s']}"
+    if spec.model.lora:  # the frozen base needs no weight gradients
+        adapters = memory.trainable_params(report.shape, lora_shape(spec))
+        formula = f"4N + 6·adapters + 6·L·h·s = 4·{a['N'] / 1e6:,.0f}M + 6·{adapters / 1e6:,.1f}M + {attention}"
+    else:
+        formula = f"6N + 6·L·h·s = 6·{a['N'] / 1e6:,.0f}M + {attention}"
+    gpu = f"{report.gpu.name} " if report.gpu and peak is None else ""
+    lines = [
+        f"time: FLOPs/token {formula} = {flops / 1e9:,.2f} GFLOP (N: weights in matmuls, L layers, h hidden, s seq)",
+        "  activation checkpointing (ckpt yes) runs the forward again: a third more work (half with LoRA)",
+        f"  tokens/step {spec.training.global_batch} x {spec.data.max_seq_len}: every row full length "
+        "(an upper bound unless data.packing)",
+        f"  peak: {peak or f'{gpu}{report.peak_tflops:g} TFLOPS'} (dense 16-bit, datasheet) per GPU "
+        f"x {spec.world_size}; assumed share of peak: {eff}; communication hidden",
+    ]
+    if length:
+        total = f" = {length.steps * length.tokens_per_step:,} tokens" if length.steps else ""
+        lines.append(f"  job: {length.how}{total}")
+    return lines

@@ -1,0 +1,314 @@
+"""`jobspec plan`: what the memory model says about a spec, tier by tier, before any GPU work,
+and how long each tier would take (jobspec.plan.throughput: FLOPs per token, the GPU's peak, an
+efficiency per tier; jobspec.plan.job_length: the steps). jobspec.plan.output prints it.
+
+Also the one place that turns a spec's model section into a `ModelShape` and its LoRA section
+into a `LoraShape`, so the CLI and the runner plan from the same numbers.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from jobspec.catalog import gpus as gpu_catalogue
+from jobspec.catalog import tiers
+from jobspec.catalog.presets import PRESETS, ModelShape
+from jobspec.errors import ConfigError
+from jobspec.plan import calibration, memory, throughput
+from jobspec.plan.job_length import JobLength, job_length
+from jobspec.spec.models import JobSpec
+from jobspec.spec.units import is_bare_number, parse_bytes
+
+GiB = 1024**3
+
+
+def model_shape(spec: JobSpec) -> ModelShape:
+    """Preset, explicit `model.architecture`, or the config.json of a local `model.path`."""
+    model = spec.model
+    if model.preset:
+        return PRESETS[model.preset]
+    if model.architecture:
+        a = model.architecture
+        return ModelShape(
+            a.family,
+            a.layers,
+            a.hidden,
+            a.heads,
+            a.vocab,
+            a.max_positions,
+            a.intermediate,
+            a.kv_heads,
+            tie_embeddings=a.tie_embeddings,
+        )
+    config = Path(model.path or "") / "config.json"
+    if not config.is_file():
+        raise ConfigError(
+            f"model.path {model.path!r}: no local config.json to size the model from; "
+            "add model.architecture {family, layers, hidden, heads, vocab, intermediate} to the spec"
+        )
+    return shape_from_config(json.loads(config.read_text()))
+
+
+def shape_from_config(cfg: dict[str, Any]) -> ModelShape:
+    """A transformers config.json (GPT-2 or Llama-style keys) as a ModelShape."""
+    if "n_embd" in cfg:  # GPT-2 naming
+        hidden = cfg["n_embd"]
+        return ModelShape(
+            "gpt2",
+            layers=cfg["n_layer"],
+            hidden=hidden,
+            heads=cfg["n_head"],
+            vocab=cfg["vocab_size"],
+            max_positions=cfg.get("n_positions", 1024),
+            intermediate=cfg.get("n_inner") or 4 * hidden,
+        )
+    try:
+        return ModelShape(
+            "llama",
+            layers=cfg["num_hidden_layers"],
+            hidden=cfg["hidden_size"],
+            heads=cfg["num_attention_heads"],
+            kv_heads=cfg.get("num_key_value_heads"),
+            vocab=cfg["vocab_size"],
+            max_positions=cfg.get("max_position_embeddings", 2048),
+            intermediate=cfg["intermediate_size"],
+            tie_embeddings=cfg.get("tie_word_embeddings", False),  # transformers' Llama default
+        )
+    except KeyError as err:
+        raise ConfigError(f"config.json has no {err.args[0]!r}: add model.architecture to the spec") from None
+
+
+def lora_shape(spec: JobSpec) -> memory.LoraShape | None:
+    lora = spec.model.lora
+    return memory.LoraShape(lora.rank, tuple(lora.targets)) if lora else None
+
+
+def estimate_kwargs(spec: JobSpec, world_size: int, precision: str) -> dict[str, Any]:
+    """The spec's arguments to `memory.estimate` (and `plan_tier`/`plan_all`), apart from tier and micro-batch.
+
+    One place for `jobspec plan` and the runner, so both size from the same numbers.
+    """
+    forced = {"on": True, "off": False}.get(spec.training.gradient_checkpointing)  # auto: the tier decides
+    return {
+        "world_size": world_size,
+        "seq_len": spec.data.max_seq_len,
+        "lora": lora_shape(spec),
+        "checkpointing": forced,
+        "attention": spec.model.attention,
+        "precision": precision,
+    }
+
+
+def planned_precision(spec: JobSpec) -> memory.Precision:
+    """The autocast width before any device is seen: `auto` is fp32 on CPU, 16-bit on a GPU."""
+    asked = spec.training.precision
+    if asked == "auto":
+        return "fp32" if spec.hardware.vendor == "cpu" else "bf16"
+    return asked
+
+
+@dataclass(frozen=True)
+class PlanReport:
+    spec: JobSpec
+    shape: ModelShape
+    gpu_bytes: int
+    gpu_label: str
+    plans: list[memory.TierPlan]
+    chosen: memory.TierPlan | None  # what the spec's tier (or `auto`) gives
+    runs: memory.TierPlan | None = None  # where the job runs: `chosen`, or a tier memory.fallback steps down to
+    length: JobLength | None = None
+    gpu: gpu_catalogue.GpuInfo | None = None
+    peak_tflops: float | None = None  # per GPU; None: no time estimate (time_note says why)
+    time_note: str = ""
+    times: dict[str, throughput.StepTime] = field(default_factory=dict)  # tiers that fit
+    price: float | None = None  # per GPU-hour (--price)
+    measured: list[str] = field(default_factory=list)  # --from: the model against a run's measurements
+
+    @property
+    def cost(self) -> float | None:
+        """What the whole job costs at the tier it runs at."""
+        return self.tier_cost(self.runs.tier) if self.runs else None
+
+    def tier_cost(self, tier: str) -> float | None:
+        """The whole job at `tier`: GPU-hours x price per GPU-hour (None without a price or a length)."""
+        time = self.times.get(tier)
+        if self.price is None or time is None or time.total_seconds is None:
+            return None
+        return time.total_seconds / 3600 * self.spec.world_size * self.price
+
+    def to_dict(self) -> dict[str, Any]:
+        length = self.length
+        return {
+            "job": self.spec.name,
+            "model_params": self.shape.params,
+            "gpu": self.gpu_label,
+            "gpu_bytes": self.gpu_bytes,
+            "world_size": self.spec.world_size,
+            "global_batch": self.spec.training.global_batch,
+            "seq_len": self.spec.data.max_seq_len,
+            "tier": self.chosen.tier if self.chosen else None,
+            "runs_at": self.runs.tier if self.runs else None,
+            "steps": length.steps if length else None,
+            "tokens_per_step": length.tokens_per_step if length else None,
+            "job_tokens": length.steps * length.tokens_per_step if length and length.steps else None,
+            "steps_from": length.how if length else None,
+            "peak_tflops": self.peak_tflops,
+            "price_per_gpu_hour": self.price,
+            "cost": self.cost,
+            "time_note": self.time_note or None,
+            "assumptions": assumptions(self),
+            "measured": self.measured or None,
+            "tiers": [
+                {
+                    "tier": p.tier,
+                    "gpu_bytes": p.estimate.gpu_bytes,
+                    "host_bytes": p.estimate.host,
+                    "fits": p.fits,
+                    "useful": p.useful,
+                    "micro_batch": p.micro_batch,
+                    "grad_accum": p.grad_accum,
+                    "checkpointing": p.estimate.checkpointing,
+                    "note": p.reason,
+                    **_time_dict(self.times.get(p.tier)),
+                    "cost": self.tier_cost(p.tier),
+                }
+                for p in self.plans
+            ],
+        }
+
+
+def _time_dict(time: throughput.StepTime | None) -> dict[str, Any]:
+    keys = ("efficiency", "step_seconds", "tokens_per_second", "mfu", "duration_seconds")
+    if time is None:
+        return dict.fromkeys(keys)
+    values = (time.efficiency, time.step_seconds, time.tokens_per_second, time.mfu, time.total_seconds)
+    return dict(zip(keys, values, strict=True))
+
+
+def assumptions(report: PlanReport) -> dict[str, Any]:
+    """The time model's formula and inputs, as `-o json` carries them and the table states them."""
+    spec, shape = report.spec, report.shape
+    return {
+        "flops_per_token": "6*N + 6*L*h*s (LoRA: 4*N + 6*adapter params + 6*L*h*s); "
+        "activation checkpointing adds the forward again: 2*N + 2*L*h*s",
+        "N": throughput.matmul_params(shape),
+        "L": shape.layers,
+        "h": shape.hidden,
+        "s": spec.data.max_seq_len,
+        "tokens_per_step": "global_batch * max_seq_len (every row full length: an upper bound without packing)",
+        "efficiency": dict(throughput.EFFICIENCY),
+        "peak": "dense 16-bit matrix TFLOPS per GPU from the vendor's datasheet (jobspec/catalog/gpus.py)",
+        "communication": "hidden behind compute",
+    }
+
+
+def gpu_memory_bytes(value: str | int) -> int:
+    """--gpu-memory: a size ('24Gi', '80GB'); a number without a unit is GiB ('24' = 24Gi)."""
+    try:
+        if is_bare_number(value):
+            gib = float(value)
+            if not 0 < gib <= 1024**2:
+                raise ValueError(f"{value} GiB is not a GPU's memory")
+            return int(gib * 1024**3)
+        return parse_bytes(value)
+    except ValueError as err:
+        raise ConfigError(f"--gpu-memory: {err} (e.g. --gpu-memory 24Gi; a bare number is GiB)") from None
+
+
+def plan_spec(
+    spec: JobSpec,
+    gpu_memory: str | int | None = None,
+    *,
+    gpu: gpu_catalogue.GpuInfo | None = None,
+    rows: int | None = None,
+    length: JobLength | None = None,
+    prices: dict[str, float] | None = None,
+    measured: dict[str, calibration.Measured] | None = None,
+) -> PlanReport:
+    """Plan `spec` on its GPU, on `gpu_memory` bytes of one, or on the catalogue's `gpu`; `measured` (a run's
+    figures, jobspec.plan.calibration) corrects the per-sample bytes and replaces the speed where it has them."""
+    hw = spec.hardware
+    info = gpu or (gpu_catalogue.lookup(hw.gpus.type) if hw.gpus.type else None)
+    if gpu is not None:
+        gpu_bytes, label = gpu.memory_bytes, f"{gpu.name} {gpu.memory_bytes / GiB:.0f} GiB"
+    elif gpu_memory is not None:
+        gpu_bytes = gpu_memory_bytes(gpu_memory)
+        label = f"{gpu_bytes / GiB:g} GiB (--gpu-memory)"
+    elif hw.gpus.memory_bytes:
+        gpu_bytes, label = hw.gpus.memory_bytes, f"{hw.gpus.type or 'GPU'} {hw.gpus.memory_bytes / GiB:.0f} GiB"
+    else:
+        raise ConfigError(
+            f"{spec.name}: no GPU memory to plan against (hardware.vendor {hw.vendor}, no hardware.gpus.type); "
+            "pass --gpu-memory 24Gi, --gpus any, or set hardware.gpus.type / hardware.gpus.memory"
+        )
+    shape = model_shape(spec)
+    precision = planned_precision(spec)
+    kw = estimate_kwargs(spec, spec.world_size, precision)
+    scale, notes = calibration.scales(shape, measured or {}, **kw)
+    plans = memory.plan_all(
+        shape,
+        gpu_bytes=gpu_bytes,
+        global_batch=spec.training.global_batch,
+        utilization=spec.memory.target_utilization,
+        sample_scale=scale,
+        **kw,
+    )
+    if spec.memory.tier == "auto":
+        chosen = memory.pick_tier(plans)
+    else:
+        chosen = next(p for p in plans if p.tier == spec.memory.tier)
+    length = length or job_length(spec, rows)
+    peak, note = _peak(info, precision)
+    times = {}
+    if peak is not None:
+        lora = lora_shape(spec)
+        for p in plans:
+            if p.fits:
+                flops = throughput.flops_per_token(
+                    shape, spec.data.max_seq_len, lora=lora, checkpointing=p.estimate.checkpointing
+                )
+                times[p.tier] = throughput.step_time(
+                    flops,
+                    tier=p.tier,
+                    tokens_per_step=length.tokens_per_step,
+                    world_size=spec.world_size,
+                    peak_tflops=peak,
+                    steps=length.steps,
+                )
+    for p in plans:  # a measured speed replaces the estimate
+        m = (measured or {}).get(p.tier)
+        if p.fits and m is not None and m.step_seconds:
+            model = times.get(p.tier)
+            times[p.tier] = throughput.measured_time(p.tier, m.step_seconds, length.tokens_per_step, length.steps,
+                                                     model_mfu=model.mfu if model else None)  # fmt: skip
+            old = f"{model.step_seconds:.3g} s estimated" if model else "no estimate"
+            notes.append(f"{p.tier}: {m.step_seconds:.3g} s a step measured ({old}) over {m.records} records")
+    price = (prices or {}).get(info.name) if info else None
+    runs = _runs(spec, plans, chosen)
+    return PlanReport(spec, shape, gpu_bytes, label, plans, chosen, runs, length, info, peak, note, times, price,
+                      notes)  # fmt: skip
+
+
+def _peak(info: gpu_catalogue.GpuInfo | None, precision: str) -> tuple[float | None, str]:
+    if precision == "fp32":
+        return None, "no time estimate for training.precision fp32 (the catalogue holds 16-bit peaks)"
+    if info is None or info.tflops16 is None:
+        return None, "no time estimate: name a catalogue GPU (hardware.gpus.type or --gpus) for its peak"
+    return info.tflops16, ""
+
+
+def _runs(spec: JobSpec, plans: list[memory.TierPlan], chosen: memory.TierPlan | None) -> memory.TierPlan | None:
+    """The tier the runner ends up training at: the chosen one, else (memory.fallback) the next that fits."""
+    if chosen is None or chosen.fits:
+        return chosen
+    if spec.memory.tier == "auto" or not spec.memory.fallback:
+        return None
+    by_tier, tier = {p.tier: p for p in plans}, chosen.tier
+    while (step := tiers.next_tier(tier, spec.world_size)) is not None:
+        tier = step
+        if by_tier[tier].fits:
+            return by_tier[tier]
+    return None

@@ -1,0 +1,617 @@
+"""The job spec: Pydantic models for one training job, as written in YAML.
+
+Every field carries a description (they feed `jobspec schema` and the README's spec
+reference). Sections forbid unknown keys, so a typo fails at `jobspec validate`, not in
+the pod. Cross-field rules live in `JobSpec._check` and name every field involved.
+
+No `from __future__ import annotations` here: with it, pydantic compiles and evaluates each of the
+~125 field annotations from its string when the models are built, on every start of the CLI (~5 ms
+CPU, a sixth of the models' build time). The methods name their own class in quotes instead.
+"""
+
+import hashlib
+import json
+import re
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
+
+from jobspec.catalog import gpus as gpu_catalogue
+from jobspec.catalog import tiers
+from jobspec.catalog.presets import PRESETS
+from jobspec.contract import RESERVED_ENV_PREFIX
+from jobspec.spec.credentials import SECRET_REF_HINT, credential_kind, inline_credentials, is_secret_name
+from jobspec.spec.rules import CrossFieldError, cross_field_problems
+from jobspec.spec.safe_yaml import out_of_range
+from jobspec.spec.units import GPUS_PATTERN, ByteSize, CpuQuantity, parse_gpus
+
+Tier = Literal[("auto", *tiers.TIERS)]  # type: ignore[valid-type]
+Vendor = Literal["cuda", "rocm", "cpu"]
+PresetName = Literal[tuple(PRESETS)]  # type: ignore[valid-type]
+
+_DNS_LABEL = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
+_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+def _dns_label(value: str, max_len: int = 63) -> str:
+    if len(value) > max_len or not _DNS_LABEL.match(value):
+        raise ValueError(
+            f"{value!r} is not a valid name: use at most {max_len} lowercase letters, digits and '-', "
+            "starting with a letter and ending with a letter or digit"
+        )
+    return value
+
+
+def _on_off(value: Any) -> Any:
+    # YAML 1.1 reads bare on/off/yes/no as booleans; accept them as the words they were.
+    return {True: "on", False: "off"}.get(value, value) if isinstance(value, bool) else value
+
+
+# json_schema_input_type: `jobspec schema` accepts every spelling the validator does (an editor must not flag them).
+_LABEL_SCHEMA = Annotated[str, Field(pattern=_DNS_LABEL.pattern, max_length=63)]
+JobName = Annotated[
+    str,
+    BeforeValidator(
+        lambda v: _dns_label(v, 50) if isinstance(v, str) else v,
+        json_schema_input_type=Annotated[str, Field(pattern=_DNS_LABEL.pattern, max_length=50)],
+    ),
+]
+DnsLabel = Annotated[
+    str, BeforeValidator(lambda v: _dns_label(v) if isinstance(v, str) else v, json_schema_input_type=_LABEL_SCHEMA)
+]
+# bool: YAML 1.1 reads a bare `on`/`off` as true/false.
+OnOffAuto = Annotated[
+    Literal["auto", "on", "off"], BeforeValidator(_on_off, json_schema_input_type=Literal["auto", "on", "off"] | bool)
+]
+
+
+class Section(BaseModel):
+    # allow_inf_nan: `.inf` or an overflowing 1e999 is never a setting.
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=False, allow_inf_nan=False)
+
+
+# distribution/reference's grammar, which kubelet and containerd parse: [host[:port]/]path[:tag][@digest].
+_IMAGE_LABEL = r"[A-Za-z0-9](?:[A-Za-z0-9-]*[A-Za-z0-9])?"
+_IMAGE_HOST = rf"(?:{_IMAGE_LABEL}(?:\.{_IMAGE_LABEL})*|\[[0-9A-Fa-f:]+\])(?::[0-9]+)?"
+_IMAGE_PATH = r"[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*"
+_IMAGE_TAG = r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}"
+_IMAGE_REF = re.compile(rf"(?P<repo>(?:{_IMAGE_HOST}/)?{_IMAGE_PATH}(?:/{_IMAGE_PATH})*)(?::{_IMAGE_TAG})?")
+_DIGEST_HEX = {"sha256": 64, "sha384": 96, "sha512": 128}  # the algorithms OCI runtimes verify
+
+
+def _image_reference(value: str | None) -> str | None:
+    """Refuse what kubelet would fail as InvalidImageName, and a digest of the wrong shape. The value is
+    never echoed: a credential in it is reported (without it) by `JobSpec._check`."""
+    if value is None or credential_kind(value):
+        return value
+    ref, at, digest = value.partition("@")
+    if at:
+        algorithm, _, hex_part = digest.partition(":")
+        want = _DIGEST_HEX.get(algorithm)
+        if want is None or len(hex_part) != want or not re.fullmatch(r"[0-9a-f]+", hex_part):
+            raise ValueError(
+                "the digest after '@' must be sha256: and 64 lowercase hex digits (sha384/sha512: 96/128), "
+                "as `crane digest IMAGE` or `docker buildx imagetools inspect IMAGE` print it"
+            )
+    match = _IMAGE_REF.fullmatch(ref)
+    if not match or len(match["repo"]) > 255:
+        raise ValueError(
+            "not an image reference: use [registry[:port]/]repository[:tag][@sha256:<digest>], with the "
+            "repository in lowercase and no spaces, e.g. ghcr.io/me/trainer:1.0@sha256:<64 hex digits>"
+        )
+    return value
+
+
+class ImageSpec(Section):
+    name: Annotated[
+        str | None,
+        BeforeValidator(lambda v: _image_reference(v) if isinstance(v, str) else v),
+        Field(
+            description="Container image, e.g. `repo:tag` or pinned `repo@sha256:<digest>`. "
+            "Default: the jobspec runner image for `hardware.vendor` (see README)."
+        ),
+    ] = None
+    pull_policy: Annotated[
+        Literal["Always", "IfNotPresent", "Never"], Field(description="Kubernetes imagePullPolicy.")
+    ] = "IfNotPresent"
+    pull_secrets: Annotated[
+        list[DnsLabel], Field(description="Names of Secrets (in the job's namespace) used to pull the image.")
+    ] = []
+
+
+class LoraSpec(Section):
+    rank: Annotated[int, Field(ge=1, le=1024, description="LoRA rank r: trainable params per target are r*(in+out).")]
+    alpha: Annotated[float, Field(gt=0, description="LoRA scaling numerator (scale = alpha / rank).")] = 16.0
+    dropout: Annotated[float, Field(ge=0, lt=1, description="Dropout on the LoRA input.")] = 0.0
+    targets: Annotated[
+        list[str],
+        Field(
+            min_length=1,
+            description="Module names to adapt, e.g. [c_attn] for GPT-2 or [q_proj, v_proj] for Llama-style models.",
+        ),
+    ] = ["c_attn"]
+
+
+class Architecture(Section):
+    """Shape of a model given by `path`, so `jobspec plan` can estimate memory without loading it."""
+
+    family: Annotated[Literal["gpt2", "llama"], Field(description="Model family of the architecture.")]
+    layers: Annotated[int, Field(ge=1, description="Number of transformer blocks.")]
+    hidden: Annotated[int, Field(ge=1, description="Hidden size.")]
+    heads: Annotated[int, Field(ge=1, description="Attention heads.")]
+    vocab: Annotated[int, Field(ge=1, description="Vocabulary size.")]
+    intermediate: Annotated[int, Field(ge=1, description="MLP inner width.")]
+    max_positions: Annotated[int, Field(ge=1, description="Longest sequence the model supports.")] = 2048
+    kv_heads: Annotated[int | None, Field(ge=1, description="Key/value heads (grouped-query attention).")] = None
+    tie_embeddings: Annotated[
+        bool, Field(description="Output head shares the input embedding (always true for gpt2).")
+    ] = False
+
+
+class ModelSpec(Section):
+    preset: Annotated[
+        PresetName | None,
+        Field(description=f"Built-in architecture built from config, no download: {', '.join(PRESETS)}."),
+    ] = None
+    path: Annotated[
+        str | None,
+        Field(description="Local directory (or hub id, where the pod can reach the hub) of a causal LM to fine-tune."),
+    ] = None
+    architecture: Annotated[
+        Architecture | None,
+        Field(description="Shape of the `path` model for memory planning; read from its config.json when local."),
+    ] = None
+    dtype: Annotated[
+        Literal["auto", "bf16", "fp16", "fp32"],
+        Field(description="dtype of the stored weights of `path`; training precision is `training.precision`."),
+    ] = "auto"
+    attention: Annotated[
+        Literal["sdpa", "eager"], Field(description="Attention kernel: sdpa (memory-efficient) or eager.")
+    ] = "sdpa"
+    lora: Annotated[LoraSpec | None, Field(description="Train LoRA adapters instead of all weights.")] = None
+
+    @model_validator(mode="after")
+    def _one_source(self) -> "ModelSpec":
+        if (self.preset is None) == (self.path is None):
+            raise ValueError("set exactly one of `model.preset` or `model.path`")
+        return self
+
+
+class DataSpec(Section):
+    path: Annotated[
+        str | None,
+        Field(
+            description="Training data: a .jsonl, .json (array) or .parquet file, a datasets save_to_disk directory "
+            "(a DatasetDict gives its train split) or a hub dataset id (org/name); relative to the working dir; "
+            "omit for the bundled synthetic set."
+        ),
+    ] = None
+    format: Annotated[
+        Literal["auto", "prompt_response", "messages"],
+        Field(description="Record layout: {prompt, response} or {messages: [{role, content}]}; auto detects per file."),
+    ] = "auto"
+    prompt_field: Annotated[str, Field(description="Key of the prompt in prompt/response records.")] = "prompt"
+    response_field: Annotated[str, Field(description="Key of the response in prompt/response records.")] = "response"
+    messages_field: Annotated[str, Field(description="Key of the message list in chat records.")] = "messages"
+    max_seq_len: Annotated[
+        int, Field(ge=16, le=131072, description="Tokens per sample (longer samples are truncated); sizes memory.")
+    ] = 512
+    packing: Annotated[bool, Field(description="Pack several samples into each max_seq_len row.")] = False
+    pvc: Annotated[
+        DnsLabel | None, Field(description="PersistentVolumeClaim with the data, mounted read-only at `mount_path`.")
+    ] = None
+    mount_path: Annotated[str, Field(description="Where `pvc` is mounted in the pod.")] = "/data"
+    eval_path: Annotated[
+        str | None,
+        Field(
+            description="Eval data, in any format `path` takes (a DatasetDict gives its validation, else test, "
+            "split); default: hold out `eval_fraction`."
+        ),
+    ] = None
+    eval_fraction: Annotated[
+        float, Field(ge=0, lt=0.5, description="Fraction of the training file held out for eval when no eval_path.")
+    ] = 0.05
+    num_workers: Annotated[
+        Literal["auto"] | Annotated[int, Field(ge=0, le=64)],
+        Field(description="DataLoader workers; auto sizes them from CPUs and host memory."),
+    ] = "auto"
+
+
+class TrainingSpec(Section):
+    global_batch: Annotated[
+        int,
+        Field(
+            ge=1,
+            le=2**20,  # 1Mi samples; the divisor search that sizes the micro-batch stays instant
+            description="Effective batch: samples per optimizer step, all GPUs; sizing never changes it.",
+        ),
+    ]
+    micro_batch: Annotated[
+        Literal["auto"] | Annotated[int, Field(ge=1)],
+        Field(description="Samples per GPU per forward pass; auto = the largest that fits and divides the batch."),
+    ] = "auto"
+    learning_rate: Annotated[float, Field(gt=0, lt=1, description="Peak learning rate (AdamW).")] = 2e-4
+    lr_scaling: Annotated[
+        Literal["none", "linear"],
+        Field(description="linear: lr = learning_rate * global_batch / lr_base_batch (Goyal et al. 2017)."),
+    ] = "none"
+    lr_base_batch: Annotated[int | None, Field(ge=1, description="Batch that `learning_rate` was tuned for.")] = None
+    warmup_steps: Annotated[int, Field(ge=0, description="Linear warmup steps before cosine decay.")] = 0
+    min_lr_ratio: Annotated[float, Field(ge=0, le=1, description="Cosine decay floor as a fraction of peak.")] = 0.1
+    steps: Annotated[int | None, Field(ge=1, description="Optimizer steps to train; exclusive with epochs.")] = None
+    epochs: Annotated[float | None, Field(gt=0, description="Passes over the data (1 when steps is unset).")] = None
+    precision: Annotated[
+        Literal["auto", "bf16", "fp16", "fp32"],
+        Field(description="Autocast precision; auto = bf16 where supported, else fp16 on GPU, fp32 on CPU."),
+    ] = "auto"
+    gradient_checkpointing: Annotated[
+        OnOffAuto, Field(description="Activation checkpointing; auto = on for the tiers that need it.")
+    ] = "auto"
+    weight_decay: Annotated[float, Field(ge=0, description="AdamW weight decay.")] = 0.0
+    max_grad_norm: Annotated[float | None, Field(gt=0, description="Gradient clipping norm; null disables.")] = 1.0
+    seed: Annotated[int, Field(ge=0, description="Seed for model init, data order and dropout.")] = 42
+    log_every: Annotated[int, Field(ge=1, description="Optimizer steps between metric records.")] = 10
+    eval_every: Annotated[int | None, Field(ge=1, description="Steps between evaluations; null: at the end.")] = None
+    eval_batches: Annotated[int, Field(ge=1, description="Micro-batches per evaluation.")] = 8
+    compile: Annotated[bool, Field(description="torch.compile the model.")] = False
+
+    @model_validator(mode="after")
+    def _schedule(self) -> "TrainingSpec":
+        if self.steps is not None and self.epochs is not None:
+            raise ValueError("set either `training.steps` or `training.epochs`, not both")
+        if self.lr_scaling == "linear" and self.lr_base_batch is None:
+            raise ValueError("`training.lr_scaling: linear` needs `training.lr_base_batch` (its tuned batch)")
+        if self.warmup_steps and self.steps is not None and self.warmup_steps >= self.steps:
+            raise ValueError(f"warmup_steps ({self.warmup_steps}) must be below steps ({self.steps})")
+        return self
+
+    @property
+    def peak_lr(self) -> float:
+        if self.lr_scaling == "linear" and self.lr_base_batch:
+            return self.learning_rate * self.global_batch / self.lr_base_batch
+        return self.learning_rate
+
+
+class GpuRequest(Section):
+    type: Annotated[
+        str | None, Field(description="GPU model, e.g. H100, A100-80GB, RTX3080-20GB, MI300X (see `jobspec plan`).")
+    ] = None
+    count: Annotated[int, Field(ge=1, le=64, description="GPUs per node (processes per node for vendor cpu).")] = 1
+    memory: Annotated[ByteSize | None, Field(description="Memory per GPU, for types jobspec does not know.")] = None
+
+    @property
+    def memory_bytes(self) -> int | None:
+        if self.memory is not None:
+            return self.memory
+        info = gpu_catalogue.lookup(self.type) if self.type else None
+        return info.memory_bytes if info else None
+
+
+class HardwareSpec(Section):
+    vendor: Annotated[Vendor, Field(description="cuda (NVIDIA), rocm (AMD) or cpu (no accelerator).")] = "cuda"
+    gpus: Annotated[
+        GpuRequest,
+        BeforeValidator(
+            parse_gpus,
+            json_schema_input_type=GpuRequest
+            | Annotated[int, Field(ge=1, le=64)]
+            | Annotated[str, Field(pattern=GPUS_PATTERN, examples=["H100:8", "RTX3080-20GB:2"])],
+        ),
+        Field(description="GPUs per node: 'H100:8', 8, or {type, count, memory}."),
+    ] = GpuRequest()
+    nodes: Annotated[int, Field(ge=1, le=1024, description="Nodes (pods) in the Indexed Job.")] = 1
+    cpu: Annotated[
+        CpuQuantity | None,
+        Field(description="CPU request per pod, e.g. 8 or '500m' (no limit); default 2 per GPU, 1 per CPU process."),
+    ] = None
+    memory: Annotated[
+        ByteSize | None,
+        Field(
+            description="Host memory per pod (request = limit), e.g. '64Gi'; default a request of 8Gi per GPU, "
+            "2Gi per CPU process, with no limit."
+        ),
+    ] = None
+    shm_size: Annotated[ByteSize, Field(description="Size of the memory-backed /dev/shm (dataloader workers).")] = (
+        8 * 1024**3
+    )
+    supplemental_groups: Annotated[
+        list[int] | None,
+        Field(description="Extra GIDs for the pod; ROCm default [44, 109] (video, render) for /dev/kfd and /dev/dri."),
+    ] = None
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.gpus.count
+
+
+class MemorySpec(Section):
+    tier: Annotated[
+        Tier, Field(description="Memory tier; auto = the fastest the memory model says fits (see README, Tiers).")
+    ] = "auto"
+    fallback: Annotated[bool, Field(description="On OOM at micro-batch 1, resume at the next tier.")] = True
+    target_utilization: Annotated[
+        float, Field(ge=0.5, le=0.98, description="Fraction of GPU memory the micro-batch is sized to.")
+    ] = 0.9
+    regrow_after: Annotated[
+        int | None,
+        Field(
+            ge=1,
+            description="Steps without OOM after an in-process shrink before the larger micro-batch is tried again "
+            "(at most 3 tries, the wait doubling after each); null: keep the smaller one.",
+        ),
+    ] = 50
+
+
+_SUB_PATH = re.compile(r"^[A-Za-z0-9._-]+(/[A-Za-z0-9._-]+)*$")
+
+
+def _sub_path(value: Any) -> Any:
+    if isinstance(value, str) and (not _SUB_PATH.match(value) or ".." in value.split("/")):
+        raise ValueError("must be a relative path of letters, digits, '.', '_' and '-' (no '..', no leading '/')")
+    return value
+
+
+class CheckpointSpec(Section):
+    dir: Annotated[
+        str, Field(min_length=1, description="Run directory: checkpoints, metrics.jsonl and tier state.")
+    ] = "/checkpoints"
+    pvc: Annotated[
+        DnsLabel | None,
+        Field(description="PersistentVolumeClaim mounted at `dir`; without one, checkpoints die with the pod."),
+    ] = None
+    sub_path: Annotated[
+        str | None,
+        BeforeValidator(_sub_path),
+        Field(
+            description="Directory on `pvc` that is mounted at `dir`: auto = the job name, so jobs sharing one "
+            "volume never share a run directory; null mounts the volume's root."
+        ),
+    ] = "auto"
+    every_steps: Annotated[int, Field(ge=1, description="Optimizer steps between checkpoints.")] = 200
+    keep: Annotated[int, Field(ge=1, description="Checkpoints kept; older ones are deleted.")] = 2
+    resume: Annotated[
+        Literal["auto", "force"],
+        Field(
+            description="auto: continue the newest checkpoint of this same training, refuse one whose job, model, "
+            "data or global batch differ; force: continue it anyway."
+        ),
+    ] = "auto"
+
+
+class SecretRef(Section):
+    secret: Annotated[DnsLabel, Field(description="Secret name in the job's namespace.")]
+    key: Annotated[str, Field(min_length=1, description="Key inside the Secret.")]
+    optional: Annotated[bool, Field(description="Start even if the Secret or key is missing.")] = False
+
+
+class OutputSpec(Section):
+    """The product of a run: a Hugging Face model directory (or a PEFT adapter) that loads without jobspec."""
+
+    dir: Annotated[
+        str | None,
+        Field(description="Where the exported model goes; default `<checkpoints.dir>/model`."),
+    ] = None
+    export: Annotated[
+        bool, Field(description="Export the final checkpoint when the run ends (else: `jobspec export` later).")
+    ] = True
+    merge_lora: Annotated[
+        bool, Field(description="LoRA runs: write merged full weights instead of a PEFT adapter directory.")
+    ] = False
+    dtype: Annotated[
+        Literal["auto", "bf16", "fp16", "fp32"],
+        Field(description="dtype of the exported weights; auto = the dtype they were trained in."),
+    ] = "auto"
+    max_shard_size: Annotated[
+        ByteSize | None,
+        Field(description="Largest safetensors file before the weights are sharded; default transformers' own."),
+    ] = None
+
+
+def _secret_only(value: Any) -> Any:
+    if isinstance(value, (str, int, float)):  # never echoed: it may be the key itself
+        raise ValueError(
+            "inline credentials are refused (they would land in the ConfigMap and the logs): "
+            "reference a Secret instead, e.g. `{secret: wandb, key: api-key}`"
+        )
+    return value
+
+
+SecretOnly = Annotated[SecretRef, BeforeValidator(_secret_only)]
+
+
+class TensorBoardSpec(Section):
+    logdir: Annotated[
+        str | None, Field(description="Event-file directory; default `<checkpoints.dir>/tensorboard`.")
+    ] = None
+
+
+class WandbSpec(Section):
+    project: Annotated[str, Field(min_length=1, description="W&B project.")]
+    entity: Annotated[str | None, Field(description="W&B entity (team or user).")] = None
+    api_key: Annotated[
+        SecretOnly | None, Field(description="Secret holding the API key (env WANDB_API_KEY); never inline.")
+    ] = None
+    mode: Annotated[
+        Literal["online", "offline"], Field(description="offline writes runs under the run dir to sync later.")
+    ] = "online"
+
+
+class MlflowSpec(Section):
+    tracking_uri: Annotated[
+        str | None, Field(description="MLflow tracking server URI; default a file store under the run dir.")
+    ] = None
+    experiment: Annotated[str | None, Field(description="Experiment name; default the job name.")] = None
+    token: Annotated[
+        SecretOnly | None, Field(description="Secret holding a token (env MLFLOW_TRACKING_TOKEN); never inline.")
+    ] = None
+    username: Annotated[
+        SecretOnly | None, Field(description="Secret holding the user name (env MLFLOW_TRACKING_USERNAME).")
+    ] = None
+    password: Annotated[
+        SecretOnly | None, Field(description="Secret holding the password (env MLFLOW_TRACKING_PASSWORD).")
+    ] = None
+
+
+def _enabled(value: Any) -> Any:
+    # `tensorboard: true` is the short form of `tensorboard: {}`; false or null turns it off.
+    if value is True:
+        return {}
+    return None if value is False else value
+
+
+class TrackingSpec(Section):
+    """Where metrics go besides `metrics.jsonl` (which is always written): through accelerate's trackers."""
+
+    tensorboard: Annotated[
+        TensorBoardSpec | None,
+        BeforeValidator(_enabled, json_schema_input_type=TensorBoardSpec | bool | None),
+        Field(description="TensorBoard: `true` or {logdir}."),
+    ] = None
+    wandb: Annotated[WandbSpec | None, Field(description="Weights & Biases: {project, entity, api_key}.")] = None
+    mlflow: Annotated[
+        MlflowSpec | None,
+        BeforeValidator(_enabled, json_schema_input_type=MlflowSpec | bool | None),
+        Field(description="MLflow: `true` or {tracking_uri, ...}."),
+    ] = None
+    run_name: Annotated[str | None, Field(description="Run name in the trackers; default the job name.")] = None
+
+
+class Toleration(Section):
+    key: Annotated[str | None, Field(description="Taint key.")] = None
+    operator: Annotated[Literal["Exists", "Equal"], Field(description="Exists or Equal.")] = "Equal"
+    value: Annotated[str | None, Field(description="Taint value (operator Equal).")] = None
+    effect: Annotated[
+        Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None, Field(description="Taint effect.")
+    ] = None
+    toleration_seconds: Annotated[int | None, Field(ge=0, description="For NoExecute taints.")] = None
+
+    @model_validator(mode="after")
+    def _api_rules(self) -> "Toleration":  # the API server's own checks, caught before submit
+        if self.operator == "Exists" and self.value:
+            raise ValueError("operator Exists takes no `value`; remove it or use operator Equal")
+        if self.operator == "Equal" and not self.key:
+            raise ValueError("operator Equal needs a `key`; an empty key only works with operator Exists")
+        if self.toleration_seconds is not None and self.effect != "NoExecute":
+            raise ValueError("toleration_seconds applies only to effect NoExecute")
+        return self
+
+
+class SchedulingSpec(Section):
+    queue: Annotated[DnsLabel | None, Field(description="Kueue LocalQueue; the Job is created suspended.")] = None
+    priority_class: Annotated[str | None, Field(description="PriorityClass name.")] = None
+    node_selector: Annotated[dict[str, str], Field(description="Node labels the pods require.")] = {}
+    tolerations: Annotated[list[Toleration], Field(description="Tolerations for tainted GPU nodes.")] = []
+    service_account: Annotated[DnsLabel | None, Field(description="ServiceAccount the pods run as.")] = None
+    ttl_seconds_after_finished: Annotated[
+        int | None, Field(ge=0, description="Delete the finished Job after this many seconds.")
+    ] = 7 * 24 * 3600
+    backoff_limit: Annotated[
+        int, Field(ge=0, le=100, description="Pod failures allowed per node (index); a tier step-down costs one.")
+    ] = 6
+    active_deadline_seconds: Annotated[int | None, Field(ge=1, description="Wall-clock limit of the Job.")] = None
+    termination_grace_seconds: Annotated[
+        int, Field(ge=15, description="Time to checkpoint after SIGTERM before the kill.")
+    ] = 120
+    labels: Annotated[dict[str, str], Field(description="Extra labels on every object.")] = {}
+    annotations: Annotated[dict[str, str], Field(description="Extra annotations on every object.")] = {}
+    network_policy: Annotated[
+        bool,
+        Field(
+            description="Render a NetworkPolicy: only this job's pods may connect to its pods (any TCP port; "
+            "egress stays open). false where the CNI enforces no policies or an admin manages them."
+        ),
+    ] = True
+
+
+def _hex40_counts(name: str) -> bool:
+    # 40 hex digits are a W&B key, or a git commit: a revision's name says which.
+    return not re.search(r"(^|_)(REVISION|COMMIT|SHA|HASH|DIGEST|REF|VERSION)(_|$)", name, re.I)
+
+
+def _env_text(value: Any) -> Any:
+    # YAML reads `false` and `8` as bool and int; an env var is text, spelled the way YAML spells it.
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return str(value) if isinstance(value, (int, float)) else value
+
+
+EnvValue = Annotated[
+    str | SecretRef, BeforeValidator(_env_text, json_schema_input_type=str | int | float | bool | SecretRef)
+]
+
+
+class JobSpec(Section):
+    """One fine-tuning job."""
+
+    name: Annotated[JobName, Field(description="Job name (DNS-1123 label, at most 50 characters).")]
+    namespace: Annotated[DnsLabel, Field(description="Kubernetes namespace.")] = "default"
+    image: Annotated[ImageSpec, Field(description="Container image.")] = ImageSpec()
+    model: Annotated[ModelSpec, Field(description="What to fine-tune.")]
+    data: Annotated[DataSpec, Field(description="Training data.")] = DataSpec()
+    training: Annotated[TrainingSpec, Field(description="Optimisation: batch, learning rate, length, precision.")]
+    hardware: Annotated[HardwareSpec, Field(description="Accelerators, nodes and pod resources.")] = HardwareSpec()
+    memory: Annotated[MemorySpec, Field(description="Memory tier and OOM fallback.")] = MemorySpec()
+    checkpoints: Annotated[CheckpointSpec, Field(description="Where and how often to checkpoint.")] = CheckpointSpec()
+    scheduling: Annotated[SchedulingSpec, Field(description="Cluster scheduling.")] = SchedulingSpec()
+    output: Annotated[OutputSpec, Field(description="The exported model (Hugging Face format).")] = OutputSpec()
+    tracking: Annotated[TrackingSpec, Field(description="Metrics to TensorBoard, W&B or MLflow.")] = TrackingSpec()
+    env: Annotated[
+        dict[str, EnvValue],
+        Field(description="Environment: NAME: value, or NAME: {secret, key} for credentials (never inline)."),
+    ] = {}
+    env_from_secrets: Annotated[list[DnsLabel], Field(description="Secrets whose keys all become env vars.")] = []
+
+    @field_validator("env")
+    @classmethod
+    def _no_inline_secrets(cls, env: dict[str, str | SecretRef]) -> dict[str, str | SecretRef]:
+        problems: list[tuple[str, str, str | None]] = []
+        for key, value in env.items():
+            if not _ENV_NAME.match(key):
+                problems.append((f"env.{key}", "not a valid variable name", "use letters, digits and '_'"))
+            elif credential_kind(key):
+                problems.append((f"env.{key}", "the variable's name is a credential (not shown)", "name it: HF_TOKEN"))
+            elif key.startswith(RESERVED_ENV_PREFIX):
+                reserved = f"names starting with {RESERVED_ENV_PREFIX} are set by jobspec"
+                problems.append((f"env.{key}", reserved, "rename it"))
+            elif isinstance(value, str) and (is_secret_name(key) or credential_kind(value, hex40=_hex40_counts(key))):
+                kind = credential_kind(value, hex40=_hex40_counts(key))
+                what = f"inline secret value ({kind})" if kind else "inline secret value"
+                problems.append(
+                    (f"env.{key}", f"{what}: never written to a manifest or a log", SECRET_REF_HINT.format(name=key))
+                )
+        if problems:
+            raise CrossFieldError(problems)
+        return env
+
+    @model_validator(mode="after")
+    def _check(self) -> "JobSpec":
+        problems = cross_field_problems(self) + inline_credentials(self.model_dump(exclude={"env"}))
+        hint = "use a value a setting can take"  # e.g. steps: '99999999999999999999' (a string YAML left as text)
+        problems += [(".".join(map(str, loc)), msg, hint) for loc, msg in out_of_range(self.model_dump())]
+        if problems:
+            raise CrossFieldError(problems)
+        return self
+
+    @property
+    def world_size(self) -> int:
+        return self.hardware.world_size
+
+    @property
+    def checkpoint_sub_path(self) -> str | None:
+        """The directory of `checkpoints.pvc` mounted at `checkpoints.dir` (None: the volume's root)."""
+        sub = self.checkpoints.sub_path
+        return self.name if sub == "auto" else sub
+
+    @property
+    def export_dir(self) -> str:
+        """Where the exported model goes: `output.dir`, else `<checkpoints.dir>/model`."""
+        return self.output.dir or f"{self.checkpoints.dir.rstrip('/')}/model"
+
+    def to_yaml_dict(self) -> dict[str, Any]:
+        """The spec as plain data that `load_spec` reads back to an equal spec."""
+        # Defaults left out keep the ConfigMap short; explicit nulls that override a default stay.
+        return self.model_dump(mode="json", exclude_defaults=True)
+
+    def spec_hash(self) -> str:
+        canonical = json.dumps(self.to_yaml_dict(), sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(canonical.encode()).hexdigest()[:16]

@@ -1,0 +1,73 @@
+"""Which checkpoints a run may continue: the same job, model, data and global batch, or an explicit `force`.
+
+Every checkpoint's meta.json carries a `lineage`: the fields whose change would make a resume continue a
+different training (job name, model, data and its token rows, global batch, seed). On resume they are
+compared with the spec's; a difference is refused before any work, naming each field with both values,
+unless `checkpoints.resume: force`. Everything else may change on a resume and is only logged: the
+micro-batch (it never changes the training, only how it is cut), learning rate, steps, tier, hardware.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from typing import Any
+
+import numpy as np
+
+from jobspec.errors import ConfigError
+from jobspec.spec.models import JobSpec
+
+log = logging.getLogger("jobspec.runner")
+# Data settings that change which token rows exist (num_workers, pvc and mount_path do not).
+DATA_FIELDS = ("path", "format", "prompt_field", "response_field", "messages_field", "max_seq_len", "packing",
+               "eval_path", "eval_fraction")  # fmt: skip
+
+
+def rows_digest(rows: list[tuple[np.ndarray, np.ndarray]]) -> str:
+    """A cheap fingerprint of the token rows: their count, every length, and the first and last 64 rows."""
+    h = hashlib.sha256(np.asarray([len(x) for x, _ in rows], dtype=np.int64).tobytes())
+    for x, y in rows[:64] + rows[-64:]:
+        h.update(x.tobytes())
+        h.update(y.tobytes())
+    return f"{len(rows)}:{h.hexdigest()[:16]}"
+
+
+def lineage(spec: JobSpec, train_rows: list[tuple[np.ndarray, np.ndarray]]) -> dict[str, Any]:
+    """The values a resume must find unchanged, by field path."""
+    model = spec.model.model_dump(mode="json", exclude={"attention"})
+    data = spec.data.model_dump(mode="json", include=set(DATA_FIELDS))
+    return {
+        "name": spec.name,
+        **{f"model.{k}": v for k, v in model.items()},
+        **{f"data.{k}": v for k, v in data.items()},
+        "data (token rows)": rows_digest(train_rows),
+        "training.global_batch": spec.training.global_batch,
+        "training.seed": spec.training.seed,
+    }
+
+
+def check_resume(saved: dict[str, Any] | None, now: dict[str, Any], *, where: str, force: bool) -> None:
+    """Refuse (ConfigError, exit 2) a resume across a change of lineage, unless forced (then warn)."""
+    if saved is None:
+        log.warning("%s has no lineage (written by an older jobspec): resuming without checking it", where)
+        return
+    changed = [(k, saved.get(k), v) for k, v in now.items() if saved.get(k) != v]
+    if not changed:
+        return
+    lines = "\n".join(f"  {k}: checkpoint {_show(old)}, spec now {_show(new)}" for k, old, new in changed)
+    if force:
+        log.warning("checkpoints.resume force: resuming %s although these changed:\n%s", where, lines)
+        return
+    raise ConfigError(
+        f"{where} belongs to a different training than this spec; resuming it would not continue the same run:\n"
+        f"{lines}\n"
+        "  to start fresh: point checkpoints.dir at an empty directory (or remove the old one);\n"
+        "  to fine-tune from it: export it (jobspec export) and use the export as model.path;\n"
+        "  to resume anyway: set checkpoints.resume: force"
+    )
+
+
+def _show(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."

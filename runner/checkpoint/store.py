@@ -1,0 +1,395 @@
+"""Checkpoints: written atomically, found on restart, sharded when the model is.
+
+Layout of `checkpoints.dir`:
+    step-<N>/              one complete checkpoint after optimizer step N
+        .metadata, *.distcp  model + optimizer via torch.distributed.checkpoint (DCP): every rank
+                             writes its shard (FSDP) or its share of the replicated tensors (DDP);
+                             DCP reshards on load, so a resume may use another tier or world size
+        rng-<rank>.pt        python, numpy, torch and CUDA RNG states of each rank
+        meta.json            step, epoch, samples, plan, spec hash, lineage (runner/checkpoint/lineage.py), loss
+        spec.yaml            the spec it was trained with: `jobspec export` needs nothing else
+        manifest.json        every file above with its size and CRC-32 (runner/checkpoint/manifest.py)
+        DONE                 written last; a directory without it is ignored and later removed
+    .tmp-step-<N>/         a checkpoint being written (same filesystem, so the rename is atomic)
+    step-<N>.damaged/      a checkpoint that failed verification, moved aside by a resume (never deleted)
+
+Protocol: rank 0 checks the room on the volume and makes the temp dir; every rank writes its files
+(fsynced) and hashes them; rank 0 writes meta.json and the manifest, renames the temp dir to step-<N>
+(an existing intact step-<N> is kept, an incomplete or damaged one replaced), writes DONE, fsyncs the
+parent and prunes to the last `keep`. Each phase ends in an all-reduce of "did a write fail": a full,
+read-only or forbidden volume on any rank makes every rank raise StorageError (exit 74) after rank 0
+removed the temp dir. The last good checkpoint is never touched until a newer one is complete. LoRA
+runs store the adapters only.
+
+Resume (`resume_point`): rank 0 verifies the newest complete checkpoint (`verify`: DONE, meta.json's
+step, the manifest's sizes and checksums); a damaged one is logged, moved aside once an intact one is
+found, and the next older one tried. Complete checkpoints but none intact: DamagedCheckpoint (exit 2).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import os
+import random
+import re
+import shutil
+import time
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+
+from jobspec.errors import ConfigError
+from runner.checkpoint import manifest, storage
+from runner.checkpoint.storage import StorageError
+from runner.dist import Control
+
+log = logging.getLogger("jobspec.runner")
+DONE = "DONE"
+META = "meta.json"
+SPEC = "spec.yaml"
+DCP_METADATA = ".metadata"
+FORMAT = 2  # meta.json "format": 2 and later have a manifest.json (a missing one is damage, not age)
+_STEP = re.compile(r"^step-(\d+)$")
+T = TypeVar("T")
+
+
+class DamagedCheckpoint(ConfigError):
+    """Complete checkpoints exist but none verifies: resuming one would train on broken state."""
+
+
+def is_step_dir(path: Path) -> bool:
+    return bool(_STEP.match(path.name))
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_durable(path: Path, data: bytes) -> None:
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def rng_state() -> dict[str, Any]:
+    np_state = np.random.get_state()
+    return {
+        "python": random.getstate(),
+        "numpy": (np_state[0], np_state[1].tolist(), *np_state[2:]),  # plain types: loads with weights_only
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+    }
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate((state["python"][0], tuple(state["python"][1]), state["python"][2]))
+    name, keys, *rest = state["numpy"]
+    np.random.set_state((name, np.asarray(keys, dtype=np.uint32), *rest))
+    torch.set_rng_state(state["torch"])
+    if state["cuda"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, trainable_only: bool) -> dict[str, Any]:
+    """{"model": ..., "optim": ...} keyed by plain FQNs (DDP/FSDP wrappers removed; DTensor shards under FSDP).
+
+    LoRA (`trainable_only`): the frozen base is rebuilt from the preset or path, so only the adapters are
+    stored. Filtered by name: DCP's `ignore_frozen_params` keeps a tied output head (GPT-2's lm_head).
+    """
+    options = StateDictOptions(strict=not trainable_only)
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=options)
+    if trainable_only:
+        inner = getattr(model, "module", model)  # DDP's wrapper; FSDP2 shards in place
+        names = {n for n, p in inner.named_parameters(remove_duplicate=False) if p.requires_grad}
+        model_sd = {k: v for k, v in model_sd.items() if k in names}
+    return {"model": model_sd, "optim": optim_sd}
+
+
+def complete(root: str | Path) -> list[tuple[int, Path]]:
+    """(step, path) of every checkpoint with its DONE marker, oldest first."""
+    root = Path(root)
+    found = []
+    for p in root.iterdir() if root.is_dir() else ():
+        m = _STEP.match(p.name)
+        if m and (p / DONE).is_file():
+            found.append((int(m.group(1)), p))
+    return sorted(found)
+
+
+def latest(root: str | Path) -> Path | None:
+    """The newest complete checkpoint, or None."""
+    done = complete(root)
+    return done[-1][1] if done else None
+
+
+def read_meta(path: Path) -> dict[str, Any]:
+    return json.loads((path / META).read_text())
+
+
+def verify(path: str | Path, *, full: bool = False) -> str | None:
+    """Why checkpoint `path` (a step-N directory) cannot be trusted, or None when it is intact.
+
+    Checks the DONE marker, that meta.json reads and names the directory's step, and every file against
+    manifest.json (runner/checkpoint/manifest.py: sizes, checksums; files over manifest.FULL_CHECK_BYTES by sampled
+    blocks unless `full`). A checkpoint from before manifests (meta.json without "format") is checked for
+    its files' presence only."""
+    path = Path(path)
+    m = _STEP.match(path.name)
+    if m is None:
+        return f"{path.name} is not a step-N checkpoint directory"
+    if not (path / DONE).is_file():
+        return f"no {DONE} marker (its writer stopped before finishing)"
+    step = int(m.group(1))
+    try:
+        meta = read_meta(path)
+    except FileNotFoundError:
+        return f"{META} is missing"
+    except (OSError, ValueError) as err:
+        return f"{META} is unreadable ({err})"
+    if not isinstance(meta, dict) or meta.get("step") != step:
+        said = meta.get("step") if isinstance(meta, dict) else None
+        return f"{META} says step {said!r}, but the directory is step-{step}"
+    required = (META, DCP_METADATA, "rng-0.pt")
+    if meta.get("format", 1) < FORMAT and not (path / manifest.MANIFEST).exists():
+        missing = [name for name in required if not (path / name).is_file()]
+        return f"{missing[0]} is missing" if missing else None
+    return manifest.check(path, step, required=required, full=full)
+
+
+def newest_intact(root: str | Path, *, quarantine: bool = False) -> Path | None:
+    """The newest complete checkpoint that verifies, or None when there is no complete one. Each newer
+    damaged one is logged with its problem (and, with `quarantine`, renamed to step-N.damaged so that no
+    later save or prune mistakes it for a good one). DamagedCheckpoint when none verifies."""
+    root, damaged = Path(root), []
+    for _, path in reversed(complete(root)):
+        problem = verify(path)
+        if problem is None:
+            for bad, why in damaged:
+                aside = _move_aside(bad) if quarantine else bad
+                log.warning("checkpoint %s is damaged (%s): skipped%s; resuming from %s", bad, why,
+                            f", moved to {aside.name}" if aside != bad else "", path.name)  # fmt: skip
+            return path
+        damaged.append((path, problem))
+    if damaged:
+        listed = "; ".join(f"{p.name}: {why}" for p, why in damaged)
+        raise DamagedCheckpoint(
+            f"no intact checkpoint in {root} ({listed}). Restore the damaged files from a copy, or start over "
+            f"from step 0 by moving the step-N directories out of {root}"
+        )
+    return None
+
+
+def _move_aside(path: Path) -> Path:
+    aside, n = path.with_name(f"{path.name}.damaged"), 1
+    while aside.exists():
+        n += 1
+        aside = path.with_name(f"{path.name}.damaged-{n}")
+    try:
+        os.rename(path, aside)
+    except OSError as err:  # a read-only volume: the save that follows reports it
+        log.warning("cannot move the damaged checkpoint %s aside: %s", path, err)
+        return path
+    return aside
+
+
+def resume_point(root: str | Path, *, rank: int, ctrl: Control) -> Path | None:
+    """The checkpoint every rank resumes from (collective): rank 0 verifies and moves damaged ones aside,
+    the others take its answer, so all ranks load the same step. None: start at step 0."""
+    root, found, err = Path(root), -1.0, None  # -1: none; -2: complete ones, none intact
+    if rank == 0:
+        try:
+            path = newest_intact(root, quarantine=True)
+            found = -1.0 if path is None else float(_STEP.match(path.name).group(1))  # type: ignore[union-attr]
+        except DamagedCheckpoint as exc:
+            found, err = -2.0, exc
+    agreed = ctrl.all_reduce([found if rank == 0 else -3.0], "max")[0]
+    if agreed == -2:
+        raise err or DamagedCheckpoint(f"no intact checkpoint in {root} (rank 0's log names the damage)")
+    return None if agreed == -1 else root / f"step-{int(agreed)}"
+
+
+def expected_bytes(root: Path, model: torch.nn.Module, trainable_only: bool) -> int:
+    """The bytes the next checkpoint will take: the newest complete one's, else the model's estimate."""
+    newest = latest(root)
+    return storage.directory_bytes(newest) if newest else storage.estimate_bytes(model, trainable_only)
+
+
+def ensure_space(root: str | Path, model: torch.nn.Module, *, rank: int, ctrl: Control,
+                 trainable_only: bool = False) -> None:  # fmt: skip
+    """At start (collective): StorageError on every rank when the volume cannot hold the next checkpoint."""
+    root = Path(root)
+    _Phase(ctrl, rank, root, None).run(
+        lambda: storage.check_space(root, expected_bytes(root, model, trainable_only)) if rank == 0 else None
+    )
+
+
+def save(
+    root: str | Path,
+    step: int,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    meta: dict[str, Any],
+    *,
+    rank: int,
+    ctrl: Control,
+    keep: int,
+    trainable_only: bool = False,
+    files: dict[str, bytes] | None = None,
+) -> Path:
+    """Write checkpoint `step` (collective: every rank calls it); rank 0 adds `files` (name -> bytes) beside
+    meta.json. Returns step-<N>'s path; StorageError on every rank when the volume cannot take it."""
+    t0 = time.perf_counter()
+    root = Path(root)
+    tmp, final = root / f".tmp-step-{step}", root / f"step-{step}"
+    phase = _Phase(ctrl, rank, root, tmp)
+    phase.need = phase.run(lambda: _prepare(root, tmp, expected_bytes(root, model, trainable_only)) if rank == 0 else 0)
+    entries = phase.run(lambda: _write_rank_files(tmp, _state(model, optimizer, trainable_only), rank, ctrl))
+    hashed = {name: e for part in _gather(ctrl, entries) for name, e in part.items()}
+    if rank == 0:
+        meta = {**meta, "step": step, "format": FORMAT}
+        phase.run(lambda: _finish(tmp, final, step, meta, files or {}, hashed, keep))
+        log.info("checkpoint %s written in %.1f s", final, time.perf_counter() - t0)
+    else:
+        phase.run(lambda: None)
+    return final
+
+
+class _Phase:
+    """One phase of the save protocol on every rank: run this rank's part, then agree (all-reduce) whether a
+    volume error hit any rank; if so every rank raises StorageError after rank 0 removed the temp dir. The
+    all-reduce is also the barrier between phases."""
+
+    def __init__(self, ctrl: Control, rank: int, root: Path, tmp: Path | None):
+        self.ctrl, self.rank, self.root, self.tmp = ctrl, rank, root, tmp
+        self.need: int | None = None  # the checkpoint's expected bytes, for a "no space left" message
+
+    def run(self, part: Callable[[], T]) -> T:
+        problem: str | OSError | None = None
+        result = None
+        try:
+            result = part()
+        except StorageError as err:  # the pre-check
+            problem = str(err)
+        except (Exception, CheckpointException) as exc:  # CheckpointException (DCP) is a BaseException
+            problem = storage.volume_error(exc, self.root)
+            if problem is None:
+                raise
+        if self.ctrl.any(problem is not None):
+            if self.rank == 0 and self.tmp is not None:
+                shutil.rmtree(self.tmp, ignore_errors=True)  # the partial checkpoint; the previous one stays
+            if isinstance(problem, OSError):  # described after the cleanup: the free space it reports is real
+                problem = storage.describe(problem, self.root, self.need)
+            raise StorageError(problem or f"checkpoint write to {self.root} failed on another rank (see its log)")
+        return result  # type: ignore[return-value]
+
+
+def _prepare(root: Path, tmp: Path, need: int) -> int:
+    """Rank 0: the temp dir, once the volume has room for `need` bytes (returned)."""
+    root.mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(tmp, ignore_errors=True)  # left by a writer that was killed
+    storage.check_space(root, need)
+    tmp.mkdir()
+    return need
+
+
+def _write_rank_files(tmp: Path, state: dict[str, Any], rank: int, ctrl: Control) -> dict[str, dict[str, Any]]:
+    """This rank's DCP shards and RNG state, fsynced; returns their manifest entries (hashed while cached)."""
+    writer = dcp.FileSystemWriter(tmp, sync_files=True)
+    with warnings.catch_warnings():  # DCP warns that one process means one process
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.save(state, storage_writer=writer, process_group=ctrl.group, no_dist=not dist.is_initialized())
+    rng = io.BytesIO()
+    torch.save(rng_state(), rng)
+    _write_durable(tmp / f"rng-{rank}.pt", rng.getvalue())
+    mine = [p for p in tmp.iterdir() if p.name.startswith(f"__{rank}_") or p.name == f"rng-{rank}.pt"]
+    return manifest.hash_files(mine)
+
+
+def _gather(ctrl: Control, entries: dict[str, Any]) -> list[dict[str, Any]]:
+    if ctrl.world_size == 1:
+        return [entries]
+    parts: list[Any] = [None] * ctrl.world_size
+    dist.all_gather_object(parts, entries, group=ctrl.group)
+    return parts
+
+
+def _finish(tmp: Path, final: Path, step: int, meta: dict[str, Any], files: dict[str, bytes],
+            hashed: dict[str, dict[str, Any]], keep: int) -> None:  # fmt: skip
+    """Rank 0: the small files and the manifest (hashing what no rank hashed), then publish and prune."""
+    for name, data in files.items():
+        _write_durable(tmp / name, data)
+    _write_durable(tmp / META, json.dumps(meta, indent=1).encode())
+    _write_durable(tmp / manifest.MANIFEST, manifest.write(tmp, step, hashed, skip=(DONE,)))
+    fsync_dir(tmp)
+    _publish(tmp, final)
+    prune(final.parent, keep)
+
+
+def _publish(tmp: Path, final: Path) -> None:
+    """Rename the finished temp dir into place, then mark it complete."""
+    if final.exists():
+        if verify(final) is None:  # this step is already saved (e.g. SIGTERM right after a periodic save)
+            shutil.rmtree(tmp)
+            return
+        shutil.rmtree(final)  # an incomplete or damaged step-<N> from an older attempt
+    os.rename(tmp, final)
+    fsync_dir(final.parent)
+    _write_durable(final / DONE, b"")
+    fsync_dir(final)
+
+
+def prune(root: Path, keep: int) -> None:
+    """Keep the newest `keep` complete checkpoints; drop older ones, incomplete ones and stale temp dirs."""
+    done = complete(root)
+    newest = done[-1][0] if done else -1
+    doomed = [p for _, p in done[:-keep]]
+    for p in root.iterdir():
+        m = _STEP.match(p.name)
+        if p.name.startswith(".tmp-step-") or (m and int(m.group(1)) < newest and not (p / DONE).is_file()):
+            doomed.append(p)
+    for p in doomed:
+        shutil.rmtree(p, ignore_errors=True)
+
+
+def load(
+    path: Path,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    *,
+    rank: int,
+    ctrl: Control,
+    trainable_only: bool = False,
+) -> dict[str, Any]:
+    """Restore model, optimizer and this rank's RNG from `path` (collective). Returns meta.json."""
+    state = _state(model, optimizer, trainable_only)  # also initialises Adam's state, for DCP to load into
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(state, checkpoint_id=path, process_group=ctrl.group, no_dist=not dist.is_initialized())
+    set_state_dict(
+        model,
+        optimizer,
+        model_state_dict=state["model"],
+        optim_state_dict=state["optim"],
+        options=StateDictOptions(strict=not trainable_only),
+    )
+    rng_file = path / f"rng-{rank}.pt"
+    if not rng_file.is_file():  # more ranks than when it was written: rank 0's stream is the best guess
+        log.warning("checkpoint %s has no RNG state for rank %d; using rank 0's", path, rank)
+        rng_file = path / "rng-0.pt"
+    set_rng_state(torch.load(rng_file, weights_only=True))
+    return read_meta(path)

@@ -1,0 +1,147 @@
+"""The model: a transformers causal LM from a preset config (no download) or a local path, plus LoRA.
+
+LoRA comes from peft (`get_peft_model`): target modules are matched by name suffix (peft's
+`target_modules`), every base parameter is frozen, and the adapters' names are peft's own
+(`...c_attn.lora_A.default.weight`), so checkpoints hold only the adapters and an export is a
+PEFT adapter directory that `PeftModel.from_pretrained` reads.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+from jobspec.catalog.presets import PRESETS, ModelShape
+from jobspec.errors import ConfigError
+from jobspec.spec.models import JobSpec, LoraSpec
+
+log = logging.getLogger("jobspec.runner")
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "auto": "auto"}
+
+
+def preset_config(shape: ModelShape, bos: int, eos: int) -> object:
+    """A transformers config for a preset shape. Dropout is 0: fine-tuning runs are short, and the
+    loss is then a deterministic function of the weights (exact resume is checked bit for bit)."""
+    from transformers import GPT2Config, LlamaConfig
+
+    if shape.family == "gpt2":
+        cfg = GPT2Config(
+            vocab_size=shape.vocab,
+            n_positions=shape.max_positions,
+            n_embd=shape.hidden,
+            n_layer=shape.layers,
+            n_head=shape.heads,
+            n_inner=shape.intermediate,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+            bos_token_id=bos,
+            eos_token_id=eos,
+            tie_word_embeddings=shape.tie_embeddings,
+        )
+    else:
+        cfg = LlamaConfig(
+            vocab_size=shape.vocab,
+            hidden_size=shape.hidden,
+            intermediate_size=shape.intermediate,
+            num_hidden_layers=shape.layers,
+            num_attention_heads=shape.heads,
+            num_key_value_heads=shape.kv_heads or shape.heads,
+            max_position_embeddings=shape.max_positions,
+            tie_word_embeddings=shape.tie_embeddings,
+            bos_token_id=bos,
+            eos_token_id=eos,
+        )
+    return cfg
+
+
+def frozen_base_width(model: nn.Module, precision: str) -> nn.Module:
+    """A LoRA preset's frozen base at the width it trains at: 16-bit with bf16/fp16 training, else fp32."""
+    return model.to(DTYPES[precision]) if precision in ("bf16", "fp16") else model
+
+
+def build_model(spec: JobSpec, *, bos: int, eos: int, vocab: int, precision: str = "fp32") -> nn.Module:
+    """The model on the CPU in fp32 (preset) or its stored dtype (path); the caller places it.
+
+    With LoRA and 16-bit training (`precision`), a preset's frozen base is cast to that width first: it
+    takes no gradient or optimizer step, so fp32 would only double its memory (the memory model counts
+    2 bytes a frozen parameter); peft keeps the adapters in fp32.
+    """
+    from transformers import AutoModelForCausalLM
+
+    m = spec.model
+    torch.manual_seed(spec.training.seed)  # the same initial weights on every rank and every restart
+    if m.preset:
+        cfg = preset_config(PRESETS[m.preset], bos, eos)
+        model = AutoModelForCausalLM.from_config(cfg, attn_implementation=m.attention)
+    else:
+        try:
+            model = AutoModelForCausalLM.from_pretrained(m.path, dtype=DTYPES[m.dtype], attn_implementation=m.attention)
+        except (OSError, ValueError) as err:
+            raise ConfigError(f"model.path {m.path!r}: cannot load the model ({err})") from err
+        if vocab > model.get_input_embeddings().num_embeddings:
+            log.info(
+                "resizing the embeddings %d -> %d rows for the tokenizer",
+                model.get_input_embeddings().num_embeddings,
+                vocab,
+            )
+            model.resize_token_embeddings(vocab)
+    model.config.use_cache = False  # no KV cache in training (and required with checkpointing)
+    if m.lora and m.preset:
+        frozen_base_width(model, precision)
+    if m.lora:
+        model = apply_lora(model, m.lora)
+    total = sum(p.numel() for p in model.parameters())
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    log.info(
+        "model %s: %.2fM parameters, %.2fM trainable, attention %s",
+        m.preset or m.path,
+        total / 1e6,
+        trainable / 1e6,
+        m.attention,
+    )
+    return model
+
+
+def lora_config(lora: LoraSpec, model: nn.Module) -> object:
+    """peft's LoraConfig for the spec's `model.lora` (GPT-2's Conv1D stores its weight transposed)."""
+    from peft import LoraConfig
+
+    family = getattr(getattr(model, "config", None), "model_type", "")
+    return LoraConfig(
+        r=lora.rank,
+        lora_alpha=lora.alpha,
+        lora_dropout=lora.dropout,
+        target_modules=list(lora.targets),
+        fan_in_fan_out=family == "gpt2",
+        task_type="CAUSAL_LM",
+    )
+
+
+def apply_lora(model: nn.Module, lora: LoraSpec) -> nn.Module:
+    """The model wrapped by peft: base frozen, LoRA adapters on every module whose name ends with a target."""
+    from peft import get_peft_model
+
+    try:
+        peft_model = get_peft_model(model, lora_config(lora, model))
+    except ValueError as err:  # peft's NoMatchingPeftModuleError is a ValueError
+        raise ConfigError(
+            f"model.lora.targets {list(lora.targets)}: {err} Use e.g. [c_attn] for GPT-2 or [q_proj, v_proj] "
+            "for Llama-style models"
+        ) from None
+    modules = {n.rsplit(".lora_", 1)[0] for n, p in peft_model.named_parameters() if p.requires_grad}
+    log.info("LoRA (peft) rank %d alpha %g on %d modules (%s)", lora.rank, lora.alpha, len(modules),
+             ", ".join(lora.targets))  # fmt: skip
+    return peft_model
+
+
+def block_class_names(model: nn.Module) -> list[str]:
+    """Class names of the transformer blocks (FSDP wraps each one, and checkpointing recomputes them)."""
+    blocks = getattr(model, "_no_split_modules", None) or []
+    found = {type(m).__name__ for m in model.modules()}
+    names = [b for b in blocks if b in found]
+    if not names:
+        raise ConfigError(f"cannot find the transformer blocks of {type(model).__name__} to shard")
+    return names

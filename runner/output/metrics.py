@@ -1,0 +1,147 @@
+"""Telemetry: metrics.jsonl (one JSON record per logged step or evaluation), a log line, a progress bar.
+
+Only rank 0 writes. Train records carry at least: step, loss, lr, tier, micro_batch, grad_accum,
+global_batch, samples, tokens_per_s, mem_used_bytes, mem_total_bytes, gpu_util (null when unknown);
+eval records carry step and eval_loss. `kind` tells them apart ("train" | "eval" | "plan").
+Memory on GPU is the allocator's peak since the previous record; on CPU the process's peak RSS.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import resource
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+log = logging.getLogger("jobspec.runner")
+GiB = 1024**3
+
+
+def memory_bytes(device: torch.device, host_total: int) -> tuple[int | None, int | None]:
+    """(used, total): GPU peak allocated since the last call and the card's total; on CPU, peak RSS and
+    the container's memory."""
+    if device.type == "cuda":
+        used = torch.cuda.max_memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        return int(used), int(torch.cuda.get_device_properties(device).total_memory)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, host_total  # ru_maxrss is KiB on Linux
+
+
+class GpuUtil:
+    """GPU utilisation in percent through NVML when it is importable, else None (CPU, ROCm, no driver)."""
+
+    def __init__(self, device: torch.device):
+        self.handle = None
+        if device.type != "cuda" or torch.version.hip:
+            return
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            uuid = getattr(torch.cuda.get_device_properties(device), "uuid", None)
+            self.handle = (
+                pynvml.nvmlDeviceGetHandleByUUID(f"GPU-{uuid}")
+                if uuid
+                else pynvml.nvmlDeviceGetHandleByIndex(device.index or 0)
+            )
+            self.nvml = pynvml
+        except Exception as err:  # no library, no driver, NVMLError: the field stays null
+            log.debug("no GPU utilisation: %s", err)
+
+    def __call__(self) -> int | None:
+        if self.handle is None:
+            return None
+        try:
+            return int(self.nvml.nvmlDeviceGetUtilizationRates(self.handle).gpu)
+        except Exception:
+            return None
+
+
+class Metrics:
+    """Appends records to `<dir>/metrics.jsonl` and logs a line for each (rank 0 only)."""
+
+    def __init__(self, path: Path, enabled: bool, trackers: Any = None):
+        self.enabled = enabled
+        self.trackers = trackers  # runner.output.tracking.Trackers: the same records to TensorBoard, W&B, MLflow
+        self.file = None
+        if enabled:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            # Held for the whole run; line-buffered so that every record lands even if the process dies.
+            self.file = open(path, "a", buffering=1, encoding="utf-8")  # noqa: SIM115
+
+    def write(self, record: dict[str, Any]) -> None:
+        if self.file is None:
+            return
+        self.file.write(json.dumps({"time": round(time.time(), 3), **record}, separators=(",", ":")) + "\n")
+        if record.get("kind") != "event":  # events (an OOM shrink) were logged in words where they happened
+            log.info("%s", format_line(record))
+        if self.trackers is not None:
+            self.trackers.log(record)
+
+    def close(self) -> None:
+        if self.file is not None:
+            self.file.close()
+            self.file = None
+        if self.trackers is not None:
+            self.trackers.close()
+            self.trackers = None
+
+
+def format_line(r: dict[str, Any]) -> str:
+    """The human form of a record: `step 50/150 | loss 1.234 | lr 2.9e-03 | 12,345 input tok/s | ...`.
+
+    tokens_per_s counts the input tokens of every rank, padding excluded (not only the scored targets)."""
+    if r.get("kind") == "eval":
+        return f"eval step {r['step']} | eval_loss {r['eval_loss']:.4f} | {r['eval_tokens']} tokens"
+    if r.get("kind") == "plan":
+        return (
+            f"plan: tier {r['tier']}, micro-batch {r['micro_batch']} x {r['grad_accum']} accumulation x "
+            f"{r['world_size']} ranks = {r['global_batch']}, {r['precision']}, checkpointing "
+            f"{'on' if r['checkpointing'] else 'off'}, from step {r['step']} of {r['total_steps']}"
+        )
+    if r.get("kind") != "train":
+        return json.dumps(r)
+    mem = ""
+    if r.get("mem_used_bytes") is not None and r.get("mem_total_bytes"):
+        mem = f" | mem {r['mem_used_bytes'] / GiB:.2f}/{r['mem_total_bytes'] / GiB:.1f} GiB"
+    util = f" | gpu {r['gpu_util']}%" if r.get("gpu_util") is not None else ""
+    return (
+        f"step {r['step']}/{r['total_steps']} | loss {r['loss']:.4f} | lr {r['lr']:.2e} | "
+        f"{r['tokens_per_s']:,.0f} input tok/s | {r['tier']} mbs {r['micro_batch']} x {r['grad_accum']} "
+        f"x {r['world_size']} = {r['global_batch']}{mem}{util}"
+    )
+
+
+class Progress:
+    """A tqdm bar over optimizer steps with the current loss, only when stderr is a terminal (never in pod
+    logs or CI). While it is up, log records are written through tqdm so they print above the bar."""
+
+    def __init__(self, total: int, initial: int, enabled: bool):
+        self.bar = None
+        self._redirect: Any = None
+        if enabled and sys.stderr.isatty():
+            from tqdm import tqdm
+            from tqdm.contrib.logging import logging_redirect_tqdm
+
+            self.bar = tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True, leave=False)
+            self._redirect = logging_redirect_tqdm(loggers=[logging.getLogger()])
+            self._redirect.__enter__()
+
+    def update(self, loss: float | None = None) -> None:
+        if self.bar is not None:
+            if loss is not None:
+                self.bar.set_postfix(loss=f"{loss:.4f}", refresh=False)
+            self.bar.update(1)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+        if self._redirect is not None:
+            self._redirect.__exit__(None, None, None)
+            self._redirect = None

@@ -1,0 +1,6 @@
+"""The processes of a pod, from the entry point down. Read in this order:
+
+    supervisor.py  `python -m runner SPEC`: checks, starts one worker per GPU, relaunches at the next tier
+    preflight.py   what the supervisor checks before any heavy import (a mistake costs a second)
+    worker.py      one rank: process group, `Recipe`, exit codes the Job's podFailurePolicy matches
+"""

@@ -1,0 +1,79 @@
+"""Checks the supervisor runs before any heavy import: a mistake costs a second, not a minute of imports.
+
+Everything here is light (no torch, transformers or accelerate): which packages exist is asked of
+importlib without importing them, data sources are looked at on disk, fault rules are parsed as text.
+`check(spec)` raises ConfigError (exit 2) with the fix; `finished(spec)` tells a re-run of a job that
+has nothing left to do.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from importlib.util import find_spec
+from pathlib import Path
+
+from jobspec.errors import ConfigError
+from jobspec.spec.models import JobSpec
+from runner.data import records
+from runner.oom.faults import rules_from_env
+from runner.output import tracking
+
+log = logging.getLogger("jobspec.runner")
+RUNNER_PACKAGES = ("torch", "transformers", "accelerate", "peft", "safetensors")
+RUNNER_EXTRA = "pip install 'jobspec-k8s[runner]'  (from a checkout: pip install -e '.[runner]')"
+DATA_EXTRA = "pip install 'jobspec-k8s[data]'"
+# What each kind of data source needs beyond the runner extra.
+DATA_PACKAGES = {"parquet": ("pyarrow",), "datasets": ("datasets",), "hub": ("datasets",)}
+
+
+def check(spec: JobSpec) -> None:
+    """Runner packages, data sources, fault rules and tracker clients; ConfigError naming the fix."""
+    missing = [name for name in RUNNER_PACKAGES if find_spec(name) is None]
+    if missing:
+        raise ConfigError(f"training here needs the runner extra ({', '.join(missing)} not installed): {RUNNER_EXTRA}")
+    for field, source in (("data.path", spec.data.path), ("data.eval_path", spec.data.eval_path)):
+        if source is None:
+            continue
+        kind = records.source_kind(source, field)  # raises for a missing file, an unknown format
+        lacking = [name for name in DATA_PACKAGES.get(kind, ()) if find_spec(name) is None]
+        if lacking:
+            raise ConfigError(f"{field} {source} ({kind}) needs {', '.join(lacking)}: {DATA_EXTRA}")
+    rules_from_env()  # bad JOBSPEC_FAULT_OOM text: ConfigError naming the variable
+    tracking.check_packages(spec)
+
+
+def finished(spec: JobSpec) -> str | None:
+    """A message when the run directory already holds the last step and its export; None otherwise.
+
+    Read from the newest complete checkpoint's meta.json (total_steps as that run computed it) and the
+    export's provenance; anything unreadable, or a newest checkpoint that fails its manifest, means "not
+    known to be finished" and the workers decide (they resume from the newest intact one).
+    """
+    from runner.checkpoint import store
+
+    root = Path(spec.checkpoints.dir)
+    newest = store.latest(root)
+    if newest is None or store.verify(newest) is not None:
+        return None
+    try:
+        meta = store.read_meta(newest)
+        step, total = int(meta["step"]), int(meta["total_steps"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    wanted = spec.training.steps if spec.training.steps is not None else total  # epochs: as computed then
+    if step < wanted or step != total:
+        return None
+    out = Path(spec.export_dir)
+    if spec.output.export:
+        try:
+            exported = json.loads((out / "jobspec_export.json").read_text())
+        except (OSError, ValueError):
+            return None
+        if exported.get("step") != step:
+            return None
+    where = f"; the model is at {out}" if spec.output.export else ""
+    return (
+        f"nothing to do: {newest} is step {step} of {total}, the run is complete{where}. To train again, "
+        f"point checkpoints.dir at an empty directory (or remove {root}); to train longer, raise training.steps"
+    )

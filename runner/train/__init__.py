@@ -1,0 +1,8 @@
+"""Training one rank, top to bottom (torchtune's recipe shape). Read in this order:
+
+    recipe.py   `Recipe(spec)`: `setup()`, `train()`, `cleanup()`; the in-process tier step-down
+    step.py     one optimizer step, evaluation, the LR schedule, the stop flag
+    engine.py   accelerate for one plan: DDP for `fast`, FSDP2 for the other tiers, mixed precision
+    offload.py  `zero2_offload`'s optimizer: Adam's states and step on the host (torchao)
+    handoff.py  the trained state handed to the next tier in memory
+"""

@@ -1,0 +1,169 @@
+"""Device and accelerate for one plan: mixed precision, DDP for `fast`, FSDP2 for the other tiers, the optimizer.
+
+Tier -> FSDP2 (accelerate `fsdp_version=2`, one FSDP unit per transformer block):
+    zero2          reshard_after_forward=False: grads and optimizer state sharded, parameters kept
+                   gathered between forward and backward (FSDP1's SHARD_GRAD_OP)
+    zero2_offload  as zero2, with Adam's states and step on the host (`offload_optimizer`: torchao's
+                   CPUOffloadOptimizer, runner/train/offload.py); parameters and gradients stay on the GPU.
+                   FSDP2's CPUOffloadPolicy is not used: it would offload the parameters too
+    zero3          reshard_after_forward=True: parameters sharded too (FULL_SHARD)
+    minimal        as zero3 plus CPUOffloadPolicy (parameters, gradients and the optimizer step on the host)
+Activation checkpointing follows `plan.checkpointing` (transformers' non-reentrant checkpointing).
+What each tier holds, per device: jobspec/plan/memory.py `_states`, checked by tests/runner/test_offload.py.
+
+CPU: accelerate 1.15 turns an `fsdp_plugin` into DistributedType.FSDP only for accelerator device
+types (MULTI_GPU, ...); for MULTI_CPU it silently trains with DDP. torch's FSDP2 itself runs on CPU
+over gloo, so for sharded tiers on CPU the runner sets the accelerator state to FSDP itself (the same
+`fsdp2_prepare_model` path as on GPU). On CPU there is no host to offload to: CPUOffloadPolicy cannot run
+(it pins host memory, which needs an accelerator) and torchao's optimizer asserts a CUDA/XPU device, and
+either would move nothing, so `minimal` trains as zero3 and `zero2_offload` as zero2 there.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+from torch import nn
+
+from jobspec.errors import ConfigError
+from jobspec.spec.models import JobSpec
+from runner.model.build import block_class_names
+from runner.sizing.hostmem import HostInfo
+from runner.sizing.plan import Plan
+from runner.sizing.probe import DeviceInfo, probe_device
+
+log = logging.getLogger("jobspec.runner")
+MIXED = {"bf16": "bf16", "fp16": "fp16", "fp32": "no"}  # plan precision -> accelerate mixed_precision
+DTYPE = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+PARAM_OFFLOAD_TIERS = ("minimal",)  # FSDP2 CPUOffloadPolicy: parameters, gradients and the step on the host
+OPTIMIZER_OFFLOAD_TIERS = ("zero2_offload",)  # torchao: optimizer states and the step on the host
+OFFLOAD_TIERS = PARAM_OFFLOAD_TIERS + OPTIMIZER_OFFLOAD_TIERS
+RESHARD_TIERS = ("zero3", "minimal")
+
+
+def pick_device(spec: JobSpec, local_rank: int, host: HostInfo) -> tuple[torch.device, DeviceInfo]:
+    """This rank's GPU (index = local rank), or the CPU for vendor cpu or when no GPU is visible."""
+    use_gpu = spec.hardware.vendor != "cpu" and torch.cuda.is_available()
+    if spec.hardware.vendor != "cpu" and not use_gpu:
+        log.warning("hardware.vendor is %s but no GPU is visible: training on the CPU", spec.hardware.vendor)
+    if not use_gpu:  # also when GPUs exist but the spec says cpu: the planner must see the CPU
+        return torch.device("cpu"), DeviceInfo(
+            "cpu", "cpu", host.total_bytes, host.available_bytes, None, False, 0, "cpu", 0
+        )
+    device = torch.device("cuda", local_rank)
+    torch.cuda.set_device(device)
+    return device, probe_device(local_rank, host=host)
+
+
+def make_optimizer(model: nn.Module, spec: JobSpec, device: torch.device, tier: str) -> torch.optim.Optimizer:
+    """AdamW on the trainable parameters; weight decay on matrices only (not biases, norms); fused on GPU.
+
+    For zero2_offload on a GPU this AdamW only carries the parameter groups: `prepare` hands them, once FSDP2
+    has sharded them, to `offload_optimizer`."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": spec.training.weight_decay},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+    ]
+    # Offloaded tiers step the optimizer on the host: the fused CUDA kernel does not apply there
+    # (zero2_offload's host AdamWs are fused CPU ones, runner/train/offload.py).
+    fused = device.type == "cuda" and tier not in OFFLOAD_TIERS
+    return torch.optim.AdamW(
+        [g for g in groups if g["params"]], lr=spec.training.peak_lr, betas=(0.9, 0.95), fused=fused or None
+    )
+
+
+def offload_optimizer(optimizer: torch.optim.Optimizer, device: torch.device, tier: str) -> torch.optim.Optimizer:
+    """The optimizer a tier steps with, given `optimizer` over the parameters as FSDP2 left them.
+
+    zero2_offload on a GPU: `HostAdamW` over the same groups (runner/train/offload.py: torchao's CPUOffloadOptimizer,
+    Adam's states and step on the host). Otherwise `optimizer` itself: `minimal` offloads through FSDP2's
+    CPUOffloadPolicy, and on CPU the parameters already live where the states would go."""
+    if tier not in OPTIMIZER_OFFLOAD_TIERS or device.type != "cuda":
+        return optimizer
+    from runner.train.offload import HostAdamW
+
+    return HostAdamW(optimizer)
+
+
+def fsdp_plugin(plan: Plan, model: nn.Module, device: torch.device) -> Any:
+    """accelerate's FSDP2 plugin for `plan.tier`, or None for `fast` (DDP over several ranks)."""
+    if plan.tier == "fast":
+        return None
+    from accelerate import FullyShardedDataParallelPlugin
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    offload = plan.tier in PARAM_OFFLOAD_TIERS
+    if offload and device.type != "cuda":
+        log.info("tier %s on CPU: sharding without CPU offload (the weights already live on the CPU)", plan.tier)
+        offload = False
+    mp = None
+    if plan.precision != "fp32":  # compute in bf16/fp16, keep fp32 masters, reduce gradients in fp32
+        dt = DTYPE[plan.precision]
+        mp = {"param_dtype": dt, "reduce_dtype": torch.float32, "output_dtype": dt}
+    return FullyShardedDataParallelPlugin(
+        fsdp_version=2,
+        reshard_after_forward=plan.tier in RESHARD_TIERS,
+        cpu_offload=CPUOffloadPolicy(pin_memory=True) if offload else False,
+        auto_wrap_policy="transformer_based_wrap",
+        transformer_cls_names_to_wrap=block_class_names(model),
+        state_dict_type="SHARDED_STATE_DICT",
+        mixed_precision_policy=mp,
+    )
+
+
+def prepare(
+    plan: Plan,
+    spec: JobSpec,
+    device: torch.device,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+) -> tuple[Any, nn.Module, Any]:
+    """(accelerator, model, optimizer) ready to train: placed, wrapped (DDP/FSDP2), autocast set up."""
+    from accelerate import Accelerator
+    from accelerate.utils import DistributedType
+
+    if device.type == "cpu" and plan.precision == "fp16":
+        raise ConfigError("training.precision fp16: fp16 autocast needs a GPU; use bf16 or fp32 on CPU")
+    if plan.checkpointing:
+        if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if spec.model.lora:  # frozen embeddings: let the checkpointed blocks' inputs carry grad
+            model.enable_input_require_grads()
+    plugin = fsdp_plugin(plan, model, device)
+    accelerator = Accelerator(mixed_precision=MIXED[plan.precision], cpu=device.type == "cpu", fsdp_plugin=plugin)
+    if plugin is not None and accelerator.distributed_type != DistributedType.FSDP:
+        # accelerate ignores the plugin on CPU (and on one GPU without LOCAL_RANK): see the module docstring.
+        # PartialState's copy too, as AcceleratorState itself does: every later AcceleratorState() (the
+        # optimizer wrapper makes one) copies it back over ours, and accelerate would then take the model
+        # for DDP (a no_sync that syncs every micro-step, clipping that ignores the DTensor shards).
+        from accelerate.state import PartialState
+
+        accelerator.state.distributed_type = PartialState._shared_state["distributed_type"] = DistributedType.FSDP
+        accelerator.state.fsdp_plugin = plugin
+    model, optimizer = accelerator.prepare(model, optimizer)  # FSDP2 swaps the sharded parameters in
+    inner = getattr(optimizer, "optimizer", optimizer)  # accelerate's AcceleratedOptimizer wrapper
+    stepping = offload_optimizer(inner, device, plan.tier)
+    if stepping is not inner:
+        placeholder = optimizer  # it holds no state yet; dropped so that fp16 unscaling sees each gradient once
+        optimizer = accelerator.prepare_optimizer(stepping, device_placement=False)
+        accelerator._optimizers.remove(placeholder)
+        log.info("engine: optimizer states and step on the host (torchao CPUOffloadOptimizer)")
+    if spec.training.compile:
+        model.compile()  # in place: state-dict keys stay those of the plain model
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True  # fp32 matmuls on tensor cores (TF32), Ampere and later
+        torch.backends.cudnn.allow_tf32 = True
+    where = "FSDP2" if plugin is not None else "DDP" if plan.world_size > 1 else "single process"
+    log.info(
+        "engine: accelerate %s, mixed precision %s, checkpointing %s, compile %s",
+        where,
+        MIXED[plan.precision],
+        plan.checkpointing,
+        spec.training.compile,
+    )
+    return accelerator, model, optimizer

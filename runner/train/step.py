@@ -1,0 +1,272 @@
+"""One optimizer step, evaluation, the LR schedule and the stop flag: the mechanics under the loop.
+
+`Stepper.train_step(sample_ids, micro_batch, lr)` is the unit the OOM ladder (issue 5) redoes: it
+takes this rank's samples of one optimizer step, cuts them into micro-batches of `micro_batch`,
+accumulates gradients, clips, and steps. The loss of
+every micro-batch is its summed token cross-entropy divided by the target tokens of the WHOLE global
+step (all ranks, all-reduced first) and multiplied by the world size (DDP and FSDP average gradients
+over ranks), so the gradient is the global per-token mean whatever the micro-batch size.
+
+Out of memory: after every micro-step all ranks agree on [stop, oom] in one all-reduce (the stop check
+did one anyway); when any rank ran out, every rank raises `StepOOM` with the weights untouched and
+`runner.oom.shrink.run_step` redoes the step at a smaller micro-batch. DDP over several ranks exchanges
+gradients after that agreement (`all_reduce_grads`), never inside a backward one rank may not finish;
+FSDP over several ranks keeps its gathers and reduce-scatters inside forward and backward, and the
+same agreement runs before each of them (runner/oom/fsdp.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import signal
+import traceback
+from collections.abc import Sequence
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from runner.data.dataset import IGNORE, Batch, SFTData, micro_batches
+from runner.data.loader import Prefetcher
+from runner.dist import Control
+from runner.oom import fsdp
+from runner.oom.detect import Guarded, Headroom, allocated_bytes, guarded, headroom
+from runner.oom.shrink import RankOOM, agreement, all_reduce_grads, raise_agreed
+
+log = logging.getLogger("jobspec.runner")
+
+
+class Preempted(Exception):
+    """Every rank agreed to stop (SIGTERM/SIGINT) before finishing the current step or evaluation."""
+
+
+class StopFlag:
+    """Set by SIGTERM or SIGINT; read at every micro-step. A second SIGINT interrupts at once."""
+
+    def __init__(self) -> None:
+        self.signum: int | None = None  # the first stop signal received
+        self.interrupts = 0  # SIGINTs received (a terminal's Ctrl-C reaches every process of the group)
+        self._previous: dict[int, Any] = {}
+
+    def __bool__(self) -> bool:
+        return self.signum is not None
+
+    def _handle(self, signum: int, frame: object) -> None:
+        self.interrupts += signum == signal.SIGINT
+        if self.interrupts >= 2:
+            raise KeyboardInterrupt
+        self.signum = self.signum or signum
+
+    def install(self) -> None:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            self._previous[sig] = signal.signal(sig, self._handle)
+
+    def restore(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous.clear()
+
+
+def get_lr(step: int, peak: float, warmup: int, total: int, min_ratio: float) -> float:
+    """LR for optimizer step `step` (0-based): linear warmup to `peak`, then cosine down to min_ratio * peak."""
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    return peak * (min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress)))
+
+
+@dataclass
+class StepResult:
+    """What one optimizer step did on this rank; `loss_sum` stays on the device (no sync) until logged."""
+
+    loss_sum: torch.Tensor  # summed token cross-entropy of this rank's micro-batches, fp32 scalar
+    targets: int  # target tokens of the global step (all ranks)
+    tokens: int  # input tokens of the global step (all ranks), padding excluded
+    grad_norm: torch.Tensor | None  # before clipping; None when clipping is off
+    sample_ids: list[int] = field(default_factory=list)  # this rank's samples, in the order processed
+
+
+class Stepper:
+    """Runs steps and evaluations on a prepared (accelerator, model, optimizer)."""
+
+    def __init__(
+        self,
+        accelerator: Any,
+        model: torch.nn.Module,
+        optimizer: Any,
+        data: SFTData,
+        ctrl: Control,
+        stop: StopFlag,
+        *,
+        max_grad_norm: float | None,
+        prefetch: Prefetcher | None = None,
+    ):
+        self.accelerator, self.model, self.optimizer = accelerator, model, optimizer
+        self.data, self.ctrl, self.stop = data, ctrl, stop
+        self.max_grad_norm = max_grad_norm
+        self.device = accelerator.device
+        # accelerate's optimizer wrapper costs ~0.5 ms a step in package lookups (is_lomo_available,
+        # inspect.signature); only fp16 loss scaling and FSDP's DTensor-aware clipping need it.
+        self.inner = getattr(optimizer, "optimizer", optimizer)
+        self.wrapped = accelerator.scaler is not None or accelerator.is_fsdp2
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.prefetch = prefetch  # None: collate in process (probe steps, tests)
+        self.world_size = ctrl.world_size
+        self.rank = accelerator.process_index
+        # DDP exchanges gradients after the OOM agreement (all_reduce_grads), not inside the last backward
+        self.manual_sync = isinstance(model, torch.nn.parallel.DistributedDataParallel)
+        self.sharded_ranks = self.world_size > 1 and not self.manual_sync  # FSDP over several ranks
+        # FSDP over several ranks: agree before each of its collectives (runner/oom/fsdp.py); None: restart
+        self.gate = fsdp.install(model, ctrl, self.rank) if self.sharded_ranks else None
+
+    def check_stop(self) -> None:
+        """Raise Preempted on every rank as soon as any rank has the flag (agreed by all-reduce MAX)."""
+        if self.ctrl.any(bool(self.stop)):
+            raise Preempted
+
+    def agree(self, oom: str, *, stop: bool = True, optimizer: bool = False, room: Headroom | None = None) -> None:
+        """One all-reduce MAX over ranks of [stop flag, OOM flag, rank]: StepOOM (OptimizerOOM) on every rank
+        when any ran out, else Preempted on every rank when any has the stop flag (if `stop`)."""
+        if oom and self.sharded_ranks and (self.gate is None or optimizer):
+            # the others may wait in a collective this rank will not join (FSDP's without the gate, the
+            # gradient norm's all-reduce in clipping): do not start another one
+            raise RankOOM(oom, self.rank, optimizer=optimizer)
+        mine = agreement(stop and bool(self.stop), oom, self.rank, self.world_size, room)
+        flags = self.ctrl.all_reduce(mine, "max")
+        raise_agreed(flags, oom, self.world_size, optimizer=optimizer)
+        if flags[0]:
+            raise Preempted
+
+    def _to_device(self, t: torch.Tensor) -> torch.Tensor:
+        # Tensors the loader pinned copy asynchronously; pinning here would be one more host copy.
+        return t.to(self.device, non_blocking=t.is_pinned())
+
+    def loss_sum(self, batch: Batch) -> torch.Tensor:
+        """Summed token cross-entropy of a micro-batch, in fp32 (logits upcast: (B, T, V))."""
+        logits = self.model(input_ids=self._to_device(batch.input_ids)).logits
+        labels = self._to_device(batch.labels)
+        return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE, reduction="sum")
+
+    def train_step(self, sample_ids: Sequence[int], micro_batch: int, lr: float) -> StepResult:
+        """Accumulate over this rank's `sample_ids` in micro-batches of `micro_batch`, then one optimizer step.
+
+        Safe to call again with the same ids after an exception: gradients are cleared first. Raises
+        StepOOM / OptimizerOOM on every rank when any rank ran out of memory (see the module docstring).
+        """
+        self.inner.zero_grad(set_to_none=True)
+        baseline = allocated_bytes()  # what the step starts with: an OOM's numbers are read against it
+        if self.prefetch is not None:
+            batches = self.prefetch.batches(sample_ids, micro_batch)
+        else:
+            batches = [self.data.collate(ids) for ids in micro_batches(sample_ids, micro_batch)]
+        targets, tokens = self.ctrl.all_reduce([sum(b.targets for b in batches), sum(b.tokens for b in batches)])
+        scale = self.world_size / max(targets, 1.0)  # global per-token mean, undoing the ranks' gradient average
+        loss_sum = torch.zeros((), device=self.device)
+        seen: list[int] = []
+        oom, room = "", None  # this rank's OOM in the previous micro-step, agreed on before the next one starts
+        for i, batch in enumerate(batches):
+            self.agree(oom, room=room)
+            sync = self.world_size == 1 or (i == len(batches) - 1 and not self.manual_sync)
+            with nullcontext() if sync else self.accelerator.no_sync(self.model):
+                out = self._micro_step(batch, scale)
+            if out.oom:
+                oom, room = out.reason, headroom(out.info, baseline, len(batch.sample_ids))
+                log.warning("rank %d: out of memory in micro-step %d of %d (%d samples): %s", self.rank, i + 1,
+                            len(batches), len(batch.sample_ids), oom)  # fmt: skip
+            else:
+                loss_sum += out.value
+                seen += batch.sample_ids
+        self.agree(oom, stop=False, room=room)  # the last micro-step's outcome, known to all before gradients move
+        if self.manual_sync:
+            all_reduce_grads(self.params, self.world_size)
+        update = guarded(partial(self._update, lr))
+        self.agree(update.reason, stop=False, optimizer=True)  # a stop now would lose a finished step
+        self.inner.zero_grad(set_to_none=True)
+        return StepResult(loss_sum, int(targets), int(tokens), update.value, seen)
+
+    def _micro_step(self, batch: Batch, scale: float) -> Guarded[torch.Tensor]:
+        """Forward and backward of one micro-batch; an OOM on this rank comes back as `oom=True`. With the
+        FSDP gate armed, another rank's OOM agreed before one of FSDP's collectives raises StepOOM here,
+        at once: that agreement was this micro-step's (no other all-reduce follows)."""
+        if self.gate is None:
+            return guarded(partial(self._accumulate, batch, scale))
+        self.gate.armed = True
+        try:
+            return guarded(partial(self._accumulate, batch, scale))
+        except fsdp.PeerOOM as peer:
+            flags = peer.flags
+            traceback.clear_frames(peer.__traceback__)  # its frames hold the failed forward's tensors
+        finally:
+            self.gate.armed = False
+        log.warning("rank %d: rank %d ran out of memory; agreed before an FSDP collective, no rank waits in it",
+                    self.rank, self.world_size - int(flags[2]))  # fmt: skip
+        raise_agreed(flags, "", self.world_size)
+        raise AssertionError("an agreed PeerOOM always carries the OOM flag")  # pragma: no cover
+
+    def _accumulate(self, batch: Batch, scale: float) -> torch.Tensor:
+        ce = self.loss_sum(batch)
+        self.accelerator.backward(ce * scale)
+        return ce.detach()
+
+    def _update(self, lr: float) -> torch.Tensor | None:
+        norm = self.clip()
+        for group in self.inner.param_groups:
+            group["lr"] = lr
+        (self.optimizer if self.wrapped else self.inner).step()
+        return norm
+
+    def clip(self) -> torch.Tensor | None:
+        """Clip the gradient norm (after unscaling fp16 gradients); returns the norm before clipping."""
+        if self.max_grad_norm is None:
+            return None
+        if self.wrapped:
+            return self.accelerator.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
+        return torch.nn.utils.clip_grad_norm_(self.params, self.max_grad_norm)
+
+    @torch.no_grad()
+    def evaluate(self, sample_ids: Sequence[int], micro_batch: int) -> tuple[float, int]:
+        """(mean token loss, target tokens) over this rank's eval ids, reduced over ranks."""
+        self.model.eval()
+        total = torch.zeros((), device=self.device)
+        targets = 0
+        try:
+            for ids in micro_batches(sample_ids, micro_batch):
+                self.check_stop()
+                batch = self.data.collate(ids, split="eval")
+                total += self.loss_sum(batch)
+                targets += batch.targets
+        finally:
+            self.model.train()
+        loss, n = self.ctrl.all_reduce([total.item(), targets])
+        return loss / max(n, 1.0), int(n)
+
+    def probe_step(self, micro_batch: int, seq_len: int) -> None:
+        """A full training step at (micro_batch, seq_len) on random tokens that changes nothing: lr 0, then
+        gradients dropped. For `runner.sizing.plan.verify_micro_batch`; call `reset_optimizer` afterwards."""
+        vocab = self.model_vocab()
+        g = torch.Generator().manual_seed(micro_batch)
+        x = torch.randint(0, vocab, (micro_batch, seq_len), generator=g)
+        batch = Batch(x, x.clone(), micro_batch * seq_len, micro_batch * seq_len, ())
+        lrs = [group["lr"] for group in self.optimizer.param_groups]
+        try:
+            for group in self.optimizer.param_groups:
+                group["lr"] = 0.0  # AdamW with lr 0 leaves the weights bit-identical (decay factor 1 - 0)
+            self.accelerator.backward(self.loss_sum(batch) / batch.targets)
+            self.clip()
+            (self.optimizer if self.wrapped else self.inner).step()
+        finally:
+            self.inner.zero_grad(set_to_none=True)
+            for group, lr in zip(self.optimizer.param_groups, lrs, strict=True):
+                group["lr"] = lr
+
+    def reset_optimizer(self) -> None:
+        """Forget the moments the probe steps created (the first real step starts Adam afresh)."""
+        self.inner.state.clear()
+
+    def model_vocab(self) -> int:
+        unwrapped = self.accelerator.unwrap_model(self.model)
+        return int(unwrapped.get_input_embeddings().num_embeddings)
