@@ -8,6 +8,7 @@ tokens get label -100 downstream. Prompt/response records are a two-message chat
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Sequence
 from typing import Protocol
 
@@ -66,7 +67,6 @@ class ByteTokenizer:
                 segments.append(([self.ROLES[role], *self.encode(m["content"])], False))
         return segments
 
-
     def to_hf(self) -> object:
         """The same tokenizer as a transformers `PreTrainedTokenizerFast` (what an export ships).
 
@@ -100,9 +100,30 @@ def _byte_chars() -> dict[int, str]:
 class HFTokenizer:
     """A transformers tokenizer from a local directory; its chat template when it has one.
 
-    With a template, each assistant reply is found by rendering the chat up to it twice (with and
-    without the reply) and diffing the text, so any template works without offsets. Without one,
-    a plain template: `role: content\\n` per message, the reply after `assistant: `, then EOS.
+    The targets of a templated chat are found in one of three ways, the first that applies:
+
+    1. `generation`: the template marks the reply tokens with `{% generation %}` blocks. transformers'
+       `apply_chat_template(..., return_assistant_tokens_mask=True)` renders and tokenizes the chat
+       once and masks every token overlapping a block: the template's author decides what is trained.
+    2. `markers`: no generation blocks (transformers' mask is then all zeros, with a warning, so this
+       piece is ours). One rendering with each reply wrapped in private-use marker characters says
+       where every reply's content lies in the plain rendering; the first reply's own prompt and full
+       renderings say what the template writes before a reply (the generation prompt) and after it
+       (its end of turn, e.g. `<|im_end|>\n`). Target = content + end of turn,
+       the same text as path 3; the chat is tokenized once with offsets and a token is a target when
+       it overlaps that text (transformers' rule for generation blocks). Checked on every chat: the
+       marked rendering less its markers is the plain one, and every reply sits between the
+       generation prompt and the end of turn; a template that trims or rewrites content, or renders
+       a turn differently by position, fails a check and takes path 3.
+    3. `prefixes`: each reply found by rendering the chat up to it twice (with and without the reply)
+       and diffing the text. Any incremental template works without offsets, but it renders O(turns)
+       times per chat, O(turns^2) in all: kept only for the chats 1 and 2 cannot take (or a slow
+       tokenizer, which has no offsets).
+
+    Paths 1 and 2 tokenize the whole rendering, as `apply_chat_template` does at inference; path 3
+    tokenizes each piece apart. Where the template's special tokens separate the turns (every common
+    template) both give the same ids; a merge across a prompt/reply boundary would differ.
+    Without a template: `role: content\n` per message, the reply after `assistant: `, then EOS.
     """
 
     def __init__(self, tokenizer: object, path: str):
@@ -115,7 +136,11 @@ class HFTokenizer:
             raise ConfigError(f"model.path {path!r}: the tokenizer has no eos_token (needed to end replies)")
         self.eos_id = int(eos)
         self.pad_id = int(pad if pad is not None else eos)  # padded positions are never targets
-        self.has_template = bool(getattr(tokenizer, "chat_template", None))
+        template = _template_text(tokenizer)
+        self.has_template = bool(template)
+        fast = bool(getattr(tokenizer, "is_fast", False))  # offsets come from the Rust tokenizer only
+        self.mask_from = "prefixes" if not fast else "generation" if GENERATION_TAG.search(template) else "markers"
+        self._told: set[str] = set()  # log lines already written (once per tokenizer, not per record)
 
     def encode(self, text: str) -> list[int]:
         return list(self.tok.encode(text, add_special_tokens=False)) if text else []  # type: ignore[attr-defined]
@@ -130,8 +155,70 @@ class HFTokenizer:
         )
 
     def render(self, messages: Sequence[Message]) -> list[Segment]:
+        roles = [_role(m, ByteTokenizer.ROLES) for m in messages]  # a bad message fails on every path
         if not self.has_template:
             return self._render_plain(messages)
+        if self.mask_from == "generation":
+            return self._render_generation(messages)
+        if self.mask_from == "markers":
+            segments = self._render_marked(messages, roles)
+            if segments is not None:
+                return segments
+        return self._render_by_prefixes(messages)
+
+    def _render_generation(self, messages: Sequence[Message]) -> list[Segment]:
+        out = self.tok.apply_chat_template(  # type: ignore[attr-defined]
+            list(messages), tokenize=True, return_dict=True, return_assistant_tokens_mask=True
+        )
+        ids, mask = list(out["input_ids"]), out["assistant_masks"]
+        if "eos" not in self._told and any(mask):
+            self._told.add("eos")
+            if not any(t == self.eos_id for t, m in zip(ids, mask, strict=True) if m):
+                log.warning(
+                    "tokenizer %s: the chat template's {%% generation %%} blocks leave out the eos token (id %d); "
+                    "the model is not trained to end its replies", self.name, self.eos_id,
+                )  # fmt: skip
+        return _runs(ids, [bool(m) for m in mask])
+
+    def _render_marked(self, messages: Sequence[Message], roles: list[str]) -> list[Segment] | None:
+        """Path 2 of the class docstring; None when a check fails (the caller takes path 3)."""
+        replies = [i for i, r in enumerate(roles) if r == "assistant"]
+        text = self._chat(messages, False)
+        spans: list[tuple[int, int]] = []  # target (start, end) characters of each reply in `text`
+        if replies:
+            if any(OPEN in m["content"] or CLOSE in m["content"] for m in messages):
+                return self._fallback("a message holds the marker characters U+E000/U+E001")
+            marked = [{**m, "content": OPEN + m["content"] + CLOSE} if r == "assistant" else m
+                      for m, r in zip(messages, roles, strict=True)]  # fmt: skip
+            content = _unmark(self._chat(marked, False), len(replies))
+            if content is None or content[0] != text:
+                return self._fallback("the template changes the text of a reply (trims or rewrites it)")
+            first = replies[0]
+            base = self._chat(messages[:first], False)
+            prompt = self._chat(messages[:first], True)
+            full = self._chat(messages[: first + 1], False)
+            reply = messages[first]["content"]
+            if not (prompt.startswith(base) and full.startswith(prompt) and text.startswith(full)):
+                return self._fallback("the template is not incremental")
+            if not full[len(prompt) :].startswith(reply):
+                return self._fallback("the template writes more than the generation prompt before a reply")
+            opener, closer = prompt[len(base) :], full[len(prompt) + len(reply) :]
+            for start, end in content[1]:
+                if text[start - len(opener) : start] != opener or text[end : end + len(closer)] != closer:
+                    return self._fallback("the template renders a reply differently by its place in the chat")
+                spans.append((start, end + len(closer)))
+        enc = self.tok(text, add_special_tokens=False, return_offsets_mapping=True)  # type: ignore[operator]
+        ids, offsets = list(enc["input_ids"]), enc["offset_mapping"]
+        return _runs(ids, _overlaps(offsets, spans))
+
+    def _fallback(self, why: str) -> None:
+        if why not in self._told:
+            self._told.add(why)
+            log.info("tokenizer %s: %s; such chats find their replies by re-rendering (slower)", self.name, why)
+        return None
+
+    def _render_by_prefixes(self, messages: Sequence[Message]) -> list[Segment]:
+        """Path 3 of the class docstring: two renderings per reply."""
         segments: list[Segment] = []
         done = ""  # the text already turned into segments
         for i, m in enumerate(messages):
@@ -157,6 +244,56 @@ class HFTokenizer:
         return segments
 
 
+GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")  # transformers' own test for the tag
+OPEN, CLOSE = "\ue000", "\ue001"  # private-use characters around each reply in the marked rendering
+
+
+def _template_text(tokenizer: object) -> str:
+    """The tokenizer's default chat template ("" without one; a dict of named templates gives its default)."""
+    try:
+        return str(tokenizer.get_chat_template() or "")  # type: ignore[attr-defined]
+    except (AttributeError, ValueError):  # no template (transformers raises ValueError)
+        return ""
+
+
+def _unmark(marked: str, count: int) -> tuple[str, list[tuple[int, int]]] | None:
+    """The text without markers and each marked (start, end) in it; None unless `count` ordered pairs."""
+    pieces, spans, pos, removed = [], [], 0, 0
+    for _ in range(count):
+        start = marked.find(OPEN, pos)
+        end = marked.find(CLOSE, start + 1) if start >= 0 else -1
+        if end < 0 or OPEN in marked[start + 1 : end]:
+            return None
+        pieces += [marked[pos:start], marked[start + 1 : end]]
+        spans.append((start - removed, end - removed - 1))
+        pos, removed = end + 1, removed + 2
+    rest = marked[pos:]
+    if OPEN in rest or CLOSE in rest or CLOSE in "".join(pieces):
+        return None
+    return "".join(pieces) + rest, spans
+
+
+def _overlaps(offsets: Sequence[tuple[int, int]], spans: Sequence[tuple[int, int]]) -> list[bool]:
+    """Per token: does its (start, end) characters overlap a span? Both in order, so one pass."""
+    flags, k = [], 0
+    for start, end in offsets:
+        while k < len(spans) and start >= spans[k][1]:
+            k += 1
+        flags.append(k < len(spans) and end > spans[k][0])
+    return flags
+
+
+def _runs(ids: Sequence[int], flags: Sequence[bool]) -> list[Segment]:
+    """Token ids cut into segments of equal target flag."""
+    segments: list[Segment] = []
+    for i, (t, f) in enumerate(zip(ids, flags, strict=True)):
+        if i and f == segments[-1][1]:
+            segments[-1][0].append(int(t))
+        else:
+            segments.append(([int(t)], f))
+    return segments
+
+
 def _role(message: Message, known: dict[str, int]) -> str:
     role = message.get("role") if isinstance(message, dict) else None
     if role not in known or not isinstance(message.get("content"), str):
@@ -178,5 +315,6 @@ def load_tokenizer(path: str | None, model_vocab: int) -> Tokenizer:
     except (OSError, ValueError) as err:
         raise ConfigError(f"model.path {path!r}: cannot load its tokenizer ({err})") from err
     out = HFTokenizer(hf, path)
-    log.info("tokenizer %s: %d ids, chat template %s", path, out.vocab_size, "yes" if out.has_template else "no")
+    template = f"yes, reply masks from {out.mask_from}" if out.has_template else "no"
+    log.info("tokenizer %s: %d ids, chat template %s", path, out.vocab_size, template)
     return out

@@ -9,6 +9,7 @@ PEFT adapter directory that `PeftModel.from_pretrained` reads.
 from __future__ import annotations
 
 import logging
+from importlib.util import find_spec
 
 import torch
 from torch import nn
@@ -62,6 +63,28 @@ def frozen_base_width(model: nn.Module, precision: str) -> nn.Module:
     return model.to(DTYPES[precision]) if precision in ("bf16", "fp16") else model
 
 
+def check_attention(attention: str) -> None:
+    """flash_attention_2 needs the flash_attn package and a GPU, and is never swapped for sdpa behind the user's back.
+
+    transformers reports either lack only after building the model, as a traceback: an ImportError without the
+    package, a ValueError on a machine without a GPU (the model is built on the CPU and placed later; with a GPU
+    present it only warns). runner.process.preflight asks for the package before any heavy import; this repeats
+    it for callers that build without the supervisor, and adds what only torch knows: whether a GPU is here.
+    """
+    if attention != "flash_attention_2":
+        return
+    if find_spec("flash_attn") is None:
+        raise ConfigError(
+            "model.attention flash_attention_2 needs the flash_attn package, which is not installed here: "
+            "pip install flash-attn --no-build-isolation, or set model.attention: sdpa"
+        )
+    if not torch.cuda.is_available():
+        raise ConfigError(
+            "model.attention flash_attention_2 needs a GPU and this machine has none (a CPU run, or the CPU "
+            "stand-in for GPUs): set model.attention: sdpa"
+        )
+
+
 def build_model(spec: JobSpec, *, bos: int, eos: int, vocab: int, precision: str = "fp32") -> nn.Module:
     """The model on the CPU in fp32 (preset) or its stored dtype (path); the caller places it.
 
@@ -72,6 +95,7 @@ def build_model(spec: JobSpec, *, bos: int, eos: int, vocab: int, precision: str
     from transformers import AutoModelForCausalLM
 
     m = spec.model
+    check_attention(m.attention)
     torch.manual_seed(spec.training.seed)  # the same initial weights on every rank and every restart
     if m.preset:
         cfg = preset_config(PRESETS[m.preset], bos, eos)

@@ -37,6 +37,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from runner import internals
 from runner.dist import Control
 from runner.oom.shrink import agreement
 
@@ -70,14 +71,6 @@ class Gate:
             raise PeerOOM(flags)
 
 
-def _comm_classes() -> tuple[type, type] | None:
-    try:
-        from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
-    except ImportError:
-        return None
-    return AllGather, ReduceScatter
-
-
 def install(model: nn.Module, ctrl: Control, rank: int) -> Gate | None:
     """Put a gate in front of every FSDP2 collective of `model` (several ranks only). None when the model
     is not FSDP2, there is one rank, `JOBSPEC_FSDP_AGREE=0`, or this torch lacks the API (then a rank-local
@@ -89,12 +82,10 @@ def install(model: nn.Module, ctrl: Control, rank: int) -> Gate | None:
     if os.environ.get(ENV_VAR, "1").strip().lower() in ("0", "false", "no", "off"):
         log.info("%s=0: a rank-local OOM on this sharded tier restarts all ranks", ENV_VAR)
         return None
-    classes = _comm_classes()
+    classes = internals.fsdp_comm_bases()
     units = [m for m in model.modules() if isinstance(m, FSDPModule)]
-    try:
-        groups = [m._get_fsdp_state()._fsdp_param_groups for m in units]
-    except AttributeError:
-        groups = []
+    found = [internals.fsdp_param_groups(m) for m in units]
+    groups = [g for g in found if g is not None] if all(g is not None for g in found) else []
     if classes is None or not hasattr(FSDPModule, "set_custom_all_gather") or not groups:
         log.warning("this torch has no FSDP2 custom-collective API: a rank-local OOM restarts all ranks")
         return None
@@ -106,9 +97,9 @@ def install(model: nn.Module, ctrl: Control, rank: int) -> Gate | None:
     for unit, unit_groups in zip(units, groups, strict=True):
         if not unit_groups:  # a wrapper module that holds no parameters of its own issues no collective
             continue
-        group = unit_groups[0]
-        unit.set_custom_all_gather(all_gather(gate, group._all_gather_comm))
-        unit.set_custom_reduce_scatter(reduce_scatter(gate, group._reduce_scatter_comm))
+        gather_comm, scatter_comm = internals.fsdp_group_comms(unit_groups[0])
+        unit.set_custom_all_gather(all_gather(gate, gather_comm))
+        unit.set_custom_reduce_scatter(reduce_scatter(gate, scatter_comm))
     return gate
 
 

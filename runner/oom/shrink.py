@@ -31,6 +31,7 @@ import torch.distributed as dist
 from jobspec.catalog.tiers import divisors
 from jobspec.contract import EXIT_OOM_LAST_TIER, EXIT_OOM_RETRY_TIER, TIER_STATE_FILE
 from jobspec.errors import JobspecError
+from runner import internals
 from runner.oom import ladder
 from runner.oom.detect import Headroom, allocated_bytes, guarded, next_micro_batch, release_memory
 from runner.oom.faults import install_from_env
@@ -113,11 +114,11 @@ def all_reduce_grads(params: Sequence[torch.nn.Parameter], world_size: int, grou
         size += g.numel() * g.element_size()
         last = i == len(grads) - 1
         if last or size >= BUCKET_BYTES or grads[i + 1].dtype != g.dtype or grads[i + 1].device != g.device:
-            flat = torch._utils._flatten_dense_tensors(bucket)
+            flat = torch.cat([g.reshape(-1) for g in bucket])  # one all-reduce per bucket, as DDP's reducer
             dist.all_reduce(flat, group=group)
             flat.div_(world_size)
-            for dst, src in zip(bucket, torch._utils._unflatten_dense_tensors(flat, bucket), strict=True):
-                dst.copy_(src)
+            for dst, src in zip(bucket, flat.split([g.numel() for g in bucket]), strict=True):
+                dst.copy_(src.view_as(dst))
             bucket, size = [], 0
 
 
@@ -222,40 +223,14 @@ def run_step(
 def reset_wrapper(model: torch.nn.Module) -> bool:
     """After an OOM inside the wrapped model's forward or backward: DDP's reducer forgets the half-done
     gradient reduction (else the redo's forward raises "Expected to have finished reduction in the prior
-    iteration"); FSDP2 as `reset_fsdp`. True when the wrapper is ready for the redo."""
+    iteration"); FSDP2 resets its iteration state and drops a partial backward's gradients. True when the
+    wrapper is ready for the redo; False when this torch cannot (runner/internals.py): the shrink restarts."""
     if isinstance(model, torch.nn.parallel.DistributedDataParallel):
-        reducer = getattr(model, "reducer", None)
-        if reducer is None or not hasattr(reducer, "_reset_state"):
+        if not internals.reset_ddp(model):
             log.warning("cannot reset DDP after the OOM: the shrink happens by a restart")
             return False
-        reducer._reset_state()
         return True
-    return reset_fsdp(model)
-
-
-def reset_fsdp(model: torch.nn.Module) -> bool:
-    """After an exception inside FSDP2's forward or backward: `FSDPModule.reset_iter_state` (torch >= 2.13),
-    then drop the gradients a partial backward left on the unsharded parameters, which it keeps and the
-    redo's backward would add to. True for other models; False when this torch cannot (private attributes
-    moved, or no reset_iter_state): the shrink then happens by a restart."""
-    from torch.distributed.fsdp import FSDPModule
-
-    if not isinstance(model, FSDPModule):
-        return True
-    try:
-        state = model._get_fsdp_state()
-        if state._is_root is None:  # the step failed before FSDP's lazy init: nothing to reset
-            return True
-        model.reset_iter_state()
-        for st in state._state_ctx.all_states:
-            for param in (p for group in st._fsdp_param_groups for p in group.fsdp_params):
-                if getattr(param, "_unsharded_param", None) is not None:
-                    param._unsharded_param.grad = None
-                param.unsharded_accumulated_grad = None
-    except AttributeError as err:
-        log.warning("cannot reset FSDP after the OOM (%s): the shrink happens by a restart", err)
-        return False
-    return True
+    return internals.reset_fsdp(model)
 
 
 def apply_cap(plan: Plan, root: Any) -> Plan:

@@ -33,32 +33,27 @@ def memory_bytes(device: torch.device, host_total: int) -> tuple[int | None, int
 
 
 class GpuUtil:
-    """GPU utilisation in percent through NVML when it is importable, else None (CPU, ROCm, no driver)."""
+    """GPU utilisation in percent from `torch.cuda.utilization` (NVML on NVIDIA, amdsmi on ROCm), else None.
+
+    torch picks the vendor's library and maps the device through CUDA/HIP_VISIBLE_DEVICES itself. It
+    raises when that library is missing (ModuleNotFoundError; NVMLError_LibraryNotFound without the
+    driver's libnvidia-ml), the driver does not load or the device is not visible (RuntimeError), or
+    the card does not report it (NVMLError_NotSupported on a MIG slice, AmdSmiException). The first
+    failure is logged once and every later call returns None without asking again: the query sits in
+    the training loop, and a step must not pay for one that cannot work (nor print it each time).
+    """
 
     def __init__(self, device: torch.device):
-        self.handle = None
-        if device.type != "cuda" or torch.version.hip:
-            return
-        try:
-            import pynvml
-
-            pynvml.nvmlInit()
-            uuid = getattr(torch.cuda.get_device_properties(device), "uuid", None)
-            self.handle = (
-                pynvml.nvmlDeviceGetHandleByUUID(f"GPU-{uuid}")
-                if uuid
-                else pynvml.nvmlDeviceGetHandleByIndex(device.index or 0)
-            )
-            self.nvml = pynvml
-        except Exception as err:  # no library, no driver, NVMLError: the field stays null
-            log.debug("no GPU utilisation: %s", err)
+        self.device: torch.device | None = device if device.type == "cuda" else None
 
     def __call__(self) -> int | None:
-        if self.handle is None:
+        if self.device is None:
             return None
         try:
-            return int(self.nvml.nvmlDeviceGetUtilizationRates(self.handle).gpu)
-        except Exception:
+            return int(torch.cuda.utilization(self.device))
+        except Exception as err:  # any of the above; the field stays null for the rest of the run
+            log.info("gpu_util: not available on %s (%s: %s); recorded as null", self.device, type(err).__name__, err)
+            self.device = None
             return None
 
 

@@ -1,7 +1,8 @@
 """Checks the supervisor runs before any heavy import: a mistake costs a second, not a minute of imports.
 
 Everything here is light (no torch, transformers or accelerate): which packages exist is asked of
-importlib without importing them, data sources are looked at on disk, fault rules are parsed as text.
+importlib without importing them (flash_attn for `model.attention: flash_attention_2` among them), data
+sources are looked at on disk, fault rules are parsed as text.
 `check(spec)` raises ConfigError (exit 2) with the fix; `finished(spec)` tells a re-run of a job that
 has nothing left to do.
 """
@@ -25,6 +26,10 @@ RUNNER_EXTRA = "pip install 'jobspec-k8s[runner]'  (from a checkout: pip install
 DATA_EXTRA = "pip install 'jobspec-k8s[data]'"
 # What each kind of data source needs beyond the runner extra.
 DATA_PACKAGES = {"parquet": ("pyarrow",), "datasets": ("datasets",), "hub": ("datasets",)}
+FLASH_ATTN_FIX = (
+    "install it in the image (pip install flash-attn --no-build-isolation; on ROCm, AMD's ROCm/flash-attention "
+    "build) or set model.attention: sdpa"
+)
 
 
 def check(spec: JobSpec) -> None:
@@ -41,6 +46,29 @@ def check(spec: JobSpec) -> None:
             raise ConfigError(f"{field} {source} ({kind}) needs {', '.join(lacking)}: {DATA_EXTRA}")
     rules_from_env()  # bad JOBSPEC_FAULT_OOM text: ConfigError naming the variable
     tracking.check_packages(spec)
+    check_attention(spec)
+
+
+def check_attention(spec: JobSpec) -> None:
+    """`model.attention: flash_attention_2` must be runnable as asked, never quietly replaced by sdpa.
+
+    Without the flash_attn package transformers raises an ImportError only once the model is built (after
+    a minute of imports and the weights' load), or, where the `kernels` package is installed, fetches a
+    flash kernel from the Hub, which a pod without network cannot. The kernel also needs a GPU and 16-bit
+    inputs: with `hardware.vendor: cpu` or `training.precision: fp32` it fails in the first forward pass.
+    """
+    if getattr(spec.model, "attention", None) != "flash_attention_2":
+        return
+    asked = "model.attention flash_attention_2"
+    if spec.hardware.vendor == "cpu":
+        raise ConfigError(f"{asked} needs a GPU and hardware.vendor is cpu: set model.attention: sdpa")
+    if spec.training.precision == "fp32":
+        raise ConfigError(
+            f"{asked} runs in bf16/fp16 only and training.precision is fp32: set training.precision to auto, "
+            "bf16 or fp16, or model.attention: sdpa"
+        )
+    if find_spec("flash_attn") is None:
+        raise ConfigError(f"{asked} needs the flash_attn package, which is not installed here: {FLASH_ATTN_FIX}")
 
 
 def finished(spec: JobSpec) -> str | None:

@@ -29,6 +29,7 @@ from torch import nn
 
 from jobspec.errors import ConfigError
 from jobspec.spec.models import JobSpec
+from runner import internals
 from runner.model.build import block_class_names
 from runner.sizing.hostmem import HostInfo
 from runner.sizing.plan import Plan
@@ -138,20 +139,16 @@ def prepare(
     accelerator = Accelerator(mixed_precision=MIXED[plan.precision], cpu=device.type == "cpu", fsdp_plugin=plugin)
     if plugin is not None and accelerator.distributed_type != DistributedType.FSDP:
         # accelerate ignores the plugin on CPU (and on one GPU without LOCAL_RANK): see the module docstring.
-        # PartialState's copy too, as AcceleratorState itself does: every later AcceleratorState() (the
-        # optimizer wrapper makes one) copies it back over ours, and accelerate would then take the model
-        # for DDP (a no_sync that syncs every micro-step, clipping that ignores the DTensor shards).
-        from accelerate.state import PartialState
-
-        accelerator.state.distributed_type = PartialState._shared_state["distributed_type"] = DistributedType.FSDP
-        accelerator.state.fsdp_plugin = plugin
+        # Left so, it would take the model for DDP (a no_sync that syncs every micro-step, clipping that
+        # ignores the DTensor shards).
+        internals.force_fsdp(accelerator, plugin)
     model, optimizer = accelerator.prepare(model, optimizer)  # FSDP2 swaps the sharded parameters in
     inner = getattr(optimizer, "optimizer", optimizer)  # accelerate's AcceleratedOptimizer wrapper
     stepping = offload_optimizer(inner, device, plan.tier)
     if stepping is not inner:
         placeholder = optimizer  # it holds no state yet; dropped so that fp16 unscaling sees each gradient once
         optimizer = accelerator.prepare_optimizer(stepping, device_placement=False)
-        accelerator._optimizers.remove(placeholder)
+        internals.forget_optimizer(accelerator, placeholder)
         log.info("engine: optimizer states and step on the host (torchao CPUOffloadOptimizer)")
     if spec.training.compile:
         model.compile()  # in place: state-dict keys stay those of the plain model

@@ -41,6 +41,7 @@ import torch
 
 from jobspec import install_hint
 from jobspec.errors import ConfigError
+from runner.internals import OffloadParts, offload_parts
 
 # The group entries a step may change (the Stepper sets lr every step); the host optimizers keep their own
 # others (fused=True above all).
@@ -62,11 +63,11 @@ def cpu_offload_optimizer() -> type[torch.optim.Optimizer]:
 class HostState(MutableMapping):
     """GPU parameter -> its AdamW state (step, exp_avg, exp_avg_sq), which lives in the host optimizer."""
 
-    def __init__(self, offload: Any):
-        self._offload = offload
+    def __init__(self, parts: OffloadParts):
+        self._parts = parts
 
     def _where(self, p: torch.Tensor) -> tuple[dict, torch.Tensor]:
-        return self._offload.optim_dict[p].state, self._offload.param_d2h_map[p]
+        return self._parts.optim_dict[p].state, self._parts.param_d2h_map[p]
 
     def __getitem__(self, p: torch.Tensor) -> dict[str, Any]:
         state, host = self._where(p)
@@ -83,13 +84,13 @@ class HostState(MutableMapping):
         del state[host]
 
     def __iter__(self) -> Iterator[torch.Tensor]:
-        return (p for p, opt in self._offload.optim_dict.items() if self._offload.param_d2h_map[p] in opt.state)
+        return (p for p, opt in self._parts.optim_dict.items() if self._parts.param_d2h_map[p] in opt.state)
 
     def __len__(self) -> int:
         return sum(1 for _ in self)
 
     def clear(self) -> None:  # Stepper.reset_optimizer: forget the probe steps' moments
-        for opt in self._offload.optim_dict.values():
+        for opt in self._parts.optim_dict.values():
             opt.state.clear()
 
 
@@ -105,8 +106,9 @@ class HostAdamW(torch.optim.Optimizer):
         self.param_groups = optimizer.param_groups
         groups = [{"params": g["params"], **{k: g[k] for k in HYPERPARAMETERS}} for g in self.param_groups]
         self.offload = offload_class(groups, torch.optim.AdamW, minimal_size=0)
-        self.host = self.offload.param_d2h_map  # GPU parameter -> host copy; its .grad is the host gradient
-        self.state = HostState(self.offload)  # type: ignore[assignment]  # Optimizer's is a defaultdict
+        self.parts = offload_parts(self.offload)  # torchao's internals, or one clear error (runner/internals.py)
+        self.host = self.parts.param_d2h_map  # GPU parameter -> host copy; its .grad is the host gradient
+        self.state = HostState(self.parts)  # type: ignore[assignment]  # Optimizer's is a defaultdict
         self._stale_host = False  # set by load_state_dict: refresh the host copies before the next step
 
     @torch.no_grad()
@@ -118,17 +120,17 @@ class HostAdamW(torch.optim.Optimizer):
         for group in self.param_groups:
             update = {k: group[k] for k in HYPERPARAMETERS}
             for p in group["params"]:
-                self.offload.optim_dict[p].param_groups[0].update(update)
+                self.parts.optim_dict[p].param_groups[0].update(update)
         self._copy_grads()
         return self.offload.step(closure)
 
     def _copy_grads(self) -> None:
         """Queue a host copy of every gradient as it is now (clipped), in parameter order: torchao's step
         walks this queue, waiting for each copy's event before stepping that parameter on the CPU."""
-        queue = self.offload.queue
+        queue = self.parts.queue
         queue.clear()
-        backend = getattr(torch, self.offload.device)  # torch.cuda (ROCm too): torchao's own choice
-        stream = self.offload.stream
+        backend = getattr(torch, self.parts.device)  # torch.cuda (ROCm too): torchao's own choice
+        stream = self.parts.stream
         stream.wait_stream(backend.current_stream())  # after the writes (clipping) on the compute stream
         with backend.stream(stream):
             for p, h in self.host.items():
@@ -142,7 +144,7 @@ class HostAdamW(torch.optim.Optimizer):
                 p.grad = None
             elif p.grad is not None:
                 p.grad.zero_()
-        self.offload.queue.clear()  # copies of gradients a retried step dropped: never stepped on
+        self.parts.queue.clear()  # copies of gradients a retried step dropped: never stepped on
 
     def state_dict(self) -> dict[str, Any]:
         """torch's layout: {"state": {index: state}, "param_groups": [{..., "params": [index, ...]}]}, indices
@@ -169,7 +171,7 @@ class HostAdamW(torch.optim.Optimizer):
         for group, saved in zip(self.param_groups, saved_groups, strict=True):
             group.update({k: v for k, v in saved.items() if k != "params"})
             for p, key in zip(group["params"], saved["params"], strict=True):
-                opt = self.offload.optim_dict[p]
+                opt = self.parts.optim_dict[p]
                 own = {k: v for k, v in opt.param_groups[0].items() if k != "params"}
                 state = {0: saved_state[key]} if key in saved_state else {}
                 opt.load_state_dict({"state": state, "param_groups": [{**own, "params": [0]}]})

@@ -27,6 +27,7 @@ from jobspec.catalog import tiers
 from jobspec.contract import EXIT_OK, EXIT_OOM_RETRY_TIER, EXIT_PREEMPTED, METRICS_FILE, TIER_STATE_FILE
 from jobspec.errors import ConfigError
 from jobspec.spec.models import JobSpec
+from runner import internals
 from runner.checkpoint import store
 from runner.checkpoint.lease import Lease, LeaseHeld
 from runner.checkpoint.lineage import check_resume, lineage
@@ -139,6 +140,7 @@ class Recipe:
         `kept` (handed over in memory by an in-process tier step-down, which runs this again; the newest
         checkpoint when the new tier cannot take it), the loader from that step, and the OOM guard."""
         spec, env = self.spec, self.env
+        internals.check(self.plan.tier, env.world_size, self.device.type)  # before any work at this tier
         if self.plan.tier != "fast":
             init_process_group(env, self.device, needed=True)  # FSDP needs a group even for one rank
         model = build_model(
@@ -200,15 +202,10 @@ class Recipe:
 
     def _teardown(self) -> None:
         """Release the model, optimizer, accelerator, loader and OOM guard (the process group stays)."""
-        from accelerate.state import AcceleratorState, GradientState
-
         self.guard.close()
         self.stepper.prefetch.close()
         self.stepper = self.model = self.optimizer = self.accelerator = self.guard = None  # type: ignore[assignment]
-        # The next Accelerator may carry another FSDP plugin. PartialState too: an FSDP run leaves its
-        # distributed_type at FSDP, and the next Accelerator would then take FSDP without its plugin.
-        AcceleratorState._reset_state(reset_partial_state=True)
-        GradientState._reset_state()
+        internals.reset_accelerate()  # the next Accelerator may carry another FSDP plugin
         release_memory()
 
     def _plan(self, meta: dict[str, Any] | None) -> Plan:
@@ -574,8 +571,5 @@ class Recipe:
             self.lease.release()
         if self.owns_stop:
             self.stop.restore()
-        from accelerate.state import AcceleratorState, GradientState
-
-        AcceleratorState._reset_state(reset_partial_state=True)  # the next Recipe in this process starts clean
-        GradientState._reset_state()
+        internals.reset_accelerate()  # the next Recipe in this process starts clean
         destroy_process_group()

@@ -1,0 +1,294 @@
+"""Every private name of torch, accelerate and torchao the runner relies on, and nothing else.
+
+One release of a framework can move any of these; here is the one place to look when it does. Each
+entry says what it is for, why no public API does it, what happens without it, and the versions it
+was checked on. `check()` runs before each tier is built (runner/train/recipe.py `Recipe._build`): an internal that
+the run needs and this install lacks stops the run there with one message naming it and the versions
+that have it (exit 2: retrying cannot help), instead of an AttributeError in the middle of training.
+An internal with a fallback only logs, once, what is lost without it.
+
+Each internal: what it is for; why no public API does it; what a run loses without it.
+
+- accelerate `AcceleratorState._reset_state`, `GradientState._reset_state`: a second `Accelerator` in one
+  process (the in-process tier step-down, tests). accelerate's states are process singletons and only its
+  own tests reset them. Required.
+- accelerate `PartialState._shared_state`: sharded tiers where accelerate ignores the FSDP plugin (CPU, one
+  GPU without LOCAL_RANK). Every later `AcceleratorState()` copies `distributed_type` back from here.
+  Required for sharded tiers in one process.
+- accelerate `Accelerator._optimizers`: `zero2_offload` drops the placeholder optimizer `prepare` wrapped
+  before torchao's replaces it. `prepare` registers every optimizer and nothing unregisters one.
+  Required for `zero2_offload`.
+- torch DDP `Reducer._reset_state`: redo a step after an OOM inside DDP's backward. DDP has no public
+  "abandon this iteration". Without it the shrink restarts the workers.
+- torch FSDP2 `_fully_shard._fsdp_api.AllGather` / `ReduceScatter`, `_get_fsdp_state()._fsdp_param_groups`,
+  a group's `_all_gather_comm` / `_reduce_scatter_comm`: agree on an OOM before each FSDP collective
+  (runner/oom/fsdp.py). `set_custom_all_gather` is public; its base classes and the comm it replaces are
+  not. Without them a rank-local OOM restarts all ranks.
+- torch FSDP2 `_get_fsdp_state()._is_root`, `_state_ctx.all_states`, `FSDPParam._unsharded_param`,
+  `unsharded_accumulated_grad`: after the public `reset_iter_state`, drop the gradients a partial backward
+  left, which the redo's backward would add to. Without them the shrink restarts the workers.
+- torchao `CPUOffloadOptimizer.optim_dict`, `param_d2h_map`, `queue`, `stream`, `device`: `zero2_offload`'s
+  `HostAdamW` (runner/train/offload.py) gives torch's optimizer layout and steps on clipped gradients;
+  torchao exposes only `step`, `zero_grad` and `state_dict` in its own layout. Required for `zero2_offload`.
+
+Checked on: torch 2.11 (the GPU machine) and 2.13, accelerate 1.15, torchao 0.13 and 0.18.
+transformers and peft: no private name is used. Gradient buckets use `torch.cat`/`split` (public),
+not `torch._utils._flatten_dense_tensors`.
+
+The layer rule (`lint-imports`, pyproject.toml) lets only this module name these internals.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from importlib.metadata import PackageNotFoundError, version
+from typing import Any
+
+import torch
+from torch import nn
+
+from jobspec.errors import ConfigError
+
+log = logging.getLogger("jobspec.runner")
+
+CHECKED = {"torch": "2.11, 2.13", "accelerate": "1.15", "torchao": "0.13, 0.18"}
+
+
+def _version(dist: str) -> str:
+    try:
+        return version(dist)
+    except PackageNotFoundError:
+        return "not installed"
+
+
+def _missing(package: str, names: str, needed_for: str) -> ConfigError:
+    return ConfigError(
+        f"{package} {_version(package)} lacks {names}, which jobspec needs for {needed_for} "
+        f"(checked on {package} {CHECKED[package]}): install one of those versions "
+        f"(pip install '{package}=={CHECKED[package].split(', ')[-1]}.*') or a jobspec release that supports {package} "
+        f"{_version(package)}"
+    )
+
+
+# --- accelerate -----------------------------------------------------------------------------------------------
+
+
+def _accelerate_states() -> tuple[Any, Any, Any]:
+    from accelerate.state import AcceleratorState, GradientState, PartialState
+
+    return AcceleratorState, GradientState, PartialState
+
+
+def reset_accelerate() -> None:
+    """Forget accelerate's process-wide state, so that the next `Accelerator` starts clean (another tier's
+    FSDP plugin, another mixed precision). PartialState too: an FSDP run leaves its `distributed_type` at
+    FSDP, and the next Accelerator would take FSDP without its plugin."""
+    accelerator_state, gradient_state, _ = _accelerate_states()
+    if not (_has(accelerator_state, "_reset_state") and _has(gradient_state, "_reset_state")):
+        return  # `check` has stopped the run already; a cleanup after it has nothing to reset
+    accelerator_state._reset_state(reset_partial_state=True)
+    gradient_state._reset_state()
+
+
+def force_fsdp(accelerator: Any, plugin: Any) -> None:
+    """Make `accelerator` treat the model as FSDP2 where accelerate ignored `plugin` (CPU, one GPU without
+    LOCAL_RANK): in its state and in PartialState's shared copy, which every later `AcceleratorState()`
+    (the optimizer wrapper makes one) copies back over it."""
+    from accelerate.utils import DistributedType
+
+    _, _, partial_state = _accelerate_states()
+    accelerator.state.distributed_type = partial_state._shared_state["distributed_type"] = DistributedType.FSDP
+    accelerator.state.fsdp_plugin = plugin
+
+
+def forget_optimizer(accelerator: Any, optimizer: Any) -> None:
+    """Drop an optimizer `accelerator.prepare` registered (it would be unscaled and stepped with the others)."""
+    accelerator._optimizers.remove(optimizer)
+
+
+# --- torch: DDP and FSDP2 ---------------------------------------------------------------------------------------
+
+
+def reset_ddp(model: nn.Module) -> bool:
+    """Make DDP forget a gradient reduction an OOM cut short (else the redo's forward raises "Expected to have
+    finished reduction in the prior iteration"). False when this torch cannot: the caller restarts instead."""
+    reducer = getattr(model, "reducer", None)
+    if reducer is None or not hasattr(reducer, "_reset_state"):
+        return False
+    reducer._reset_state()
+    return True
+
+
+def fsdp_comm_bases() -> tuple[type, type] | None:
+    """FSDP2's AllGather and ReduceScatter base classes (what `set_custom_all_gather` takes); None if absent."""
+    try:
+        from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
+    except ImportError:
+        return None
+    return AllGather, ReduceScatter
+
+
+def fsdp_param_groups(unit: nn.Module) -> list[Any] | None:
+    """The FSDP parameter groups of one `fully_shard`ed module; None when this torch keeps them elsewhere."""
+    try:
+        return list(unit._get_fsdp_state()._fsdp_param_groups)
+    except AttributeError:
+        return None
+
+
+def fsdp_group_comms(group: Any) -> tuple[Any, Any]:
+    """(all-gather, reduce-scatter) comm objects a parameter group uses now: the ones a custom comm wraps."""
+    return group._all_gather_comm, group._reduce_scatter_comm
+
+
+def reset_fsdp(model: nn.Module) -> bool:
+    """After an exception inside FSDP2's forward or backward: `FSDPModule.reset_iter_state` (public), then drop
+    the gradients a partial backward left on the unsharded parameters, which it keeps and the redo's backward
+    would add to. True for models that are not FSDP2; False when this torch cannot (the caller restarts)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if not isinstance(model, FSDPModule):
+        return True
+    try:
+        state = model._get_fsdp_state()
+        if state._is_root is None:  # the step failed before FSDP's lazy init: nothing to reset
+            return True
+        model.reset_iter_state()
+        for st in state._state_ctx.all_states:
+            for param in (p for group in st._fsdp_param_groups for p in group.fsdp_params):
+                if getattr(param, "_unsharded_param", None) is not None:
+                    param._unsharded_param.grad = None
+                param.unsharded_accumulated_grad = None
+    except AttributeError as err:
+        log.warning("cannot reset FSDP after the OOM (%s): the shrink happens by a restart", err)
+        return False
+    return True
+
+
+# --- torchao ----------------------------------------------------------------------------------------------------
+
+OFFLOAD_PARTS = ("optim_dict", "param_d2h_map", "queue", "stream", "device")
+
+
+@dataclass(frozen=True)
+class OffloadParts:
+    """What `HostAdamW` reads of a torchao `CPUOffloadOptimizer`: GPU parameter -> its host optimizer and host
+    copy, the queue of gradient copies its `step` waits for, the side stream and the device module's name."""
+
+    optim_dict: dict[torch.Tensor, torch.optim.Optimizer]
+    param_d2h_map: dict[torch.Tensor, torch.Tensor]
+    queue: dict[torch.Tensor, Any]
+    stream: Any
+    device: str
+
+
+def offload_parts(offload: Any) -> OffloadParts:
+    """The internals of a built torchao `CPUOffloadOptimizer`, or one ConfigError naming what this torchao lacks."""
+    absent = [name for name in OFFLOAD_PARTS if not hasattr(offload, name)]
+    if absent:
+        raise _missing("torchao", "CPUOffloadOptimizer." + "/".join(absent), "memory.tier zero2_offload")
+    return OffloadParts(*(getattr(offload, name) for name in OFFLOAD_PARTS))
+
+
+# --- the start-up check -----------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Internal:
+    """One internal: where it lives, whether it is there, and what a run loses without it."""
+
+    package: str
+    names: str
+    present: Callable[[], bool]
+    needed_for: str
+    fallback: str | None  # None: the run cannot go on without it
+    applies: Callable[[str, int, str], bool]  # (tier, world_size, device type) -> is it used by this run
+
+
+def _has(obj: Any, *names: str) -> bool:
+    return all(hasattr(obj, n) for n in names)
+
+
+def _registry() -> Iterator[Internal]:
+    def always(tier: str, world: int, device: str) -> bool:
+        return True
+
+    def sharded_alone(tier: str, world: int, device: str) -> bool:
+        return tier != "fast" and (device == "cpu" or world == 1)
+
+    def sharded_ranks(tier: str, world: int, device: str) -> bool:
+        return tier != "fast" and world > 1
+
+    yield Internal(
+        "accelerate", "AcceleratorState._reset_state/GradientState._reset_state",
+        lambda: _has(_accelerate_states()[0], "_reset_state") and _has(_accelerate_states()[1], "_reset_state"),
+        "a new Accelerator after a tier step-down", None, always,
+    )  # fmt: skip
+    yield Internal(
+        "accelerate", "PartialState._shared_state",
+        lambda: isinstance(getattr(_accelerate_states()[2], "_shared_state", None), dict),
+        "a sharded tier in one process (FSDP2 where accelerate ignores the plugin)", None, sharded_alone,
+    )  # fmt: skip
+    yield Internal(
+        "torch", "torch.distributed.fsdp._fully_shard._fsdp_api.AllGather/ReduceScatter",
+        lambda: fsdp_comm_bases() is not None,
+        "agreeing on an OOM before FSDP's collectives", "a rank-local OOM restarts all ranks", sharded_ranks,
+    )  # fmt: skip
+    yield Internal(
+        "torch", "FSDPModule._get_fsdp_state/reset_iter_state",
+        lambda: _has(_fsdp_module(), "_get_fsdp_state", "reset_iter_state"),
+        "redoing a step in process after an OOM on a sharded tier", "an OOM shrink restarts the workers",
+        lambda tier, world, device: tier != "fast",
+    )  # fmt: skip
+    yield Internal(
+        "torch", "DDP Reducer._reset_state",
+        lambda: _has(_reducer_class(), "_reset_state"),
+        "redoing a step in process after an OOM inside DDP's backward", "an OOM shrink restarts the workers",
+        lambda tier, world, device: tier == "fast" and world > 1,
+    )  # fmt: skip
+
+
+def _fsdp_module() -> type:
+    from torch.distributed.fsdp import FSDPModule
+
+    return FSDPModule
+
+
+def _reducer_class() -> Any:
+    return getattr(getattr(torch._C, "_distributed_c10d", None), "Reducer", None)
+
+
+_warned: set[str] = set()
+
+
+def check(tier: str, world_size: int, device_type: str) -> None:
+    """Stop with one ConfigError if this install lacks an internal the run needs; warn once per lost fallback.
+
+    Called for the tier a run starts at and again for each tier it steps down to (torchao's parts are checked
+    when zero2_offload builds its optimizer, since importing torchao costs seconds on every other tier)."""
+    missing: list[Internal] = []
+    for item in _registry():
+        if not item.applies(tier, world_size, device_type):
+            continue
+        try:
+            ok = item.present()
+        except ImportError:
+            ok = False
+        if ok:
+            continue
+        if item.fallback is None:
+            missing.append(item)
+        elif item.names not in _warned:
+            _warned.add(item.names)
+            log.warning(
+                "%s %s lacks %s (checked on %s): %s",
+                item.package, _version(item.package), item.names, CHECKED[item.package], item.fallback,
+            )  # fmt: skip
+    if missing:
+        first, *rest = missing
+        err = _missing(first.package, first.names, first.needed_for)
+        for more in rest:
+            err = ConfigError(f"{err}; also {more.package} {_version(more.package)} lacks {more.names}")
+        raise err

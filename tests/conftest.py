@@ -1,0 +1,21 @@
+"""Hypothesis profiles: CI is deterministic, a developer's run explores, `bench/fuzz.py` explores longer.
+
+- `ci` (.ci/run sets HYPOTHESIS_PROFILE=ci): derandomized, so the same code gives the same examples and
+  a red CI is never luck; no example database (a clean clone has none anyway).
+- `dev` (the default): fresh random seeds on every run, as hypothesis does by default, with the failing
+  examples kept in .hypothesis/ so the next run replays them first.
+- `fuzz` (bench/fuzz.py): fresh seeds, no deadline, run again and again over the property tests.
+
+A counter-example found by `dev` or `fuzz` is fixed in the code and kept as an `@example` next to its property.
+"""
+
+from __future__ import annotations
+
+import os
+
+from hypothesis import settings
+
+settings.register_profile("ci", derandomize=True, database=None, print_blob=True)
+settings.register_profile("dev", print_blob=True)
+settings.register_profile("fuzz", deadline=None, print_blob=True)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "dev"))
