@@ -19,7 +19,8 @@ ARG PIP_FIND_LINKS
 ARG PIP_NO_INDEX
 WORKDIR /src
 COPY . .
-RUN sh images/jobspec-image.sh wheel /src /dist
+# `offload`: torchao for zero2_offload (GPU only; the CPU image leaves it out)
+RUN sh images/jobspec-image.sh wheel /src /dist "runner offload data tracking"
 
 FROM ${BASE_IMAGE}
 ARG BASE_IMAGE

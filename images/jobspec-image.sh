@@ -3,7 +3,8 @@
 # Runs as root at build time, with `python` the interpreter the image will run (the base's, or the
 # CPU image's venv):
 #
-#   jobspec-image.sh wheel SRC DIST   build stage: SRC -> DIST/jobspec_k8s-*.whl + DIST/requirements.txt
+#   jobspec-image.sh wheel SRC DIST [EXTRAS]   build stage: SRC -> DIST/jobspec_k8s-*.whl + DIST/requirements.txt
+#                                     (EXTRAS: the extras the image carries, default "runner data tracking")
 #   jobspec-image.sh user UID GID     runtime: the non-root user the pod runs as (contract.RUN_AS_UID/GID)
 #   jobspec-image.sh deps DIST        runtime: install DIST/requirements.txt, keeping the base's torch
 #   jobspec-image.sh project DIST     runtime: install the wheel itself (no deps) and import it
@@ -28,19 +29,19 @@ pip_install() {
 }
 
 cmd_wheel() {
-    src=$1 dist=$2
+    src=$1 dist=$2 extras=${3:-runner data tracking}
     mkdir -p "$dist"
     python -m pip wheel --no-cache-dir --disable-pip-version-check --no-deps --wheel-dir "$dist" "$src"
-    # Runtime requirements (base + the `runner`, `data` and `tracking` extras), straight from
-    # pyproject.toml: the runtime stage installs them in their own layer, cached while they do not change.
-    python - "$src/pyproject.toml" >"$dist/requirements.txt" <<'EOF'
+    # Runtime requirements (base + the image's extras), straight from pyproject.toml: the runtime stage
+    # installs them in their own layer, cached while they do not change.
+    python - "$src/pyproject.toml" $extras >"$dist/requirements.txt" <<'EOF'
 import sys
 import tomllib
 
 with open(sys.argv[1], "rb") as f:
     project = tomllib.load(f)["project"]
 extras = project["optional-dependencies"]
-print("\n".join(project["dependencies"] + extras["runner"] + extras["data"] + extras["tracking"]))
+print("\n".join(project["dependencies"] + [req for name in sys.argv[2:] for req in extras[name]]))
 EOF
     echo "requirements for the runtime image:" && cat "$dist/requirements.txt"
 }

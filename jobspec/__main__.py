@@ -1,3 +1,5 @@
+"""`python -m jobspec`: the same as the `jobspec` command."""
+
 import sys
 
 from jobspec.cli import main

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 import yaml
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from jobspec.errors import SpecError
@@ -24,18 +24,18 @@ from tests.cli_helpers import cli
 
 ROOT = Path(__file__).resolve().parents[1]
 GOOD = "name: demo\nmodel:\n  preset: tiny\ntraining:\n  global_batch: 8\n  steps: 10\nhardware:\n  vendor: cpu\n"
-FAST_S = 1.0  # per hostile input, in-process; generous for a shared CI core (measured: < 0.05 s)
+FAST_S = 1.0  # CPU seconds per hostile input, in-process (measured: < 0.05 s); CPU time: load cannot fail it
 HOSTILE = settings(
-    max_examples=40, deadline=3000, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture]
+    max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture]
 )
 
 
 def refused(text: str, overrides: tuple[str, ...] = ()) -> SpecError:
     """parse_spec must refuse `text` with located issues, within FAST_S."""
-    start = time.perf_counter()
+    start = time.process_time()
     with pytest.raises(SpecError) as info:
         parse_spec(text, "hostile.yaml", overrides)
-    elapsed = time.perf_counter() - start
+    elapsed = time.process_time() - start
     assert elapsed < FAST_S, f"{elapsed:.2f} s"
     err = info.value
     assert err.exit_code == 2 and err.issues
@@ -78,12 +78,12 @@ def alias_bombs(draw: st.DrawFn) -> str:
 @HOSTILE
 @given(text=alias_bombs())
 def test_alias_expansion_is_bounded(text: str) -> None:
-    start = time.perf_counter()
+    start = time.process_time()
     try:
         parse_spec(text, "hostile.yaml")
     except SpecError as err:
         assert err.exit_code == 2 and err.issues
-    assert time.perf_counter() - start < FAST_S
+    assert time.process_time() - start < FAST_S
 
 
 @pytest.mark.parametrize("flow", [True, False])
@@ -133,10 +133,10 @@ def test_node_limit_is_exact_and_aliases_count_what_they_repeat() -> None:
 def test_thousands_of_errors_are_listed_briefly_and_fast(entry: str) -> None:
     head = "env:\n  HF_TOKEN:\n" if "abcdef" in entry else "scheduling:\n  labels:\n"
     text = GOOD + head + "".join(entry.format(i=i) for i in range(16_000))
-    start = time.perf_counter()
+    start = time.process_time()
     with pytest.raises(SpecError) as info:
         parse_spec(text, "many.yaml")
-    assert time.perf_counter() - start < 3 * FAST_S  # 600 KB of YAML; most of it is composing the nodes
+    assert time.process_time() - start < 3 * FAST_S  # 600 KB of YAML; most of it is composing the nodes
     err = info.value
     assert len(err.issues) <= MAX_ISSUES + 1 and "more problems not shown" in err.issues[-1].message
 
@@ -157,8 +157,16 @@ def deep_nesting(draw: st.DrawFn) -> tuple[str, tuple[str, ...]]:
     return GOOD + key + value + "\n", ()
 
 
+# Found by a fresh seed: `[` on one line, 999 deep. libyaml's scanner reads ahead past its own 1000-level
+# limit before the composer saw 65 levels ("not valid YAML: exceeded maximum nesting depth"), and a --set
+# value it could not parse became the text of an env var.
+_LIBYAML_DEPTH = "[" * 999 + "1" + "]" * 999
+
+
 @HOSTILE
 @given(case=deep_nesting())
+@example(case=(GOOD + "env:\n  X: " + _LIBYAML_DEPTH + "\n", ()))
+@example(case=(GOOD, ("env.X=" + _LIBYAML_DEPTH,)))
 def test_deep_nesting_is_refused_not_a_recursion_error(case: tuple[str, tuple[str, ...]]) -> None:
     text, overrides = case
     err = refused(text, overrides)
@@ -212,7 +220,8 @@ def huge_numbers(draw: st.DrawFn) -> str:
                 f"{sign}1.5e+{draw(st.integers(309, 99999))}",
                 sign + ".inf",
                 ".nan",
-                "'" + "9" * digits + draw(st.sampled_from(["", "Gi", "GB", "Ei", "k", "m"])) + "'",  # a size string
+                # a size string; M, not m: 20 nines of milli-bytes are 100 PB, a size a quantity may hold
+                "'" + "9" * digits + draw(st.sampled_from(["", "Gi", "GB", "Ei", "k", "M"])) + "'",
                 "'" + "9" * digits + "." + "9" * digits + "Gi'",
                 f"'1e{draw(st.integers(309, 9999))}Gi'",
                 f"'H100:{'9' * digits}'",
@@ -275,10 +284,10 @@ def test_huge_global_batch_does_not_hang_the_divisor_search() -> None:
 def test_oversized_file_is_refused_without_reading_it_all(tmp_path: Path) -> None:
     big = tmp_path / "big.yaml"
     big.write_text(GOOD + "# " + "x" * (safe_yaml.MAX_BYTES + 10) + "\n")
-    start = time.perf_counter()
+    start = time.process_time()
     with pytest.raises(SpecError, match="more than 1 MiB"):
         load_spec(big)
-    assert time.perf_counter() - start < FAST_S
+    assert time.process_time() - start < FAST_S
     assert "more than 1 MiB" in refused(GOOD + "# " + "x" * (safe_yaml.MAX_BYTES + 10)).issues[0].message
     assert "1 MiB" in refused(GOOD, ("env.X=" + "x" * (safe_yaml.MAX_BYTES + 1),)).issues[0].message
 
@@ -291,9 +300,9 @@ def test_endless_input_is_refused() -> None:
 
 def test_large_legitimate_spec_loads_fast() -> None:
     env = "".join(f"  VAR_{i}: value-{i}\n" for i in range(5000))
-    start = time.perf_counter()
+    start = time.process_time()
     spec = parse_spec(GOOD + "env:\n" + env)
-    assert len(spec.env) == 5000 and time.perf_counter() - start < 3 * FAST_S
+    assert len(spec.env) == 5000 and time.process_time() - start < 3 * FAST_S
 
 
 # --- the parser itself -----------------------------------------------------------------------
@@ -312,7 +321,7 @@ documents = st.recursive(
 )
 
 
-@settings(max_examples=200, deadline=1000)
+@settings(max_examples=200, deadline=None)
 @given(data=documents, flow=st.booleans())
 def test_bounded_composer_reads_what_pyyaml_reads(data: Any, flow: bool) -> None:
     shared = [data, data]  # yaml.dump writes shared objects as an anchor and aliases
@@ -341,11 +350,11 @@ def hostile_files(tmp_path: Path) -> dict[str, Path]:
 @pytest.mark.parametrize("command", ["validate", "render", "plan"])
 def test_cli_exit_2_fast_for_every_hostile_file(command: str, hostile_files: dict[str, Path]) -> None:
     for name, path in hostile_files.items():
-        start = time.perf_counter()
+        start = time.process_time()
         code, text = cli(command, str(path))
         assert code == 2, (name, text)
         assert f"{path}:" in text and "Traceback" not in text, (name, text)
-        assert time.perf_counter() - start < FAST_S, name
+        assert time.process_time() - start < FAST_S, name
 
 
 def test_cli_subprocess_billion_laughs(hostile_files: dict[str, Path]) -> None:

@@ -16,7 +16,7 @@ from jobspec.catalog.presets import ModelShape
 from jobspec.catalog.tiers import CHECKPOINTING, SHARD_ONLY, TIERS, divisors, tier_index
 from jobspec.errors import ConfigError
 
-Attention = Literal["sdpa", "flash", "eager"]
+Attention = Literal["sdpa", "flash", "flash_attention_2", "eager"]
 Precision = Literal["bf16", "fp16", "fp32"]
 
 # Mixed-precision Adam: bf16 weights (2) + bf16 grads (2) + fp32 master, m, v (12) = 16 bytes/param.
@@ -149,7 +149,7 @@ def _states(shape: ModelShape, tier: str, world_size: int, lora: LoraShape | Non
     host copy is a second one. Transient buffers (one module's gradients around its reduce-scatter) are
     left to the overhead, as for zero2. Several ranks accumulating over micro-batches without gradient
     sync hold unsharded fp32 gradients (4t) until the last one, which this does not count.
-    tests/runner/test_offload.py counts these bytes on real tensors.
+    tests/runner/train/test_offload.py counts these bytes on real tensors.
     """
     t = trainable_params(shape, lora)
     w = shape.params + (t if lora else 0)  # weights held: base (frozen with LoRA) + adapters
@@ -181,7 +181,7 @@ def _activations(
     width = 2 if precision == "fp32" else 1  # Korthikanti's bytes assume 16-bit activations
     if attention == "eager":  # the a*s*s attention scores and their softmax/dropout stay in memory
         layer = s * b * (ACT_BYTES * h + 5 * shape.heads * s)
-    elif attention in ("sdpa", "flash"):
+    elif attention in ("sdpa", "flash", "flash_attention_2"):
         layer = ACT_BYTES * s * b * h
     else:
         raise ConfigError(f"unknown attention {attention!r}; expected sdpa, flash or eager")

@@ -1,4 +1,5 @@
-"""Load a spec file: YAML -> JobSpec, with every problem reported at once.
+"""Load a spec file: YAML -> JobSpec, with every problem reported at once: the field errors and the
+cross-field rules on whatever validated (jobspec.spec.partial), in one pass.
 
 Each problem names the file, the line, the field path and a fix. Values that are or may be
 credentials are never echoed back in messages (a mistyped secret must not end up in a CI log).
@@ -24,6 +25,7 @@ from jobspec.errors import ConfigError, SpecError, SpecIssue
 from jobspec.spec import safe_yaml
 from jobspec.spec.credentials import credential_kind
 from jobspec.spec.models import JobSpec
+from jobspec.spec.partial import skipped_problems
 from jobspec.spec.rules import CrossFieldError
 from jobspec.spec.secrets import REF_HINT, SpecSecrets
 
@@ -73,7 +75,7 @@ def parse_spec(text: str, file: str = "<spec>", overrides: Sequence[str] = ()) -
         return JobSpec.model_validate(data)
     except ValidationError as err:
         secrets = SpecSecrets(data)
-        errors = _expand(err.errors())
+        errors = _expand([*err.errors(), *skipped_problems(data)])  # cross-field rules beside the field errors
         issues = [_issue(e, lines, set_paths, secrets) for e in errors[: 10 * MAX_ISSUES]]
         if set_paths:
             issues = _blame_overrides(issues, written, lines, secrets, list(dict.fromkeys(set_paths.values())))
@@ -92,7 +94,8 @@ def _blame_overrides(
         JobSpec.model_validate(written)
         before: set[tuple[str, str]] = set()
     except ValidationError as err:
-        before = {(i.path, i.message) for i in (_issue(e, lines, {}, secrets) for e in _expand(err.errors()))}
+        errors = _expand([*err.errors(), *skipped_problems(written)])
+        before = {(i.path, i.message) for i in (_issue(e, lines, {}, secrets) for e in errors)}
     blamed = ", ".join(sources)
     return [
         dataclasses.replace(i, source=blamed) if i.source is None and (i.path, i.message) not in before else i

@@ -166,7 +166,11 @@ class ModelSpec(Section):
         Field(description="dtype of the stored weights of `path`; training precision is `training.precision`."),
     ] = "auto"
     attention: Annotated[
-        Literal["sdpa", "eager"], Field(description="Attention kernel: sdpa (memory-efficient) or eager.")
+        Literal["sdpa", "eager", "flash_attention_2"],
+        Field(
+            description="Attention kernel: sdpa (memory-efficient, any device), eager, or flash_attention_2 "
+            "(GPU, bf16/fp16, needs the flash-attn package in the image; never replaced by sdpa silently)."
+        ),
     ] = "sdpa"
     lora: Annotated[LoraSpec | None, Field(description="Train LoRA adapters instead of all weights.")] = None
 

@@ -1,15 +1,20 @@
 """Rules that span sections of a spec: each problem names every field involved and a fix.
 
 `JobSpec` runs them after its fields validate; the loader splits the problems by field path so
-that each is reported at its own line. This module never imports the spec: it states what it
-reads as protocols (`SpecView`), which `JobSpec` meets, so the two modules form no import circle.
+that each is reported at its own line. When some fields do not validate, the loader runs them on
+what did (`jobspec.spec.partial`), so one `jobspec validate` reports every problem: a rule that reads
+a field which failed its own validation meets `Unreadable` and is skipped. Each rule is therefore a
+function of its own that reads its inputs before it reports anything.
+
+This module never imports the spec: it states what it reads as protocols (`SpecView`), which
+`JobSpec` meets, so the two modules form no import circle.
 """
 
 from __future__ import annotations
 
 import posixpath
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Protocol
 
 from jobspec.catalog import gpus as gpu_catalogue
@@ -21,6 +26,15 @@ _LABEL_KEY = re.compile(r"^([a-z0-9]([-a-z0-9.]*[a-z0-9])?/)?[A-Za-z0-9]([-A-Za-
 _LABEL_VALUE = re.compile(r"^([A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?)?$")
 
 Problem = tuple[str, str, str | None]  # (field path, message, hint)
+
+
+class Unreadable(Exception):
+    """A rule read a field that failed its own validation: the rule is skipped, its input is reported as it is
+    (a rule judged on a default or a guess would report a problem the user does not have)."""
+
+    def __init__(self, path: str):
+        super().__init__(path)
+        self.path = path
 
 
 class CrossFieldError(ValueError):
@@ -73,6 +87,8 @@ class _Image(Protocol):
 class _Model(Protocol):
     @property
     def preset(self) -> str | None: ...
+    @property
+    def attention(self) -> str: ...
 
 
 class _Data(Protocol):
@@ -120,82 +136,128 @@ class SpecView(Protocol):
 
 
 def cross_field_problems(spec: SpecView) -> list[Problem]:
+    """Every rule's problems; a rule whose inputs did not validate (`Unreadable`) is left out."""
     out: list[Problem] = []
+    for rule in _RULES:
+        try:
+            out += rule(spec)
+        except Unreadable:
+            continue
+    return out
+
+
+def _batch(spec: SpecView) -> list[Problem]:
     hw, tr = spec.hardware, spec.training
     world = hw.world_size
     if tr.global_batch % world:
-        out.append(
+        return [
             (
                 "training.global_batch",
                 f"{tr.global_batch} does not divide over {world} ranks (nodes {hw.nodes} x gpus {hw.gpus.count})",
                 f"use a multiple of {world}, e.g. {max(world, tr.global_batch // world * world)}",
             )
-        )
-    elif isinstance(tr.micro_batch, int) and (tr.global_batch // world) % tr.micro_batch:
+        ]
+    if isinstance(tr.micro_batch, int) and (tr.global_batch // world) % tr.micro_batch:
         per_rank = tr.global_batch // world
         fits = divisors(per_rank)  # O(sqrt n)
-        out.append(
+        return [
             (
                 "training.micro_batch",
                 f"{tr.micro_batch} does not divide the per-rank batch {per_rank} (global_batch / ranks)",
                 f"use one of {fits} or `auto`",
             )
-        )
-    image = (spec.image.name or "").lower()
-    if (hw.vendor == "cuda" and "rocm" in image) or (hw.vendor == "rocm" and re.search(r"cuda|nvidia", image)):
-        out.append(
+        ]
+    return []
+
+
+def _image_vendor(spec: SpecView) -> list[Problem]:
+    image, vendor = (spec.image.name or "").lower(), spec.hardware.vendor
+    if (vendor == "cuda" and "rocm" in image) or (vendor == "rocm" and re.search(r"cuda|nvidia", image)):
+        return [
             (
                 "image.name",
-                f"image {spec.image.name!r} does not match hardware.vendor {hw.vendor!r}",
+                f"image {spec.image.name!r} does not match hardware.vendor {vendor!r}",
                 "use an image built for the vendor, or omit image.name for the default",
             )
-        )
-    info = gpu_catalogue.lookup(hw.gpus.type) if hw.gpus.type else None
-    if hw.vendor == "cpu" and hw.gpus.type:
-        out.append(("hardware.gpus.type", "vendor cpu takes no GPU type", "remove hardware.gpus.type or set vendor"))
-    elif info and info.vendor != hw.vendor:
-        out.append(
+        ]
+    return []
+
+
+def _gpu_type(spec: SpecView) -> list[Problem]:
+    hw = spec.hardware
+    kind = hw.gpus.type
+    info = gpu_catalogue.lookup(kind) if kind else None
+    if hw.vendor == "cpu" and kind:
+        return [("hardware.gpus.type", "vendor cpu takes no GPU type", "remove hardware.gpus.type or set vendor")]
+    if info and info.vendor != hw.vendor:
+        return [
             (
                 "hardware.gpus.type",
                 f"{info.name} is a {info.vendor} GPU but hardware.vendor is {hw.vendor!r}",
                 f"set hardware.vendor: {info.vendor}",
             )
-        )
-    elif hw.gpus.type and not info and hw.gpus.memory is None:
-        close = gpu_catalogue.suggest(hw.gpus.type)
+        ]
+    if kind and not info and hw.gpus.memory is None:
+        close = gpu_catalogue.suggest(kind)
         known = f"one of {', '.join(gpu_catalogue.known_names())}, or give hardware.gpus.memory"
         hint = f"did you mean {' or '.join(close)}? Otherwise use {known}" if close else f"use {known}"
-        out.append(("hardware.gpus.type", f"unknown GPU type {hw.gpus.type!r}", hint))
-    if spec.model.preset:
-        limit = PRESETS[spec.model.preset].max_positions
-        if spec.data.max_seq_len > limit:
-            out.append(
-                (
-                    "data.max_seq_len",
-                    f"{spec.data.max_seq_len} exceeds model preset {spec.model.preset!r}'s {limit} positions",
-                    f"use data.max_seq_len <= {limit}",
-                )
+        return [("hardware.gpus.type", f"unknown GPU type {kind!r}", hint)]
+    return []
+
+
+def _preset_positions(spec: SpecView) -> list[Problem]:
+    preset = spec.model.preset
+    if not preset:
+        return []
+    limit = PRESETS[preset].max_positions
+    if spec.data.max_seq_len > limit:
+        return [
+            (
+                "data.max_seq_len",
+                f"{spec.data.max_seq_len} exceeds model preset {preset!r}'s {limit} positions",
+                f"use data.max_seq_len <= {limit}",
             )
+        ]
+    return []
+
+
+def _checkpoint_dir(spec: SpecView) -> list[Problem]:
     if spec.checkpoints.pvc and not spec.checkpoints.dir.startswith("/"):
-        out.append(
+        return [
             (
                 "checkpoints.dir",
                 f"{spec.checkpoints.dir!r} must be an absolute path when checkpoints.pvc mounts a volume there",
                 "e.g. /checkpoints",
             )
-        )
+        ]
+    return []
+
+
+def _shm_size(spec: SpecView) -> list[Problem]:
+    hw = spec.hardware
     if hw.memory is not None and hw.shm_size > hw.memory:
-        out.append(
+        return [
             (
                 "hardware.shm_size",
                 "exceeds hardware.memory: the memory-backed /dev/shm counts against the pod's memory limit",
                 "lower shm_size or raise hardware.memory",
             )
-        )
-    if spec.data.pvc:
-        out += _data_mount_problems(spec)
+        ]
+    return []
+
+
+def _data_mount(spec: SpecView) -> list[Problem]:
+    return _data_mount_problems(spec) if spec.data.pvc else []
+
+
+def _scheduling_keys(spec: SpecView) -> list[Problem]:
+    out: list[Problem] = []
     for section in ("labels", "annotations", "node_selector"):
-        for key, value in getattr(spec.scheduling, section).items():
+        try:
+            items = getattr(spec.scheduling, section).items()
+        except Unreadable:
+            continue  # one map that did not validate leaves the other two to check
+        for key, value in items:
             if not _LABEL_KEY.match(key) or len(key.rpartition("/")[2]) > 63:
                 out.append((f"scheduling.{section}.{key}", "not a valid Kubernetes key", "e.g. team, example.com/team"))
             elif section != "annotations" and (len(value) > 63 or not _LABEL_VALUE.match(value)):
@@ -206,9 +268,33 @@ def cross_field_problems(spec: SpecView) -> list[Problem]:
                         "at most 63 letters, digits, '-', '_' or '.', starting and ending alphanumeric",
                     )
                 )
-    if hw.vendor == "cpu" and tr.precision == "fp16":
-        out.append(("training.precision", "fp16 autocast is not supported for vendor cpu", "use bf16 or fp32"))
     return out
+
+
+def _cpu_precision(spec: SpecView) -> list[Problem]:
+    if spec.hardware.vendor == "cpu" and spec.training.precision == "fp16":
+        return [("training.precision", "fp16 autocast is not supported for vendor cpu", "use bf16 or fp32")]
+    return []
+
+
+def _flash_attention(spec: SpecView) -> list[Problem]:
+    """flash_attention_2 is a GPU kernel for 16-bit inputs: asked for where it cannot run, it is refused here
+    rather than swapped for sdpa (the runner also checks that the flash_attn package is in the image)."""
+    if spec.model.attention != "flash_attention_2":
+        return []
+    if spec.hardware.vendor == "cpu":
+        return [("model.attention", "flash_attention_2 needs a GPU and hardware.vendor is cpu",
+                 "use model.attention: sdpa, or a cuda/rocm vendor")]  # fmt: skip
+    if spec.training.precision == "fp32":
+        return [("model.attention", "flash_attention_2 runs in bf16/fp16 only and training.precision is fp32",
+                 "set training.precision to auto, bf16 or fp16, or model.attention: sdpa")]  # fmt: skip
+    return []
+
+
+_RULES: tuple[Callable[[SpecView], list[Problem]], ...] = (
+    _batch, _image_vendor, _gpu_type, _preset_positions, _checkpoint_dir, _shm_size, _data_mount,
+    _scheduling_keys, _cpu_precision, _flash_attention,
+)  # fmt: skip
 
 
 def _data_mount_problems(spec: SpecView) -> list[Problem]:
@@ -222,4 +308,3 @@ def _data_mount_problems(spec: SpecView) -> list[Problem]:
     }  # fmt: skip
     owner = taken.get(posixpath.normpath(mount))
     return [("data.mount_path", f"{mount} is already the pod's mount for {owner}", "use e.g. /data")] if owner else []
-

@@ -90,11 +90,6 @@ class _Frame:
 
 def _compose(loader: Any) -> yaml.Node | None:
     """PyYAML's Composer.get_single_node, iterative and counted."""
-    loader.get_event()  # StreamStart
-    if isinstance(loader.peek_event(), yaml.StreamEndEvent):
-        loader.get_event()
-        return None
-    loader.get_event()  # DocumentStart
     anchors: dict[str, tuple[yaml.Node, int, int]] = {}  # name -> (node, nodes it stands for, height)
     stack: list[_Frame] = []
     total = 0
@@ -104,6 +99,24 @@ def _compose(loader: Any) -> yaml.Node | None:
         steps = [f.step() for f in stack]
         path = ".".join(steps if len(steps) <= 6 else [*steps[:6], "..."])
         return (mark.line + 1 if mark else None), path
+
+    def next_event(peek: bool = False) -> yaml.Event:
+        # libyaml refuses 1000 levels of flow nesting itself, and its scanner reads up to 1024 characters
+        # ahead of the events (a simple key's lookahead): `[[[...` on one line crosses 1000 levels before
+        # the stack below reaches MAX_DEPTH. The same problem, said the same way (and never a "YAML error"
+        # that --set would take for text).
+        try:
+            return loader.peek_event() if peek else loader.get_event()
+        except yaml.MarkedYAMLError as err:
+            if "maximum nesting depth" in str(err.problem):
+                raise _too_deep(*where(err.problem_mark)) from None
+            raise
+
+    next_event()  # StreamStart
+    if isinstance(next_event(peek=True), yaml.StreamEndEvent):
+        next_event()
+        return None
+    next_event()  # DocumentStart
 
     def add(node: yaml.Node, size: int, height: int, mark: Any, new: int) -> None:
         """Attach `node` (standing for `size` nodes, `height` levels) to its parent; `new` nodes are counted."""
@@ -132,7 +145,7 @@ def _compose(loader: Any) -> yaml.Node | None:
         top.height = max(top.height, height)
 
     while True:
-        event = loader.get_event()
+        event = next_event()
         anchor = getattr(event, "anchor", None)
         if anchor is not None and anchor in anchors and not isinstance(event, yaml.AliasEvent):
             first = anchors[anchor][0].start_mark.line + 1
@@ -178,8 +191,8 @@ def _compose(loader: Any) -> yaml.Node | None:
             add(frame.node, size, height, frame.node.start_mark, new=1)  # its children are counted
         elif isinstance(event, yaml.DocumentEndEvent):
             break
-    if not isinstance(loader.peek_event(), yaml.StreamEndEvent):
-        other = loader.get_event()
+    if not isinstance(next_event(peek=True), yaml.StreamEndEvent):
+        other = next_event()
         raise ComposerError(None, None, "a second document (`---`): a spec is a single document", other.start_mark)
     return root
 

@@ -1,13 +1,18 @@
-"""Value types that parse human shorthand once: byte sizes ("16Gi", "20GB") and GPU
-requests ("H100:8"). The parsed value is what the rest of the code sees.
+"""Value types that parse human shorthand once: byte sizes ("16Gi", "20GB", "1e10"), CPU requests
+("500m") and GPU requests ("H100:8"). The parsed value is what the rest of the code sees.
+
+Sizes and CPU requests follow Kubernetes' quantity grammar (what the API server will parse), so a
+spelling means here what it means in the manifest: '500000m' of memory is 500 bytes, never 500 MB.
 
 Each type's JSON Schema (`jobspec schema`) accepts every spelling its parser accepts, so an
 editor does not flag `gpus: H100:8` or `memory: 16Gi`."""
 
 from __future__ import annotations
 
+import decimal
 import math
 import re
+import typing
 from fractions import Fraction
 from typing import Annotated, Any
 
@@ -15,14 +20,27 @@ from pydantic import BeforeValidator, PlainSerializer, WithJsonSchema
 
 from jobspec.errors import HintedValueError
 
-_UNITS = {
-    "": 1,
-    "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3, "t": 1000**4, "tb": 1000**4,
-    "ki": 1024, "kib": 1024, "mi": 1024**2, "mib": 1024**2, "gi": 1024**3, "gib": 1024**3,
-    "ti": 1024**4, "tib": 1024**4, "pi": 1024**5, "pib": 1024**5, "ei": 1024**6, "eib": 1024**6,
-    "p": 1000**5, "pb": 1000**5, "e": 1000**6, "eb": 1000**6,
+# Kubernetes' quantity grammar (apimachinery resource.Quantity), which the API server parses:
+#   <signed number><suffix>; number 16, 1.5, 16. or .5; suffix a binary SI unit (Ki Mi Gi Ti Pi Ei), a
+#   decimal SI unit (n u m "" k M G T P E) or a decimal exponent (e3, E-2). Case counts: m is milli, M mega.
+_NUMBER = r"[+-]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)"
+_QUANTITY = re.compile(rf"({_NUMBER})(?:([eE][+-]?[0-9]+)|([A-Za-z]*))", re.ASCII)  # as the API server reads it
+_SPACED = re.compile(rf"\s*({_NUMBER})(?:([eE][+-]?[0-9]+)|\s*([A-Za-z]*))\s*", re.ASCII)  # sizes: '16 Gi' too
+_KUBERNETES_UNITS: dict[str, int | Fraction] = {
+    "Ki": 1024, "Mi": 1024**2, "Gi": 1024**3, "Ti": 1024**4, "Pi": 1024**5, "Ei": 1024**6,
+    "n": Fraction(1, 10**9), "u": Fraction(1, 10**6), "m": Fraction(1, 10**3), "": 1,
+    "k": 1000, "M": 1000**2, "G": 1000**3, "T": 1000**4, "P": 1000**5, "E": 1000**6,
 }  # fmt: skip
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+# Sizes people write that Kubernetes refuses, read in any case: 20GB, 16GiB, 16gi, 512K, 64g. Never a
+# lone m: that is milli in a quantity (Docker's 512m, 512 MB, is 0.512 bytes to Kubernetes).
+_SIZE_EXTRAS = {
+    "k": 1000, "g": 1000**3, "t": 1000**4, "p": 1000**5, "e": 1000**6,
+    "kb": 1000, "mb": 1000**2, "gb": 1000**3, "tb": 1000**4, "pb": 1000**5, "eb": 1000**6,
+    "ki": 1024, "mi": 1024**2, "gi": 1024**3, "ti": 1024**4, "pi": 1024**5, "ei": 1024**6,
+    "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4, "pib": 1024**5, "eib": 1024**6,
+}  # fmt: skip
+_BELOW_ONE = {"n": "nano", "u": "micro", "m": "milli"}  # Kubernetes' units that divide
+MAX_DIGITS = 40  # 8Ei has 19 digits; Fraction would parse thousands of them slowly
 MAX_BYTES = 2**63 - 1  # a Kubernetes quantity is a 64-bit integer (8 EiB)
 # A size without a unit is bytes (as in Kubernetes). Every size in a spec is memory for a pod, a GPU,
 # /dev/shm or a weights file: below 1 MiB a bare number is a missing unit ("memory: 64"), not a setting.
@@ -30,8 +48,45 @@ MIN_BARE_BYTES = 1024**2
 _TOO_LARGE = f"too large: a size is at most {MAX_BYTES} bytes (2^63 - 1, just under 8Ei)"
 
 
-def parse_bytes(value: Any) -> int:
-    """'16Gi' -> 17179869184, '20GB' -> 20e9, 1024 -> 1024. Kubernetes and human suffixes."""
+class _Quantity(typing.NamedTuple):
+    value: Fraction  # exact: no float rounding or overflow
+    number: str  # as written, sign included
+    unit: str  # the suffix as written; "" for a bare number or an exponent
+    exponent: bool  # written as 1e10
+
+
+def _quantity(
+    text: str, units: typing.Callable[[str], int | Fraction | None], grammar: re.Pattern[str] = _QUANTITY
+) -> _Quantity | None:
+    """`text` read by the quantity grammar (None: not a quantity); `units` maps a suffix to its factor."""
+    match = grammar.fullmatch(text)
+    if not match:
+        return None
+    number, exponent, unit = match.group(1), match.group(2), match.group(3) or ""
+    factor = units(unit)
+    if factor is None:
+        return None
+    whole, _, fraction = number.lstrip("+-").partition(".")
+    if len(whole.lstrip("0")) > MAX_DIGITS and not exponent:  # past every bound (and no 5000-digit Fraction)
+        return _Quantity(Fraction(10) ** 60 * (-1 if number[0] == "-" else 1), number, unit, False)
+    if len(whole.lstrip("0")) > MAX_DIGITS or len(whole) + len(fraction) > 4 * MAX_DIGITS:
+        return None  # digits by the hundred, before an exponent, or after the point: no quantity anyone writes
+    value = Fraction(number) * factor
+    if exponent:
+        # |exponent| <= 60 keeps the arithmetic small and changes no result: a nonzero number of at most
+        # MAX_DIGITS whole digits times 10^60 is past every bound; times 10^-60, less than any unit.
+        digits = exponent[1:].lstrip("+-").lstrip("0") or "0"
+        power = min(60, int(digits)) if len(digits) <= 6 else 60
+        value *= Fraction(10) ** (-power if "-" in exponent else power)
+    return _Quantity(value, number, unit, bool(exponent))
+
+
+def _size_unit(unit: str) -> int | Fraction | None:
+    return _KUBERNETES_UNITS.get(unit, _SIZE_EXTRAS.get(unit.lower()))
+
+
+def _read_size(value: Any) -> tuple[int, _Quantity | None]:
+    """(bytes, the quantity as written; None for a YAML number). A fraction of a byte: see parse_bytes."""
     if isinstance(value, bool):
         raise ValueError("expected a size such as '16Gi', not a boolean")
     if isinstance(value, float):
@@ -45,35 +100,73 @@ def parse_bytes(value: Any) -> int:
             raise ValueError("a size cannot be negative")
         if value > MAX_BYTES:
             raise ValueError(_TOO_LARGE)
-        return value
+        return value, None
     if not isinstance(value, str):
         raise ValueError(f"expected a size such as '16Gi' or '20GB', got {type(value).__name__}")
-    match = _SIZE.match(value)
-    if not match or match.group(2).lower() not in _UNITS:
+    quantity = _quantity(value, _size_unit, _SPACED)
+    if quantity is None:
         raise ValueError(f"{_shown(value)} is not a size; write e.g. '16Gi', '512Mi' or '20GB'")
-    if len(match.group(1)) > 40:  # 8Ei has 19 digits; Fraction would parse thousands of them slowly
-        raise ValueError(_TOO_LARGE)
-    size = Fraction(match.group(1)) * _UNITS[match.group(2).lower()]  # exact: no float rounding or overflow
+    if quantity.number.startswith("-"):  # '-0k' too: the schema allows no '-'
+        raise ValueError("a size cannot be negative")
+    if quantity.value.denominator != 1 and not quantity.unit:
+        raise ValueError(f"{_shown(value)} bytes: a size in bytes is a whole number; write e.g. '1.5Gi' with a unit")
+    size = math.ceil(quantity.value)
     if size > MAX_BYTES:
         raise ValueError(_TOO_LARGE)
-    return int(size)
+    return size, quantity
+
+
+def parse_bytes(value: Any) -> int:
+    """'16Gi' -> 17179869184, '20GB' -> 20e9, '1e10' -> 10^10, 1024 -> 1024: a Kubernetes quantity, or a
+    size as people write it (20GB, 16GiB, 512K, 64g; any case, except that m is milli and M mega).
+
+    A unit that leaves a fraction of a byte ('1.1Gi' = 1181116006.4) rounds up to the next byte, as
+    Kubernetes' own Quantity.Value() does for a memory request: what the manifest carries (a whole
+    number) is then what the node enforces. A number without a unit is bytes and must be whole
+    ('1048576.5' is refused): a fraction there is a slip, not a rounding.
+    """
+    return _read_size(value)[0]
 
 
 def parse_size(value: Any) -> int:
-    """A spec's size: `parse_bytes`, refusing a number without a unit below MIN_BARE_BYTES."""
-    size = parse_bytes(value)
-    if size < MIN_BARE_BYTES and is_bare_number(value):
+    """A spec's size: `parse_bytes`, refusing below MIN_BARE_BYTES a size that has no unit (64, '1e3')
+    or a unit below a byte ('40000m' is 40 bytes): a forgotten unit, or Docker's m for mega."""
+    size, quantity = _read_size(value)
+    if size >= MIN_BARE_BYTES:
+        return size
+    if quantity is not None and quantity.unit in _BELOW_ONE:
+        number, unit = quantity.number.lstrip("+"), quantity.unit
+        raise HintedValueError(
+            f"{_shown(value)} was read as {number} {_BELOW_ONE[unit]}-bytes = {_decimal(quantity.value)} bytes: "
+            f"in a Kubernetes quantity '{unit}' is {_BELOW_ONE[unit]}"
+            + (" (a thousandth), not mega" if unit == "m" else ""),
+            f"for mebibytes write {number}Mi, for megabytes (10^6 bytes) {number}M",
+        )
+    if quantity is not None and quantity.exponent:
+        raise HintedValueError(
+            f"{_shown(value)} is {size} bytes? a number without a unit counts bytes",
+            "write a size with a unit, e.g. 16Gi; a number of bytes is at least 1 MiB (1e10 is 10 GB)",
+        )
+    if quantity is None or not quantity.unit:
         fix = f"write {size}Gi or {size}Mi (or {size}G, 10^9 bytes)" if size else "write a size with a unit, e.g. 16Gi"
         raise HintedValueError(f"{size} bytes? a size without a unit counts bytes", fix)
     return size
 
 
 def is_bare_number(value: Any) -> bool:
-    """A number (or a text of digits) without a unit."""
+    """A number without a unit: a YAML number, or a text of digits (1048576, +24, 1e10)."""
     if isinstance(value, str):
-        match = _SIZE.match(value)
-        return bool(match) and not match.group(2)
+        match = _SPACED.fullmatch(value)
+        return bool(match) and not match.group(3)
     return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _decimal(value: Fraction) -> str:
+    # Exact: a unit's denominator divides 10^9, and the number has at most 4 * MAX_DIGITS digits.
+    with decimal.localcontext() as ctx:
+        ctx.prec = 6 * MAX_DIGITS
+        text = format(decimal.Decimal(value.numerator) / decimal.Decimal(value.denominator), "f")
+    return text.rstrip("0").rstrip(".") if "." in text else text
 
 
 def _shown(value: str) -> str:
@@ -96,8 +189,10 @@ def format_bytes(n: int) -> str:
     return f"{digits[:-3]}.{digits[-3:]}".rstrip("0").rstrip(".") + "k"
 
 
-# A number with a unit (`parse_bytes`' suffixes, any case), or 7+ digits (bytes; fewer are refused).
-SIZE_PATTERN = r"^\s*(\d{7,}(\.\d+)?|\d+(\.\d+)?\s*[kKmMgGtTpPeE][iI]?[bB]?)\s*$"
+# Every spelling parse_size may accept: 7+ digits (bytes; fewer are refused), a number with an exponent,
+# or a number with a unit (Kubernetes' and the extras, any case). A sign only as '+': a size is not negative.
+_UNSIGNED = r"([0-9]+(\.[0-9]*)?|\.[0-9]+)"
+SIZE_PATTERN = rf"^\s*\+?([0-9]{{7,}}(\.[0-9]*)?|{_UNSIGNED}([eE][+-]?[0-9]+|\s*([kKmMgGtTpPeE][iI]?[bB]?|[nu])))\s*$"
 
 ByteSize = Annotated[
     int,
@@ -114,27 +209,51 @@ ByteSize = Annotated[
     ),
 ]
 
-_CPU = re.compile(r"^\d+(\.\d+)?m?$")
+MAX_CPUS = 10**6
+MIN_CPU = Fraction(1, 1000)  # 1m: the finest CPU request a node grants (Kubernetes rounds a smaller one up)
+_CPU_EXAMPLES = "write e.g. 8, 0.5 or '500m'"
 
 
 def parse_cpu(value: Any) -> str:
-    """CPU request as a Kubernetes quantity: 8, 0.5 or '500m'."""
+    """CPU request: a Kubernetes quantity (8, 0.5, '500m', '1e3'), kept as written for the manifest.
+
+    Kubernetes' grammar exactly (case counts: 'm' is milli; '2K' is refused, as the API server refuses
+    it), between 1m and a million CPUs. A fraction of a millicore ('1.5m') is Kubernetes' to round up.
+    """
     if isinstance(value, bool) or not isinstance(value, (int, float, str)):
         raise ValueError("expected a CPU count such as 8, 0.5 or '500m'")
     if isinstance(value, float) and not math.isfinite(value):
         raise ValueError("expected a CPU count such as 8, 0.5 or '500m', not an infinite or NaN number")
-    if isinstance(value, int) and value > 10**6:  # before str(): a 5000-digit int cannot even be printed
-        raise ValueError("more than a million CPUs: write the request per pod, e.g. 8 or '500m'")
-    text = str(value).strip()
-    if len(text) > 24 or not _CPU.match(text) or float(text.rstrip("m")) <= 0:
-        raise ValueError(f"{_shown(text)} is not a CPU count; write e.g. 8, 0.5 or '500m'")
-    if float(text.rstrip("m")) / (1000 if text.endswith("m") else 1) > 10**6:
-        raise ValueError("more than a million CPUs: write the request per pod, e.g. 8 or '500m'")
+    if isinstance(value, int) and value > MAX_CPUS:  # before str(): a 5000-digit int cannot even be printed
+        raise ValueError(f"more than a million CPUs: give the request per pod; {_CPU_EXAMPLES}")
+    text = str(value).strip()  # str(1e-05) is '1e-05': a quantity too
+    quantity = _quantity(text, _KUBERNETES_UNITS.get) if len(text) <= 32 else None
+    if quantity is None:
+        raise ValueError(f"{_shown(text)} is not a CPU count; {_CPU_EXAMPLES}")
+    if quantity.value <= 0:
+        raise ValueError(f"{_shown(text)} CPUs: a CPU request must be more than 0; {_CPU_EXAMPLES}")
+    if quantity.value < MIN_CPU:
+        raise ValueError(f"{_shown(text)} is below 1m (a thousandth of a CPU), the smallest request; {_CPU_EXAMPLES}")
+    if quantity.value > MAX_CPUS:
+        raise ValueError(f"more than a million CPUs: give the request per pod; {_CPU_EXAMPLES}")
     return text
 
 
+# parse_cpu's text forms: Kubernetes' quantity grammar (a sign only as '+': a request is not negative).
+CPU_PATTERN = rf"^\s*\+?{_UNSIGNED}([eE][+-]?[0-9]+|[numkMGTPE]|[KMGTPE]i)?\s*$"
+
 CpuQuantity = Annotated[
-    str, BeforeValidator(parse_cpu), WithJsonSchema({"type": ["string", "number"], "examples": [8, "500m"]})
+    str,
+    BeforeValidator(parse_cpu),
+    WithJsonSchema(
+        {
+            "anyOf": [
+                {"type": "string", "pattern": CPU_PATTERN},
+                {"type": "number", "exclusiveMinimum": 0, "maximum": MAX_CPUS},
+            ],
+            "examples": [8, "500m"],
+        }
+    ),
 ]
 
 

@@ -82,7 +82,7 @@ class Prefetcher:
             pin_memory=self.pin_memory,
             prefetch_factor=2 if self.num_workers else None,
             # Its own generator: iter() draws a base seed, which from the global one would shift dropout's
-            # random numbers and break exact resume (tests/runner/test_resume.py, lora-dropout).
+            # random numbers and break exact resume (tests/runner/checkpoint/test_resume.py, lora-dropout).
             generator=torch.Generator().manual_seed(0),
         )
         self._it = iter(loader)

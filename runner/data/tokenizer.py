@@ -72,7 +72,7 @@ class ByteTokenizer:
 
         A byte-level BPE with no merges over GPT-2's byte-to-character table gives id b to byte b; the
         specials are added tokens 256-261 and the chat template renders exactly `render`'s ids (checked in
-        tests/runner/test_export.py). Text that spells a special token (`<|user|>`) is that token in the
+        tests/runner/output/test_export.py). Text that spells a special token (`<|user|>`) is that token in the
         exported tokenizer but plain bytes here; the training data never relies on the difference.
         """
         from tokenizers import AddedToken, decoders, models, pre_tokenizers

@@ -47,6 +47,11 @@ def check(spec: JobSpec) -> None:
     rules_from_env()  # bad JOBSPEC_FAULT_OOM text: ConfigError naming the variable
     tracking.check_packages(spec)
     check_attention(spec)
+    if spec.memory.tier == "zero2_offload" and spec.hardware.vendor != "cpu" and find_spec("torchao") is None:
+        raise ConfigError(
+            "memory.tier zero2_offload steps the optimizer on the host with torchao, which is not installed: "
+            "pip install 'jobspec-k8s[offload]' (the CUDA and ROCm images carry it), or choose another memory.tier"
+        )
 
 
 def check_attention(spec: JobSpec) -> None:

@@ -9,7 +9,7 @@ Tier -> FSDP2 (accelerate `fsdp_version=2`, one FSDP unit per transformer block)
     zero3          reshard_after_forward=True: parameters sharded too (FULL_SHARD)
     minimal        as zero3 plus CPUOffloadPolicy (parameters, gradients and the optimizer step on the host)
 Activation checkpointing follows `plan.checkpointing` (transformers' non-reentrant checkpointing).
-What each tier holds, per device: jobspec/plan/memory.py `_states`, checked by tests/runner/test_offload.py.
+What each tier holds, per device: jobspec/plan/memory.py `_states`, checked by tests/runner/train/test_offload.py.
 
 CPU: accelerate 1.15 turns an `fsdp_plugin` into DistributedType.FSDP only for accelerator device
 types (MULTI_GPU, ...); for MULTI_CPU it silently trains with DDP. torch's FSDP2 itself runs on CPU

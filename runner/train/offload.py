@@ -49,13 +49,13 @@ HYPERPARAMETERS = ("lr", "betas", "eps", "weight_decay")
 
 
 def cpu_offload_optimizer() -> type[torch.optim.Optimizer]:
-    """torchao's CPUOffloadOptimizer, imported on first use (torchao is the `runner` extra's, GPU only)."""
+    """torchao's CPUOffloadOptimizer, imported on first use (the `offload` extra, GPU only)."""
     try:
         from torchao.optim import CPUOffloadOptimizer
     except ImportError as err:
         raise ConfigError(
             f"memory.tier zero2_offload steps the optimizer on the host with torchao's CPUOffloadOptimizer, and "
-            f"torchao cannot be imported ({err}): pip install torchao, or {install_hint('runner')}"
+            f"torchao cannot be imported ({err}): pip install torchao, or {install_hint('offload')}"
         ) from err
     return CPUOffloadOptimizer
 

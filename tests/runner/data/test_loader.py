@@ -12,7 +12,7 @@ from runner.data.dataset import DataOrder, load_data, micro_batches, rank_slice
 from runner.data.loader import Prefetcher
 from runner.data.tokenizer import load_tokenizer
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 @pytest.fixture(scope="module")

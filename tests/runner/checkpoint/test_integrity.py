@@ -19,7 +19,7 @@ from jobspec.contract import EXIT_CONFIG, EXIT_OK
 from runner.checkpoint import manifest, store
 from runner.checkpoint.store import DamagedCheckpoint
 from runner.output import export
-from tests.runner.test_checkpoint import CTRL, save, small_model
+from tests.runner.checkpoint.test_checkpoint import CTRL, save, small_model
 from tests.runner.train_helpers import (
     records,
     run_supervisor,

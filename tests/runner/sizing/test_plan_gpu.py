@@ -24,7 +24,7 @@ GiB = 1024**3
 
 def sizing() -> ModuleType:
     """bench/sizing.py, the one home of the real GPT-2 probe step and the exhaustive search."""
-    path = Path(__file__).resolve().parents[2] / "bench" / "sizing.py"
+    path = Path(__file__).resolve().parents[3] / "bench" / "sizing.py"
     spec = importlib.util.spec_from_file_location("bench_sizing", path)
     assert spec and spec.loader
     module = importlib.util.module_from_spec(spec)

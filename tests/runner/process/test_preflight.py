@@ -92,3 +92,13 @@ def test_preflight_names_a_tracker_whose_client_is_missing(tmp_path, monkeypatch
     monkeypatch.setattr(tracking.importlib.util, "find_spec", lambda n, *a: None if n == "mlflow" else real(n, *a))
     with pytest.raises(ConfigError, match="pip install mlflow"):
         preflight.check(tiny_spec(tmp_path, tracking={"mlflow": True}))
+
+
+def test_zero2_offload_on_a_gpu_without_torchao_is_refused_before_any_import(tmp_path, monkeypatch) -> None:
+    real = preflight.find_spec
+    monkeypatch.setattr(preflight, "find_spec", lambda name: None if name == "torchao" else real(name))
+    gpu = {"vendor": "cuda", "gpus": "H100:1"}
+    spec = tiny_spec(tmp_path / "run", memory={"tier": "zero2_offload"}, hardware=gpu)
+    with pytest.raises(ConfigError, match=r"zero2_offload.*torchao.*jobspec-k8s\[offload\]"):
+        preflight.check(spec)
+    preflight.check(tiny_spec(tmp_path / "run2", memory={"tier": "zero2_offload"}))  # CPU: trains as zero2

@@ -1,6 +1,6 @@
 """Checkpoints: round trip, DONE marker, pruning, existing targets, and crashes while writing.
 
-Damage, verification and resume from the newest intact one: tests/runner/test_integrity.py."""
+Damage, verification and resume from the newest intact one: tests/runner/checkpoint/test_integrity.py."""
 
 from __future__ import annotations
 
@@ -109,7 +109,7 @@ def test_an_unrelated_error_while_writing_is_not_a_storage_error(tmp_path, monke
 KILLED_WRITER = textwrap.dedent("""
     import sys, time
     from runner.checkpoint import store
-    from tests.runner.test_checkpoint import CTRL, small_model
+    from tests.runner.checkpoint.test_checkpoint import CTRL, small_model
 
     root, where = sys.argv[1], sys.argv[2]
     model, opt = small_model()
