@@ -8,8 +8,6 @@ A rule whose own inputs did not validate is skipped, never judged on a default: 
 from __future__ import annotations
 
 import re
-import types
-import typing
 from pathlib import Path
 
 import pytest
@@ -20,20 +18,9 @@ from pydantic import BaseModel
 
 from jobspec.errors import SpecError
 from jobspec.spec.loader import parse_spec
-from jobspec.spec.models import JobSpec
+from jobspec.spec.models import JobSpec, annotation_types
 from tests.cli_helpers import cli, run_cli
-
-GOOD = """\
-name: demo
-model:
-  preset: tiny
-training:
-  global_batch: 8
-  steps: 10
-hardware:
-  vendor: cuda
-  gpus: H100:2
-"""
+from tests.test_errors_help import GOOD  # a valid spec for one cuda node of 2 x H100
 
 
 def validate(tmp_path: Path, text: str, *overrides: str) -> tuple[int, str]:
@@ -196,19 +183,11 @@ def _paths(model: type[BaseModel], prefix: tuple[str, ...] = ()) -> list[tuple[s
     out = []
     for name, field in model.model_fields.items():
         out.append((*prefix, name))
-        inner = [a for a in _flatten(field.annotation) if isinstance(a, type) and issubclass(a, BaseModel)]
+        inner = [a for a in annotation_types(field.annotation) if isinstance(a, type) and issubclass(a, BaseModel)]
         if inner and len(prefix) < 3:
             out += _paths(inner[0], (*prefix, name))
     return out
 
-
-def _flatten(annotation: object) -> list[object]:
-    origin = typing.get_origin(annotation)
-    if origin is typing.Annotated:
-        return _flatten(typing.get_args(annotation)[0])
-    if origin in (typing.Union, types.UnionType):
-        return [a for arg in typing.get_args(annotation) for a in _flatten(arg)]
-    return [annotation]
 
 
 PATHS = _paths(JobSpec)

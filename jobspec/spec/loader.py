@@ -12,7 +12,6 @@ import copy
 import dataclasses
 import os
 import re
-import types
 import typing
 from collections.abc import Sequence
 from pathlib import Path
@@ -24,7 +23,7 @@ from pydantic import BaseModel, ValidationError
 from jobspec.errors import ConfigError, SpecError, SpecIssue
 from jobspec.spec import safe_yaml
 from jobspec.spec.credentials import credential_kind
-from jobspec.spec.models import JobSpec
+from jobspec.spec.models import JobSpec, annotation_types
 from jobspec.spec.partial import skipped_problems
 from jobspec.spec.rules import CrossFieldError
 from jobspec.spec.secrets import REF_HINT, SpecSecrets
@@ -324,19 +323,11 @@ def _is_internal_tag(step: Any) -> bool:
 
 def _model_fields(annotation: Any) -> dict[str, Any] | None:
     """Field name -> annotation of the model inside `annotation` (unwrapping Optional/Annotated)."""
-    for candidate in _flatten(annotation):
+    for candidate in annotation_types(annotation):
         if isinstance(candidate, type) and issubclass(candidate, BaseModel):
             return {name: f.annotation for name, f in candidate.model_fields.items()}
     return None
 
-
-def _flatten(annotation: Any) -> list[Any]:
-    origin = typing.get_origin(annotation)
-    if origin is typing.Annotated:
-        return _flatten(typing.get_args(annotation)[0])
-    if origin in (typing.Union, types.UnionType):
-        return [a for arg in typing.get_args(annotation) for a in _flatten(arg)]
-    return [annotation]
 
 
 def _describe(e: dict[str, Any], loc: Loc) -> tuple[str, str | None]:
@@ -423,7 +414,7 @@ def _annotation_at(loc: Loc) -> Any:
                 return None
             model = fields[step]
         else:  # list[X] or dict[str, X]: step is an index or key, descend into X
-            items = [typing.get_args(a)[-1] for a in _flatten(model) if typing.get_origin(a) in (list, dict)]
+            items = [typing.get_args(a)[-1] for a in annotation_types(model) if typing.get_origin(a) in (list, dict)]
             if not items:
                 return None
             model = items[0]

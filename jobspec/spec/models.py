@@ -12,6 +12,8 @@ CPU, a sixth of the models' build time). The methods name their own class in quo
 import hashlib
 import json
 import re
+import types
+import typing
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
@@ -64,6 +66,17 @@ OnOffAuto = Annotated[
     Literal["auto", "on", "off"], BeforeValidator(_on_off, json_schema_input_type=Literal["auto", "on", "off"] | bool)
 ]
 
+
+
+def annotation_types(annotation: Any) -> list[Any]:
+    """The types an annotation admits, Annotated and unions unwrapped: `Annotated[A | None, ...]` -> [A, None].
+    For the loader (where a problem's path leads), the one-pass rules and the tests that walk the models."""
+    origin = typing.get_origin(annotation)
+    if origin is typing.Annotated:
+        return annotation_types(typing.get_args(annotation)[0])
+    if origin in (typing.Union, types.UnionType):
+        return [a for arg in typing.get_args(annotation) for a in annotation_types(arg)]
+    return [annotation]
 
 class Section(BaseModel):
     # allow_inf_nan: `.inf` or an overflowing 1e999 is never a setting.

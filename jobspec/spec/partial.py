@@ -15,14 +15,13 @@ it does pydantic's. Only a spec that failed pays for this.
 from __future__ import annotations
 
 import functools
-import types
 import typing
 from collections.abc import Callable
 from typing import Annotated, Any
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, PydanticUserError, TypeAdapter, ValidationError
 
-from jobspec.spec.models import JobSpec
+from jobspec.spec.models import JobSpec, annotation_types
 from jobspec.spec.rules import Unreadable
 
 Loc = tuple[str | int, ...]
@@ -154,17 +153,9 @@ def _section(model: type[BaseModel], name: str, raw: Any) -> tuple[type[BaseMode
                 raw = meta.func(raw)  # type: ignore[call-arg]
             except (ValueError, TypeError):
                 return None
-    inner = [a for a in _flatten(field.annotation) if isinstance(a, type) and issubclass(a, BaseModel)]
+    inner = [a for a in annotation_types(field.annotation) if isinstance(a, type) and issubclass(a, BaseModel)]
     return (inner[0], raw) if len(inner) == 1 and isinstance(raw, dict) else None
 
-
-def _flatten(annotation: Any) -> list[Any]:
-    origin = typing.get_origin(annotation)
-    if origin is typing.Annotated:
-        return _flatten(typing.get_args(annotation)[0])
-    if origin in (typing.Union, types.UnionType):
-        return [a for arg in typing.get_args(annotation) for a in _flatten(arg)]
-    return [annotation]
 
 
 _CONFIG = ConfigDict(allow_inf_nan=False)  # the sections' own setting, for a field that is not a model

@@ -198,19 +198,27 @@ CHAT_TEMPLATE = (
 )
 
 
-def save_test_tokenizer(path: Path) -> None:
-    """A small byte-level BPE tokenizer with a chat template, trained here (nothing downloaded)."""
+def save_test_tokenizer(
+    path: Path,
+    template: str | None = None,
+    *,
+    specials: tuple[str, ...] = ("<|end|>", "<|pad|>", "<|system|>", "<|user|>", "<|assistant|>"),
+    vocab: int = 300,
+    **named: str,
+) -> None:
+    """A small byte-level BPE tokenizer with a chat template, trained here on the bundled data (nothing
+    downloaded). `named`: its special tokens by role (eos_token, pad_token, bos_token), from `specials`."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    specials = ["<|end|>", "<|pad|>", "<|system|>", "<|user|>", "<|assistant|>"]
     bpe = Tokenizer(models.BPE())
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     bpe.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=300, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+        vocab_size=vocab, special_tokens=list(specials), initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
     )
-    bpe.train_from_iterator(BUNDLED.read_text().splitlines()[:300], trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|end|>", pad_token="<|pad|>")
-    fast.chat_template = CHAT_TEMPLATE
+    bpe.train_from_iterator(BUNDLED.read_text().splitlines()[:vocab], trainer)
+    roles = named or {"eos_token": "<|end|>", "pad_token": "<|pad|>"}
+    fast = PreTrainedTokenizerFast(tokenizer_object=bpe, **roles)
+    fast.chat_template = CHAT_TEMPLATE if template is None else template
     fast.save_pretrained(path)

@@ -9,8 +9,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from runner.data.dataset import BUNDLED, flatten
+from runner.data.dataset import flatten
 from runner.data.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
+from tests.runner.train_helpers import save_test_tokenizer
 
 SPECIALS = ["<|im_start|>", "<|im_end|>", "<|pad|>", "<|bos|>", "<|end|>"]
 CHATML = (
@@ -59,20 +60,8 @@ CHATS = [
 
 def hf_tokenizer(path: Path, template: str) -> HFTokenizer:
     """A byte-level BPE trained here on the bundled data (nothing downloaded), saved and loaded back."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    bpe = Tokenizer(models.BPE())
-    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    bpe.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=400, special_tokens=SPECIALS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
-    )
-    bpe.train_from_iterator(BUNDLED.read_text().splitlines()[:400], trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token="<|bos|>", eos_token="<|im_end|>",
-                                   pad_token="<|pad|>")  # fmt: skip
-    fast.chat_template = template
-    fast.save_pretrained(path)
+    save_test_tokenizer(path, template, specials=tuple(SPECIALS), vocab=400, bos_token="<|bos|>",
+                        eos_token="<|im_end|>", pad_token="<|pad|>")  # fmt: skip
     tok = load_tokenizer(str(path), model_vocab=1000)
     assert isinstance(tok, HFTokenizer)
     return tok
