@@ -67,8 +67,8 @@ def _missing(package: str, names: str, needed_for: str) -> ConfigError:
     return ConfigError(
         f"{package} {_version(package)} lacks {names}, which jobspec needs for {needed_for} "
         f"(checked on {package} {CHECKED[package]}): install one of those versions "
-        f"(pip install '{package}=={CHECKED[package].split(', ')[-1]}.*') or a jobspec release that supports {package} "
-        f"{_version(package)}"
+        f"(pip install '{package}=={CHECKED[package].split(', ')[-1]}.*'), or a jobspec-k8s release that supports "
+        f"{package} {_version(package)}"
     )
 
 

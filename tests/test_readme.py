@@ -81,6 +81,13 @@ def test_every_package_is_in_a_layer() -> None:
             assert f" {pkg.name}/ " in text, f"{root}/{pkg.name}/ is in no import-linter layer"
 
 
+def test_source_files_named_in_readme_exist() -> None:
+    """A file the README points a reader to is where it says (the layout moves; the prose must follow)."""
+    named = set(re.findall(r"\b((?:runner|jobspec|tests|bench|images|\.ci)/[\w/.-]+\.(?:py|sh|json))\b", README))
+    missing = sorted(n for n in named if not (ROOT / n).is_file() and "/out/" not in n)
+    assert not missing, missing
+
+
 def test_examples_named_in_readme_exist() -> None:
     for name in set(re.findall(r"examples/([\w.]+\.yaml)", README)):
         assert (ROOT / "examples" / name).is_file(), name
