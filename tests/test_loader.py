@@ -273,3 +273,14 @@ def test_fields_the_api_server_would_reject(override: str, field: str | None, wo
         parse_spec(GOOD, overrides=[override])
     issue = next(i for i in info.value.issues if i.path == field)
     assert words in issue.message
+
+
+def test_the_spec_package_is_the_public_api() -> None:
+    """`from jobspec.spec import JobSpec, load_spec` is what code that builds on jobspec imports."""
+    import jobspec.spec as api
+    from jobspec.spec import loader, models
+
+    assert api.JobSpec is models.JobSpec and api.load_spec is loader.load_spec and api.parse_spec is loader.parse_spec
+    assert api.parse_spec("name: demo\nmodel:\n  preset: tiny\ntraining:\n  global_batch: 8\n").name == "demo"
+    with pytest.raises(AttributeError):
+        api.no_such_name  # noqa: B018

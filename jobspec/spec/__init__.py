@@ -11,3 +11,16 @@
 
 Depends on `jobspec.catalog` (presets, GPU types, tiers) and the base modules (`errors`, `contract`) only.
 """
+
+# The package's face, for code that builds on jobspec (`from jobspec.spec import JobSpec, load_spec`): looked
+# up on first use, so that importing one light module of the package (units, credentials) loads no pydantic.
+_PUBLIC = {"load_spec": "loader", "parse_spec": "loader"}
+
+
+def __getattr__(name: str) -> object:
+    import importlib
+
+    module = importlib.import_module(f"jobspec.spec.{_PUBLIC.get(name, 'models')}")
+    if name.startswith("_") or not hasattr(module, name):
+        raise AttributeError(f"module 'jobspec.spec' has no attribute {name!r}")
+    return getattr(module, name)
