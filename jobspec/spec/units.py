@@ -3,6 +3,10 @@
 
 Sizes and CPU requests follow Kubernetes' quantity grammar (what the API server will parse), so a
 spelling means here what it means in the manifest: '500000m' of memory is 500 bytes, never 500 MB.
+Why not `kubernetes.utils.parse_quantity` itself: importing it loads the kubernetes client (measured
+165 ms CPU warm, 270 ms cold, on the 2-core dev machine), which `validate`, `render` and `plan` never import,
+and it has no room for the spellings people type (20GB, 16GiB) or for errors that name the slip. The
+grammar is the same: tests/test_units.py checks every spelling against `parse_quantity`.
 
 Each type's JSON Schema (`jobspec schema`) accepts every spelling its parser accepts, so an
 editor does not flag `gpus: H100:8` or `memory: 16Gi`."""
