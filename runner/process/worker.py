@@ -13,6 +13,7 @@ that comes after the run finished (final checkpoint written) cannot turn its exi
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -98,5 +99,20 @@ def main(argv: list[str] | None = None) -> int:
     return code
 
 
+def _exit(code: int) -> None:
+    """Leave without the interpreter's finalization, once everything is written.
+
+    By now the checkpoints are published (fsynced), the status file written, the trackers closed and the
+    process group destroyed. What finalization would still run is the C++ teardown of torch's and gloo's
+    threads, which can end in std::terminate ("terminate called without an active exception", exit -6:
+    seen twice in the multi-rank tests, on a rank that had finished its run; pytorch#179291), turning a
+    finished run into a failed pod. So flush what Python buffers and exit with the code."""
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(OSError, ValueError):  # a closed or broken pipe: nothing left to flush
+            stream.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    _exit(main())

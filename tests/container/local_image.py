@@ -188,7 +188,7 @@ def _project_requirements() -> tuple[list[str], list[str]]:
     pyproject = tomllib.loads((REPO / "pyproject.toml").read_text())
     project = pyproject["project"]
     extras = project["optional-dependencies"]  # what images/jobspec-image.sh installs
-    runtime = [*project["dependencies"], *extras["runner"], *extras["data"], *extras["tracking"]]
+    runtime = [*project["dependencies"], *extras["runner"], *extras["offload"], *extras["data"], *extras["tracking"]]
     return runtime, list(pyproject["build-system"]["requires"])
 
 
