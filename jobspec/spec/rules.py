@@ -277,7 +277,7 @@ def _cpu_precision(spec: SpecView) -> list[Problem]:
     return []
 
 
-def _flash_attention(spec: SpecView) -> list[Problem]:
+def flash_attention_problems(spec: SpecView) -> list[Problem]:
     """flash_attention_2 is a GPU kernel for 16-bit inputs: asked for where it cannot run, it is refused here
     rather than swapped for sdpa (the runner also checks that the flash_attn package is in the image)."""
     if spec.model.attention != "flash_attention_2":
@@ -293,7 +293,7 @@ def _flash_attention(spec: SpecView) -> list[Problem]:
 
 _RULES: tuple[Callable[[SpecView], list[Problem]], ...] = (
     _batch, _image_vendor, _gpu_type, _preset_positions, _checkpoint_dir, _shm_size, _data_mount,
-    _scheduling_keys, _cpu_precision, _flash_attention,
+    _scheduling_keys, _cpu_precision, flash_attention_problems,
 )  # fmt: skip
 
 

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from jobspec.errors import ConfigError
 from jobspec.spec.models import JobSpec
+from jobspec.spec.rules import flash_attention_problems
 from runner.data import records
 from runner.oom.faults import rules_from_env
 from runner.output import tracking
@@ -60,18 +61,14 @@ def check_attention(spec: JobSpec) -> None:
     Without the flash_attn package transformers raises an ImportError only once the model is built (after
     a minute of imports and the weights' load), or, where the `kernels` package is installed, fetches a
     flash kernel from the Hub, which a pod without network cannot. The kernel also needs a GPU and 16-bit
-    inputs: with `hardware.vendor: cpu` or `training.precision: fp32` it fails in the first forward pass.
+    inputs: with `hardware.vendor: cpu` or `training.precision: fp32` it fails in the first forward pass
+    (jobspec/spec/rules.py refuses those when the spec loads; the same rule is asked again here).
     """
-    if getattr(spec.model, "attention", None) != "flash_attention_2":
+    if spec.model.attention != "flash_attention_2":
         return
+    for field, message, hint in flash_attention_problems(spec):  # the spec's own rule, for a spec built past it
+        raise ConfigError(f"{field} {message}: {hint}")
     asked = "model.attention flash_attention_2"
-    if spec.hardware.vendor == "cpu":
-        raise ConfigError(f"{asked} needs a GPU and hardware.vendor is cpu: set model.attention: sdpa")
-    if spec.training.precision == "fp32":
-        raise ConfigError(
-            f"{asked} runs in bf16/fp16 only and training.precision is fp32: set training.precision to auto, "
-            "bf16 or fp16, or model.attention: sdpa"
-        )
     if find_spec("flash_attn") is None:
         raise ConfigError(f"{asked} needs the flash_attn package, which is not installed here: {FLASH_ATTN_FIX}")
 
