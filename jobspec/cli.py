@@ -131,6 +131,14 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
         measured = read_run(args.from_run)
     report = plan_spec(spec, gpu_memory=args.gpu_memory, rows=args.rows, prices=prices, measured=measured)
+    if args.trace:
+        from dataclasses import replace
+
+        from jobspec.plan.planner import planned_precision
+        from jobspec.plan.traced import trace_tiers
+
+        traced = trace_tiers(args.spec, args.overrides, report.plans, spec.world_size, planned_precision(spec))
+        report = replace(report, traced=traced)
     print(json.dumps(report.to_dict(), indent=2) if args.output == "json" else plan_table(report))
     return EXIT_OK if report.runs else EXIT_NO_FIT
 
@@ -265,6 +273,12 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="RUN_DIR",
         help="correct the plan by what a run measured (its metrics.jsonl): bytes per sample and time per step, "
         "tier by tier, shown beside the model's figures",
+    )
+    p.add_argument(
+        "--trace",
+        action="store_true",
+        help="also trace the runner's own training step on fake tensors at each tier's micro-batch (torch's memory "
+        f"tracker; seconds to a minute a tier; needs {install_hint('trace')}) and show its bytes beside the model's",
     )
     p.add_argument("-o", "--output", choices=["table", "json"], default="table", help="output format")
     p.set_defaults(func=cmd_plan)

@@ -48,7 +48,9 @@ def init_process_group(env: DistEnv, device: torch.device, *, needed: bool) -> b
         return False
     timeout = timedelta(seconds=float(os.environ.get("JOBSPEC_DIST_TIMEOUT_S", "1800")))
     backend = "nccl" if device.type == "cuda" else "gloo"  # torch maps "nccl" to RCCL on ROCm builds
-    kwargs: dict = {"device_id": device} if device.type == "cuda" else {}
+    kwargs: dict = {}
+    if device.type == "cuda":  # NCCL binds one device; torch refuses a device_id without an index
+        kwargs["device_id"] = device if device.index is not None else torch.device("cuda", torch.cuda.current_device())
     if env.world_size == 1 and "MASTER_ADDR" not in os.environ:
         kwargs["store"] = dist.HashStore()  # alone and in-process (tests): no rendezvous needed
     dist.init_process_group(backend, rank=env.rank, world_size=env.world_size, timeout=timeout, **kwargs)

@@ -31,6 +31,13 @@ Each internal: what it is for; why no public API does it; what a run loses witho
   `HostAdamW` (runner/train/offload.py) gives torch's optimizer layout and steps on clipped gradients;
   torchao exposes only `step`, `zero_grad` and `state_dict` in its own layout. Required for `zero2_offload`.
 
+- torch `_subclasses.fake_tensor.FakeTensorMode`, `distributed._tools.mem_tracker.MemTracker` and
+  `fsdp2_mem_tracker.FSDPMemTracker`, with MemTracker's `_update_peak_stats`, `_curr_mem_snap`, `_peak_mem`,
+  `_peak_mem_snap` and `_param_to_grad_hook_handles`: the memory trace (runner/train/trace.py), the runner's
+  step on FakeTensors. torch ships these as tools without a public namespace. The peak-only override drops the
+  per-module peaks torch updates after every op (60 % of a 7B trace); the hook entries stand in for the gradient
+  hooks a frozen parameter (LoRA's base) refuses. Needed by `jobspec plan --trace` only; training never uses them.
+
 Checked on: torch 2.11 (the GPU machine) and 2.13, accelerate 1.15, torchao 0.13 and 0.18.
 transformers and peft: no private name is used. Gradient buckets use `torch.cat`/`split` (public),
 not `torch._utils._flatten_dense_tensors`.
@@ -170,6 +177,62 @@ def reset_fsdp(model: nn.Module) -> bool:
 # --- torchao ----------------------------------------------------------------------------------------------------
 
 OFFLOAD_PARTS = ("optim_dict", "param_d2h_map", "queue", "stream", "device")
+
+
+def fake_mode() -> Any:
+    """torch's FakeTensorMode: tensors with shapes, dtypes and devices but no data (meta parameters go in)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    return FakeTensorMode(allow_non_fake_inputs=True)
+
+
+def is_fake(tensor: torch.Tensor) -> bool:
+    """Whether `tensor` (or a DTensor's local shard) is a FakeTensor."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return isinstance(getattr(tensor, "_local_tensor", tensor), FakeTensor)
+
+
+class _NoHandle:
+    def remove(self) -> None:
+        pass
+
+
+def _peak_only(tracker: type) -> type:
+    """The tracker without its per-module peaks: torch updates every module's after every op, 60 % of a 7B trace."""
+
+    class PeakOnly(tracker):  # type: ignore[misc, valid-type]
+        def _update_peak_stats(self, peak_state: Any) -> None:
+            for dev, snap in self._curr_mem_snap.items():
+                if self._peak_mem.get(dev, 0) < snap["Total"]:
+                    self._peak_mem[dev] = snap["Total"]
+                    self._peak_mem_snap[dev] = dict(snap)
+
+        def reset_peak(self) -> None:
+            """Forget the peak so far (the first step's: FSDP's lazy init, no Adam state yet)."""
+            self._peak_mem, self._peak_mem_snap = {}, {}
+
+    return PeakOnly
+
+
+def memory_tracker(model: nn.Module, optimizer: Any, fsdp: bool, inputs: tuple[torch.Tensor, ...]) -> Any:
+    """torch's MemTracker (FSDPMemTracker for FSDP2 models) over `model`, `optimizer` and `inputs`, peak-only, with
+    `reset_peak()`; a context manager whose `get_tracker_snapshot("peak")` gives device -> category -> bytes."""
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    if fsdp:
+        tracker = _peak_only(FSDPMemTracker)(model, optimizer)
+        tracker.track_inputs(inputs)
+        return tracker
+    tracker = _peak_only(MemTracker)()
+    tracker.track_external(model, optimizer, *inputs)
+    # MemTracker hooks every parameter's gradient at its module's first forward, and a frozen parameter
+    # (LoRA's base) refuses a hook: mark those as hooked already (torch 2.13; its FSDPMemTracker does not hook)
+    for p in model.parameters():
+        if not p.requires_grad:
+            tracker._param_to_grad_hook_handles[p] = (_NoHandle(), _NoHandle())
+    return tracker
 
 
 @dataclass(frozen=True)

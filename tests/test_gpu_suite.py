@@ -138,11 +138,12 @@ def test_calibration_recovers_known_constants() -> None:
     cal = calibrate.calibrate({"sizing": sizing, "memory_model": mems})
     assert cal["status"] == "ok", cal
     s = cal["suggested"]
-    assert s["ACT_BYTES"] == pytest.approx(34 * a, rel=1e-3) and s["CKPT_BYTES"] == pytest.approx(2 * a_ckpt, rel=1e-3)
-    assert s["LOGITS_BYTES"] == pytest.approx(8 * b, rel=1e-3)
+    assert s["activations x"] == pytest.approx(a, rel=1e-3)
+    assert s["activations (checkpointing) x"] == pytest.approx(a_ckpt, rel=1e-3)
+    assert s["logits x"] == pytest.approx(b, rel=1e-3)
     assert s["OVERHEAD_FIXED"] == pytest.approx(fixed, rel=1e-3) and s["OVERHEAD_PERCENT"] == pytest.approx(4, rel=1e-3)
     assert cal["worst_error_suggested"] < 1e-3 and any(abs(e["error_now"]) > 0.05 for e in cal["errors"])
-    assert "LOGITS_BYTES" in calibrate.text(cal)
+    assert "logits x" in calibrate.text(cal)
 
 
 def _record(**sections: object) -> dict:

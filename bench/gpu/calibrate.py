@@ -5,8 +5,9 @@ Prints what `jobspec/plan/memory.py` would need to match the measurements; it ch
 1. per-sample bytes: each sizing run's passing probe steps give (micro-batch, peak allocated); a straight
    line through them gives the measured bytes per sample (slope). Across presets, whose activation/logit
    ratios differ, least squares solves slope = a*activations(1) + b*logits(1) for the model's per-sample
-   terms: ACT_BYTES' = a*ACT_BYTES (tiers without checkpointing), CKPT_BYTES' = a_ckpt*CKPT_BYTES (with),
-   LOGITS_BYTES' = b*LOGITS_BYTES. With one preset (or collinear terms) a single factor scales both.
+   terms: the activation term x a (tiers without checkpointing), x a_ckpt (with), the logits term x b
+   (factors for memory.ACT_BYTES and the loss's terms). With one preset (or collinear terms) a single
+   factor scales both.
 2. fixed bytes: the line's intercept against the model's states (weights, grads, optimizer), as a check.
 3. overhead: device peak - peak allocated = F + p * peak allocated over the memory runs (least squares):
    OVERHEAD_FIXED' = F, OVERHEAD_PERCENT' = 100 p (one run: its context, and reserved/allocated - 1).
@@ -62,9 +63,9 @@ def _overhead(mems: list[dict[str, Any]]) -> tuple[float, float, str]:
 def calibrate(record: dict[str, Any]) -> dict[str, Any]:
     """Suggested constants and the errors they would give; status says why when nothing can be fitted."""
     current = {
-        "ACT_BYTES": memory.ACT_BYTES,
-        "CKPT_BYTES": memory.CKPT_BYTES,
-        "LOGITS_BYTES": memory.LOGITS_BYTES,
+        "activations x": 1.0,
+        "activations (checkpointing) x": 1.0,
+        "logits x": 1.0,
         "OVERHEAD_FIXED": memory.OVERHEAD_FIXED,
         "OVERHEAD_PERCENT": memory.OVERHEAD_PERCENT,
     }
@@ -98,9 +99,9 @@ def calibrate(record: dict[str, Any]) -> dict[str, Any]:
     fits["overhead"] = {"fixed": f_fixed, "percent": 100 * f_pct, "how": how}
     plain, ckpt = factors.get(False) or factors[True], factors.get(True) or factors[False]
     suggested = {
-        "ACT_BYTES": round(memory.ACT_BYTES * plain[0], 2),
-        "CKPT_BYTES": round(memory.CKPT_BYTES * ckpt[0], 2),
-        "LOGITS_BYTES": round(memory.LOGITS_BYTES * plain[1], 2),
+        "activations x": round(plain[0], 3),
+        "activations (checkpointing) x": round(ckpt[0], 3),
+        "logits x": round(plain[1], 3),
         "OVERHEAD_FIXED": round(f_fixed),
         "OVERHEAD_PERCENT": round(100 * f_pct, 2),
     }
@@ -135,9 +136,9 @@ def text(cal: dict[str, Any]) -> str:
     """The calibration as lines to print (and for the report)."""
     if cal["status"] != "ok":
         return f"calibration: {cal['status']} (jobspec/plan/memory.py keeps {cal['current']})"
-    lines = ["calibration (suggested constants for jobspec/plan/memory.py; nothing is changed):"]
+    lines = ["calibration (suggested factors and constants for jobspec/plan/memory.py; nothing is changed):"]
     for k, v in cal["suggested"].items():
-        lines.append(f"  {k:17s} {cal['current'][k]!s:>12} -> {v}")
+        lines.append(f"  {k:30s} {cal['current'][k]!s:>12} -> {v}")
     for name, f in cal["fits"].items():
         lines.append(
             f"  fit {name}: " + ", ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in f.items())

@@ -148,12 +148,13 @@ def _measure(recipe: Any, steps: int = 3) -> dict[str, Any]:
     return out
 
 
-def _predicted(spec: Any, tier: str, mbs: int, precision: str) -> dict[str, Any]:
+def _predicted(spec: Any, tier: str, mbs: int, precision: str, grad_accum: int = 2) -> dict[str, Any]:
     from jobspec.plan import memory
     from jobspec.plan.planner import estimate_kwargs, model_shape
 
     shape, kw = model_shape(spec), estimate_kwargs(spec, 1, precision)
-    e, e0, e1 = (memory.estimate(shape, tier=tier, micro_batch=m, **kw) for m in (mbs, 0, 1))
+    e = memory.estimate(shape, tier=tier, micro_batch=mbs, grad_accum=grad_accum, **kw)
+    e0, e1 = (memory.estimate(shape, tier=tier, micro_batch=m, **kw) for m in (0, 1))
     return {
         "states": e.states,
         "activations": e.activations,
@@ -164,6 +165,7 @@ def _predicted(spec: Any, tier: str, mbs: int, precision: str) -> dict[str, Any]
         "params": shape.params,
         "per_sample_activations": e1.activations - e0.activations,
         "per_sample_logits": e1.logits - e0.logits,
+        "breakdown": e.breakdown(),
     }
 
 
@@ -184,6 +186,7 @@ def size_one(cfg: Config, work: Path, data: Path, preset: str, tier: str) -> tup
         "status": "ok",
     }
     mem = None
+    entry["held_before_bytes"] = _held()  # what earlier runs left allocated (a leak would skew every peak)
     t0 = time.perf_counter()
     runner.train.recipe.verify_micro_batch = obs  # the runner's own call site, observed
     try:
@@ -202,7 +205,7 @@ def size_one(cfg: Config, work: Path, data: Path, preset: str, tier: str) -> tup
                 "preset": preset,
                 "tier": tier,
                 "micro_batch": plan.micro_batch,
-                "predicted": _predicted(spec, tier, plan.micro_batch, plan.precision),
+                "predicted": _predicted(spec, tier, plan.micro_batch, plan.precision, min(2, plan.grad_accum)),
                 "measured": measured,
             }
     except NoFit as err:
@@ -227,6 +230,19 @@ def size_one(cfg: Config, work: Path, data: Path, preset: str, tier: str) -> tup
     if mem is not None:
         mem.update(_errors(mem))
     return entry, mem
+
+
+def _held() -> int | None:
+    """Bytes the caching allocator holds for live tensors now, after a collection (None without a GPU)."""
+    import gc
+
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    gc.collect()
+    torch.cuda.empty_cache()
+    return int(torch.cuda.memory_allocated())
 
 
 def _r(x: float | None) -> float | None:

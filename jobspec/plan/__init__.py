@@ -7,6 +7,7 @@
     planner.py      `jobspec plan`: a spec -> a `PlanReport` per tier; spec -> model shape, once
     output.py       the table and notes `jobspec plan` prints
     compare.py      `jobspec plan --gpus any`: the same job on every GPU type of the catalogue
+    traced.py       `jobspec plan --trace`: the runner's own step traced in a process of its own (runner extra)
 
 Shared with the runner (in the pod it sizes from the same model), so nothing here imports torch.
 """

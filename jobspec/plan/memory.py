@@ -1,13 +1,36 @@
-"""Memory model: bytes per GPU for a model shape, tier, sequence length and micro-batch.
+"""Memory model: bytes per GPU for a model shape, tier, sequence length and micro-batch, term by term.
 
 Shared by `jobspec plan` (before submit) and the runner (in the pod), so it takes plain numbers
 and a `ModelShape`, never the spec, and imports neither torch nor pydantic. All sizes are bytes
 (ints). Formulas and tiers: DESIGN.md, "Memory model" and "Memory tiers". The runner verifies the
-plan with real optimizer steps; this model only has to rank the tiers and land near the answer.
+plan with real optimizer steps; the model is judged against a trace of the runner's own step
+(runner/train/trace.py: the same step on FakeTensors under torch's memory tracker), and against a
+GPU's `max_memory_allocated` (bench/gpu).
+
+The terms (`MemoryEstimate.breakdown()`, what `jobspec plan -o json` prints as `gpu_breakdown`), with
+w the weights held, t the trainable ones, f = w - t the frozen ones (LoRA), N data-parallel ranks:
+
+    tier           weights        gradients  optimizer  buckets      working weights
+    fast           4t + 2f        4t         8t         4t (N > 1)   2t  autocast's bf16 copies
+    zero2          (4t + 2f)/N    4t/N       8t/N       -            2w + 2m  FSDP2's bf16 gather, kept to backward
+    zero2_offload  (4t + 2f)/N    4t/N       host       -            2w + 2m  (m: the largest module's parameters,
+    zero3          (4t + 2f)/N    4t/N       8t/N       -            2m + 2m   its unsharded 16-bit gradient)
+    minimal        host           host       host       -            as zero3
+
+    activations    per layer and token: ACT_BYTES[family, residual] (c_h * hidden + c_i * intermediate), the
+                   residual stream fp32 under autocast (`fast`: fp32 parameters) and bf16 under FSDP2's
+                   mixed precision; with checkpointing each layer keeps only its input (residual width x
+                   hidden) and one layer is recomputed at a time; eager attention adds its scores
+    logits         the chunked cross-entropy (runner/train/loss.py): the final hidden states it saves, the
+                   labels and per-token log-sum-exp, and one chunk of logits at a time (LOSS_CHUNK_BYTES of
+                   fp32 logits, with their 16-bit copy and gradient): never the whole (tokens x vocab) tensor
+    overhead       CUDA/HIP context and workspaces (OVERHEAD_FIXED) + allocator fragmentation
+                   (OVERHEAD_PERCENT of the rest)
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 from typing import Literal
@@ -19,36 +42,75 @@ from jobspec.errors import ConfigError
 Attention = Literal["sdpa", "flash", "flash_attention_2", "eager"]
 Precision = Literal["bf16", "fp16", "fp32"]
 
-# Mixed-precision Adam: bf16 weights (2) + bf16 grads (2) + fp32 master, m, v (12) = 16 bytes/param.
-WEIGHT_BYTES = 2
-GRAD_BYTES = 2
-OPTIM_BYTES = 12
-# DDP (`fast` on more than one rank) copies the grads into flat all-reduce buckets of the grad dtype
-# unless gradient_as_bucket_view=True: one more 2 bytes per trainable param. On one rank accelerate
-# does not wrap the model in DDP, so there are no buckets.
-DDP_BUCKET_BYTES = 2
-# Offload tiers keep the fp32 grad partition that CPU Adam reads on the host next to the 12 bytes of
-# optimizer state (fp32 parameter copy, m, v): host needs 16 bytes per trainable param per rank's shard.
-HOST_GRAD_BYTES = 4
-# zero2_offload (FSDP2 + torchao's CPU-offload optimizer) keeps FSDP2's own shards on the GPU: the fp32
-# parameter (the all-gather's source) and the fp32 gradient (reduce_dtype fp32), 4 bytes each.
-SHARD_MASTER_BYTES = 4
-SHARD_GRAD_BYTES = 4
-# ZeRO-3 / FSDP FULL_SHARD gather one module's bf16 weights at a time. Factor 3: the module in use,
-# the one prefetched, and the module's unsharded grads before reduce-scatter, all sized like the
-# largest module (block, embedding or untied head); an upper bound, as the largest is gathered once.
-GATHER_FACTOR = 3
-# Logits: fp32 (4) and, alive with them when backward starts, their fp32 gradient (4). HF's bf16
-# copy and the log-softmax buffer come and go around that peak; the overhead fraction absorbs them.
-LOGITS_BYTES = 8
-# Korthikanti et al. 2022: 34*s*b*h bytes per layer besides the attention matrix (5*a*s^2*b).
-ACT_BYTES = 34
-CKPT_BYTES = 2  # full checkpointing keeps each layer's bf16 input: 2*s*b*h per layer
+# Trainable parameters are fp32 with AdamW's m and v (fp32): 4 + 4 (gradient) + 8. A frozen LoRA base is
+# held at the training width (2 bytes); its adapters are fp32.
+MASTER_BYTES = 4
+FROZEN_BYTES = 2
+GRAD_BYTES = 4
+ADAM_BYTES = 8
+HALF_BYTES = 2  # a 16-bit copy: autocast's weight casts, FSDP2's gathered parameters
+# DDP (`fast` on more than one rank) copies the grads into flat fp32 all-reduce buckets (the gradient's
+# dtype) unless gradient_as_bucket_view=True. On one rank accelerate does not wrap the model in DDP.
+DDP_BUCKET_BYTES = 4
+# Offload tiers: the host holds what the GPU does not: the fp32 shard, its gradient and Adam's m and v
+# (16 bytes per trainable parameter per rank's shard), the frozen shard in 16 bits.
+HOST_TRAINABLE_BYTES = MASTER_BYTES + GRAD_BYTES + ADAM_BYTES
+# FSDP2 gathers the 16-bit weights of GATHER_FACTOR modules at a time under ZeRO-3 (zero3, minimal), sized like the
+# largest module (block, embedding or untied head; the traced peak is at the output layer, the prefetch done). Every
+# FSDP tier also holds one module's unsharded 16-bit gradient before its reduce-scatter (the output layer's,
+# which the chunked loss accumulates, is the largest). Traced: bench/memory_model.py.
+GATHER_FACTOR = 1
+# Activations per layer and token, bytes = c_h * hidden + c_i * intermediate, by (family, residual stream width),
+# fitted to traces of the runner's step (runner/train/trace.py; the fit: bench/memory_model.py --fit, within 0.02 %
+# over hidden 256-512, intermediate 2-3.5x, 2-4 layers). Llama-style blocks (RMSNorm upcasts to fp32, SwiGLU saves
+# gate, up and their product) and GPT-2 blocks (LayerNorm, tanh GELU's intermediates) differ; the fp32 residual
+# of autocast over fp32 weights (`fast`) saves both the fp32 stream and autocast's bf16 copies of it.
+ACT_BYTES: dict[tuple[str, int], tuple[float, float]] = {
+    ("llama", 4): (32.0, 8.0),
+    ("llama", 2): (22.0, 8.0),
+    ("gpt2", 4): (20.0, 10.0),
+    ("gpt2", 2): (16.0, 10.0),
+}
+# LoRA (frozen 16-bit base: its linears save no input for a weight gradient), by (family, adapters on the MLP too,
+# `fast`'s autocast); traced over the same grid with rank 8 on the attention's or on every linear layer.
+LORA_ACT_BYTES: dict[tuple[str, bool, bool], tuple[float, float]] = {
+    ("llama", False, True): (18.0, 6.0),
+    ("llama", False, False): (16.0, 6.0),
+    ("llama", True, True): (26.0, 8.0),
+    ("llama", True, False): (18.0, 8.0),
+    ("gpt2", False, True): (14.0, 8.0),
+    ("gpt2", False, False): (14.0, 8.0),
+    ("gpt2", True, True): (18.0, 10.0),
+    ("gpt2", True, False): (16.0, 10.0),
+}
+# With checkpointing, the layer being recomputed in backward also holds the gradients through it: per token
+# and hidden unit, on top of its activations (traced, gpt2/llama, hidden 512-1024).
+RECOMPUTE_GRAD_BYTES = 22
+LORA_LOSS_HIDDEN_BYTES = 4  # after the last block with LoRA: the frozen norm, the 16-bit hidden states the loss keeps
+MLP_TARGETS = frozenset({"gate_proj", "up_proj", "down_proj", "c_fc", "mlp.c_proj", "c_proj"})
+# fp32 training (no autocast): every saved tensor fp32, no 16-bit copies; traced 1.44x the `fast` bytes per layer
+FP32_ACT_FACTOR = 1.44
+# Eager attention keeps the scores and their softmax: bytes per head per token pair (traced 6.24 under bf16).
+EAGER_SCORE_BYTES = 6.25
+# After the last block, per token and hidden unit: the final norm's saved tensors, the hidden states the loss keeps
+# and its gradient, by (family, residual width); traced, and where the step peaks with activation checkpointing.
+LOSS_HIDDEN_BYTES: dict[tuple[str, int], int] = {("llama", 4): 14, ("llama", 2): 10, ("gpt2", 4): 10, ("gpt2", 2): 6}
+# The chunked cross-entropy's working set: one chunk of fp32 logits is at most this many bytes, and one more of its
+# size (exponentials, gradient) comes with it: LOSS_CHUNK_FACTOR times the fp32 chunk (traced).
+# runner/train/loss.py sizes its chunks from the same constant.
+LOSS_CHUNK_BYTES = 256 * 1024**2
+LOSS_CHUNK_FACTOR = 2
+# Per token besides the hidden states: int64 label, fp32 log-sum-exp and per-token loss.
+LOSS_TOKEN_BYTES = 16
 # CUDA/HIP context (~0.3-0.6 GiB), cuBLAS/NCCL workspaces: a fixed 1 GiB; allocator fragmentation
-# grows with what is allocated: 5 % of states + activations + logits.
+# grows with what is allocated: 5 % of the rest.
 OVERHEAD_FIXED = 1024**3
 OVERHEAD_PERCENT = 5
 
+
+def loss_chunk_tokens(vocab: int) -> int:
+    """Tokens per chunk of the chunked cross-entropy: one chunk's fp32 logits within LOSS_CHUNK_BYTES."""
+    return max(1, LOSS_CHUNK_BYTES // (4 * max(1, vocab)))
 
 
 @dataclass(frozen=True)
@@ -112,82 +174,150 @@ def _largest_module(shape: ModelShape) -> int:
 
 @dataclass(frozen=True)
 class MemoryEstimate:
-    """Bytes on one GPU (and on the host for offload tiers) at one micro-batch."""
+    """Bytes on one GPU (and on the host for offload tiers) at one micro-batch, term by term."""
 
     tier: str
     micro_batch: int
     checkpointing: bool
     trainable_params: int
-    states: int  # weights, grads, optimizer state, DDP buckets, gathered modules (GPU part)
+    weights: int  # parameters as stored (shards on FSDP tiers)
+    gradients: int  # fp32 gradients (shards on FSDP tiers)
+    optimizer: int  # AdamW's m and v on the GPU (0 when offloaded)
+    buckets: int  # DDP's fp32 all-reduce buckets
+    working_weights: int  # 16-bit weights made for compute: autocast copies, FSDP2's gathers
     activations: int  # all transformer layers
-    logits: int  # output logits and their gradient
+    logits: int  # the chunked loss: saved final hidden states, labels, log-sum-exp, one chunk of logits
     overhead: int  # context, workspaces, fragmentation
     host: int  # per rank: offloaded optimizer state, fp32 grads, params (0 without offload)
+
+    @property
+    def states(self) -> int:
+        """What does not grow with the micro-batch: weights, gradients, optimizer, buckets, working weights."""
+        return self.weights + self.gradients + self.optimizer + self.buckets + self.working_weights
 
     @property
     def gpu_bytes(self) -> int:
         return self.states + self.activations + self.logits + self.overhead
 
+    def breakdown(self) -> dict[str, int]:
+        """The named terms; they sum to `gpu_bytes`."""
+        keys = ("weights", "gradients", "optimizer", "buckets", "working_weights", "activations", "logits", "overhead")
+        return {k: getattr(self, k) for k in keys}
 
-def _states(shape: ModelShape, tier: str, world_size: int, lora: LoraShape | None) -> tuple[int, int, int]:
-    """(GPU bytes, host bytes per rank, trainable params) of the model states.
 
-    Host bytes are per rank: a node's need is that times its GPUs. With LoRA the weights held are the
-    frozen base plus the adapters (2 bytes each) and only the adapters carry grads and optimizer state;
-    zero2 tiers shard that trainable part, zero3 shards every weight (FULL_SHARD does not tell frozen
-    from trainable), minimal moves every weight to the host.
+@dataclass(frozen=True)
+class _States:
+    weights: int
+    gradients: int
+    optimizer: int
+    buckets: int
+    working: int
+    host: int
+    trainable: int
 
-    zero2_offload, what runner/train/engine.py builds (FSDP2 reshard_after_forward=False, 16-bit mixed
-    precision, Adam through torchao's CPUOffloadOptimizer), w weights held, t trainable, N ranks:
-        GPU   2w                   every weight gathered in 16 bits, held from forward to backward
-            + (2(w - t) + 4t) / N  FSDP2's shards: frozen weights in 16 bits, trainable ones in fp32
-            + 4t / N               the fp32 gradient shards (reduce_dtype fp32)
-            = 2w + (2w + 6t) / N   (full fine-tuning: 2P + 8P/N)
-        host  16t / N              torchao's pinned fp32 copy of each shard, of its gradient, and Adam's
-                                   m and v (4 + 4 + 8)
-    FSDP2 keeps its fp32 shard on the GPU (the all-gather's source), so only Adam's 8t/N leave it; the
-    host copy is a second one. Transient buffers (one module's gradients around its reduce-scatter) are
-    left to the overhead, as for zero2. Several ranks accumulating over micro-batches without gradient
-    sync hold unsharded fp32 gradients (4t) until the last one, which this does not count.
-    tests/runner/train/test_offload.py counts these bytes on real tensors.
+
+def _states(shape: ModelShape, tier: str, world_size: int, lora: LoraShape | None) -> _States:
+    """The model states of `tier` on one GPU and on the host (per rank), as the table in the module docstring.
+
+    zero2_offload is what runner/train/engine.py builds: FSDP2 (reshard_after_forward=False, 16-bit mixed
+    precision) with Adam through torchao's CPUOffloadOptimizer, which keeps a pinned fp32 copy of each
+    shard and of its gradient and Adam's m and v on the host; FSDP2's own fp32 shard (the all-gather's
+    source) and gradient shard stay on the GPU. tests/runner/train/test_offload.py counts these bytes on
+    real tensors. Several ranks accumulating over micro-batches without gradient sync hold unsharded fp32
+    gradients (4t) until the last one, which this does not count.
     """
     t = trainable_params(shape, lora)
     w = shape.params + (t if lora else 0)  # weights held: base (frozen with LoRA) + adapters
-    n = world_size
-    per_trainable = GRAD_BYTES + OPTIM_BYTES  # 14: what ZeRO-2 shards on top of the weights
-    host_opt = (OPTIM_BYTES + HOST_GRAD_BYTES) * t // n
-    gathered = GATHER_FACTOR * WEIGHT_BYTES * _largest_module(shape)
+    f, n = w - t, world_size
+    shards = (MASTER_BYTES * t + FROZEN_BYTES * f) // n
+    grads, adam = GRAD_BYTES * t // n, ADAM_BYTES * t // n
+    host_offload = HOST_TRAINABLE_BYTES * t // n
+    largest = HALF_BYTES * _largest_module(shape)
+    gathered = GATHER_FACTOR * largest + largest  # gathered weights + one module's unsharded gradient
     if tier == "fast":
         buckets = DDP_BUCKET_BYTES * t if n > 1 else 0
-        return WEIGHT_BYTES * w + per_trainable * t + buckets, 0, t
+        weights = MASTER_BYTES * t + FROZEN_BYTES * f
+        return _States(weights, GRAD_BYTES * t, ADAM_BYTES * t, buckets, HALF_BYTES * t, 0, t)
     if tier == "zero2":
-        return WEIGHT_BYTES * w + per_trainable * t // n, 0, t
-    if tier == "zero2_offload":  # formula in the docstring
-        shards = WEIGHT_BYTES * (w - t) + (SHARD_MASTER_BYTES + SHARD_GRAD_BYTES) * t
-        return WEIGHT_BYTES * w + shards // n, host_opt, t
+        return _States(shards, grads, adam, 0, HALF_BYTES * w + largest, 0, t)
+    if tier == "zero2_offload":
+        return _States(shards, grads, 0, 0, HALF_BYTES * w + largest, host_offload, t)
     if tier == "zero3":
-        return (WEIGHT_BYTES * w + per_trainable * t) // n + gathered, 0, t
+        return _States(shards, grads, adam, 0, gathered, 0, t)
     tier_index(tier)  # raises for unknown names
-    # minimal: params and optimizer on the host; the GPU keeps only the gathered modules
-    return gathered, host_opt + WEIGHT_BYTES * w // n, t
+    # minimal: shards, gradients and the optimizer on the host; the GPU keeps only the gathered modules
+    return _States(0, 0, 0, 0, gathered, host_offload + FROZEN_BYTES * f // n, t)
+
+
+def residual_bytes(tier: str, precision: str, lora: LoraShape | None = None) -> int:
+    """Width of the residual stream: fp32 under autocast over fp32 weights (`fast`) or in fp32 training;
+    16 bits under FSDP2's mixed precision, which gathers the weights in 16 bits, and over LoRA's 16-bit base."""
+    if precision not in ("bf16", "fp16", "fp32"):
+        raise ConfigError(f"unknown precision {precision!r}; expected bf16, fp16 or fp32")
+    if precision == "fp32":
+        return 4
+    return 4 if tier == "fast" and lora is None else 2
+
+
+def _family(shape: ModelShape) -> str:
+    return "gpt2" if shape.family == "gpt2" else "llama"
+
+
+def _layer_bytes(shape: ModelShape, tier: str, precision: str, lora: LoraShape | None) -> float:
+    """Activation bytes one layer saves per token (sdpa), from the traced coefficients."""
+    h, i = shape.hidden, shape.intermediate
+    if lora is not None:
+        mlp = any(t in MLP_TARGETS for t in lora.targets)
+        c_h, c_i = LORA_ACT_BYTES[(_family(shape), mlp, tier == "fast")]
+    else:
+        c_h, c_i = ACT_BYTES[(_family(shape), residual_bytes(tier, precision))]
+    per_token = c_h * h + c_i * i
+    return per_token * FP32_ACT_FACTOR if precision == "fp32" else per_token
 
 
 def _activations(
-    shape: ModelShape, seq_len: int, micro_batch: int, checkpointing: bool, attention: str, precision: str
+    shape: ModelShape,
+    tier: str,
+    tokens: int,
+    seq_len: int,
+    checkpointing: bool,
+    attention: str,
+    precision: str,
+    lora: LoraShape | None = None,
 ) -> int:
-    s, b, h = seq_len, micro_batch, shape.hidden
-    if precision not in ("bf16", "fp16", "fp32"):
-        raise ConfigError(f"unknown precision {precision!r}; expected bf16, fp16 or fp32")
-    width = 2 if precision == "fp32" else 1  # Korthikanti's bytes assume 16-bit activations
-    if attention == "eager":  # the a*s*s attention scores and their softmax/dropout stay in memory
-        layer = s * b * (ACT_BYTES * h + 5 * shape.heads * s)
-    elif attention in ("sdpa", "flash", "flash_attention_2"):
-        layer = ACT_BYTES * s * b * h
-    else:
+    per_token = _layer_bytes(shape, tier, precision, lora)
+    if attention == "eager":  # the scores and their softmax stay in memory, per head and token pair
+        per_token += EAGER_SCORE_BYTES * shape.heads * seq_len * (2 if precision == "fp32" else 1)
+    elif attention not in ("sdpa", "flash", "flash_attention_2"):
         raise ConfigError(f"unknown attention {attention!r}; expected sdpa, flash or eager")
-    if checkpointing:  # each layer's input, plus one layer recomputed at a time in backward
-        return width * (shape.layers * CKPT_BYTES * s * b * h + layer)
-    return width * shape.layers * layer
+    if checkpointing:
+        # each layer keeps its input; backward recomputes one layer at a time, which holds that layer's activations
+        # and the gradients flowing through it. The step peaks there or at the loss (after the last block),
+        # whichever is larger: `estimate` adds the part of the recompute above the loss.
+        return shape.layers * residual_bytes(tier, precision, lora) * tokens * shape.hidden
+    return int(shape.layers * per_token * tokens)
+
+
+def _recompute(shape: ModelShape, tier: str, tokens: int, seq_len: int, attention: str, precision: str,
+               lora: LoraShape | None) -> int:  # fmt: skip
+    """Bytes of the layer that checkpointing recomputes in backward: its activations and the gradients through it."""
+    per_token = _layer_bytes(shape, tier, precision, lora) + RECOMPUTE_GRAD_BYTES * shape.hidden
+    if attention == "eager":
+        per_token += EAGER_SCORE_BYTES * shape.heads * seq_len * (2 if precision == "fp32" else 1)
+    return int(per_token * tokens)
+
+
+def _loss_bytes(shape: ModelShape, tier: str, tokens: int, precision: str, lora: LoraShape | None = None) -> int:
+    """After the last block: the final norm, the hidden states the chunked cross-entropy keeps, per-token extras,
+    and one chunk's working set."""
+    if tokens == 0:
+        return 0
+    if lora is not None:
+        hidden = LORA_LOSS_HIDDEN_BYTES * (2 if precision == "fp32" else 1)
+    else:
+        hidden = LOSS_HIDDEN_BYTES[(_family(shape), residual_bytes(tier, precision))]
+    chunk = min(tokens, loss_chunk_tokens(shape.vocab)) * shape.vocab * 4 * LOSS_CHUNK_FACTOR
+    return tokens * (hidden * shape.hidden + LOSS_TOKEN_BYTES) + chunk
 
 
 def estimate(
@@ -202,22 +332,33 @@ def estimate(
     attention: Attention = "sdpa",
     precision: Precision = "bf16",
     sample_scale: float = 1.0,
+    grad_accum: int = 2,
 ) -> MemoryEstimate:
     """Bytes one GPU needs to train `shape` at `tier` over `world_size` data-parallel ranks.
 
     `sample_scale` corrects the per-sample bytes (activations and logits) by what a run measured
-    (jobspec/plan/calibration.py); 1.0 is the model as derived."""
+    (jobspec/plan/calibration.py); 1.0 is the model as derived. `grad_accum`: micro-batches per optimizer step.
+    When it accumulates (2 or more), the gradients of the earlier micro-batches are alive at the activations'
+    peak; with one micro-batch a step they are not yet, and the step peaks at whichever is larger, the
+    activations and loss or, after backward, the gradients: `gradients` is then only what they add beyond."""
     if seq_len < 1 or micro_batch < 0 or world_size < 1:
         raise ConfigError(
             f"seq_len {seq_len}, micro_batch {micro_batch}, world_size {world_size}: "
             "need seq_len >= 1, micro_batch >= 0, world_size >= 1"
         )
     ckpt = CHECKPOINTING[TIERS[tier_index(tier)]] if checkpointing is None else checkpointing
-    states, host, t = _states(shape, tier, world_size, lora)
-    acts = int(_activations(shape, seq_len, micro_batch, ckpt, attention, precision) * sample_scale)
-    logits = int(LOGITS_BYTES * seq_len * micro_batch * shape.vocab * sample_scale)
+    st = _states(shape, tier, world_size, lora)
+    tokens = seq_len * micro_batch
+    acts = _activations(shape, tier, tokens, seq_len, ckpt, attention, precision, lora)
+    logits = _loss_bytes(shape, tier, tokens, precision, lora)
+    if ckpt:  # the recomputed layer, where it outgrows the loss's peak (see _activations)
+        acts += max(0, _recompute(shape, tier, tokens, seq_len, attention, precision, lora) - logits)
+    acts, logits = int(acts * sample_scale), int(logits * sample_scale)
+    grads = st.gradients if grad_accum > 1 else max(0, st.gradients - acts - logits)
+    states = st.weights + grads + st.optimizer + st.buckets + st.working
     overhead = OVERHEAD_FIXED + (states + acts + logits) * OVERHEAD_PERCENT // 100
-    return MemoryEstimate(tier, micro_batch, ckpt, t, states, acts, logits, overhead, host)
+    return MemoryEstimate(tier, micro_batch, ckpt, st.trainable, st.weights, grads, st.optimizer, st.buckets,
+                          st.working, acts, logits, overhead, st.host)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -227,12 +368,18 @@ class TierPlan:
     tier: str
     useful: bool  # False: skipped by `auto` (reason says why) but still reported
     reason: str  # why not useful / why it does not fit; "" when it fits and is useful
-    fits: bool  # micro_batch >= 1
+    fits: bool  # micro_batch >= 1 (the spec's micro-batch, when fixed, within the budget)
     max_micro_batch: int  # largest that fits the budget, before rounding to a divisor
-    micro_batch: int  # largest divisor of the per-rank batch <= max_micro_batch; 0 if none fits
-    grad_accum: int  # global_batch / (micro_batch * world_size); 0 if none fits
+    micro_batch: int  # largest divisor of the per-rank batch <= max_micro_batch, 0 if none fits; or the spec's
+    grad_accum: int  # global_batch / (micro_batch * world_size); 0 if none fits (auto)
     budget: int  # utilization * gpu_bytes
     estimate: MemoryEstimate  # at micro_batch (at 1 when nothing fits, to show the shortfall)
+    fixed: bool = False  # micro_batch is the spec's `training.micro_batch`, not the model's choice
+
+    @property
+    def margin(self) -> int:
+        """Budget left at the micro-batch shown (negative: short by that much)."""
+        return self.budget - self.estimate.gpu_bytes
 
 
 def plan_tier(
@@ -249,8 +396,10 @@ def plan_tier(
     attention: Attention = "sdpa",
     precision: Precision = "bf16",
     sample_scale: float = 1.0,
+    micro_batch: int | None = None,
 ) -> TierPlan:
-    """The largest micro-batch at `tier` that fits `utilization * gpu_bytes` and divides the per-rank batch.
+    """The largest micro-batch at `tier` that fits `utilization * gpu_bytes` and divides the per-rank batch,
+    or, with `micro_batch` (the spec's fixed one), whether that one fits and by how much.
 
     `gpu_bytes` is the memory one GPU gives the job: the card's total before submit, the probed free
     memory in the pod. The effective batch never changes: grad_accum * micro_batch * world_size ==
@@ -261,6 +410,8 @@ def plan_tier(
     if not 0 < utilization <= 1:
         raise ConfigError(f"utilization {utilization} must be in (0, 1]")
     per_rank = global_batch // world_size
+    if micro_batch is not None and (micro_batch < 1 or per_rank % micro_batch):
+        raise ConfigError(f"micro_batch {micro_batch} does not divide the per-rank batch {per_rank}")
     budget = int(utilization * gpu_bytes)
     est = partial(
         estimate,
@@ -274,20 +425,28 @@ def plan_tier(
         precision=precision,
         sample_scale=sample_scale,
     )
-    fixed, one = est(micro_batch=0), est(micro_batch=1)
-    per_sample = one.gpu_bytes - fixed.gpu_bytes  # bytes each sequence of the micro-batch adds
-    # mbs = floor((U * gpu - states - overhead) / activations(mbs=1)); the integer 5 % rounding
-    # can move the edge by one, so settle it against estimate() itself.
-    top = max(0, (budget - fixed.gpu_bytes) // per_sample)
-    while top > 0 and est(micro_batch=top).gpu_bytes > budget:
-        top -= 1
-    while est(micro_batch=top + 1).gpu_bytes <= budget:
-        top += 1
-    mbs = max((d for d in divisors(per_rank) if d <= top), default=0)
+    def at(m: int) -> MemoryEstimate:  # at micro-batch m, accumulating unless m is the whole per-rank batch
+        return est(micro_batch=m, grad_accum=max(1, per_rank // m) if m else 2)
+
+    one = at(1)
+    top = _largest_fitting(lambda m: est(micro_batch=m).gpu_bytes <= budget)  # accumulating: monotone in m
+    if top < per_rank and at(per_rank).gpu_bytes <= budget:  # one micro-batch a step: no gradients alongside
+        top = per_rank
     useful = not (world_size == 1 and tier in SHARD_ONLY)
     reason = "" if useful else "one rank: sharding saves nothing, use fast"
+    gib = 1024**3
+    if micro_batch is not None:
+        need = at(micro_batch)
+        fits = need.gpu_bytes <= budget
+        if not fits:
+            short = (need.gpu_bytes - budget) / gib
+            reason = reason or (
+                f"micro-batch {micro_batch} (spec) needs {need.gpu_bytes / gib:.1f} GiB, budget {budget / gib:.1f} "
+                f"GiB: {short:.1f} GiB short (largest that fits: {top})"
+            )
+        return TierPlan(tier, useful, reason, fits, top, micro_batch, per_rank // micro_batch, budget, need, fixed=True)
+    mbs = max((d for d in divisors(per_rank) if d <= top), default=0)
     if not mbs:
-        gib = 1024**3
         reason = reason or f"needs {one.gpu_bytes / gib:.1f} GiB at micro-batch 1, budget {budget / gib:.1f} GiB"
     return TierPlan(
         tier,
@@ -298,7 +457,7 @@ def plan_tier(
         mbs,
         per_rank // mbs if mbs else 0,
         budget,
-        est(micro_batch=mbs) if mbs else one,
+        at(mbs) if mbs else one,
     )
 
 
@@ -315,8 +474,10 @@ def plan_all(
     attention: Attention = "sdpa",
     precision: Precision = "bf16",
     sample_scale: dict[str, float] | None = None,
+    micro_batch: int | None = None,
 ) -> list[TierPlan]:
-    """`plan_tier` for every tier, in TIERS order (cheapest first); `sample_scale`: measured corrections by tier."""
+    """`plan_tier` for every tier, in TIERS order (cheapest first); `sample_scale`: measured corrections by tier;
+    `micro_batch`: the spec's fixed micro-batch (each tier then says whether it fits)."""
     return [
         plan_tier(
             shape,
@@ -331,9 +492,24 @@ def plan_all(
             attention=attention,
             precision=precision,
             sample_scale=(sample_scale or {}).get(t, 1.0),
+            micro_batch=micro_batch,
         )
         for t in TIERS
     ]
+
+
+def _largest_fitting(fits: Callable[[int], bool], limit: int = 2**40) -> int:
+    """The largest micro-batch m with fits(m) (0 if not even 1), for `fits` monotone in m: doubling, then bisection.
+    The estimate is nearly affine in m (the loss's one chunk bends it), so no closed form is trusted."""
+    if not fits(1):
+        return 0
+    lo, hi = 1, 2
+    while hi < limit and fits(hi):
+        lo, hi = hi, 2 * hi
+    while hi - lo > 1:  # fits(lo), not fits(hi)
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo
 
 
 def pick_tier(plans: list[TierPlan]) -> TierPlan | None:

@@ -44,9 +44,28 @@ def plan_table(report: PlanReport) -> str:
     elif report.chosen is not report.runs and report.chosen is not None:
         lines.append(f"\ntier {report.chosen.tier} does not fit: memory.fallback steps down to {report.runs.tier}")
     budget = f"{spec.memory.target_utilization:.0%}"
-    lines.append(f"\nGiB/GPU is at the micro-batch shown (1 when nothing fits); sized to {budget} of the GPU.")
+    fixed = next((p for p in report.plans if p.fixed), None)
+    if fixed is not None:
+        spare = ", ".join(f"{p.tier} {p.margin / GiB:+.1f}" for p in report.plans)
+        lines.append(
+            f"\nmicro-batch {fixed.estimate.micro_batch} from the spec (training.micro_batch); GiB to spare at it "
+            f"(negative: short): {spare}"
+        )
+        lines.append(f"GiB/GPU is at that micro-batch; sized to {budget} of the GPU.")
+    else:
+        lines.append(f"\nGiB/GPU is at the micro-batch shown (1 when nothing fits); sized to {budget} of the GPU.")
     if report.measured:
         lines.append("\nmeasured (--from): " + "\n  ".join(report.measured))
+    if report.traced:
+        lines.append("\ntraced (--trace): the runner's own step on fake tensors, GiB per GPU without context and "
+                     "fragmentation, against the model's same terms:")  # fmt: skip
+        for p in report.plans:
+            row = report.traced.get(p.tier)
+            if row:
+                model = (p.estimate.gpu_bytes - p.estimate.overhead) / GiB
+                off = model * GiB / row["peak"] - 1
+                lines.append(f"  {p.tier:14s} micro-batch {row['micro_batch']:<5} traced {row['peak'] / GiB:7.2f}  "
+                             f"model {model:7.2f}  ({off:+.1%})  {row['seconds']:.1f} s")  # fmt: skip
     return "\n".join([*lines, *time_notes(report)])
 
 

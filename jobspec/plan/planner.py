@@ -102,6 +102,12 @@ def estimate_kwargs(spec: JobSpec, world_size: int, precision: str) -> dict[str,
     }
 
 
+def fixed_micro_batch(spec: JobSpec) -> int | None:
+    """The spec's `training.micro_batch` when it is a number (the plan then reports that one), else None (auto)."""
+    mbs = spec.training.micro_batch
+    return mbs if isinstance(mbs, int) else None
+
+
 def planned_precision(spec: JobSpec) -> memory.Precision:
     """The autocast width before any device is seen: `auto` is fp32 on CPU, 16-bit on a GPU."""
     asked = spec.training.precision
@@ -126,6 +132,7 @@ class PlanReport:
     times: dict[str, throughput.StepTime] = field(default_factory=dict)  # tiers that fit
     price: float | None = None  # per GPU-hour (--price)
     measured: list[str] = field(default_factory=list)  # --from: the model against a run's measurements
+    traced: dict[str, dict[str, Any]] = field(default_factory=dict)  # --trace: tier -> the traced step's figures
 
     @property
     def cost(self) -> float | None:
@@ -165,19 +172,39 @@ class PlanReport:
                 {
                     "tier": p.tier,
                     "gpu_bytes": p.estimate.gpu_bytes,
+                    "gpu_breakdown": p.estimate.breakdown(),
                     "host_bytes": p.estimate.host,
+                    "budget_bytes": p.budget,
+                    "margin_bytes": p.margin,
                     "fits": p.fits,
                     "useful": p.useful,
                     "micro_batch": p.micro_batch,
+                    "micro_batch_fixed": p.fixed,
+                    "max_micro_batch": p.max_micro_batch,
                     "grad_accum": p.grad_accum,
                     "checkpointing": p.estimate.checkpointing,
                     "note": p.reason,
+                    **_traced_dict(self.traced.get(p.tier), p),
                     **_time_dict(self.times.get(p.tier)),
                     "cost": self.tier_cost(p.tier),
                 }
                 for p in self.plans
             ],
         }
+
+
+def _traced_dict(row: dict[str, Any] | None, p: memory.TierPlan) -> dict[str, Any]:
+    """--trace: the traced device bytes (no CUDA context or fragmentation) beside the model's same terms."""
+    if row is None:
+        return {}
+    model = p.estimate.gpu_bytes - p.estimate.overhead
+    return {
+        "traced_gpu_bytes": row["peak"],
+        "traced_host_bytes": row["host"],
+        "traced_micro_batch": row["micro_batch"],
+        "traced_parts": row["parts"],
+        "model_over_traced": round(model / row["peak"], 4) if row["peak"] else None,
+    }
 
 
 def _time_dict(time: throughput.StepTime | None) -> dict[str, Any]:
@@ -254,6 +281,7 @@ def plan_spec(
         global_batch=spec.training.global_batch,
         utilization=spec.memory.target_utilization,
         sample_scale=scale,
+        micro_batch=fixed_micro_batch(spec),
         **kw,
     )
     if spec.memory.tier == "auto":

@@ -20,7 +20,7 @@ from jobspec.catalog.presets import ModelShape
 from jobspec.contract import EXIT_OOM_LAST_TIER, EXIT_OOM_RETRY_TIER, METRICS_FILE
 from jobspec.errors import ConfigError, JobspecError
 from jobspec.plan import calibration, memory
-from jobspec.plan.planner import estimate_kwargs, model_shape
+from jobspec.plan.planner import estimate_kwargs, fixed_micro_batch, model_shape
 from jobspec.spec.models import JobSpec
 from jobspec.spec.units import human_bytes as gib
 from runner.sizing.hostmem import HOST_OFFLOAD_SHARE, HOST_PROCESS_BYTES, HostInfo, loader_settings, offload_fits
@@ -100,7 +100,7 @@ def _amend(plan: Plan, reason: str, **changes: Any) -> Plan:
 
 def with_micro_batch(plan: Plan, micro_batch: int, reason: str, **changes: Any) -> Plan:
     """The plan at another micro-batch (a divisor of the per-rank batch, else ValueError), accumulation recomputed."""
-    est = plan.fixed_bytes + plan.per_sample_bytes * micro_batch  # the model is linear in micro-batch (+-1 byte)
+    est = plan.fixed_bytes + plan.per_sample_bytes * micro_batch  # the model's line (runner.sizing.plan._sized)
     accum = plan.per_rank // micro_batch
     return _amend(plan, reason, micro_batch=micro_batch, grad_accum=accum, estimated_bytes=est, **changes)
 
@@ -140,8 +140,11 @@ def _micro_batch(asked: int | str, per_rank: int, tp: memory.TierPlan, per_sampl
 def _sized(shape: ModelShape, tier: str, kw: dict[str, Any], bkw: dict[str, Any]) -> tuple[memory.TierPlan, int, int]:
     """(tier plan, fixed bytes, bytes per sample) from the memory model."""
     tp = memory.plan_tier(shape, tier=tier, **kw, **bkw)
-    e0, e1 = (memory.estimate(shape, tier=tier, micro_batch=m, **kw) for m in (0, 1))
-    return tp, e0.gpu_bytes, e1.gpu_bytes - e0.gpu_bytes
+    # the line through micro-batch 0 and the model's largest: the loss's one chunk of logits makes the first
+    # samples dearer than the later ones, so the slope of the first alone would understate what fits
+    top = max(1, min(tp.max_micro_batch, bkw["global_batch"]))
+    e0, top_e = (memory.estimate(shape, tier=tier, micro_batch=m, **kw) for m in (0, top))
+    return tp, e0.gpu_bytes, -(-(top_e.gpu_bytes - e0.gpu_bytes) // top)
 
 
 def size_for_tier(
@@ -172,7 +175,7 @@ def size_for_tier(
     if tp.estimate.host and not offload_fits(tp.estimate.host, local, host):
         _note(notes, offload + ": expect a host OOM")
     _note(notes, why_precision)
-    estimated = memory.estimate(shape, tier=tier, micro_batch=mbs, **kw).gpu_bytes
+    estimated = memory.estimate(shape, tier=tier, micro_batch=mbs, grad_accum=per_rank_batch // mbs, **kw).gpu_bytes
     need = HOST_PROCESS_BYTES + tp.estimate.host if device.is_gpu else estimated
     nw = None if spec.data.num_workers == "auto" else spec.data.num_workers
     loader = loader_settings(host, on_gpu=device.is_gpu, local_ranks=local, need_per_rank=need, requested=nw)
@@ -214,7 +217,7 @@ def choose_tier(spec: JobSpec, device: DeviceInfo, host: HostInfo, world_size: i
     if not device.is_gpu:
         return "fast", "tier auto -> fast: CPU, one process per rank, nothing to shard or offload"
     kw, bkw = _inputs(spec, device, world_size, local)
-    plans = memory.plan_all(model_shape(spec), **kw, **bkw)
+    plans = memory.plan_all(model_shape(spec), **kw, **bkw, micro_batch=fixed_micro_batch(spec))
     skipped: list[str] = []
     for tp in plans:
         if tp.useful and tp.fits and offload_fits(tp.estimate.host, local, host):

@@ -2,7 +2,9 @@
 
     recipe.py   `Recipe(spec)`: `setup()`, `train()`, `cleanup()`; the in-process tier step-down
     step.py     one optimizer step, evaluation, the LR schedule, the stop flag
+    loss.py     the chunked cross-entropy inside the output layer: the (tokens x vocab) fp32 logits never whole
     engine.py   accelerate for one plan: DDP for `fast`, FSDP2 for the other tiers, mixed precision
     offload.py  `zero2_offload`'s optimizer: Adam's states and step on the host (torchao)
     handoff.py  the trained state handed to the next tier in memory
+    trace.py    the memory oracle: this step on FakeTensors under torch's memory tracker (`jobspec plan --trace`)
 """

@@ -42,6 +42,7 @@ PARAM_OFFLOAD_TIERS = ("minimal",)  # FSDP2 CPUOffloadPolicy: parameters, gradie
 OPTIMIZER_OFFLOAD_TIERS = ("zero2_offload",)  # torchao: optimizer states and the step on the host
 OFFLOAD_TIERS = PARAM_OFFLOAD_TIERS + OPTIMIZER_OFFLOAD_TIERS
 RESHARD_TIERS = ("zero3", "minimal")
+BETAS = (0.9, 0.95)
 
 
 def pick_device(spec: JobSpec, local_rank: int, host: HostInfo) -> tuple[torch.device, DeviceInfo]:
@@ -63,17 +64,21 @@ def make_optimizer(model: nn.Module, spec: JobSpec, device: torch.device, tier: 
 
     For zero2_offload on a GPU this AdamW only carries the parameter groups: `prepare` hands them, once FSDP2
     has sharded them, to `offload_optimizer`."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    groups = [
-        {"params": [p for p in params if p.dim() >= 2], "weight_decay": spec.training.weight_decay},
-        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
-    ]
     # Offloaded tiers step the optimizer on the host: the fused CUDA kernel does not apply there
     # (zero2_offload's host AdamWs are fused CPU ones, runner/train/offload.py).
     fused = device.type == "cuda" and tier not in OFFLOAD_TIERS
-    return torch.optim.AdamW(
-        [g for g in groups if g["params"]], lr=spec.training.peak_lr, betas=(0.9, 0.95), fused=fused or None
-    )
+    groups = param_groups(model, spec.training.weight_decay)
+    return torch.optim.AdamW(groups, lr=spec.training.peak_lr, betas=BETAS, fused=fused or None)
+
+
+def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
+    """The trainable parameters in two AdamW groups: weight decay on matrices only (not biases, norms)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+    ]
+    return [g for g in groups if g["params"]]
 
 
 def offload_optimizer(optimizer: torch.optim.Optimizer, device: torch.device, tier: str) -> torch.optim.Optimizer:
@@ -93,26 +98,41 @@ def fsdp_plugin(plan: Plan, model: nn.Module, device: torch.device) -> Any:
     """accelerate's FSDP2 plugin for `plan.tier`, or None for `fast` (DDP over several ranks)."""
     if plan.tier == "fast":
         return None
-    from accelerate import FullyShardedDataParallelPlugin
-    from torch.distributed.fsdp import CPUOffloadPolicy
-
     offload = plan.tier in PARAM_OFFLOAD_TIERS
     if offload and device.type != "cuda":
         log.info("tier %s on CPU: sharding without CPU offload (the weights already live on the CPU)", plan.tier)
         offload = False
+    return sharding_plugin(plan.tier, plan.precision, model, offload=offload)
+
+
+def sharding_plugin(tier: str, precision: str, model: nn.Module, *, offload: bool) -> Any:
+    """accelerate's FSDP2 plugin for a sharded tier: one unit per block, mixed precision, resharding per tier."""
+    from accelerate import FullyShardedDataParallelPlugin
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
     mp = None
-    if plan.precision != "fp32":  # compute in bf16/fp16, keep fp32 masters, reduce gradients in fp32
-        dt = DTYPE[plan.precision]
+    if precision != "fp32":  # compute in bf16/fp16, keep fp32 masters, reduce gradients in fp32
+        dt = DTYPE[precision]
         mp = {"param_dtype": dt, "reduce_dtype": torch.float32, "output_dtype": dt}
     return FullyShardedDataParallelPlugin(
         fsdp_version=2,
-        reshard_after_forward=plan.tier in RESHARD_TIERS,
+        reshard_after_forward=tier in RESHARD_TIERS,
         cpu_offload=CPUOffloadPolicy(pin_memory=True) if offload else False,
         auto_wrap_policy="transformer_based_wrap",
         transformer_cls_names_to_wrap=block_class_names(model),
         state_dict_type="SHARDED_STATE_DICT",
         mixed_precision_policy=mp,
     )
+
+
+def enable_checkpointing(model: nn.Module, *, lora: bool) -> None:
+    """transformers' non-reentrant activation checkpointing of every block."""
+    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if lora:  # frozen embeddings: let the checkpointed blocks' inputs carry grad
+        model.enable_input_require_grads()
 
 
 def prepare(
@@ -129,12 +149,7 @@ def prepare(
     if device.type == "cpu" and plan.precision == "fp16":
         raise ConfigError("training.precision fp16: fp16 autocast needs a GPU; use bf16 or fp32 on CPU")
     if plan.checkpointing:
-        if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5
-            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-        else:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        if spec.model.lora:  # frozen embeddings: let the checkpointed blocks' inputs carry grad
-            model.enable_input_require_grads()
+        enable_checkpointing(model, lora=spec.model.lora is not None)
     plugin = fsdp_plugin(plan, model, device)
     accelerator = Accelerator(mixed_precision=MIXED[plan.precision], cpu=device.type == "cpu", fsdp_plugin=plugin)
     if plugin is not None and accelerator.distributed_type != DistributedType.FSDP:

@@ -27,6 +27,7 @@ from jobspec.catalog import tiers
 from jobspec.contract import EXIT_OK, EXIT_OOM_RETRY_TIER, EXIT_PREEMPTED, METRICS_FILE, TIER_STATE_FILE
 from jobspec.errors import ConfigError
 from jobspec.spec.models import JobSpec
+from jobspec.spec.units import human_bytes
 from runner import internals
 from runner.checkpoint import store
 from runner.checkpoint.lease import Lease, LeaseHeld
@@ -303,9 +304,15 @@ class Recipe:
         mine = rank_slice(range(len(self.data.eval)), self.env.rank, self.env.world_size)
         self.eval_ids = mine[: t.eval_batches * self.plan.micro_batch]
         tic, tokens = time.perf_counter(), 0
+        check = self.device.type == "cuda" and self.step < self.total_steps
+        if check:  # the first step's own peak, not the probe steps'
+            torch.cuda.reset_peak_memory_stats(self.device)
         try:
             while self.step < self.total_steps:
                 result = self.train_step(self.step)
+                if check:
+                    self._memory_check()
+                    check = False
                 self.step += 1
                 self.status["step"] = self.step
                 tokens += result.tokens
@@ -473,6 +480,22 @@ class Recipe:
             f"  model {self.exported}" if self.exported else "  model: not exported (output.export false)",
         ]
         log.info("%s", "\n".join(lines))
+
+    def _memory_check(self) -> None:
+        """The memory model's prediction against the device's peak over the first step trained here: every GPU run
+        calibrates the model (a `memory_check` event in metrics.jsonl, and a log line)."""
+        p = self.plan
+        peak = int(torch.cuda.max_memory_allocated(self.device))
+        reserved = int(torch.cuda.max_memory_reserved(self.device))
+        ratio = peak / p.estimated_bytes if p.estimated_bytes else None
+        self.metrics.write({"kind": "event", "event": "memory_check", "step": self.step + 1, "tier": p.tier,
+                            "micro_batch": p.micro_batch, "predicted_bytes": p.estimated_bytes,
+                            "peak_allocated_bytes": peak, "peak_reserved_bytes": reserved,
+                            "measured_over_predicted": None if ratio is None else round(ratio, 4)})  # fmt: skip
+        log.info("memory: step %d at tier %s, micro-batch %d: peak %s allocated (%s reserved), the model predicted %s "
+                 "with its overhead (%s)", self.step + 1, p.tier, p.micro_batch, human_bytes(peak),
+                 human_bytes(reserved), human_bytes(p.estimated_bytes),
+                 f"x{ratio:.2f}" if ratio is not None else "no prediction")  # fmt: skip
 
     def _log_step(self, r: StepResult, tokens_per_s: float) -> None:
         loss = self.ctrl.all_reduce([r.loss_sum.item()])[0] / max(r.targets, 1)  # global per-token mean

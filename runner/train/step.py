@@ -36,6 +36,7 @@ from runner.dist import Control
 from runner.oom import fsdp
 from runner.oom.detect import Guarded, Headroom, allocated_bytes, guarded, headroom
 from runner.oom.shrink import RankOOM, agreement, all_reduce_grads, raise_agreed
+from runner.train.loss import install_chunked_loss
 
 log = logging.getLogger("jobspec.runner")
 
@@ -122,6 +123,8 @@ class Stepper:
         self.sharded_ranks = self.world_size > 1 and not self.manual_sync  # FSDP over several ranks
         # FSDP over several ranks: agree before each of its collectives (runner/oom/fsdp.py); None: restart
         self.gate = fsdp.install(model, ctrl, self.rank) if self.sharded_ranks else None
+        # the loss from the hidden states in chunks, inside the model's forward (runner/train/loss.py)
+        self.head = install_chunked_loss(accelerator.unwrap_model(model), run=model, device=self.device)
 
     def check_stop(self) -> None:
         """Raise Preempted on every rank as soon as any rank has the flag (agreed by all-reduce MAX)."""
@@ -146,9 +149,14 @@ class Stepper:
         return t.to(self.device, non_blocking=t.is_pinned())
 
     def loss_sum(self, batch: Batch) -> torch.Tensor:
-        """Summed token cross-entropy of a micro-batch, in fp32 (logits upcast: (B, T, V))."""
-        logits = self.model(input_ids=self._to_device(batch.input_ids)).logits
-        labels = self._to_device(batch.labels)
+        """Summed token cross-entropy of a micro-batch, in fp32: chunked inside the output layer when the head is
+        installed (the fp32 logits never whole), else from the logits upcast ((B, T, V) fp32)."""
+        input_ids, labels = self._to_device(batch.input_ids), self._to_device(batch.labels)
+        if self.head is not None:
+            with self.head.targets(labels):
+                per_token = self.model(input_ids=input_ids).logits  # (B, T, 1): each token's loss, 0 at IGNORE
+            return per_token.float().sum()  # FSDP2 may have cast it to its output dtype: sum in fp32
+        logits = self.model(input_ids=input_ids).logits
         return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE, reduction="sum")
 
     def train_step(self, sample_ids: Sequence[int], micro_batch: int, lr: float) -> StepResult:
@@ -170,7 +178,10 @@ class Stepper:
         oom, room = "", None  # this rank's OOM in the previous micro-step, agreed on before the next one starts
         for i, batch in enumerate(batches):
             self.agree(oom, room=room)
-            sync = self.world_size == 1 or (i == len(batches) - 1 and not self.manual_sync)
+            # FSDP reduce-scatters every micro-batch's gradients: skipping it (no_sync) would hold them unsharded
+            # in fp32, 4 bytes a parameter on every rank, what the sharded tiers are chosen to avoid (the memory
+            # model counts sharded gradients). DDP accumulates locally and exchanges once (all_reduce_grads).
+            sync = self.world_size == 1 or self.sharded_ranks or (i == len(batches) - 1 and not self.manual_sync)
             with nullcontext() if sync else self.accelerator.no_sync(self.model):
                 out = self._micro_step(batch, scale)
             if out.oom:

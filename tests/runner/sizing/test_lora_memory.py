@@ -33,9 +33,10 @@ def state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int
 
 
 def modelled(spec) -> tuple[int, int, int]:
+    """(what persists on the GPU: weights, gradients, Adam's moments; trainable params; base params)."""
     shape = model_shape(spec)
-    gpu, _host, trainable = memory._states(shape, "fast", 1, lora_shape(spec))
-    return gpu, trainable, shape.params
+    s = memory._states(shape, "fast", 1, lora_shape(spec))
+    return s.weights + s.gradients + s.optimizer + s.buckets, s.trainable, shape.params
 
 
 def test_lora_states_of_a_bf16_model_match_the_memory_model_exactly(tmp_path):

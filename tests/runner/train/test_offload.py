@@ -164,12 +164,18 @@ def footprint(accelerator, model: nn.Module, optimizer, max_norm: float | None =
 
 
 def modelled(spec, tier: str) -> tuple[int, int, int, int, int]:
-    """(GPU, host, trainable, weights held, gathered-module bound) from the memory model, one rank."""
+    """(GPU, host, trainable, weights held, gathered-module bound) from the memory model, one rank. GPU: what
+    persists (weights, gradients, optimizer, buckets) plus, for the zero2 tiers, the 16-bit weights FSDP2 holds
+    through backward; the one module's transient 16-bit gradient (and zero3's gathers) are the bound."""
     shape, lora = model_shape(spec), lora_shape(spec)
-    gpu, host, t = memory._states(shape, tier, 1, lora)
+    s = memory._states(shape, tier, 1, lora)
+    t = s.trainable
     w = shape.params + (t if lora else 0)
-    gathered = memory.GATHER_FACTOR * memory.WEIGHT_BYTES * memory._largest_module(shape)
-    return gpu, host, t, w, gathered
+    largest = memory.HALF_BYTES * memory._largest_module(shape)
+    persistent = s.weights + s.gradients + s.optimizer + s.buckets
+    if tier in ("zero2", "zero2_offload"):
+        return persistent + s.working - largest, s.host, t, w, largest
+    return persistent, s.host, t, w, s.working
 
 
 # --- which optimizer a tier steps with --------------------------------------------------------------------
@@ -221,30 +227,27 @@ def test_zero2_offload_holds_params_and_grads_on_the_gpu_and_adam_on_the_host(gr
 
 
 # What the engine holds at each tier on one rank in 16-bit training, w = t = P (all trainable), against the
-# memory model. Two tiers differ from it; the gaps are asserted so that a fix of `_states` shows up here:
-#   zero2   the model counts 2w + 14t/N (16-bit gradients, 12 bytes of fp32 master + Adam); FSDP2 holds its
-#           fp32 shard (4t/N) and fp32 gradients (4t/N) beside Adam's 8t/N: 2w + (2w + 14t)/N, 2w/N more.
-#   minimal the model's host counts 16t/N + 2w/N; CPUOffloadPolicy keeps the fp32 shard (2(w - t) + 4t)/N,
-#           fp32 gradients and Adam's state there: (2w + 14t)/N, 2t/N less. On CPU it trains as zero3.
+# memory model's terms (jobspec/plan/memory.py `_states`): fp32 shards and fp32 gradients beside Adam's 8t/N,
+# the 16-bit gather FSDP2 keeps from forward to backward at zero2, CPUOffloadPolicy's host share at minimal.
 @pytest.mark.parametrize("tier", tiers.TIERS)
 def test_every_tier_holds_what_the_memory_model_says(group, tmp_path, tier):
     spec = tiny_spec(tmp_path, training={"precision": "bf16"}, memory={"tier": tier})
     accelerator, model, optimizer = build(spec, tier)
     f = footprint(accelerator, model, optimizer)
-    gpu, host, t, w, gathered = modelled(spec, tier)
+    gpu, host, t, w, bound = modelled(spec, tier)
     assert w == t
     states = f.params + f.grads + f.optim  # what persists from step to step
     if tier == "fast":  # one rank: no DDP buckets
         assert (f.held, states, f.host) == (0, gpu, 0) and (gpu, host) == (16 * t, 0)
     elif tier == "zero2":
-        assert (f.held, states) == (2 * w, 16 * t) and f.held + states - gpu == 2 * w  # the model's gap
+        assert (f.held, states) == (2 * w, 16 * t) and f.held + states == gpu
     elif tier == "zero2_offload":  # on CPU it trains as zero2 (nothing to offload to): Adam stays put
         assert not isinstance(optimizer.optimizer, HostAdamW)
         assert f.gpu == gpu and f.optim == 8 * t and host == 16 * t
     elif tier == "zero3":  # the root module (embeddings, tied head) is not resharded after forward
-        assert states == gpu - gathered == 16 * t and 0 < f.held <= gathered
+        assert states == gpu == 16 * t and 0 < f.held <= bound
     else:  # minimal, on CPU as zero3; on a GPU all of `states` is the host's
-        assert states == 16 * t and host - states == 2 * t and gpu == gathered and 0 < f.held <= gathered
+        assert states == host == 16 * t and gpu == 0 and 0 < f.held <= bound
 
 
 # --- training, clipping and checkpoints through HostAdamW ----------------------------------------------------

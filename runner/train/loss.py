@@ -1,0 +1,286 @@
+"""The token cross-entropy straight from the hidden states, in chunks: the (tokens, vocab) fp32 logits never exist.
+
+`F.cross_entropy(logits.float(), ...)` holds the logits upcast to fp32, their log-softmax and, in backward,
+their gradient: about 12 B per token x vocab, the largest part of a step's peak at a 50k-150k vocabulary.
+`LinearCrossEntropy` computes `hidden @ weight.T (+ bias)` a chunk of tokens at a time (`chunk_tokens`: one
+chunk's fp32 logits about `CHUNK_BYTES`), keeps only each token's logsumexp and loss and, in training, forms
+each chunk's (softmax - onehot) while its logits exist, from which it accumulates the gradients of the hidden
+states, the weight and the bias; backward scales them by the incoming gradient (recomputing the chunks only
+when that gradient differs between tokens). Matmuls run in the compute dtype (autocast's when it is on, else the
+weight's), the softmax in fp32, as the old path did; each gradient comes back in its input's dtype.
+
+How it plugs in: the model's output layer (`get_output_embeddings()`, a plain `nn.Linear` for GPT-2 and
+Llama, tied or not) gets an instance-level `forward` (`ChunkedLossHead`, installed by `install_chunked_loss`):
+inside `with head.targets(labels):` it returns the per-token loss (B, T, 1), 0 at IGNORE, which the model
+passes out as `.logits`; outside it is `nn.Linear.forward`. The loss is thus computed inside the model's own
+forward, where FSDP2 has gathered the layer's weight; the module, its class, its parameters and their
+names stay those of the plain model, so state-dict keys, the embedding tie, checkpoints, exports (a fresh
+model), DDP, FSDP2's units and hooks (accelerate shards [final norm, lm_head] as one unit and casts its
+output), LoRA, activation checkpointing (the head is outside the checkpointed blocks) and torch.compile (the
+chunked path runs eagerly, a graph break) are untouched. Alternatives set aside: a wrapper module with the
+linear as a child renames every key under it (`lm_head.linear.weight`) and, under FSDP2, would have to call
+the child's forward to get its weight gathered; transformers' `loss_function` hook receives the whole logits;
+patching the model's own forward is per architecture.
+
+Installed by `Stepper.__init__` (runner/train/step.py) on the prepared model: it replaces no module, so what
+DDP and FSDP2 wrapped stays as it was. Not installed (the caller keeps the full logits, and a log line says
+why): an output layer that is not an `nn.Linear` running `nn.Linear.forward` (peft-wrapped, quantised), or a
+model that changes what its output layer returns (logit soft-capping or scaling). The latter is found by a
+probe: one 4-token forward without gradient, the same on every rank, in which the head returns known values.
+
+Measured (bench/loss.py, medians of 5, full logits vs chunked): with the gradients recomputed in backward, H100
+bf16 autocast, GPT-2 hidden 768, 12 layers, vocab 50257, 8 x 1024 tokens: peak 12.1 -> 7.4 GiB, step 65 -> 77 ms;
+2 layers, vocab 128256, 8 x 2048 tokens: 30.1 -> 3.7 GiB, 64 -> 98 ms (the logits' matmul once more). With the
+gradients computed in forward (`fused`, now the default in training), on this project's 2-core CPU, fp32, 2
+layers, 4 x 512 tokens: peak 2123 -> 1099 MiB, step 3.95 -> 3.38 s (2026-11-25); not yet measured on a GPU.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+from torch import nn
+from torch.autograd.function import once_differentiable
+from torch.distributed.fsdp import FSDPModule
+
+from jobspec.plan.memory import LOSS_CHUNK_BYTES
+from runner import internals
+from runner.data.dataset import IGNORE
+
+log = logging.getLogger("jobspec.runner")
+CHUNK_BYTES = LOSS_CHUNK_BYTES  # one chunk's fp32 logits; the memory model sizes the loss from the same constant
+PROBE = (64.0, 65.0, 66.0, 67.0)  # what the head returns in the install probe: exact in bf16, changed by any transform
+
+
+def chunk_tokens(vocab: int, budget: int = CHUNK_BYTES) -> int:
+    """Tokens per chunk so that one chunk's fp32 logits stay within `budget` bytes."""
+    return max(1, budget // (4 * vocab))
+
+
+def compute_dtype(weight: torch.Tensor) -> torch.dtype:
+    """The dtype `F.linear` computes in: autocast's for the weight's device when it is on, else the weight's."""
+    device = weight.device.type
+    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else weight.dtype
+
+
+def _logits(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    """(n, V) logits of one chunk, in the dtype of `h` and `w`."""
+    return h @ w.T if b is None else torch.addmm(b, h, w.T)
+
+
+def _minus(logits: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
+    """`logits` (n, V) minus `shift` (n,) in fp32: 16-bit logits are upcast in the same pass (no fp32 copy first)."""
+    if logits.dtype == torch.float32:
+        return logits.sub_(shift[:, None])
+    return torch.sub(logits, shift[:, None])
+
+
+def _chunk_grads(
+    h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, target: torch.Tensor, lse: torch.Tensor,
+    scale: torch.Tensor, chunk: int, grads: tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None],
+    dtype: torch.dtype,
+) -> None:  # fmt: skip
+    """Accumulate into `grads` (hidden (N, H), weight (V, H), bias fp32 (V,); None: not needed) the gradients of
+    sum_i scale_i * loss_i, a chunk of tokens at a time: dL/dlogits = (softmax - onehot) * scale."""
+    grad_h, grad_w, grad_b = grads
+    for s in range(0, h.shape[0], chunk):
+        hc = h[s : s + chunk]
+        p = _minus(_logits(hc, w, b), lse[s : s + chunk]).exp_()  # (n, V) fp32 softmax
+        p.mul_(scale[s : s + chunk, None])
+        p.scatter_add_(1, target[s : s + chunk, None], -scale[s : s + chunk, None])
+        if grad_b is not None:
+            grad_b += p.sum(0)
+        g = p.to(dtype)
+        del p
+        if grad_h is not None:
+            grad_h[s : s + chunk] = g @ w
+        if grad_w is not None:
+            if grad_w.dtype == dtype:
+                grad_w.addmm_(g.T, hc)  # one rounding per chunk
+            else:
+                grad_w += g.T @ hc  # 16-bit chunk products summed in the fp32 weight's gradient
+
+
+class LinearCrossEntropy(torch.autograd.Function):
+    """Per-token cross-entropy of `hidden @ weight.T + bias` (..., V): fp32, shaped like `labels` (...), 0 at IGNORE.
+
+    The result is allocated in that shape, not a view: FSDP2 warns about a view returned by a module.
+
+    `fused` (training): the gradients are computed in forward, from the chunk's logits while they exist, for an
+    incoming gradient that is the same for every token (what a summed or mean loss gives), and backward only
+    scales them: the logits' matmul runs once, as in the plain path (Liger Kernel's fused linear cross-entropy
+    does the same). An incoming gradient that differs between tokens is checked for (one comparison) and
+    recomputed chunk by chunk from the saved hidden states, as without `fused`."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, labels, chunk: int, dtype: torch.dtype, fused: bool = False):  # type: ignore[override]
+        # hidden (..., H), weight (V, H), bias (V,) or None, labels (...) int64; N tokens
+        with torch.autocast(hidden.device.type, enabled=False):  # the casts are explicit
+            h = hidden.reshape(-1, hidden.shape[-1]).to(dtype)  # (N, H), saved at the compute width, as autocast would
+            w, b = weight.to(dtype), None if bias is None else bias.to(dtype)
+            valid = labels.reshape(-1) != IGNORE
+            target = labels.reshape(-1).masked_fill(~valid, 0)
+            lse = torch.empty(h.shape[0], device=h.device, dtype=torch.float32)  # (N,)
+            out = torch.empty(labels.shape, device=h.device, dtype=torch.float32)
+            loss = out.view(-1)
+            for s in range(0, h.shape[0], chunk):
+                hc, t = h[s : s + chunk], target[s : s + chunk, None]
+                logits = _logits(hc, w, b)
+                top = logits.amax(dim=-1).float()  # (n,)
+                x = _minus(logits, top)  # (n, V) fp32, the only large tensor; logsumexp in place:
+                del logits
+                picked = x.gather(1, t).squeeze(1)  # target logit - top
+                lse[s : s + chunk] = x.exp_().sum(dim=-1).log_().add_(top)
+                loss[s : s + chunk] = lse[s : s + chunk] - top - picked
+                del x
+            loss.masked_fill_(~valid, 0.0)
+            ctx.fused = None
+            if fused:  # the gradients for an incoming gradient of 1 on every token
+                grads = _new_grads(ctx.needs_input_grad[:3], h, weight, hidden.dtype)
+                _chunk_grads(h, w, b, target, lse, valid.float(), chunk, grads, dtype)
+                ctx.fused = grads
+        ctx.save_for_backward(h, weight, bias, target, valid, lse)
+        ctx.chunk, ctx.dtype, ctx.hidden_shape, ctx.hidden_dtype = chunk, dtype, hidden.shape, hidden.dtype
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_loss):  # type: ignore[override]
+        h, weight, bias, target, valid, lse = ctx.saved_tensors
+        flat = grad_loss.reshape(-1)
+        # on FakeTensors (the memory trace) values cannot be compared: the runner's summed loss is uniform
+        uniform = flat.numel() > 0 and (internals.is_fake(flat) or torch.equal(flat, flat[:1].expand_as(flat)))
+        if ctx.fused is not None and uniform:
+            g0 = flat[0]  # the same for every token: the forward's gradients, scaled
+            grad_h, grad_w, grad_b = (None if x is None else x.mul_(g0.to(x.dtype)) for x in ctx.fused)
+            ctx.fused = None
+        else:
+            ctx.fused = None
+            with torch.autocast(h.device.type, enabled=False):
+                w, b = weight.to(ctx.dtype), None if bias is None else bias.to(ctx.dtype)
+                scale = flat.float() * valid  # (N,): d loss_i, 0 at IGNORE
+                grad_h, grad_w, grad_b = grads = _new_grads(ctx.needs_input_grad[:3], h, weight, ctx.hidden_dtype)
+                _chunk_grads(h, w, b, target, lse, scale, ctx.chunk, grads, ctx.dtype)
+        if grad_b is not None:
+            grad_b = grad_b.to(bias.dtype)
+        if grad_h is not None:
+            grad_h = grad_h.view(ctx.hidden_shape)
+        return grad_h, grad_w, grad_b, None, None, None, None
+
+
+def _new_grads(
+    need: tuple[bool, ...], h: torch.Tensor, weight: torch.Tensor, hidden_dtype: torch.dtype
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """Empty gradients of the hidden states, zeroed ones of the weight (its dtype, as autograd gives it) and bias."""
+    need_h, need_w, need_b = need
+    grad_h = torch.empty(h.shape, device=h.device, dtype=hidden_dtype) if need_h else None
+    grad_w = torch.zeros_like(weight) if need_w else None
+    grad_b = torch.zeros(weight.shape[0], device=h.device, dtype=torch.float32) if need_b else None
+    return grad_h, grad_w, grad_b
+
+
+@torch.compiler.disable  # eager under torch.compile: dynamo would unroll the chunk loop
+def linear_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    labels: torch.Tensor,
+    *,
+    chunk: int | None = None,
+) -> torch.Tensor:
+    """Per-token cross-entropy of `hidden @ weight.T + bias` against `labels` (IGNORE: 0), shaped like `labels`, fp32.
+
+    hidden (..., H), labels (...); `chunk`: tokens per chunk (default `chunk_tokens(vocab)`)."""
+    if hidden.shape[:-1] != labels.shape:
+        raise ValueError(f"hidden states {tuple(hidden.shape)} do not match labels {tuple(labels.shape)}")
+    n = max(1, chunk or chunk_tokens(weight.shape[0]))
+    fused = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
+    return LinearCrossEntropy.apply(hidden, weight, bias, labels, n, compute_dtype(weight), fused)
+
+
+class ChunkedLossHead:
+    """The model's output layer with a second mode: per-token losses (B, T, 1) while `targets(labels)` is open.
+
+    Installed as the layer's instance `forward`; `remove()` gives the layer back its class's forward."""
+
+    def __init__(self, linear: nn.Linear, chunk: int | None = None):
+        self.linear = linear
+        self.chunk = chunk  # tokens per chunk; None: chunk_tokens(vocab)
+        self._labels: torch.Tensor | None = None
+        self._probe: torch.Tensor | None = None
+        linear.forward = self.forward  # shadows nn.Linear.forward on this instance only
+
+    @contextmanager
+    def targets(self, labels: torch.Tensor) -> Iterator[None]:
+        """While open, the layer returns the loss of each token against `labels` (B, T) (shifted; IGNORE masked)."""
+        self._labels = labels
+        try:
+            yield
+        finally:
+            self._labels = None
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        linear, labels = self.linear, self._labels
+        if labels is None:
+            return type(linear).forward(linear, hidden)  # the plain layer: logits
+        if hidden.shape[:-1] != labels.shape:  # e.g. a model that slices the hidden states before its head
+            raise ValueError(f"output layer: hidden states {tuple(hidden.shape)}, labels {tuple(labels.shape)}")
+        if self._probe is not None:
+            return self._probe.to(hidden.device, copy=True)
+        # (B, T, 1, H) against (B, T, 1): the per-token loss comes out (B, T, 1), allocated so (not a view)
+        h, y = hidden.unsqueeze(-2), labels.unsqueeze(-1)
+        return linear_cross_entropy(h, linear.weight, linear.bias, y, chunk=self.chunk)
+
+    def remove(self) -> None:
+        if self.linear.__dict__.get("forward") == self.forward:
+            del self.linear.forward
+
+    def probe(self, model: nn.Module, device: torch.device) -> str | None:
+        """Why `model` cannot take its loss from this head, or None: one tiny forward, no gradient, in eval mode,
+        in which the head returns known values that the model must pass out unchanged as `.logits`."""
+        ids = torch.zeros(1, len(PROBE), dtype=torch.long, device=device)
+        expected = self._probe = torch.tensor(PROBE).view(1, -1, 1)
+        training = model.training
+        model.eval()
+        try:
+            with torch.no_grad(), self.targets(ids):
+                out = model(input_ids=ids).logits
+        except (RuntimeError, ValueError) as err:  # e.g. the model slices the hidden states before the head
+            return f"the probe forward failed ({type(err).__name__}: {str(err).splitlines()[0][:200]})"
+        finally:
+            self._probe = None
+            model.train(training)
+            for m in model.modules():  # FSDP2 leaves units without reshard-after-forward gathered, and their
+                if isinstance(m, FSDPModule):  # gathered tensors registered: the optimizer's are the sharded ones
+                    m.reshard()
+        if out.shape != expected.shape or not torch.equal(out.float().cpu(), expected):
+            return "the model changes what its output layer returns (logit soft-capping or scaling?)"
+        return None
+
+
+def install_chunked_loss(
+    model: nn.Module, *, run: nn.Module | None = None, device: torch.device | None = None, chunk: int | None = None
+) -> ChunkedLossHead | None:
+    """The chunked loss installed on `model`'s output layer (`model` unwrapped: HF or peft model), or None with a
+    log line saying why the caller must keep the full logits. `run`: what to call for the probe forward (the
+    DDP/FSDP-prepared model; default `model`), on `device` (default: the layer's)."""
+    get = getattr(model, "get_output_embeddings", None)
+    layer = get() if callable(get) else None
+    why = None
+    if not isinstance(layer, nn.Linear) or type(layer).forward is not nn.Linear.forward:
+        why = f"the output layer is {type(layer).__name__}, not a plain nn.Linear"
+    elif "forward" in vars(layer):
+        why = "the output layer's forward is already replaced"
+    if why is None:
+        head = ChunkedLossHead(layer, chunk)
+        why = head.probe(run or model, device or layer.weight.device)
+        if why is None:
+            log.info("loss: chunked cross-entropy from the hidden states (%d tokens a chunk at vocab %d)",
+                     chunk or chunk_tokens(layer.out_features), layer.out_features)  # fmt: skip
+            return head
+        head.remove()
+    log.info("loss: full logits, not the chunked cross-entropy: %s", why)
+    return None

@@ -1,0 +1,445 @@
+"""The memory oracle: the runner's training step traced on FakeTensors, bytes per category at the peak.
+
+`trace_step(model, tier=..., world_size=..., micro_batch=..., seq_len=...)` builds the model the
+way runner/model/build.py does (transformers config, peft LoRA, the frozen base at 16 bits), on the meta device,
+switches on non-reentrant activation checkpointing as runner/train/engine.py does, wraps it as accelerate does
+for the tier (`fast`: fp32 weights, torch.autocast and fp32 outputs; the others: FSDP2 through accelerate's own
+`fsdp2_prepare_model`, MixedPrecisionPolicy bf16/fp32/bf16, one unit per block plus the embedding, the tail and
+the root, reshard_after_forward per tier), materialises it as FakeTensors, and runs two optimizer steps: forward,
+the runner's own loss (`runner_loss`: Stepper.loss_sum with its chunked head), backward over `grad_accum`
+micro-batches, gradient clipping, AdamW. The second step, which finds Adam's moments, is the one that counts;
+torch's MemTracker (`fast`) or FSDPMemTracker (FSDP2 tiers) reports the peak and its parts. Fakes hold no
+data: a 7B model costs seconds and a few hundred MB of host memory. With `fake=False` the same step runs on
+real tensors (tests).
+
+What the trace cannot run and adds or moves by arithmetic (each one is a field of TraceResult):
+- DDP (`fast` over several ranks) does not run on fakes: its fp32 gradient buckets, 4 bytes per trainable
+  parameter, are added to the peak (`ddp_buckets`).
+- Offload tiers trace as their unoffloaded twin (zero2_offload as zero2, minimal as zero3), as the runner runs
+  them on CPU. `host` holds what leaves the device: Adam's states (zero2_offload: torchao also keeps fp32 host
+  copies of each parameter and gradient shard), and for minimal the parameter and gradient shards too.
+  `peak` is the device part at the moment of the traced peak, not a peak of its own.
+- The trace runs on the CPU device: a CPU-only torch cannot run autograd on fake CUDA tensors. torch.autocast
+  is then CPU autocast (bf16 matmuls, linear and attention in both; RMSNorm upcasts explicitly) and SDPA picks
+  the CPU flash kernel (saves out and a (b, h, s) fp32 logsumexp, as CUDA's flash kernel).
+
+transformers takes FakeTensors for tracing (`is_tracing`): `find_packed_sequence_indices` would return a
+packed-sequence mask where eager returns None for the arange positions the runner's forward makes, which makes
+it build a (b, 1, s, s) mask and expand K/V for grouped-query attention. The trace gives it the eager answer
+(`_eager_decisions`), so the traced graph is the eager one (tests/runner/sizing/test_trace.py checks it
+against real tensors to the byte).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+from unittest import mock
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from jobspec.catalog.presets import ModelShape
+from jobspec.catalog.tiers import CHECKPOINTING, TIERS, tier_index
+from jobspec.errors import ConfigError
+from jobspec.spec.models import LoraSpec
+from runner import internals
+from runner.data.dataset import Batch
+from runner.model.build import apply_lora, frozen_base_width, preset_config
+from runner.train import engine
+
+log = logging.getLogger("jobspec.runner")
+
+# The runner's loss, given the prepared model and its device: a function of a micro-batch that returns its summed
+# token cross-entropy (what Stepper builds in its constructor and calls as `loss_sum`).
+LossFactory = Callable[[nn.Module, torch.device], Callable[[Batch], torch.Tensor]]
+DTYPE = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+TRACED_AS = {"zero2_offload": "zero2", "minimal": "zero3"}  # offload tiers: what runs, then moved by arithmetic
+DDP_BUCKET_BYTES = 4  # DDP's flat gradient buckets, in the dtype of the (fp32) trainable parameters
+HOST_COPY_BYTES = 8  # zero2_offload: torchao's pinned fp32 copy of each parameter shard and of its gradient
+
+# MemTracker / FSDPMemTracker categories -> the parts reported
+PARTS = {
+    "Parameter": "parameters",
+    "Buffer": "parameters",
+    "Sharded Param": "parameters",
+    "Unsharded Param": "parameters",
+    "All Gather": "parameters",
+    "Gradient": "gradients",
+    "Sharded Grad": "gradients",
+    "Unsharded Grad": "gradients",
+    "Reduce Scatter": "gradients",
+    "Optstate": "optimizer",
+    "OptState": "optimizer",
+    "Activation": "activations",
+    "Temp": "temporaries",
+    "Inputs": "other",
+    "Other": "other",
+}
+
+
+@dataclass(frozen=True)
+class TraceResult:
+    """One rank's memory at the peak of a traced optimizer step, in bytes."""
+
+    tier: str
+    world_size: int
+    micro_batch: int
+    seq_len: int
+    checkpointing: bool
+    peak: int  # device bytes: the tracker's peak + ddp_buckets - what an offload tier keeps on the host
+    parts: dict[str, int]  # parameters, gradients, optimizer, activations, temporaries, other at the peak
+    raw: dict[str, int]  # the tracker's own categories at the peak (before offload and DDP are applied)
+    host: int  # per rank, offload tiers: bytes kept in host memory (0 otherwise)
+    ddp_buckets: int  # added for `fast` over several ranks (0 otherwise)
+    params: int
+    trainable: int
+    seconds: float
+    fake: bool
+    notes: tuple[str, ...] = field(default_factory=tuple)
+
+
+def hf_config(model: ModelShape | dict[str, Any] | Any) -> Any:
+    """A transformers config: from a preset shape (as runner/model/build.py), a config.json dict, or a config."""
+    from transformers import AutoConfig, PretrainedConfig
+
+    if isinstance(model, ModelShape):
+        cfg = preset_config(model, bos=0, eos=min(1, model.vocab - 1))  # token ids do not change memory
+    elif isinstance(model, dict):
+        kwargs = dict(model)
+        model_type = kwargs.pop("model_type", None)
+        if model_type is None:
+            raise ConfigError("trace: a config.json dict needs its `model_type` (e.g. llama, qwen2, mistral)")
+        for key in ("architectures", "torch_dtype", "dtype", "transformers_version", "auto_map"):
+            kwargs.pop(key, None)
+        cfg = AutoConfig.for_model(model_type, **kwargs)
+    elif isinstance(model, PretrainedConfig):
+        cfg = model
+    else:
+        raise ConfigError(f"trace: cannot make a transformers config of {type(model).__name__}")
+    cfg.use_cache = False  # as build_model: no KV cache in training
+    return cfg
+
+
+def _build(cfg: Any, *, lora: LoraSpec | None, precision: str, attention: str, meta: bool) -> nn.Module:
+    """The model as build_model makes it (fp32 weights; with LoRA a 16-bit frozen base and fp32 adapters)."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta") if meta else contextlib.nullcontext():
+        model = AutoModelForCausalLM.from_config(cfg, attn_implementation=attention)
+    model.config.use_cache = False
+    if lora is not None:
+        frozen_base_width(model, precision)
+        model = apply_lora(model, lora)
+    return model
+
+
+def _autocast(model: nn.Module, precision: str, device: torch.device) -> None:
+    """What accelerate's prepare_model does for native AMP (`fast`): autocast the forward, fp32 outputs."""
+    if precision == "fp32":
+        return
+    from accelerate.utils import convert_outputs_to_fp32
+
+    forward = model.forward.__func__  # type: ignore[union-attr]
+    autocast = torch.autocast(device_type=device.type, dtype=DTYPE[precision])
+    model.forward = convert_outputs_to_fp32(autocast(forward)).__get__(model)  # type: ignore[method-assign]
+
+
+def _shard(model: nn.Module, tier: str, precision: str) -> nn.Module:
+    """FSDP2 as accelerate's `fsdp2_prepare_model` does it, with the plugin engine.fsdp_plugin builds."""
+    from accelerate.utils.fsdp_utils import fsdp2_prepare_model
+
+    plugin = engine.sharding_plugin(tier, precision, model, offload=False)  # traced without offload: see above
+    # the parts of an Accelerator that fsdp2_prepare_model reads (a real one is a process-wide singleton)
+    shim = _AcceleratorView(plugin, "no" if precision == "fp32" else precision)
+    return fsdp2_prepare_model(shim, model)
+
+
+class _AcceleratorView:
+    def __init__(self, plugin: Any, mixed_precision: str):
+        self.state = type("State", (), {"fsdp_plugin": plugin})()
+        self.mixed_precision = mixed_precision
+        self.is_main_process = True
+        self.torch_device_mesh = None
+        self.parallelism_config = None
+        self.device = torch.device("cpu")
+
+
+def _optimizer(model: nn.Module, fused: bool | None, sharded: bool) -> torch.optim.Optimizer:
+    """AdamW over two groups (decay on matrices only), as engine.make_optimizer builds it.
+
+    Sharded (DTensor) parameters on fakes step one parameter at a time: under FakeTensorMode the tracker cannot
+    tell DTensor's shape propagation of the fused and foreach kernels from real allocations and counts whole
+    unsharded tensors as optimizer state (torch 2.13). The loop's temporaries are one shard's size."""
+    groups = engine.param_groups(model, weight_decay=0.1)
+    if sharded:
+        return torch.optim.AdamW(groups, lr=1e-5, betas=engine.BETAS, foreach=False, fused=False)
+    return torch.optim.AdamW(groups, lr=1e-5, betas=engine.BETAS, fused=fused)
+
+
+@contextlib.contextmanager
+def _eager_decisions() -> Iterator[None]:
+    """transformers' eager answers where FakeTensors would make it take the tracing path.
+
+    `find_packed_sequence_indices` reads the position ids to tell packed rows apart; the runner's forward passes
+    none, so transformers makes arange positions, in which eager finds no packing (None) and then skips the mask
+    (SDPA's is_causal, native GQA). On fakes it cannot read them and returns the mask it would compile."""
+    from transformers import masking_utils
+
+    with mock.patch.object(masking_utils, "find_packed_sequence_indices", return_value=None):
+        yield
+
+
+@contextlib.contextmanager
+def _process_group(world_size: int, fake: bool) -> Iterator[None]:
+    """A process group of `world_size` for FSDP2: torch's fake backend (collectives do nothing) or gloo (1 rank)."""
+    if dist.is_initialized():
+        raise ConfigError("trace: a process group already exists; trace FSDP tiers in a process of their own")
+    if not fake and world_size != 1:
+        raise ConfigError(f"trace: real tensors over {world_size} ranks need real processes; use fake=True")
+    dist.init_process_group("fake" if fake else "gloo", store=dist.HashStore(), rank=0, world_size=world_size)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def _to_empty(model: nn.Module, device: torch.device) -> None:
+    """`Module.to_empty` that keeps tied parameters tied (it gives each module's reference a tensor of its own)."""
+    names: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+    model.to_empty(device=device)
+    for first, *others in (n for n in names.values() if len(n) > 1):
+        shared = model.get_parameter(first)
+        for name in others:
+            owner, _, attr = name.rpartition(".")
+            setattr(model.get_submodule(owner), attr, shared)
+
+
+def trace_step(
+    model: ModelShape | dict[str, Any] | Any,
+    *,
+    tier: str,
+    world_size: int,
+    micro_batch: int,
+    seq_len: int,
+    loss: LossFactory | None = None,
+    precision: str = "bf16",
+    lora: LoraSpec | None = None,
+    checkpointing: bool | None = None,
+    attention: str = "sdpa",
+    max_grad_norm: float | None = 1.0,
+    fused: bool | None = True,
+    fake: bool = True,
+    seed: int = 0,
+    grad_accum: int = 2,
+) -> TraceResult:
+    """One rank's bytes at the peak of the runner's optimizer step at `tier` (see the module docstring).
+
+    `model`: a preset ModelShape, a config.json dict (with `model_type`) or a transformers config. `loss`: a
+    factory of the loss of a micro-batch, `(model, device) -> (Batch -> summed token cross-entropy)` (default
+    `runner_loss`, the runner's own). `checkpointing` None: the tier's default.
+    `fused`: AdamW's fused kernel as the runner uses on a GPU (None: what it does on a CPU, a loop over
+    parameters with their temporaries). `fake=False` runs real tensors on the CPU (FSDP tiers on one rank).
+    `grad_accum`: micro-batches per optimizer step, as Stepper.train_step runs them (2: the gradients of the first
+    are alive during the second, the runner's usual case; 1 when the micro-batch is the whole per-rank batch).
+    """
+    tier_index(tier)  # raises for unknown names
+    if precision not in DTYPE or micro_batch < 1 or seq_len < 1 or world_size < 1:
+        raise ConfigError(
+            f"trace: precision {precision!r} (bf16, fp16 or fp32), micro_batch {micro_batch}, seq_len {seq_len}, "
+            f"world_size {world_size}: need positive sizes"
+        )
+    start = time.perf_counter()
+    loss = loss or runner_loss
+    ckpt = CHECKPOINTING[TIERS[tier_index(tier)]] if checkpointing is None else checkpointing
+    traced = TRACED_AS.get(tier, tier)
+    fsdp = traced != "fast"
+    device = torch.device("cpu")
+    torch.manual_seed(seed)
+    cfg = hf_config(model)
+    net = _build(cfg, lora=lora, precision=precision, attention=attention, meta=fake)
+    params = sum(p.numel() for p in net.parameters())
+    trainable = sum(p.numel() for p in net.parameters() if p.requires_grad)
+    if ckpt:
+        engine.enable_checkpointing(net, lora=lora is not None)
+    group = _process_group(world_size, fake) if fsdp else contextlib.nullcontext()
+    with group, _eager_decisions():
+        if fsdp:  # on the meta device for fakes: FSDP2's device mesh cannot be built under FakeTensorMode
+            net = _shard(net, traced, precision)
+        else:
+            _autocast(net, precision, device)
+        result = _run(net, cfg, loss, fsdp=fsdp, fused=fused, fake=fake, micro_batch=micro_batch, seq_len=seq_len,
+                      world_size=world_size, max_grad_norm=max_grad_norm, grad_accum=grad_accum)  # fmt: skip
+    raw = {str(getattr(k, "value", k)): int(v) for k, v in result.get(device, {}).items()}
+    total = raw.pop("Total", 0)
+    parts = dict.fromkeys(("parameters", "gradients", "optimizer", "activations", "temporaries", "other"), 0)
+    for name, nbytes in raw.items():
+        parts[PARTS.get(name, "other")] += nbytes
+    peak, host, buckets, notes = total, 0, 0, []
+    if tier == "fast" and world_size > 1:
+        buckets = DDP_BUCKET_BYTES * trainable
+        peak += buckets
+        notes.append(f"DDP buckets added: {DDP_BUCKET_BYTES} B x {trainable} trainable parameters")
+    if tier == "zero2_offload":
+        host = raw.get("OptState", 0) + HOST_COPY_BYTES * trainable // world_size
+        peak -= raw.get("OptState", 0)
+        notes.append("traced as zero2; Adam's states moved to the host, plus torchao's fp32 shard copies")
+    if tier == "minimal":
+        moved = raw.get("OptState", 0) + raw.get("Sharded Param", 0) + raw.get("Sharded Grad", 0)
+        host, peak = moved, peak - moved
+        notes.append("traced as zero3; sharded parameters, gradients and Adam's states moved to the host")
+    return TraceResult(
+        tier, world_size, micro_batch, seq_len, ckpt, peak, parts, raw, host, buckets, params, trainable,
+        time.perf_counter() - start, fake, tuple(notes),
+    )  # fmt: skip
+
+
+def _run(
+    net: nn.Module,
+    cfg: Any,
+    loss: LossFactory,
+    *,
+    fsdp: bool,
+    fused: bool | None,
+    fake: bool,
+    micro_batch: int,
+    seq_len: int,
+    world_size: int,
+    max_grad_norm: float | None,
+    grad_accum: int,
+) -> dict[Any, dict[Any, int]]:
+    """Two optimizer steps of the runner under the tracker; its peak snapshot (device -> category -> bytes)."""
+    device = torch.device("cpu")
+    with internals.fake_mode() if fake else contextlib.nullcontext():
+        if fake:
+            _to_empty(net, device)
+        net.train()
+        optimizer = _optimizer(net, fused, fsdp and fake)
+        loss_sum = loss(net, device)
+        vocab = int(cfg.vocab_size)
+        ids = torch.randint(0, vocab, (micro_batch, seq_len), device=device)
+        batch = Batch(ids, ids.clone(), micro_batch * seq_len, micro_batch * seq_len, ())
+        scale = world_size / batch.targets  # as Stepper.train_step: the global per-token mean
+        trained = [p for p in net.parameters() if p.requires_grad]
+        tracker = internals.memory_tracker(net, optimizer, fsdp, (batch.input_ids, batch.labels))
+        with tracker:
+            for step in range(2):  # the first creates Adam's moments; the second is the runner's steady state
+                optimizer.zero_grad(set_to_none=True)
+                for _ in range(grad_accum):  # from the second micro-batch on, the gradients are alive
+                    tracker.reset_mod_stats()  # per-module figures are per forward; the peak is kept
+                    (loss_sum(batch) * scale).backward()
+                if max_grad_norm is not None:
+                    torch.nn.utils.clip_grad_norm_(trained, max_norm=max_grad_norm)
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+                if step == 0:
+                    tracker.reset_mod_stats()
+                    tracker.reset_peak()
+        snapshot = tracker.get_tracker_snapshot("peak")
+    return snapshot
+
+
+def per_sample_bytes(a: TraceResult, b: TraceResult) -> float:
+    """Bytes each sample of the micro-batch adds, from two traces at one tier, rank count and sequence length."""
+    if (a.tier, a.world_size, a.seq_len) != (b.tier, b.world_size, b.seq_len) or a.micro_batch == b.micro_batch:
+        raise ConfigError("per_sample_bytes: two traces of one tier, world size and seq_len, at two micro-batches")
+    return (b.peak - a.peak) / (b.micro_batch - a.micro_batch)
+
+
+def fixed_bytes(a: TraceResult, b: TraceResult) -> float:
+    """Bytes at micro-batch 0 on the line through two traces (the states and what does not grow with the batch)."""
+    return a.peak - per_sample_bytes(a, b) * a.micro_batch
+
+
+def largest_micro_batch(a: TraceResult, b: TraceResult, budget: int) -> int:
+    """The largest micro-batch whose peak, on the line through two traces, fits `budget` bytes (0: none)."""
+    slope = per_sample_bytes(a, b)
+    return max(0, int((budget - fixed_bytes(a, b)) // slope)) if slope > 0 else 0
+
+
+def runner_loss(model: nn.Module, device: torch.device) -> Callable[[Batch], torch.Tensor]:
+    """The runner's own loss for a prepared model: `Stepper.loss_sum` with the chunked-loss head installed as
+    Stepper's constructor installs it (runner/train/loss.py). On fakes the head's install probe, which reads the
+    values the model passes out, cannot run: it is taken as passing, as it does for the GPT-2, Llama, Qwen and
+    Mistral blocks; a model that rescales its logits (Gemma-2's soft-capping) keeps the full logits in a real
+    run, and its trace then under-counts the loss."""
+    from runner.train.loss import ChunkedLossHead, install_chunked_loss
+    from runner.train.step import Stepper
+
+    stepper = Stepper.__new__(Stepper)  # only what loss_sum reads: the model, its device and the head
+    stepper.model, stepper.device = model, device
+    fake = any(internals.is_fake(p) for p in model.parameters())
+    with mock.patch.object(ChunkedLossHead, "probe", return_value=None) if fake else contextlib.nullcontext():
+        stepper.head = install_chunked_loss(model, run=model, device=device)
+    return stepper.loss_sum
+
+
+def spec_model(spec: Any) -> ModelShape | Any:
+    """What `trace_step` builds for a spec: the preset's or architecture's shape, else the local config.json."""
+    from jobspec.plan.planner import model_shape
+
+    if spec.model.preset or spec.model.architecture:
+        return model_shape(spec)
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(spec.model.path)
+    except (OSError, ValueError) as err:
+        raise ConfigError(f"model.path {spec.model.path!r}: no config to trace ({str(err).splitlines()[0]})") from None
+
+
+def trace_spec(spec: Any, tiers: dict[str, int], world_size: int, precision: str) -> list[dict[str, Any]]:
+    """`trace_step` for each tier at its micro-batch (tier -> micro-batch), as JSON-ready dicts."""
+    model = spec_model(spec)
+    forced = {"on": True, "off": False}.get(spec.training.gradient_checkpointing)
+    per_rank = spec.training.global_batch // world_size
+    out = []
+    for tier, mbs in tiers.items():
+        r = trace_step(model, tier=tier, world_size=world_size, micro_batch=mbs, seq_len=spec.data.max_seq_len,
+                       loss=runner_loss, precision=precision, lora=spec.model.lora, checkpointing=forced,
+                       attention=spec.model.attention, max_grad_norm=spec.training.max_grad_norm,
+                       grad_accum=2 if per_rank // mbs > 1 else 1)  # fmt: skip
+        out.append({"tier": tier, "micro_batch": mbs, "peak": r.peak, "parts": r.parts, "host": r.host,
+                    "ddp_buckets": r.ddp_buckets, "seconds": round(r.seconds, 2), "notes": list(r.notes)})  # fmt: skip
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m runner.train.trace SPEC --tiers fast=4,zero3=8 --world-size N --precision bf16`: one JSON list on
+    stdout (what `jobspec plan --trace` runs in a process of its own, so that the submitter never imports torch)."""
+    import argparse
+    import json
+    import os
+    import sys
+
+    from jobspec.errors import JobspecError
+    from jobspec.spec.loader import load_spec
+
+    ap = argparse.ArgumentParser(prog="python -m runner.train.trace", description=main.__doc__)
+    ap.add_argument("spec")
+    ap.add_argument("--tiers", required=True, help="tier=micro-batch pairs, comma-separated")
+    ap.add_argument("--world-size", type=int, required=True)
+    ap.add_argument("--precision", default="bf16", choices=sorted(DTYPE))
+    ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # a config is read from disk or the local cache, never fetched
+    try:
+        tiers = {t: int(m) for t, m in (pair.split("=") for pair in args.tiers.split(","))}
+        result = trace_spec(load_spec(args.spec, args.overrides), tiers, args.world_size, args.precision)
+    except JobspecError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
