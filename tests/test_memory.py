@@ -56,14 +56,17 @@ def test_divisors() -> None:
 #   activations, fp32 residual (fast)   12 layers * (20*768 + 10*3072) * 1024 tokens   = 566,231,040
 #   activations, 16-bit residual        12 * (16*768 + 10*3072) * 1024                 = 528,482,304
 #   checkpointed: each layer's input    12 * 2 * 1024 * 768                             =  18,874,368
-#   loss: one chunk of 268,435,456 // (4*50257) = 1335 tokens, here all 1024: 1024*50257*4*2 = 411,705,344;
-#         per token after the last block 10*768 + 16 (fp32 residual) or 6*768 + 16 (16-bit)
+#   loss: one chunk of 268,435,456 // (4*50257) = 1335 tokens, here all 1024: 1024*50257*4*1.5 = 308,779,008;
+#         per token after the last block 10*768 + 16 (fp32 residual) or 6*768 + 16 (16-bit); at `fast` also the
+#         output layer's fp32 gradient, which the fused loss accumulates in forward, and its bf16 copy:
+#         50257*768*(4 + 2) = 231,584,256
 #   gathered (zero3, minimal)           2*38,597,376 weights + 2*38,597,376 gradient       = 154,389,504
+#                                       (the tied embedding lives in FSDP2's root unit: no second gather buffer)
 #   zero2 tiers: every weight gathered in bf16 (2P) + the largest module's bf16 gradient  2P + 77,194,752
 #   overhead                            1 GiB + 5 % of everything else, integer division
 GPT2_ACT, GPT2_ACT16, GPT2_CKPT, GPT2_GATHER = 566_231_040, 528_482_304, 18_874_368, 154_389_504
-GPT2_LOSS = 411_705_344 + 1024 * (10 * 768 + 16)  # 419,586,048
-GPT2_LOSS16 = 411_705_344 + 1024 * (6 * 768 + 16)  # 416,440,320
+GPT2_LOSS = 308_779_008 + 1024 * (10 * 768 + 16) + 231_584_256  # 548,243,968
+GPT2_LOSS16 = 308_779_008 + 1024 * (6 * 768 + 16)  # 313,513,984
 P = P_GPT2
 Z2W = 2 * P + 77_194_752  # zero2 tiers' working weights
 # (tier, ranks, weights, gradients, optimizer, buckets, working weights, activations, loss, host)
@@ -100,20 +103,22 @@ def test_gpt2_small_per_tier(
 
 
 # qwen-1.8b (llama family, h=2048, i=5504, L=24, V=151936, untied; largest = head 151936*2048 = 311,164,928),
-# seq 1024, mbs 1; the loss's chunk: 268,435,456 // (4*151936) = 441 tokens of 151936 fp32 logits, x2
-#   fast        activations 24 * (32*2048 + 8*5504) * 1024 = 2,693,267,456; loss 441*151936*8 + 1024*(14*2048 + 16)
-#   zero3 (8)   checkpointed 24 * 2 * 1024 * 2048 = 100,663,296; loss 441*151936*8 + 1024*(10*2048 + 16)
+# seq 1024, mbs 1; the loss's chunk: 268,435,456 // (4*151936) = 441 tokens of 151936 fp32 logits, x1.5
+#   fast        activations 24 * (32*2048 + 8*5504) * 1024; loss 441*151936*6 + 1024*(14*2048 + 16)
+#               + the head's fp32 gradient and bf16 copy 151936*2048*6
+#   zero3 (8)   checkpointed 24 * 2 * 1024 * 2048 = 100,663,296; loss 441*151936*6 + 1024*(10*2048 + 16);
+#               the untied head gathered (buffer and parameters) and its gradient: 3 * 2 * 311,164,928
 def test_qwen_1_8b_fast_and_zero3() -> None:
     q = P_QWEN18
     fast = estimate(QWEN18, tier="fast", seq_len=1024, micro_batch=1, world_size=1)
     assert (fast.weights, fast.gradients, fast.optimizer, fast.working_weights) == (4 * q, 4 * q, 8 * q, 2 * q)
     assert fast.activations == 24 * (32 * 2048 + 8 * 5504) * 1024 == 2_692_743_168
-    assert fast.logits == 441 * 151936 * 8 + 1024 * (14 * 2048 + 16) == 565_406_720
+    assert fast.logits == 441 * 151936 * 6 + 1024 * (14 * 2048 + 16) + 151936 * 2048 * 6
     z3 = estimate(QWEN18, tier="zero3", seq_len=1024, micro_batch=1, world_size=8)
     assert (z3.weights, z3.gradients, z3.optimizer) == (4 * q // 8, 4 * q // 8, 8 * q // 8)
-    assert z3.working_weights == 2 * 2 * 311_164_928  # the head gathered in bf16, and its bf16 gradient
+    assert z3.working_weights == 3 * 2 * 311_164_928  # the head gathered in bf16 (twice: buffer, parameters), its grad
     assert z3.activations == 24 * 2 * 1024 * 2048 == 100_663_296
-    assert z3.logits == 441 * 151936 * 8 + 1024 * (10 * 2048 + 16) == 557_018_112
+    assert z3.logits == 441 * 151936 * 6 + 1024 * (10 * 2048 + 16)
     assert z3.host == 0
 
 
@@ -130,7 +135,8 @@ def test_attention_kinds_and_checkpointing_override() -> None:
     assert acts(tier="zero3", attention="eager") == GPT2_CKPT  # checkpointed: the inputs only (the peak is the loss)
     e = estimate(GPT2, tier="fast", seq_len=512, micro_batch=4, world_size=1)
     assert e.activations == 12 * 46_080 * 2048
-    assert e.logits == 1335 * 50257 * 8 + 2048 * (10 * 768 + 16)  # 2048 tokens: one full chunk of 1335
+    # 2048 tokens: one full chunk of 1335; the head's fp32 gradient and bf16 copy
+    assert e.logits == 1335 * 50257 * 6 + 2048 * (10 * 768 + 16) + 50257 * 768 * 6
     with pytest.raises(ConfigError, match="attention"):
         acts(tier="fast", attention="xformers")
 
@@ -172,14 +178,14 @@ def test_lora_states() -> None:
     assert (fast.weights, fast.gradients, fast.optimizer, fast.working_weights) == (2 * f + 4 * t, 4 * t, 8 * t, 2 * t)
     assert fast.states == 2 * P_QWEN18 + 18 * t == 3_786_608_640
     z2 = estimate(QWEN18, tier="zero2", seq_len=1024, micro_batch=1, world_size=8, lora=qkvo)
-    head = 2 * 311_164_928  # the largest module (the untied head) in bf16: its unsharded gradient
-    assert z2.states == (2 * f + 4 * t) // 8 + 4 * t // 8 + 8 * t // 8 + 2 * (f + t) + head  # + the bf16 gather
+    head = 2 * 311_164_928  # the largest module (the untied head) in bf16: its gather buffer, its unsharded gradient
+    assert z2.states == (2 * f + 4 * t) // 8 + 4 * t // 8 + 8 * t // 8 + 2 * (f + t) + 2 * head  # + the bf16 gather
     off = estimate(QWEN18, tier="zero2_offload", seq_len=1024, micro_batch=1, world_size=8, lora=qkvo)
     assert off.host == 16 * t // 8 == 12_582_912
     assert off.optimizer == 0
-    assert off.states == (2 * f + 4 * t) // 8 + 4 * t // 8 + 2 * (f + t) + head == 465_461_760 + 3_685_945_344 + head
+    assert off.states == (2 * f + 4 * t) // 8 + 4 * t // 8 + 2 * (f + t) + 2 * head == 4_151_407_104 + 2 * head
     z3 = estimate(QWEN18, tier="zero3", seq_len=1024, micro_batch=1, world_size=8, lora=qkvo)
-    assert z3.states == (2 * f + 4 * t) // 8 + 4 * t // 8 + 8 * t // 8 + 2 * head  # the base sharded too
+    assert z3.states == (2 * f + 4 * t) // 8 + 4 * t // 8 + 8 * t // 8 + 3 * head  # the base sharded too
     mini = estimate(QWEN18, tier="minimal", seq_len=1024, micro_batch=1, world_size=8, lora=qkvo)
     assert mini.host == 16 * t // 8 + 2 * f // 8
 
@@ -189,7 +195,7 @@ def test_lora_activations_and_loss() -> None:
     qv = LoraShape(8, ("q_proj", "v_proj"))
     e = estimate(QWEN18, tier="fast", seq_len=1024, micro_batch=1, world_size=1, lora=qv)
     assert e.activations == 24 * (18 * 2048 + 6 * 5504) * 1024
-    assert e.logits == 441 * 151936 * 8 + 1024 * (4 * 2048 + 16)
+    assert e.logits == 441 * 151936 * 6 + 1024 * (4 * 2048 + 16)  # the frozen head takes no gradient
     # on the MLP too: 26*h + 8*i (fast); checkpointed, each layer keeps its 16-bit input (the base is 16-bit)
     every = LoraShape(8, ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"))
     assert estimate(QWEN18, tier="fast", seq_len=1024, micro_batch=1, world_size=1, lora=every).activations == (
@@ -201,10 +207,10 @@ def test_lora_activations_and_loss() -> None:
 
 def test_plan_tier_hand_checked() -> None:
     # gpt2-small, fast, 1 rank, 24 GiB, global batch 64, seq 1024. Budget int(0.9 * 24 GiB) = 23,192,823,398.
-    # total(b) = body + GiB + body*5//100, body = 18P + one loss chunk 1335*50257*8 + b*(566,231,040 + 1024*7,696)
-    #          = 2,239,916,544 + 536,744,760 + b*574,111,744
-    #   b=31: body 20,574,125,368, total 22,676,573,460 <= budget
-    #   b=32: body 21,148,237,112, total 23,279,390,791 >  budget
+    # total(b) = body + GiB + body*5//100, body = 18P + one loss chunk 1335*50257*6 + the head's fp32 gradient and
+    # bf16 copy 50257*768*6 + b*(566,231,040 + 1024*7,696) = 2,874,059,370 + b*574,111,744
+    #   b=31: body 20,671,523,434, total 22,778,841,429 <= budget
+    #   b=32: body 21,245,635,178, total 23,381,658,760 >  budget
     # largest divisor of 64 that is <= 31: 16; accumulation 64 / 16 = 4.
     p = plan_tier(GPT2, tier="fast", gpu_bytes=24 * GiB, global_batch=64, world_size=1, seq_len=1024)
     assert (p.fits, p.useful, p.max_micro_batch, p.micro_batch, p.grad_accum) == (True, True, 31, 16, 4)
@@ -215,7 +221,7 @@ def test_plan_tier_hand_checked() -> None:
     p8 = plan_tier(GPT2, tier="fast", gpu_bytes=24 * GiB, global_batch=64, world_size=8, seq_len=1024)
     assert (p8.micro_batch, p8.grad_accum) == (8, 1)
     # utilization is a documented parameter: at 0.5 the budget is 12 GiB = 12,884,901,888;
-    #   b=14: total 12,428,678,830 fits; b=15: 13,031,496,161 does not
+    #   b=14: total 12,530,946,799 fits; b=15: 13,133,764,130 does not
     half = plan_tier(
         GPT2, tier="fast", gpu_bytes=24 * GiB, global_batch=64, world_size=1, seq_len=1024, utilization=0.5
     )
@@ -223,10 +229,10 @@ def test_plan_tier_hand_checked() -> None:
 
 
 def test_plan_tier_reports_the_spec_micro_batch() -> None:
-    # the spec's micro-batch 32 at fast: 32 > 31 (above) -> does not fit, 23,279,390,791 - 23,192,823,398 short
+    # the spec's micro-batch 32 at fast: 32 > 31 (above) -> does not fit, 23,381,658,760 - 23,192,823,398 short
     p = plan_tier(GPT2, tier="fast", gpu_bytes=24 * GiB, global_batch=64, world_size=1, seq_len=1024, micro_batch=32)
     assert (p.fixed, p.fits, p.micro_batch, p.grad_accum, p.max_micro_batch) == (True, False, 32, 2, 31)
-    assert p.margin == 23_192_823_398 - 23_279_390_791
+    assert p.margin == 23_192_823_398 - 23_381_658_760
     assert "micro-batch 32 (spec)" in p.reason and "short" in p.reason and "largest that fits: 31" in p.reason
     ok = plan_tier(GPT2, tier="fast", gpu_bytes=24 * GiB, global_batch=64, world_size=1, seq_len=1024, micro_batch=4)
     assert (ok.fits, ok.micro_batch, ok.grad_accum, ok.reason) == (True, 4, 16, "")
@@ -271,17 +277,17 @@ def test_one_rank_skips_sharding_only_tiers() -> None:
 
 # The seeds' ladder (note 002, DeepSpeed, one GPU, a 0.2-0.5B chat model): >12 GB ZeRO-2 class,
 # 6-12 GB stage2_offload, 4-6 GB stage3, <4 GB minimal. Our qwen-0.5b (P = 494,005,120), seq 1024, global batch 16,
-# micro-batch 1 (loss chunk 441*151936*8 = 536,030,208):
-#   fast          18P = 8,892,092,160 + activations 24*(32*896 + 8*4864)*1024 = 1,660,944,384
-#                 + loss 536,030,208 + 1024*(14*896 + 16) = 548,891,648 -> body 11,101,928,192
-#                 + GiB + 5 % = 12,730,766,425 (11.86 GiB): fits 0.9 * 14 GiB, not 0.9 * 12 GiB
+# micro-batch 1 (loss chunk 441*151936*6 = 402,022,656; tied embedding: the head's gradient, 136,134,656 params):
+#   fast          18P = 8,892,092,160 + activations 24*(32*896 + 8*4864)*1024 = 1,660,944,384 + loss 402,022,656
+#                 + 1024*(14*896 + 16) + the head's fp32 gradient and bf16 copy 6*136,134,656 = 1,231,692,032
+#                 + GiB + 5 % = 13,447,706,828 (12.52 GiB): fits 0.9 * 14 GiB, not 0.9 * 12 GiB
 #   zero2_offload 10P + 2*136,134,656 (the embedding's bf16 gradient) + 24*2*1024*896 = 44,040,192
-#                 + loss 536,030,208 + 1024*(10*896 + 16) + GiB + 5 % = 7,165,403,276 (6.67 GiB): fits 8 GiB
+#                 + loss 402,022,656 + 1024*(10*896 + 16) + GiB + 5 % = 7,024,695,347 (6.54 GiB): fits 8 GiB
 #                 (budget 7,730,941,132), not 4
-#   minimal       2*2*136,134,656 + 44,040,192 + 545,221,632 + GiB + 5 % = 2,264,232,294 (2.11 GiB): fits 4 GiB
+#   minimal       2*2*136,134,656 + 44,040,192 + 411,214,080 + GiB + 5 % = 2,123,524,364 (1.98 GiB): fits 4 GiB
 # Where we differ: one rank skips stage3 (it shards nothing; the seeds' stage3 gain was its activation
 # checkpointing, which our zero2_offload also has), so 4-6 GiB cards land on minimal; and the traced step of
-# `fast` (autocast's bf16 weight copies, fp32 residual activations) moves its edge from 12 to 13.2 GiB.
+# `fast` (autocast's bf16 weight copies, fp32 residual activations, the head's gradient) moves its edge to 13.9 GiB.
 SEEDS_CARDS = [(4, "minimal"), (8, "zero2_offload"), (12, "zero2_offload"), (14, "fast"), (20, "fast"), (80, "fast")]
 
 

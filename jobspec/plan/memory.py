@@ -12,9 +12,9 @@ w the weights held, t the trainable ones, f = w - t the frozen ones (LoRA), N da
 
     tier           weights        gradients  optimizer  buckets      working weights
     fast           4t + 2f        4t         8t         4t (N > 1)   2t  autocast's bf16 copies
-    zero2          (4t + 2f)/N    4t/N       8t/N       -            2w + 2m  FSDP2's bf16 gather, kept to backward
-    zero2_offload  (4t + 2f)/N    4t/N       host       -            2w + 2m  (m: the largest module's parameters,
-    zero3          (4t + 2f)/N    4t/N       8t/N       -            2m + 2m   its unsharded 16-bit gradient)
+    zero2          (4t + 2f)/N    4t/N       8t/N       -            2w + 4m  FSDP2's bf16 gather, kept to backward
+    zero2_offload  (4t + 2f)/N    4t/N       host       -            2w + 4m  (m: the largest module's parameters,
+    zero3          (4t + 2f)/N    4t/N       8t/N       -            4m + 2m   its gather buffer and 16-bit gradient)
     minimal        host           host       host       -            as zero3
 
     activations    per layer and token: ACT_BYTES[family, residual] (c_h * hidden + c_i * intermediate), the
@@ -55,11 +55,11 @@ DDP_BUCKET_BYTES = 4
 # Offload tiers: the host holds what the GPU does not: the fp32 shard, its gradient and Adam's m and v
 # (16 bytes per trainable parameter per rank's shard), the frozen shard in 16 bits.
 HOST_TRAINABLE_BYTES = MASTER_BYTES + GRAD_BYTES + ADAM_BYTES
-# FSDP2 gathers the 16-bit weights of GATHER_FACTOR modules at a time under ZeRO-3 (zero3, minimal), sized like the
-# largest module (block, embedding or untied head; the traced peak is at the output layer, the prefetch done). Every
-# FSDP tier also holds one module's unsharded 16-bit gradient before its reduce-scatter (the output layer's,
-# which the chunked loss accumulates, is the largest). Traced: bench/memory_model.py.
-GATHER_FACTOR = 1
+# FSDP2 holds a gathered module's 16-bit weights twice at its peak (the all-gather buffer and the unsharded
+# parameters): GATHER_FACTOR x the largest module (block, embedding or untied head; traced at the output layer).
+# Every FSDP tier also holds one module's unsharded 16-bit gradient before its reduce-scatter (the output layer's,
+# which the chunked loss accumulates in forward, is the largest). Traced: bench/memory_model.py.
+GATHER_FACTOR = 2
 # Activations per layer and token, bytes = c_h * hidden + c_i * intermediate, by (family, residual stream width),
 # fitted to traces of the runner's step (runner/train/trace.py; the fit: bench/memory_model.py --fit, within 0.02 %
 # over hidden 256-512, intermediate 2-3.5x, 2-4 layers). Llama-style blocks (RMSNorm upcasts to fp32, SwiGLU saves
@@ -95,11 +95,11 @@ EAGER_SCORE_BYTES = 6.25
 # After the last block, per token and hidden unit: the final norm's saved tensors, the hidden states the loss keeps
 # and its gradient, by (family, residual width); traced, and where the step peaks with activation checkpointing.
 LOSS_HIDDEN_BYTES: dict[tuple[str, int], int] = {("llama", 4): 14, ("llama", 2): 10, ("gpt2", 4): 10, ("gpt2", 2): 6}
-# The chunked cross-entropy's working set: one chunk of fp32 logits is at most this many bytes, and one more of its
-# size (exponentials, gradient) comes with it: LOSS_CHUNK_FACTOR times the fp32 chunk (traced).
+# The chunked cross-entropy's working set: one chunk of fp32 logits is at most this many bytes, and its 16-bit logits
+# (or gradient) come with it: LOSS_CHUNK_FACTOR times the fp32 chunk (traced).
 # runner/train/loss.py sizes its chunks from the same constant.
 LOSS_CHUNK_BYTES = 256 * 1024**2
-LOSS_CHUNK_FACTOR = 2
+LOSS_CHUNK_FACTOR = 1.5
 # Per token besides the hidden states: int64 label, fp32 log-sum-exp and per-token loss.
 LOSS_TOKEN_BYTES = 16
 # CUDA/HIP context (~0.3-0.6 GiB), cuBLAS/NCCL workspaces: a fixed 1 GiB; allocator fragmentation
@@ -233,15 +233,17 @@ def _states(shape: ModelShape, tier: str, world_size: int, lora: LoraShape | Non
     grads, adam = GRAD_BYTES * t // n, ADAM_BYTES * t // n
     host_offload = HOST_TRAINABLE_BYTES * t // n
     largest = HALF_BYTES * _largest_module(shape)
-    gathered = GATHER_FACTOR * largest + largest  # gathered weights + one module's unsharded gradient
+    # the largest module's all-gather buffer; a tied embedding lives in FSDP2's root unit, gathered once and kept
+    buffer = 0 if shape.tie_embeddings and _largest_module(shape) == shape.vocab * shape.hidden else largest
+    gathered = (GATHER_FACTOR - 1) * largest + buffer + largest  # weights (+ buffer) + its unsharded gradient
     if tier == "fast":
         buckets = DDP_BUCKET_BYTES * t if n > 1 else 0
         weights = MASTER_BYTES * t + FROZEN_BYTES * f
         return _States(weights, GRAD_BYTES * t, ADAM_BYTES * t, buckets, HALF_BYTES * t, 0, t)
     if tier == "zero2":
-        return _States(shards, grads, adam, 0, HALF_BYTES * w + largest, 0, t)
+        return _States(shards, grads, adam, 0, HALF_BYTES * w + buffer + largest, 0, t)
     if tier == "zero2_offload":
-        return _States(shards, grads, 0, 0, HALF_BYTES * w + largest, host_offload, t)
+        return _States(shards, grads, 0, 0, HALF_BYTES * w + buffer + largest, host_offload, t)
     if tier == "zero3":
         return _States(shards, grads, adam, 0, gathered, 0, t)
     tier_index(tier)  # raises for unknown names
@@ -317,7 +319,10 @@ def _loss_bytes(shape: ModelShape, tier: str, tokens: int, precision: str, lora:
     else:
         hidden = LOSS_HIDDEN_BYTES[(_family(shape), residual_bytes(tier, precision))]
     chunk = min(tokens, loss_chunk_tokens(shape.vocab)) * shape.vocab * 4 * LOSS_CHUNK_FACTOR
-    return tokens * (hidden * shape.hidden + LOSS_TOKEN_BYTES) + chunk
+    head = 0
+    if tier == "fast" and lora is None:  # the fused loss's fp32 gradient of the output layer, and autocast's copy
+        head = shape.vocab * shape.hidden * (MASTER_BYTES + (0 if precision == "fp32" else HALF_BYTES))
+    return tokens * (hidden * shape.hidden + LOSS_TOKEN_BYTES) + chunk + head
 
 
 def estimate(

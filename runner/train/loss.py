@@ -78,30 +78,38 @@ def _minus(logits: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
     return torch.sub(logits, shift[:, None])
 
 
+def _accumulate(
+    p: torch.Tensor, hc: torch.Tensor, w: torch.Tensor, s: int, chunk: int,
+    grads: tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None], dtype: torch.dtype,
+) -> None:  # fmt: skip
+    """Add one chunk's share to `grads` (hidden (N, H), weight (V, H), bias fp32 (V,); None: not needed), given
+    its dL/dlogits `p` (n, V) fp32 (consumed) and its hidden states `hc` (n, H)."""
+    grad_h, grad_w, grad_b = grads
+    if grad_b is not None:
+        grad_b += p.sum(0)
+    g = p.to(dtype)
+    if grad_h is not None:
+        grad_h[s : s + chunk] = g @ w
+    if grad_w is not None:
+        if grad_w.dtype == dtype:
+            grad_w.addmm_(g.T, hc)  # one rounding per chunk
+        else:
+            grad_w += g.T @ hc  # 16-bit chunk products summed in the fp32 weight's gradient
+
+
 def _chunk_grads(
     h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, target: torch.Tensor, lse: torch.Tensor,
     scale: torch.Tensor, chunk: int, grads: tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None],
     dtype: torch.dtype,
 ) -> None:  # fmt: skip
-    """Accumulate into `grads` (hidden (N, H), weight (V, H), bias fp32 (V,); None: not needed) the gradients of
-    sum_i scale_i * loss_i, a chunk of tokens at a time: dL/dlogits = (softmax - onehot) * scale."""
-    grad_h, grad_w, grad_b = grads
+    """The gradients of sum_i scale_i * loss_i, recomputing each chunk's logits: (softmax - onehot) * scale."""
     for s in range(0, h.shape[0], chunk):
         hc = h[s : s + chunk]
         p = _minus(_logits(hc, w, b), lse[s : s + chunk]).exp_()  # (n, V) fp32 softmax
         p.mul_(scale[s : s + chunk, None])
         p.scatter_add_(1, target[s : s + chunk, None], -scale[s : s + chunk, None])
-        if grad_b is not None:
-            grad_b += p.sum(0)
-        g = p.to(dtype)
+        _accumulate(p, hc, w, s, chunk, grads, dtype)
         del p
-        if grad_h is not None:
-            grad_h[s : s + chunk] = g @ w
-        if grad_w is not None:
-            if grad_w.dtype == dtype:
-                grad_w.addmm_(g.T, hc)  # one rounding per chunk
-            else:
-                grad_w += g.T @ hc  # 16-bit chunk products summed in the fp32 weight's gradient
 
 
 class LinearCrossEntropy(torch.autograd.Function):
@@ -126,6 +134,8 @@ class LinearCrossEntropy(torch.autograd.Function):
             lse = torch.empty(h.shape[0], device=h.device, dtype=torch.float32)  # (N,)
             out = torch.empty(labels.shape, device=h.device, dtype=torch.float32)
             loss = out.view(-1)
+            grads = _new_grads(ctx.needs_input_grad[:3], h, weight, hidden.dtype) if fused else (None, None, None)
+            scale = valid.float()  # fused: each token's loss has gradient 1 (0 at IGNORE) until backward scales it
             for s in range(0, h.shape[0], chunk):
                 hc, t = h[s : s + chunk], target[s : s + chunk, None]
                 logits = _logits(hc, w, b)
@@ -133,15 +143,16 @@ class LinearCrossEntropy(torch.autograd.Function):
                 x = _minus(logits, top)  # (n, V) fp32, the only large tensor; logsumexp in place:
                 del logits
                 picked = x.gather(1, t).squeeze(1)  # target logit - top
-                lse[s : s + chunk] = x.exp_().sum(dim=-1).log_().add_(top)
+                total = x.exp_().sum(dim=-1)  # x now holds exp(logit - top)
+                lse[s : s + chunk] = total.log().add_(top)
                 loss[s : s + chunk] = lse[s : s + chunk] - top - picked
+                if fused:  # softmax - onehot from the same chunk, while it exists: the logits' matmul runs once
+                    x.div_(total[:, None]).mul_(scale[s : s + chunk, None])
+                    x.scatter_add_(1, t, -scale[s : s + chunk, None])
+                    _accumulate(x, hc, w, s, chunk, grads, dtype)
                 del x
             loss.masked_fill_(~valid, 0.0)
-            ctx.fused = None
-            if fused:  # the gradients for an incoming gradient of 1 on every token
-                grads = _new_grads(ctx.needs_input_grad[:3], h, weight, hidden.dtype)
-                _chunk_grads(h, w, b, target, lse, valid.float(), chunk, grads, dtype)
-                ctx.fused = grads
+            ctx.fused = grads if fused else None
         ctx.save_for_backward(h, weight, bias, target, valid, lse)
         ctx.chunk, ctx.dtype, ctx.hidden_shape, ctx.hidden_dtype = chunk, dtype, hidden.shape, hidden.dtype
         return out

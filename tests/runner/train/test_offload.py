@@ -166,15 +166,17 @@ def footprint(accelerator, model: nn.Module, optimizer, max_norm: float | None =
 def modelled(spec, tier: str) -> tuple[int, int, int, int, int]:
     """(GPU, host, trainable, weights held, gathered-module bound) from the memory model, one rank. GPU: what
     persists (weights, gradients, optimizer, buckets) plus, for the zero2 tiers, the 16-bit weights FSDP2 holds
-    through backward; the one module's transient 16-bit gradient (and zero3's gathers) are the bound."""
+    through backward; the transient gather buffer and 16-bit gradient of one module (zero3: its gathers) are the
+    bound."""
     shape, lora = model_shape(spec), lora_shape(spec)
     s = memory._states(shape, tier, 1, lora)
     t = s.trainable
     w = shape.params + (t if lora else 0)
     largest = memory.HALF_BYTES * memory._largest_module(shape)
     persistent = s.weights + s.gradients + s.optimizer + s.buckets
-    if tier in ("zero2", "zero2_offload"):
-        return persistent + s.working - largest, s.host, t, w, largest
+    if tier in ("zero2", "zero2_offload"):  # the gather FSDP2 keeps; the transient buffer and gradient are the bound
+        assert s.working >= memory.HALF_BYTES * w + largest
+        return persistent + memory.HALF_BYTES * w, s.host, t, w, s.working - memory.HALF_BYTES * w
     return persistent, s.host, t, w, s.working
 
 

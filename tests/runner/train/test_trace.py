@@ -80,3 +80,33 @@ def test_a_7b_trace_fits_the_time_and_host_budget():
         r = trace_step(cfg, tier=tier, world_size=ranks, micro_batch=1, seq_len=2048, loss=runner_loss)
         assert r.seconds < 60
         assert r.parts["parameters"] > 0 and r.parts["optimizer"] > 0
+
+
+# --- the formula (jobspec/plan/memory.py) held to the trace on generated configs --------------------------------
+
+GRID = [  # (family, hidden, intermediate, layers, heads, kv heads, vocab, tied): shapes no preset has
+    ("llama", 384, 1024, 3, 6, 2, 48_000, False),
+    ("llama", 512, 1792, 2, 8, 8, 96_000, True),
+    ("llama", 640, 1728, 3, 10, 5, 160_000, False),
+    ("gpt2", 384, 1536, 3, 6, None, 40_000, True),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tier", ["fast", "zero2", "zero2_offload", "zero3", "minimal"])
+@pytest.mark.parametrize("shape", GRID, ids=lambda g: f"{g[0]}-h{g[1]}-v{g[6]}")
+def test_the_formula_is_within_10_percent_of_the_trace(shape, tier):
+    """The memory model's bytes without its fixed context and fragmentation allowance, against the traced step:
+    generated shapes (GQA or not, tied or untied heads, vocabularies 40k-160k), every tier, 4 ranks, a micro-batch
+    that accumulates (the runner's usual case)."""
+    from jobspec.catalog.presets import ModelShape
+    from jobspec.plan import memory
+
+    fam, h, i, layers, heads, kv, vocab, tied = shape
+    s = ModelShape(fam, layers=layers, hidden=h, heads=heads, kv_heads=kv, vocab=vocab, max_positions=1024,
+                   intermediate=i, tie_embeddings=tied)  # fmt: skip
+    traced = trace_step(s, tier=tier, world_size=4, micro_batch=4, seq_len=512, loss=runner_loss)
+    e = memory.estimate(s, tier=tier, seq_len=512, micro_batch=4, world_size=4)
+    model = e.gpu_bytes - e.overhead
+    assert abs(model / traced.peak - 1) < 0.10, (e.breakdown(), traced.parts, traced.peak)
+    assert e.host == pytest.approx(traced.host, rel=0.10, abs=1)  # what the offload tiers keep on the host
