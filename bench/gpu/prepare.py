@@ -5,8 +5,9 @@
 The device machine's python3 (CPython 3.12, x86-64 Linux, no network) has torch, accelerate, transformers,
 peft, numpy, pyyaml, nvidia-ml-py and pytest, but not jobspec's own dependencies: pydantic (with
 pydantic-core, annotated-types, typing-inspection and a recent typing-extensions), tenacity (the OOM
-ladder's relaunch policy) and torchao (`zero2_offload`'s optimizer; its wheel is CPython-ABI3). kubernetes is left out: only `jobspec submit/status/...` import it, and the suite
-runs none of them. Versions are the ones installed here, so the device runs what the tests here ran with.
+ladder's relaunch policy) and torchao (`zero2_offload`'s optimizer; its wheel is CPython-ABI3). kubernetes
+is left out: only `jobspec submit/status/...` import it, and the suite runs none of them. Versions are the
+ones installed here, so the device runs what the tests here ran with.
 The project itself needs no install there: the suite runs from the repository root with it on PYTHONPATH.
 """
 

@@ -188,9 +188,13 @@ def _eager_decisions() -> Iterator[None]:
 
     `find_packed_sequence_indices` reads the position ids to tell packed rows apart; the runner's forward passes
     none, so transformers makes arange positions, in which eager finds no packing (None) and then skips the mask
-    (SDPA's is_causal, native GQA). On fakes it cannot read them and returns the mask it would compile."""
+    (SDPA's is_causal, native GQA). On fakes it cannot read them and returns the mask it would compile. Releases
+    without that function (transformers 4.x before packed-sequence detection) make no such decision."""
     from transformers import masking_utils
 
+    if not hasattr(masking_utils, "find_packed_sequence_indices"):
+        yield
+        return
     with mock.patch.object(masking_utils, "find_packed_sequence_indices", return_value=None):
         yield
 

@@ -139,10 +139,10 @@ def test_through_the_model_loss_and_every_gradient_equal_the_full_logits_path(pr
         targets = ["c_attn"] if preset == "tiny" else ["q_proj", "v_proj"]
         config = LoraConfig(r=4, target_modules=targets, fan_in_fan_out=preset == "tiny", init_lora_weights=False)
         model = get_peft_model(model, config)  # init_lora_weights=False: B != 0, every adapter gets a gradient
-    if "checkpointing" in variant:
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-        if "lora" in variant:
-            model.enable_input_require_grads()
+    if "checkpointing" in variant:  # as the engine switches it on (transformers 4.x and 5)
+        from runner.train.engine import enable_checkpointing
+
+        enable_checkpointing(model, lora="lora" in variant)
     ids = torch.randint(3, 512, (3, 40), generator=torch.Generator().manual_seed(0))
     labels = labels_for(ids, 512)
     old_loss, old = loss_and_grads(lambda: full_logits_loss(model, ids, labels), model)
