@@ -36,13 +36,27 @@ from runner.dist import Control
 from runner.oom import fsdp
 from runner.oom.detect import Guarded, Headroom, allocated_bytes, guarded, headroom
 from runner.oom.shrink import RankOOM, agreement, all_reduce_grads, raise_agreed
-from runner.train.loss import install_chunked_loss
+from runner.train.loss import ChunkedLossHead, install_chunked_loss
 
 log = logging.getLogger("jobspec.runner")
 
 
 class Preempted(Exception):
     """Every rank agreed to stop (SIGTERM/SIGINT) before finishing the current step or evaluation."""
+
+
+def summed_loss(
+    model: torch.nn.Module, head: ChunkedLossHead | None, input_ids: torch.Tensor, labels: torch.Tensor
+) -> torch.Tensor:
+    """Summed token cross-entropy of a micro-batch, in fp32: chunked inside the output layer when the `head` is
+    installed (the fp32 logits never whole), else from the logits upcast ((B, T, V) fp32). The step's loss and the
+    memory trace's (runner/train/trace.py) are this one function."""
+    if head is not None:
+        with head.targets(labels):
+            per_token = model(input_ids=input_ids).logits  # (B, T, 1): each token's loss, 0 at IGNORE
+        return per_token.float().sum()  # FSDP2 may have cast it to its output dtype: sum in fp32
+    logits = model(input_ids=input_ids).logits
+    return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE, reduction="sum")
 
 
 class StopFlag:
@@ -149,15 +163,8 @@ class Stepper:
         return t.to(self.device, non_blocking=t.is_pinned())
 
     def loss_sum(self, batch: Batch) -> torch.Tensor:
-        """Summed token cross-entropy of a micro-batch, in fp32: chunked inside the output layer when the head is
-        installed (the fp32 logits never whole), else from the logits upcast ((B, T, V) fp32)."""
-        input_ids, labels = self._to_device(batch.input_ids), self._to_device(batch.labels)
-        if self.head is not None:
-            with self.head.targets(labels):
-                per_token = self.model(input_ids=input_ids).logits  # (B, T, 1): each token's loss, 0 at IGNORE
-            return per_token.float().sum()  # FSDP2 may have cast it to its output dtype: sum in fp32
-        logits = self.model(input_ids=input_ids).logits
-        return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE, reduction="sum")
+        """Summed token cross-entropy of a micro-batch, in fp32 (`summed_loss`)."""
+        return summed_loss(self.model, self.head, self._to_device(batch.input_ids), self._to_device(batch.labels))
 
     def train_step(self, sample_ids: Sequence[int], micro_batch: int, lr: float) -> StepResult:
         """Accumulate over this rank's `sample_ids` in micro-batches of `micro_batch`, then one optimizer step.

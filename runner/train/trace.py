@@ -369,20 +369,18 @@ def largest_micro_batch(a: TraceResult, b: TraceResult, budget: int) -> int:
 
 
 def runner_loss(model: nn.Module, device: torch.device) -> Callable[[Batch], torch.Tensor]:
-    """The runner's own loss for a prepared model: `Stepper.loss_sum` with the chunked-loss head installed as
-    Stepper's constructor installs it (runner/train/loss.py). On fakes the head's install probe, which reads the
-    values the model passes out, cannot run: it is taken as passing, as it does for the GPT-2, Llama, Qwen and
-    Mistral blocks; a model that rescales its logits (Gemma-2's soft-capping) keeps the full logits in a real
-    run, and its trace then under-counts the loss."""
+    """The runner's own loss for a prepared model: `runner.train.step.summed_loss` (what Stepper.loss_sum calls)
+    with the chunked-loss head installed as Stepper's constructor installs it (runner/train/loss.py). On fakes
+    the head's install probe, which reads the values the model passes out, cannot run: it is taken as passing,
+    as it does for the GPT-2, Llama, Qwen and Mistral blocks; a model that rescales its logits (Gemma-2's
+    soft-capping) keeps the full logits in a real run, and its trace then under-counts the loss."""
     from runner.train.loss import ChunkedLossHead, install_chunked_loss
-    from runner.train.step import Stepper
+    from runner.train.step import summed_loss
 
-    stepper = Stepper.__new__(Stepper)  # only what loss_sum reads: the model, its device and the head
-    stepper.model, stepper.device = model, device
     fake = any(internals.is_fake(p) for p in model.parameters())
     with mock.patch.object(ChunkedLossHead, "probe", return_value=None) if fake else contextlib.nullcontext():
-        stepper.head = install_chunked_loss(model, run=model, device=device)
-    return stepper.loss_sum
+        head = install_chunked_loss(model, run=model, device=device)
+    return lambda batch: summed_loss(model, head, batch.input_ids.to(device), batch.labels.to(device))
 
 
 def spec_model(spec: Any) -> ModelShape | Any:
