@@ -177,7 +177,7 @@ def cleanup_then_sigterm(self):
     time.sleep(0.5)
 
 Recipe.cleanup = cleanup_then_sigterm
-sys.exit(worker.main([sys.argv[1]]))
+worker._exit(worker.main([sys.argv[1]]))  # as `python -m runner.process.worker` leaves
 """
 
 
