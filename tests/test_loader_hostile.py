@@ -339,6 +339,9 @@ def hostile_files(tmp_path: Path) -> dict[str, Path]:
         "deep": GOOD + "env:\n  X: " + "[" * 5000 + "]" * 5000 + "\n",
         "digits": GOOD.replace("steps: 10", "steps: " + "9" * 5000),
         "size": GOOD + "  memory: " + "9" * 400 + "Gi\n",
+        "long_name": GOOD.replace("name: demo", "name: " + "a" * 1_000_000),  # hung validate/render/plan > 60 s
+        "long_key": GOOD + "env:\n  ? " + "K" * 1_000_000 + "\n  : x\n",
+        "long_url": GOOD + "tracking:\n  mlflow:\n    tracking_uri: https://" + "a" * 1_000_000 + "\n",
     }
     out = {}
     for name, text in files.items():

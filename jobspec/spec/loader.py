@@ -121,12 +121,17 @@ def _reported(issues: list[SpecIssue], secrets: SpecSecrets, more: int = 0) -> l
 _KEY_PATH = re.compile(r"^[A-Za-z0-9_.-]+$")
 
 
+# The longest --set key path that is named in a message (its value is read as YAML, within safe_yaml's bounds).
+MAX_KEY_PATH_CHARS = 1024
+
+
 def _override_source(item: str, n: int) -> tuple[str, str]:
     """(path, source) naming a --set item without its value. Without '=', the whole item may be a
     token pasted in the wrong place: it is not echoed at all."""
-    key, eq, _ = item.partition("=")
+    key, eq, _ = item[: MAX_KEY_PATH_CHARS + 1].partition("=")  # bounded before any pattern reads it
     key = key.strip()
-    if eq and _KEY_PATH.match(key) and not credential_kind(key):
+    short = len(key) <= MAX_KEY_PATH_CHARS and all(len(part) <= safe_yaml.MAX_KEY_CHARS for part in key.split("."))
+    if eq and short and _KEY_PATH.match(key) and not credential_kind(key):
         return key, f"--set {key}=..."  # never the value: it may be the secret the spec is about to refuse
     return "", f"--set #{n} (not shown)"
 
@@ -139,11 +144,18 @@ def apply_override(data: dict[str, Any], item: str) -> Loc:
         raise ValueError("expected key.path=value, e.g. training.global_batch=64")
     if len(parts) > safe_yaml.MAX_DEPTH:
         raise ValueError(f"a key path of {len(parts)} parts; a spec nests at most {safe_yaml.MAX_DEPTH} deep")
+    if (longest := max(map(len, parts))) > safe_yaml.MAX_KEY_CHARS:  # measured, never quoted
+        raise ValueError(f"a key of {longest:,} characters in the key path: at most {safe_yaml.MAX_KEY_CHARS}")
     try:
         value = safe_yaml.load(raw)[0] if raw.strip() else ""
     except safe_yaml.YamlLimit as err:
         raise ValueError(f"the value: {err.message} ({err.hint})") from None
-    except yaml.YAMLError:
+    except yaml.YAMLError:  # not YAML: the text as written, measured as the reader measures a scalar
+        if len(raw) > safe_yaml.MAX_STRING_CHARS:
+            raise ValueError(
+                f"a value of {len(raw):,} characters: longer than any setting takes "
+                f"(at most {safe_yaml.MAX_STRING_CHARS:,}); keep long content in a file the job reads"
+            ) from None
         value = raw
     node: Any = data
     loc: list[str | int] = []
@@ -221,6 +233,8 @@ def _read_yaml(text: str) -> tuple[dict[str, Any], _Lines, list[SpecIssue]]:
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+        if mark and (long_key := _long_plain_key(text, mark.line, problem)):
+            return {}, _Lines(None), [SpecIssue("", long_key, mark.line + 1, "a key names a setting: a few words")]
         issue = SpecIssue(
             path="",
             message=f"not valid YAML: {problem}",
@@ -232,6 +246,20 @@ def _read_yaml(text: str) -> tuple[dict[str, Any], _Lines, list[SpecIssue]]:
         got = "an empty file" if data is None else f"a {type(data).__name__}"
         return {}, _Lines(None), [SpecIssue("", f"expected a mapping of sections, got {got}", 1, _ROOT_HINT)]
     return data, _Lines(root), issues
+
+
+def _long_plain_key(text: str, line: int, problem: str) -> str | None:
+    """libyaml refuses a plain key of more than 1024 characters as "could not find expected ':'": say why."""
+    if "expected ':'" not in problem:
+        return None
+    lines = text.split("\n", line + 1)  # the lines up to `line`, and the rest in one piece
+    length = len(lines[line]) if line < len(lines) else 0
+    if length <= 1024:
+        return None
+    return (
+        f"a line of {length:,} characters where a key was expected: YAML reads a plain key of at most 1024 "
+        f"characters (a spec's keys: at most {safe_yaml.MAX_KEY_CHARS})"
+    )
 
 
 _ROOT_HINT = "a spec starts with `name:`, `model:` and `training:`; see examples/quickstart.yaml"
@@ -327,7 +355,6 @@ def _model_fields(annotation: Any) -> dict[str, Any] | None:
         if isinstance(candidate, type) and issubclass(candidate, BaseModel):
             return {name: f.annotation for name, f in candidate.model_fields.items()}
     return None
-
 
 
 def _describe(e: dict[str, Any], loc: Loc) -> tuple[str, str | None]:

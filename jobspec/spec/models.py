@@ -16,15 +16,17 @@ import types
 import typing
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StringConstraints, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
 from jobspec.catalog import gpus as gpu_catalogue
 from jobspec.catalog import tiers
+from jobspec.catalog.model_config import BOUNDS as ARCH_BOUNDS
 from jobspec.catalog.presets import PRESETS
 from jobspec.contract import RESERVED_ENV_PREFIX
 from jobspec.spec.credentials import SECRET_REF_HINT, credential_kind, inline_credentials, is_secret_name
 from jobspec.spec.rules import CrossFieldError, cross_field_problems
-from jobspec.spec.safe_yaml import out_of_range
+from jobspec.spec.safe_yaml import MAX_KEY_CHARS, MAX_STRING_CHARS, out_of_range
 from jobspec.spec.units import GPUS_PATTERN, ByteSize, CpuQuantity, parse_gpus
 
 Tier = Literal[("auto", *tiers.TIERS)]  # type: ignore[valid-type]
@@ -33,10 +35,39 @@ PresetName = Literal[tuple(PRESETS)]  # type: ignore[valid-type]
 
 _DNS_LABEL = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_ENV_REF = re.compile(r"^\$\([A-Za-z_][A-Za-z0-9_]*\)$")  # a dependent variable: `HF_HUB_TOKEN: $(HF_TOKEN)`
+
+# Every string has a length limit, checked before any pattern, secret scan or suggestion reads it: pydantic
+# measures a string before its after-validators run, and each before-validator here measures it first itself.
+# (The YAML reader already refuses any text over safe_yaml.MAX_STRING_CHARS and any key over MAX_KEY_CHARS.)
+# Kubernetes' own limits where the value lands in an object's field; Linux's PATH_MAX for paths.
+MAX_PATH_CHARS = 4096  # paths, URIs and hub ids (a file:// URI holds a path)
+MAX_SUBDOMAIN_CHARS = 253  # a DNS subdomain: PriorityClass names, Secret keys
+MAX_WORD_CHARS = 256  # record keys, module names, W&B project and entity, run and experiment names
+MAX_LABEL_VALUE_CHARS = 63
+MAX_GPU_TYPE_CHARS = 64  # "A100-SXM4-80GB"; no catalogue name comes near
+# distribution/reference: a repository of at most 255 characters (registry included), a tag of at most 128,
+# and the longest digest this spec accepts (sha512).
+MAX_IMAGE_CHARS = 255 + len(":") + 128 + len("@sha512:") + 128
+
+PathStr = Annotated[str, StringConstraints(max_length=MAX_PATH_CHARS)]
+WordStr = Annotated[str, StringConstraints(max_length=MAX_WORD_CHARS)]
+KeyStr = Annotated[str, StringConstraints(max_length=MAX_KEY_CHARS)]  # env names, label and annotation keys
+TextStr = Annotated[str, StringConstraints(max_length=MAX_STRING_CHARS)]  # env values, annotation values
+
+
+def check_length(value: str, limit: int) -> None:
+    """Refuse a text over `limit` characters, for a before-validator to call before it reads the text: the same
+    error as pydantic's own max_length (which never quotes the value, so the loader shows it as it is)."""
+    if len(value) > limit:
+        raise PydanticCustomError(
+            "string_too_long", "String should have at most {max_length} characters", {"max_length": limit}
+        )
 
 
 def _dns_label(value: str, max_len: int = 63) -> str:
-    if len(value) > max_len or not _DNS_LABEL.match(value):
+    check_length(value, max_len)
+    if not _DNS_LABEL.match(value):
         raise ValueError(
             f"{value!r} is not a valid name: use at most {max_len} lowercase letters, digits and '-', "
             "starting with a letter and ending with a letter or digit"
@@ -67,7 +98,6 @@ OnOffAuto = Annotated[
 ]
 
 
-
 def annotation_types(annotation: Any) -> list[Any]:
     """The types an annotation admits, Annotated and unions unwrapped: `Annotated[A | None, ...]` -> [A, None].
     For the loader (where a problem's path leads), the one-pass rules and the tests that walk the models."""
@@ -77,6 +107,7 @@ def annotation_types(annotation: Any) -> list[Any]:
     if origin in (typing.Union, types.UnionType):
         return [a for arg in typing.get_args(annotation) for a in annotation_types(arg)]
     return [annotation]
+
 
 class Section(BaseModel):
     # allow_inf_nan: `.inf` or an overflowing 1e999 is never a setting.
@@ -95,6 +126,8 @@ _DIGEST_HEX = {"sha256": 64, "sha384": 96, "sha512": 128}  # the algorithms OCI 
 def _image_reference(value: str | None) -> str | None:
     """Refuse what kubelet would fail as InvalidImageName, and a digest of the wrong shape. The value is
     never echoed: a credential in it is reported (without it) by `JobSpec._check`."""
+    if value is not None:
+        check_length(value, MAX_IMAGE_CHARS)
     if value is None or credential_kind(value):
         return value
     ref, at, digest = value.partition("@")
@@ -117,7 +150,7 @@ def _image_reference(value: str | None) -> str | None:
 
 class ImageSpec(Section):
     name: Annotated[
-        str | None,
+        Annotated[str, StringConstraints(max_length=MAX_IMAGE_CHARS)] | None,
         BeforeValidator(lambda v: _image_reference(v) if isinstance(v, str) else v),
         Field(
             description="Container image, e.g. `repo:tag` or pinned `repo@sha256:<digest>`. "
@@ -137,7 +170,7 @@ class LoraSpec(Section):
     alpha: Annotated[float, Field(gt=0, description="LoRA scaling numerator (scale = alpha / rank).")] = 16.0
     dropout: Annotated[float, Field(ge=0, lt=1, description="Dropout on the LoRA input.")] = 0.0
     targets: Annotated[
-        list[str],
+        list[WordStr],
         Field(
             min_length=1,
             description="Module names to adapt, e.g. [c_attn] for GPT-2 or [q_proj, v_proj] for Llama-style models.",
@@ -149,16 +182,31 @@ class Architecture(Section):
     """Shape of a model given by `path`, so `jobspec plan` can estimate memory without loading it."""
 
     family: Annotated[Literal["gpt2", "llama"], Field(description="Model family of the architecture.")]
-    layers: Annotated[int, Field(ge=1, description="Number of transformer blocks.")]
-    hidden: Annotated[int, Field(ge=1, description="Hidden size.")]
-    heads: Annotated[int, Field(ge=1, description="Attention heads.")]
-    vocab: Annotated[int, Field(ge=1, description="Vocabulary size.")]
-    intermediate: Annotated[int, Field(ge=1, description="MLP inner width.")]
-    max_positions: Annotated[int, Field(ge=1, description="Longest sequence the model supports.")] = 2048
-    kv_heads: Annotated[int | None, Field(ge=1, description="Key/value heads (grouped-query attention).")] = None
+    layers: Annotated[int, Field(ge=1, le=ARCH_BOUNDS["layers"], description="Number of transformer blocks.")]
+    hidden: Annotated[int, Field(ge=1, le=ARCH_BOUNDS["hidden"], description="Hidden size.")]
+    heads: Annotated[int, Field(ge=1, le=ARCH_BOUNDS["heads"], description="Attention heads (divide `hidden`).")]
+    vocab: Annotated[int, Field(ge=1, le=ARCH_BOUNDS["vocab"], description="Vocabulary size.")]
+    intermediate: Annotated[int, Field(ge=1, le=ARCH_BOUNDS["intermediate"], description="MLP inner width.")]
+    max_positions: Annotated[
+        int, Field(ge=1, le=ARCH_BOUNDS["max_positions"], description="Longest sequence the model supports.")
+    ] = 2048
+    kv_heads: Annotated[
+        int | None,
+        Field(
+            ge=1, le=ARCH_BOUNDS["kv_heads"], description="Key/value heads (grouped-query attention), divide `heads`."
+        ),
+    ] = None
     tie_embeddings: Annotated[
         bool, Field(description="Output head shares the input embedding (always true for gpt2).")
     ] = False
+
+    @model_validator(mode="after")
+    def _heads_split(self) -> "Architecture":
+        if self.hidden % self.heads:
+            raise ValueError(f"heads {self.heads} does not divide hidden {self.hidden}: attention splits the width")
+        if self.kv_heads is not None and (self.kv_heads > self.heads or self.heads % self.kv_heads):
+            raise ValueError(f"kv_heads {self.kv_heads} does not divide heads {self.heads}")
+        return self
 
 
 class ModelSpec(Section):
@@ -167,7 +215,7 @@ class ModelSpec(Section):
         Field(description=f"Built-in architecture built from config, no download: {', '.join(PRESETS)}."),
     ] = None
     path: Annotated[
-        str | None,
+        PathStr | None,
         Field(description="Local directory (or hub id, where the pod can reach the hub) of a causal LM to fine-tune."),
     ] = None
     architecture: Annotated[
@@ -196,7 +244,7 @@ class ModelSpec(Section):
 
 class DataSpec(Section):
     path: Annotated[
-        str | None,
+        PathStr | None,
         Field(
             description="Training data: a .jsonl, .json (array) or .parquet file, a datasets save_to_disk directory "
             "(a DatasetDict gives its train split) or a hub dataset id (org/name); relative to the working dir; "
@@ -207,9 +255,11 @@ class DataSpec(Section):
         Literal["auto", "prompt_response", "messages"],
         Field(description="Record layout: {prompt, response} or {messages: [{role, content}]}; auto detects per file."),
     ] = "auto"
-    prompt_field: Annotated[str, Field(description="Key of the prompt in prompt/response records.")] = "prompt"
-    response_field: Annotated[str, Field(description="Key of the response in prompt/response records.")] = "response"
-    messages_field: Annotated[str, Field(description="Key of the message list in chat records.")] = "messages"
+    prompt_field: Annotated[WordStr, Field(description="Key of the prompt in prompt/response records.")] = "prompt"
+    response_field: Annotated[WordStr, Field(description="Key of the response in prompt/response records.")] = (
+        "response"
+    )
+    messages_field: Annotated[WordStr, Field(description="Key of the message list in chat records.")] = "messages"
     max_seq_len: Annotated[
         int, Field(ge=16, le=131072, description="Tokens per sample (longer samples are truncated); sizes memory.")
     ] = 512
@@ -217,9 +267,9 @@ class DataSpec(Section):
     pvc: Annotated[
         DnsLabel | None, Field(description="PersistentVolumeClaim with the data, mounted read-only at `mount_path`.")
     ] = None
-    mount_path: Annotated[str, Field(description="Where `pvc` is mounted in the pod.")] = "/data"
+    mount_path: Annotated[PathStr, Field(description="Where `pvc` is mounted in the pod.")] = "/data"
     eval_path: Annotated[
-        str | None,
+        PathStr | None,
         Field(
             description="Eval data, in any format `path` takes (a DatasetDict gives its validation, else test, "
             "split); default: hold out `eval_fraction`."
@@ -291,7 +341,8 @@ class TrainingSpec(Section):
 
 class GpuRequest(Section):
     type: Annotated[
-        str | None, Field(description="GPU model, e.g. H100, A100-80GB, RTX3080-20GB, MI300X (see `jobspec plan`).")
+        Annotated[str, StringConstraints(max_length=MAX_GPU_TYPE_CHARS)] | None,
+        Field(description="GPU model, e.g. H100, A100-80GB, RTX3080-20GB, MI300X (see `jobspec plan`)."),
     ] = None
     count: Annotated[int, Field(ge=1, le=64, description="GPUs per node (processes per node for vendor cpu).")] = 1
     memory: Annotated[ByteSize | None, Field(description="Memory per GPU, for types jobspec does not know.")] = None
@@ -363,6 +414,8 @@ _SUB_PATH = re.compile(r"^[A-Za-z0-9._-]+(/[A-Za-z0-9._-]+)*$")
 
 
 def _sub_path(value: Any) -> Any:
+    if isinstance(value, str):
+        check_length(value, MAX_PATH_CHARS)
     if isinstance(value, str) and (not _SUB_PATH.match(value) or ".." in value.split("/")):
         raise ValueError("must be a relative path of letters, digits, '.', '_' and '-' (no '..', no leading '/')")
     return value
@@ -370,14 +423,14 @@ def _sub_path(value: Any) -> Any:
 
 class CheckpointSpec(Section):
     dir: Annotated[
-        str, Field(min_length=1, description="Run directory: checkpoints, metrics.jsonl and tier state.")
+        PathStr, Field(min_length=1, description="Run directory: checkpoints, metrics.jsonl and tier state.")
     ] = "/checkpoints"
     pvc: Annotated[
         DnsLabel | None,
         Field(description="PersistentVolumeClaim mounted at `dir`; without one, checkpoints die with the pod."),
     ] = None
     sub_path: Annotated[
-        str | None,
+        PathStr | None,
         BeforeValidator(_sub_path),
         Field(
             description="Directory on `pvc` that is mounted at `dir`: auto = the job name, so jobs sharing one "
@@ -397,7 +450,7 @@ class CheckpointSpec(Section):
 
 class SecretRef(Section):
     secret: Annotated[DnsLabel, Field(description="Secret name in the job's namespace.")]
-    key: Annotated[str, Field(min_length=1, description="Key inside the Secret.")]
+    key: Annotated[str, Field(min_length=1, max_length=MAX_SUBDOMAIN_CHARS, description="Key inside the Secret.")]
     optional: Annotated[bool, Field(description="Start even if the Secret or key is missing.")] = False
 
 
@@ -405,7 +458,7 @@ class OutputSpec(Section):
     """The product of a run: a Hugging Face model directory (or a PEFT adapter) that loads without jobspec."""
 
     dir: Annotated[
-        str | None,
+        PathStr | None,
         Field(description="Where the exported model goes; default `<checkpoints.dir>/model`."),
     ] = None
     export: Annotated[
@@ -438,13 +491,13 @@ SecretOnly = Annotated[SecretRef, BeforeValidator(_secret_only)]
 
 class TensorBoardSpec(Section):
     logdir: Annotated[
-        str | None, Field(description="Event-file directory; default `<checkpoints.dir>/tensorboard`.")
+        PathStr | None, Field(description="Event-file directory; default `<checkpoints.dir>/tensorboard`.")
     ] = None
 
 
 class WandbSpec(Section):
-    project: Annotated[str, Field(min_length=1, description="W&B project.")]
-    entity: Annotated[str | None, Field(description="W&B entity (team or user).")] = None
+    project: Annotated[WordStr, Field(min_length=1, description="W&B project.")]
+    entity: Annotated[WordStr | None, Field(description="W&B entity (team or user).")] = None
     api_key: Annotated[
         SecretOnly | None, Field(description="Secret holding the API key (env WANDB_API_KEY); never inline.")
     ] = None
@@ -455,9 +508,9 @@ class WandbSpec(Section):
 
 class MlflowSpec(Section):
     tracking_uri: Annotated[
-        str | None, Field(description="MLflow tracking server URI; default a file store under the run dir.")
+        PathStr | None, Field(description="MLflow tracking server URI; default a file store under the run dir.")
     ] = None
-    experiment: Annotated[str | None, Field(description="Experiment name; default the job name.")] = None
+    experiment: Annotated[WordStr | None, Field(description="Experiment name; default the job name.")] = None
     token: Annotated[
         SecretOnly | None, Field(description="Secret holding a token (env MLFLOW_TRACKING_TOKEN); never inline.")
     ] = None
@@ -490,13 +543,16 @@ class TrackingSpec(Section):
         BeforeValidator(_enabled, json_schema_input_type=MlflowSpec | bool | None),
         Field(description="MLflow: `true` or {tracking_uri, ...}."),
     ] = None
-    run_name: Annotated[str | None, Field(description="Run name in the trackers; default the job name.")] = None
+    run_name: Annotated[WordStr | None, Field(description="Run name in the trackers; default the job name.")] = None
 
 
 class Toleration(Section):
-    key: Annotated[str | None, Field(description="Taint key.")] = None
+    key: Annotated[KeyStr | None, Field(description="Taint key.")] = None
     operator: Annotated[Literal["Exists", "Equal"], Field(description="Exists or Equal.")] = "Equal"
-    value: Annotated[str | None, Field(description="Taint value (operator Equal).")] = None
+    value: Annotated[
+        Annotated[str, StringConstraints(max_length=MAX_LABEL_VALUE_CHARS)] | None,
+        Field(description="Taint value (operator Equal)."),
+    ] = None
     effect: Annotated[
         Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None, Field(description="Taint effect.")
     ] = None
@@ -515,8 +571,11 @@ class Toleration(Section):
 
 class SchedulingSpec(Section):
     queue: Annotated[DnsLabel | None, Field(description="Kueue LocalQueue; the Job is created suspended.")] = None
-    priority_class: Annotated[str | None, Field(description="PriorityClass name.")] = None
-    node_selector: Annotated[dict[str, str], Field(description="Node labels the pods require.")] = {}
+    priority_class: Annotated[
+        Annotated[str, StringConstraints(max_length=MAX_SUBDOMAIN_CHARS)] | None,
+        Field(description="PriorityClass name."),
+    ] = None
+    node_selector: Annotated[dict[KeyStr, TextStr], Field(description="Node labels the pods require.")] = {}
     tolerations: Annotated[list[Toleration], Field(description="Tolerations for tainted GPU nodes.")] = []
     service_account: Annotated[DnsLabel | None, Field(description="ServiceAccount the pods run as.")] = None
     ttl_seconds_after_finished: Annotated[
@@ -529,8 +588,26 @@ class SchedulingSpec(Section):
     termination_grace_seconds: Annotated[
         int, Field(ge=15, description="Time to checkpoint after SIGTERM before the kill.")
     ] = 120
-    labels: Annotated[dict[str, str], Field(description="Extra labels on every object.")] = {}
-    annotations: Annotated[dict[str, str], Field(description="Extra annotations on every object.")] = {}
+    heartbeat_timeout_seconds: Annotated[
+        int,
+        Field(
+            ge=0,
+            le=3600,
+            description="Several ranks: a rank silent this long (a frozen or unreachable node) is lost, and the "
+            "others exit with the code the Job retries, to resume together from the newest checkpoint; 0 turns "
+            "the heartbeat off.",
+        ),
+    ] = 30
+    collective_timeout_seconds: Annotated[
+        int,
+        Field(
+            ge=10,
+            description="Several ranks: a collective (or the rendezvous at start) waiting longer than this fails "
+            "the attempt (retried by the Job) instead of hanging.",
+        ),
+    ] = 600
+    labels: Annotated[dict[KeyStr, TextStr], Field(description="Extra labels on every object.")] = {}
+    annotations: Annotated[dict[KeyStr, TextStr], Field(description="Extra annotations on every object.")] = {}
     network_policy: Annotated[
         bool,
         Field(
@@ -553,7 +630,7 @@ def _env_text(value: Any) -> Any:
 
 
 EnvValue = Annotated[
-    str | SecretRef, BeforeValidator(_env_text, json_schema_input_type=str | int | float | bool | SecretRef)
+    TextStr | SecretRef, BeforeValidator(_env_text, json_schema_input_type=str | int | float | bool | SecretRef)
 ]
 
 
@@ -573,7 +650,7 @@ class JobSpec(Section):
     output: Annotated[OutputSpec, Field(description="The exported model (Hugging Face format).")] = OutputSpec()
     tracking: Annotated[TrackingSpec, Field(description="Metrics to TensorBoard, W&B or MLflow.")] = TrackingSpec()
     env: Annotated[
-        dict[str, EnvValue],
+        dict[KeyStr, EnvValue],
         Field(description="Environment: NAME: value, or NAME: {secret, key} for credentials (never inline)."),
     ] = {}
     env_from_secrets: Annotated[list[DnsLabel], Field(description="Secrets whose keys all become env vars.")] = []
@@ -590,6 +667,11 @@ class JobSpec(Section):
             elif key.startswith(RESERVED_ENV_PREFIX):
                 reserved = f"names starting with {RESERVED_ENV_PREFIX} are set by jobspec"
                 problems.append((f"env.{key}", reserved, "rename it"))
+            elif isinstance(value, SecretRef) and (credential_kind(value.key) or credential_kind(value.secret)):
+                what = "the Secret reference holds a credential itself (not shown)"
+                problems.append((f"env.{key}", what, "name the Secret and its key: `{secret: hf, key: token}`"))
+            elif isinstance(value, str) and _ENV_REF.match(value):
+                continue  # `$(HF_TOKEN)`: Kubernetes fills it from another variable (a secretKeyRef), no value here
             elif isinstance(value, str) and (is_secret_name(key) or credential_kind(value, hex40=_hex40_counts(key))):
                 kind = credential_kind(value, hex40=_hex40_counts(key))
                 what = f"inline secret value ({kind})" if kind else "inline secret value"

@@ -157,7 +157,6 @@ def _section(model: type[BaseModel], name: str, raw: Any) -> tuple[type[BaseMode
     return (inner[0], raw) if len(inner) == 1 and isinstance(raw, dict) else None
 
 
-
 _CONFIG = ConfigDict(allow_inf_nan=False)  # the sections' own setting, for a field that is not a model
 
 

@@ -1,10 +1,13 @@
-"""Read one YAML document within bounds: size, nodes, depth and number length.
+"""Read one YAML document within bounds: size, nodes, depth, text and number length.
 
 A few hundred bytes of YAML can stand for billions of values through aliases ("billion
 laughs"), nest deep enough to crash a recursive parser (libyaml's composer overflows the C
-stack), or spell an integer of thousands of digits. None of it reaches the models: the text
-is parsed once (libyaml's event parser when present) and composed here without recursion,
-counting every node an alias stands for. The node graph keeps the line marks.
+stack), spell an integer of thousands of digits, or hold one string of a million characters
+that every later regular expression, secret scan and error message would have to read. None of it
+reaches the models: the text is parsed once (libyaml's event parser when present) and composed here
+without recursion, counting every node an alias stands for and measuring every scalar before
+anything reads it (PyYAML's own type resolution runs regular expressions on it). The node graph
+keeps the line marks.
 """
 
 from __future__ import annotations
@@ -21,6 +24,10 @@ MAX_NODES = 50_000  # scalars and collections, an alias counting as every node i
 MAX_DEPTH = 64  # nested collections (a real spec nests 4 deep)
 MAX_NUMBER_CHARS = 100  # a YAML int or float longer than this is not a setting
 MAX_INT = 2**63 - 1  # the API server stores 64-bit integers
+# The longest text any setting takes (an env value, an annotation; every field has its own, lower or equal,
+# limit in jobspec.spec.models), and the longest key: a Kubernetes label key, 253-character prefix + '/' + 63.
+MAX_STRING_CHARS = 16 * 1024
+MAX_KEY_CHARS = 253 + 1 + 63
 
 Loader: type = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # libyaml parses ~10x faster
 
@@ -87,6 +94,23 @@ class _Frame:
             return str(len(self.node.value))
         return str(self.key.value) if isinstance(self.key, yaml.ScalarNode) else "?"
 
+    def is_key_next(self) -> bool:
+        """The next node in this collection is a mapping key."""
+        return isinstance(self.node, yaml.MappingNode) and self.key is None
+
+
+def _check_length(text: str, *, key: bool, where: tuple[int | None, str]) -> None:
+    """Refuse a scalar longer than any setting, before a regular expression reads it. Never quotes it."""
+    limit = MAX_KEY_CHARS if key else MAX_STRING_CHARS
+    if len(text) > limit:
+        what = "a key" if key else "a text"
+        raise YamlLimit(
+            f"{what} of {len(text):,} characters: longer than any {'key' if key else 'setting'} "
+            f"takes (at most {limit:,})",
+            *where,
+            "keep long content in a file the job reads (data.path, a Secret), not in the spec",
+        )
+
 
 def _compose(loader: Any) -> yaml.Node | None:
     """PyYAML's Composer.get_single_node, iterative and counted."""
@@ -95,8 +119,9 @@ def _compose(loader: Any) -> yaml.Node | None:
     total = 0
     root: yaml.Node | None = None
 
-    def where(mark: Any) -> tuple[int | None, str]:
-        steps = [f.step() for f in stack]
+    def where(mark: Any, key: bool = False) -> tuple[int | None, str]:
+        """(line, path) at `mark`; for a `key`, the path of its mapping (the key is not written yet)."""
+        steps = [f.step() for f in (stack[:-1] if key else stack)]
         path = ".".join(steps if len(steps) <= 6 else [*steps[:6], "..."])
         return (mark.line + 1 if mark else None), path
 
@@ -158,6 +183,8 @@ def _compose(loader: Any) -> yaml.Node | None:
             node, size, height = anchors[anchor]
             add(node, size, height, event.start_mark, new=size)  # an alias repeats every node under it
         elif isinstance(event, yaml.ScalarEvent):
+            key = bool(stack) and stack[-1].is_key_next()
+            _check_length(event.value, key=key, where=where(event.start_mark, key))
             tag = event.tag
             if tag is None or tag == "!":
                 tag = loader.resolve(yaml.ScalarNode, event.value, event.implicit)

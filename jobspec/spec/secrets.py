@@ -18,6 +18,12 @@ Loc = tuple[str | int, ...]
 
 REF_HINT = "never write a credential in the spec: reference a Secret, `{secret: <secret-name>, key: <key>}`"
 _REF_FIELDS = {"secret", "key", "optional"}  # a SecretRef's own fields name a Secret, they hold none
+_NAMING_FIELDS = _REF_FIELDS | {"pull_secrets", "env_from_secrets"}  # spec fields that list Secrets by name
+
+
+def _secret_key(key: object) -> bool:
+    """A key whose value is a credential: env.HF_TOKEN, tracking.wandb.api_key (not the fields that name Secrets)."""
+    return isinstance(key, str) and key not in _NAMING_FIELDS and is_secret_name(key)
 
 
 class SpecSecrets:
@@ -33,7 +39,7 @@ class SpecSecrets:
                 ref = secret and set(map(str, value)) <= _REF_FIELDS
                 for k, v in value.items():
                     self._add(str(k), secret and not ref)
-                    todo.append((v, (secret and not ref) or (is_secret_name(str(k)) and k not in _REF_FIELDS)))
+                    todo.append((v, (secret and not ref) or _secret_key(k)))
             elif isinstance(value, list):
                 todo += [(v, secret) for v in value]
             elif isinstance(value, (str, int, float)) and not isinstance(value, bool):
@@ -57,7 +63,7 @@ class SpecSecrets:
 
     def at(self, loc: Loc, value: Any) -> bool:
         """Is an issue at `loc` about input `value` near a credential?"""
-        named = any(isinstance(s, str) and is_secret_name(s) and s not in _REF_FIELDS for s in loc)
+        named = any(_secret_key(s) for s in loc)
         return named or self._holds(value) or any(str(s) in self.strings for s in loc)
 
     def shown(self, loc: Loc) -> Loc:

@@ -46,6 +46,7 @@ _SIZE_EXTRAS = {
 _BELOW_ONE = {"n": "nano", "u": "micro", "m": "milli"}  # Kubernetes' units that divide
 MAX_DIGITS = 40  # 8Ei has 19 digits; Fraction would parse thousands of them slowly
 MAX_BYTES = 2**63 - 1  # a Kubernetes quantity is a 64-bit integer (8 EiB)
+MAX_SIZE_CHARS = 1024  # longer is no size (a number of hundreds of digits still gets "too large")
 # A size without a unit is bytes (as in Kubernetes). Every size in a spec is memory for a pod, a GPU,
 # /dev/shm or a weights file: below 1 MiB a bare number is a missing unit ("memory: 64"), not a setting.
 MIN_BARE_BYTES = 1024**2
@@ -107,6 +108,8 @@ def _read_size(value: Any) -> tuple[int, _Quantity | None]:
         return value, None
     if not isinstance(value, str):
         raise ValueError(f"expected a size such as '16Gi' or '20GB', got {type(value).__name__}")
+    if len(value) > MAX_SIZE_CHARS:  # measured before the grammar reads it
+        raise ValueError(f"a text of {len(value):,} characters is not a size (at most {MAX_SIZE_CHARS} characters)")
     quantity = _quantity(value, _size_unit, _SPACED)
     if quantity is None:
         raise ValueError(f"{_shown(value)} is not a size; write e.g. '16Gi', '512Mi' or '20GB'")
@@ -214,6 +217,7 @@ ByteSize = Annotated[
 ]
 
 MAX_CPUS = 10**6
+MAX_CPU_CHARS = 32  # "1000000", "0.001", "500m", "1e3": a CPU count is a few characters
 MIN_CPU = Fraction(1, 1000)  # 1m: the finest CPU request a node grants (Kubernetes rounds a smaller one up)
 _CPU_EXAMPLES = "write e.g. 8, 0.5 or '500m'"
 
@@ -231,7 +235,9 @@ def parse_cpu(value: Any) -> str:
     if isinstance(value, int) and value > MAX_CPUS:  # before str(): a 5000-digit int cannot even be printed
         raise ValueError(f"more than a million CPUs: give the request per pod; {_CPU_EXAMPLES}")
     text = str(value).strip()  # str(1e-05) is '1e-05': a quantity too
-    quantity = _quantity(text, _KUBERNETES_UNITS.get) if len(text) <= 32 else None
+    if len(text) > MAX_CPU_CHARS:  # measured before the grammar reads it
+        raise ValueError(f"a text of {len(text):,} characters is not a CPU count (at most {MAX_CPU_CHARS} characters)")
+    quantity = _quantity(text, _KUBERNETES_UNITS.get)
     if quantity is None:
         raise ValueError(f"{_shown(text)} is not a CPU count; {_CPU_EXAMPLES}")
     if quantity.value <= 0:
