@@ -8,16 +8,16 @@ into a `LoraShape`, so the CLI and the runner plan from the same numbers.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from jobspec.catalog import gpus as gpu_catalogue
 from jobspec.catalog import tiers
+from jobspec.catalog.model_config import read_config, shape_from_config
 from jobspec.catalog.presets import PRESETS, ModelShape
 from jobspec.errors import ConfigError
-from jobspec.plan import calibration, memory, throughput
+from jobspec.plan import calibration, capacity, memory, throughput
 from jobspec.plan.job_length import JobLength, job_length
 from jobspec.spec.models import JobSpec
 from jobspec.spec.units import is_bare_number, parse_bytes
@@ -44,41 +44,17 @@ def model_shape(spec: JobSpec) -> ModelShape:
             tie_embeddings=a.tie_embeddings,
         )
     config = Path(model.path or "") / "config.json"
-    if not config.is_file():
+    if not config.exists():
         raise ConfigError(
             f"model.path {model.path!r}: no local config.json to size the model from; "
             "add model.architecture {family, layers, hidden, heads, vocab, intermediate} to the spec"
         )
-    return shape_from_config(json.loads(config.read_text()))
+    return shape_from_config(read_config(config.parent), where=str(config))
 
 
-def shape_from_config(cfg: dict[str, Any]) -> ModelShape:
-    """A transformers config.json (GPT-2 or Llama-style keys) as a ModelShape."""
-    if "n_embd" in cfg:  # GPT-2 naming
-        hidden = cfg["n_embd"]
-        return ModelShape(
-            "gpt2",
-            layers=cfg["n_layer"],
-            hidden=hidden,
-            heads=cfg["n_head"],
-            vocab=cfg["vocab_size"],
-            max_positions=cfg.get("n_positions", 1024),
-            intermediate=cfg.get("n_inner") or 4 * hidden,
-        )
-    try:
-        return ModelShape(
-            "llama",
-            layers=cfg["num_hidden_layers"],
-            hidden=cfg["hidden_size"],
-            heads=cfg["num_attention_heads"],
-            kv_heads=cfg.get("num_key_value_heads"),
-            vocab=cfg["vocab_size"],
-            max_positions=cfg.get("max_position_embeddings", 2048),
-            intermediate=cfg["intermediate_size"],
-            tie_embeddings=cfg.get("tie_word_embeddings", False),  # transformers' Llama default
-        )
-    except KeyError as err:
-        raise ConfigError(f"config.json has no {err.args[0]!r}: add model.architecture to the spec") from None
+def model_label(spec: JobSpec) -> str:
+    """The model as a user named it, for messages: `model.preset X` or `model.path Y`."""
+    return f"model.preset {spec.model.preset}" if spec.model.preset else f"model.path {spec.model.path}"
 
 
 def lora_shape(spec: JobSpec) -> memory.LoraShape | None:
@@ -274,6 +250,11 @@ def plan_spec(
     shape = model_shape(spec)
     precision = planned_precision(spec)
     kw = estimate_kwargs(spec, spec.world_size, precision)
+    # A model no GPU could hold at any tier is a bad config (exit 2); one this GPU cannot hold is "nothing fits"
+    # (exit 4: the table shows the tiers and their bytes, and a larger GPU is the fix).
+    largest = max(gpu_catalogue.catalogue(), key=lambda g: g.memory_bytes)
+    device, where = max(gpu_bytes, largest.memory_bytes), f"{model_label(spec)} (even on {largest.name})"
+    capacity.check(shape, device_bytes=device, host_bytes=None, where=where, **kw)
     scale, notes = calibration.scales(shape, measured or {}, **kw)
     plans = memory.plan_all(
         shape,

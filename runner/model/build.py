@@ -14,6 +14,7 @@ from importlib.util import find_spec
 import torch
 from torch import nn
 
+from jobspec.catalog.model_config import check_config
 from jobspec.catalog.presets import PRESETS, ModelShape
 from jobspec.errors import ConfigError
 from jobspec.spec.models import JobSpec, LoraSpec
@@ -85,6 +86,22 @@ def check_attention(attention: str) -> None:
         )
 
 
+def checked_config(path: str) -> object:
+    """The transformers config of `path` (a local directory or a hub id), its shape checked before any weight is
+    allocated (jobspec.catalog.model_config: the numbers transformers would build from). A config transformers
+    itself cannot read is a ConfigError too, whatever it raises: the file is input, not code."""
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(path)
+    except Exception as err:  # a config file someone else wrote: any failure is bad input
+        raise ConfigError(
+            f"model.path {path!r}: cannot read its config ({type(err).__name__}: {str(err)[:300]})"
+        ) from None
+    check_config(config.to_dict(), where=f"model.path {path!r} config")
+    return config
+
+
 def build_model(spec: JobSpec, *, bos: int, eos: int, vocab: int, precision: str = "fp32") -> nn.Module:
     """The model on the CPU in fp32 (preset) or its stored dtype (path); the caller places it.
 
@@ -101,10 +118,13 @@ def build_model(spec: JobSpec, *, bos: int, eos: int, vocab: int, precision: str
         cfg = preset_config(PRESETS[m.preset], bos, eos)
         model = AutoModelForCausalLM.from_config(cfg, attn_implementation=m.attention)
     else:
+        config = checked_config(m.path)
         try:
-            model = AutoModelForCausalLM.from_pretrained(m.path, dtype=DTYPES[m.dtype], attn_implementation=m.attention)
+            model = AutoModelForCausalLM.from_pretrained(
+                m.path, config=config, dtype=DTYPES[m.dtype], attn_implementation=m.attention
+            )
         except (OSError, ValueError) as err:
-            raise ConfigError(f"model.path {m.path!r}: cannot load the model ({err})") from err
+            raise ConfigError(f"model.path {m.path!r}: cannot load the model ({err})") from None
         if vocab > model.get_input_embeddings().num_embeddings:
             log.info(
                 "resizing the embeddings %d -> %d rows for the tokenizer",

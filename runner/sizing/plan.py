@@ -19,8 +19,8 @@ from jobspec.catalog import tiers
 from jobspec.catalog.presets import ModelShape
 from jobspec.contract import EXIT_OOM_LAST_TIER, EXIT_OOM_RETRY_TIER, METRICS_FILE
 from jobspec.errors import ConfigError, JobspecError
-from jobspec.plan import calibration, memory
-from jobspec.plan.planner import estimate_kwargs, fixed_micro_batch, model_shape
+from jobspec.plan import calibration, capacity, memory
+from jobspec.plan.planner import estimate_kwargs, fixed_micro_batch, model_label, model_shape
 from jobspec.spec.models import JobSpec
 from jobspec.spec.units import human_bytes as gib
 from runner.sizing.hostmem import HOST_OFFLOAD_SHARE, HOST_PROCESS_BYTES, HostInfo, loader_settings, offload_fits
@@ -232,6 +232,19 @@ def choose_tier(spec: JobSpec, device: DeviceInfo, host: HostInfo, world_size: i
     return last, f"tier auto -> {last}: no tier fits per the model ({'; '.join(skipped)}); probe steps decide"
 
 
+def check_capacity(spec: JobSpec, device: DeviceInfo, host: HostInfo, world_size: int, local: int) -> None:
+    """ConfigError (exit 2) before the model is built when its states fit no tier of this device and host
+    (jobspec.plan.capacity; `jobspec plan` makes the same check). On CPU the ranks share the host memory."""
+    kw, _ = _inputs(spec, device, world_size, local)
+    per_rank_host = host.available_bytes // local
+    if device.is_gpu:
+        capacity.check(model_shape(spec), device_bytes=device.total_bytes, host_bytes=per_rank_host,
+                       where=model_label(spec), **kw)  # fmt: skip
+    else:
+        capacity.check(model_shape(spec), device_bytes=per_rank_host, host_bytes=None, where=model_label(spec),
+                       tier_names=("fast",), **kw)  # fmt: skip
+
+
 def initial_plan(
     spec: JobSpec, device: DeviceInfo, host: HostInfo, world_size: int, *, local_ranks: int | None = None
 ) -> Plan:
@@ -241,6 +254,7 @@ def initial_plan(
     on CPU all of world_size), which share the host's CPUs and memory.
     """
     local = _local(device, world_size, local_ranks)
+    check_capacity(spec, device, host, world_size, local)
     tier, why = choose_tier(spec, device, host, world_size, local)
     log.info("plan: %s", why)
     return size_for_tier(spec, device, host, world_size, tier, local_ranks=local, reasons=[why])

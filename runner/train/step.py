@@ -21,8 +21,8 @@ import logging
 import math
 import signal
 import traceback
-from collections.abc import Sequence
-from contextlib import nullcontext
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -59,12 +59,24 @@ def summed_loss(
     return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE, reduction="sum")
 
 
+class Stopped(BaseException):
+    """A stop signal while nothing can be checkpointed yet (setup: data, model build, probe steps, resume; a
+    tier step-down's rebuild): the process ends at once, since no step was trained since the last checkpoint.
+    A BaseException, like KeyboardInterrupt: no `except Exception` on the way turns it into another error."""
+
+    def __init__(self, signum: int):
+        super().__init__(f"stopped by signal {signum} before training (nothing new to checkpoint)")
+        self.signum = signum
+
+
 class StopFlag:
-    """Set by SIGTERM or SIGINT; read at every micro-step. A second SIGINT interrupts at once."""
+    """Set by SIGTERM or SIGINT; read at every micro-step. A second SIGINT interrupts at once, and so does any
+    stop signal inside `immediate()` (raises `Stopped`)."""
 
     def __init__(self) -> None:
         self.signum: int | None = None  # the first stop signal received
         self.interrupts = 0  # SIGINTs received (a terminal's Ctrl-C reaches every process of the group)
+        self._immediate = 0  # > 0: inside `immediate()`
         self._previous: dict[int, Any] = {}
 
     def __bool__(self) -> bool:
@@ -75,6 +87,21 @@ class StopFlag:
         if self.interrupts >= 2:
             raise KeyboardInterrupt
         self.signum = self.signum or signum
+        if self._immediate:
+            raise Stopped(signum)
+
+    @contextmanager
+    def immediate(self) -> Iterator[None]:
+        """Within: a stop signal (or one that came before) raises `Stopped` where the code is, instead of
+        waiting for the loop to read the flag, which setup never does. A signal that lands during a long C
+        call (a huge allocation) raises when it returns; the supervisor's kill deadline bounds the rest."""
+        self._immediate += 1
+        try:
+            if self.signum is not None:
+                raise Stopped(self.signum)
+            yield
+        finally:
+            self._immediate -= 1
 
     def install(self) -> None:
         for sig in (signal.SIGTERM, signal.SIGINT):
