@@ -37,6 +37,10 @@ Each internal: what it is for; why no public API does it; what a run loses witho
   step on FakeTensors. torch ships these as tools without a public namespace. The peak-only override drops the
   per-module peaks torch updates after every op (60 % of a 7B trace); the hook entries stand in for the gradient
   hooks a frozen parameter (LoRA's base) refuses. Needed by `jobspec plan --trace` only; training never uses them.
+- torch DCP `filesystem._StorageInfo`, `metadata._MEM_FORMAT_ENCODING`, `serialization._get_layout` (by name): the
+  globals a checkpoint's `.metadata` pickle names, admitted by the restricted unpickler (runner/checkpoint/
+  unpickle.py). DCP reads its metadata only with pickle.load, which runs any callable the file names. Required
+  to resume or export a checkpoint.
 
 Checked on: torch 2.11 (the GPU machine) and 2.13, accelerate 1.15, torchao 0.13 and 0.18.
 transformers and peft: no private name is used. Gradient buckets use `torch.cat`/`split` (public),
@@ -355,3 +359,53 @@ def check(tier: str, world_size: int, device_type: str) -> None:
         for more in rest:
             err = ConfigError(f"{err}; also {more.package} {_version(more.package)} lacks {more.names}")
         raise err
+
+
+# --- torch: DCP checkpoint metadata -----------------------------------------------------------------------------
+
+
+def dcp_private_globals() -> dict[tuple[str, str], Any]:
+    """The private globals a DCP `.metadata` pickle names, (module, name) -> what runner/checkpoint/unpickle.py's
+    restricted unpickler gives for each (torch 2.13): FileSystemWriter's per-item record `filesystem._StorageInfo`
+    (a dataclass: built without running code), the memory-format enum `metadata._MEM_FORMAT_ENCODING` (looked up
+    by value only: `Enum(value, names)` would make a new enum), and `torch.serialization._get_layout`, which
+    torch's pickle of a layout calls with its name (answered by a lookup among torch's layouts, never called).
+    DCP offers no public reader of its metadata other than FileSystemReader's pickle.load, which runs any
+    callable the file names. Required to resume or export a checkpoint."""
+    from torch.distributed.checkpoint import metadata
+
+    storage_info = dcp_storage_info()
+    mem_format = getattr(metadata, "_MEM_FORMAT_ENCODING", None)
+    if mem_format is None:
+        raise _missing("torch", "torch.distributed.checkpoint.metadata._MEM_FORMAT_ENCODING", _DCP_NEED)
+
+    def mem_format_of(value: int) -> Any:
+        return mem_format(value)
+
+    return {
+        (storage_info.__module__, storage_info.__qualname__): storage_info,
+        (mem_format.__module__, mem_format.__qualname__): mem_format_of,
+        ("torch.serialization", "_get_layout"): _layout_named,
+    }
+
+
+def dcp_storage_info() -> type:
+    """DCP FileSystemWriter's per-item record (`filesystem._StorageInfo`: file name, offset, length), which the
+    metadata check reads field by field."""
+    from torch.distributed.checkpoint import filesystem
+
+    found = getattr(filesystem, "_StorageInfo", None)
+    if not isinstance(found, type):
+        raise _missing("torch", "torch.distributed.checkpoint.filesystem._StorageInfo", _DCP_NEED)
+    return found
+
+
+_DCP_NEED = "reading a checkpoint's .metadata without running code from it"
+
+
+def _layout_named(name: str) -> torch.layout:
+    """What torch.serialization._get_layout(name) returns, without calling it: the layout whose str() is `name`."""
+    for value in vars(torch).values():
+        if isinstance(value, torch.layout) and str(value) == name:
+            return value
+    raise ValueError(f"no torch layout is named {str(name)[:40]!r}")

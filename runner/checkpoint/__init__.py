@@ -1,8 +1,15 @@
 """Checkpoints: written so that no crash loses the last good one, read back only when they check out.
 
-    store.py     save and load (DCP, sharded when the model is), atomically, with a DONE marker; RNG state
+    store.py     save and load (DCP, sharded when the model is), atomically, with a DONE marker
     manifest.py  every file's size and CRC-32, written at save and checked before a resume
+    signing.py   optional HMAC-SHA256 of the manifest (JOBSPEC_CHECKPOINT_KEY), so a forged one is refused
+    unpickle.py  DCP's pickles read without running code: restricted `.metadata`, weights-only byte items
+    rng.py       each rank's RNG state, read with weights_only and checked for shape
+    torchzip.py  torch.save zips checked before torch.load inflates anything (stored entries only)
+    files.py     regular files only (no link, FIFO, device), every read bounded
     storage.py   room on the volume for the next checkpoint; write errors that retrying cannot fix
     lease.py     one writer per run directory (a lease file rank 0 renews)
     lineage.py   which checkpoints a run may continue (same job, model, data and global batch)
+
+The volume is not trusted: whatever its files hold, reading a checkpoint runs no code and cannot hang.
 """

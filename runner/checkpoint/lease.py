@@ -34,11 +34,13 @@ from pathlib import Path
 from typing import Any
 
 from jobspec.errors import ConfigError
+from runner.checkpoint import files
 
 log = logging.getLogger("jobspec.runner")
 LEASE_FILE = "lease.json"
 TIMEOUT_ENV = "JOBSPEC_LEASE_TIMEOUT_S"
 DEFAULT_TIMEOUT_S = 600.0
+MAX_BYTES = 2**16  # a lease record is ~300 bytes
 SETTLE_S = 1.0  # an unreadable lease this young may be one another run is writing right now
 
 
@@ -149,8 +151,8 @@ class Lease:
         os.replace(tmp, self.path)  # atomic: a reader sees the old record or the new one
 
     def _read(self) -> dict[str, Any] | None:
-        try:
-            record = json.loads(self.path.read_text())
+        try:  # bounded, regular files only: a lease replaced by a FIFO or a link to /dev/zero is unreadable, not a hang
+            record = files.read_json(self.path, MAX_BYTES, "lease file")
         except (OSError, ValueError):
             return None
         return record if isinstance(record, dict) else None

@@ -26,7 +26,8 @@ DATA_FIELDS = ("path", "format", "prompt_field", "response_field", "messages_fie
 
 def rows_digest(rows: list[tuple[np.ndarray, np.ndarray]]) -> str:
     """A cheap fingerprint of the token rows: their count, every length, and the first and last 64 rows."""
-    h = hashlib.sha256(np.asarray([len(x) for x, _ in rows], dtype=np.int64).tobytes())
+    lengths = getattr(rows, "lengths", None)  # runner.data.tokens.Rows: all lengths without building each row
+    h = hashlib.sha256(np.asarray([len(x) for x, _ in rows] if lengths is None else lengths, dtype=np.int64).tobytes())
     for x, y in rows[:64] + rows[-64:]:
         h.update(x.tobytes())
         h.update(y.tobytes())

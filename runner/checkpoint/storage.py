@@ -18,6 +18,7 @@ import torch
 from jobspec.contract import EXIT_STORAGE
 from jobspec.errors import JobspecError
 from jobspec.spec.units import human_bytes as gib
+from runner.checkpoint import files
 
 MARGIN = 1.02  # the filesystem's own blocks and the small files, on top of the expected bytes
 _FULL = {errno.ENOSPC, errno.EDQUOT}
@@ -40,7 +41,8 @@ def free_bytes(path: Path) -> int:
 
 
 def directory_bytes(path: Path) -> int:
-    return sum(p.stat().st_size for p in Path(path).iterdir() if p.is_file())
+    """The bytes of the regular files in `path` (a link to a large file elsewhere is not the checkpoint's)."""
+    return sum(files.regular_sizes(Path(path)).values())
 
 
 def estimate_bytes(model: torch.nn.Module, trainable_only: bool) -> int:

@@ -22,17 +22,21 @@ removed the temp dir. The last good checkpoint is never touched until a newer on
 runs store the adapters only.
 
 Resume (`resume_point`): rank 0 verifies the newest complete checkpoint (`verify`: DONE, meta.json's
-step, the manifest's sizes and checksums); a damaged one is logged, moved aside once an intact one is
+step, the manifest's sizes and checksums, then the pickles it holds: `.metadata` through a restricted
+unpickler and the shards' byte items and RNG states through torch.load(weights_only=True),
+runner/checkpoint/unpickle.py and rng.py); a damaged one is logged, moved aside once an intact one is
 found, and the next older one tried. Complete checkpoints but none intact: DamagedCheckpoint (exit 2).
+
+Untrusted volume: no file of a checkpoint runs code when read, every one is opened as a regular file
+(no link, FIFO or device: runner/checkpoint/files.py) and read within a bound, and a forged file is
+damage like any other. With JOBSPEC_CHECKPOINT_KEY set the manifest is signed (signing.py).
 """
 
 from __future__ import annotations
 
-import io
 import json
 import logging
 import os
-import random
 import re
 import shutil
 import time
@@ -41,7 +45,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
-import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -49,7 +52,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from jobspec.errors import ConfigError
-from runner.checkpoint import manifest, storage
+from runner.checkpoint import files, manifest, rng, signing, storage, unpickle
+from runner.checkpoint.rng import rng_state, set_rng_state
 from runner.checkpoint.storage import StorageError
 from runner.dist import Control
 
@@ -57,7 +61,9 @@ log = logging.getLogger("jobspec.runner")
 DONE = "DONE"
 META = "meta.json"
 SPEC = "spec.yaml"
-DCP_METADATA = ".metadata"
+DCP_METADATA = unpickle.METADATA
+META_MAX_BYTES = 16 * 2**20  # step, plan, lineage, loss: a few KB
+_RNG = re.compile(r"^rng-\d+\.pt$")
 FORMAT = 2  # meta.json "format": 2 and later have a manifest.json (a missing one is damage, not age)
 _STEP = re.compile(r"^step-(\d+)$")
 T = TypeVar("T")
@@ -84,25 +90,6 @@ def _write_durable(path: Path, data: bytes) -> None:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
-
-
-def rng_state() -> dict[str, Any]:
-    np_state = np.random.get_state()
-    return {
-        "python": random.getstate(),
-        "numpy": (np_state[0], np_state[1].tolist(), *np_state[2:]),  # plain types: loads with weights_only
-        "torch": torch.get_rng_state(),
-        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
-    }
-
-
-def set_rng_state(state: dict[str, Any]) -> None:
-    random.setstate((state["python"][0], tuple(state["python"][1]), state["python"][2]))
-    name, keys, *rest = state["numpy"]
-    np.random.set_state((name, np.asarray(keys, dtype=np.uint32), *rest))
-    torch.set_rng_state(state["torch"])
-    if state["cuda"] and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
 
 
 def _state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, trainable_only: bool) -> dict[str, Any]:
@@ -138,20 +125,24 @@ def latest(root: str | Path) -> Path | None:
 
 
 def read_meta(path: Path) -> dict[str, Any]:
-    return json.loads((path / META).read_text())
+    """meta.json of checkpoint `path` (a bounded read of a regular file); OSError or ValueError otherwise."""
+    return files.read_json(path / META, META_MAX_BYTES, "checkpoint's meta.json")
 
 
 def verify(path: str | Path, *, full: bool = False) -> str | None:
     """Why checkpoint `path` (a step-N directory) cannot be trusted, or None when it is intact.
 
-    Checks the DONE marker, that meta.json reads and names the directory's step, and every file against
+    Checks the DONE marker, that meta.json reads and names the directory's step, every file against
     manifest.json (runner/checkpoint/manifest.py: sizes, checksums; files over manifest.FULL_CHECK_BYTES by sampled
-    blocks unless `full`). A checkpoint from before manifests (meta.json without "format") is checked for
-    its files' presence only."""
+    blocks unless `full`; signed when JOBSPEC_CHECKPOINT_KEY is set), then the pickles (`_pickles_problem`). A
+    checkpoint from before manifests (meta.json without "format") is checked for its files' presence and
+    its pickles."""
     path = Path(path)
     m = _STEP.match(path.name)
     if m is None:
         return f"{path.name} is not a step-N checkpoint directory"
+    if path.is_symlink():
+        return f"{path.name} is a symbolic link, not a directory of its own (a checkpoint is never written as one)"
     if not (path / DONE).is_file():
         return f"no {DONE} marker (its writer stopped before finishing)"
     step = int(m.group(1))
@@ -159,16 +150,58 @@ def verify(path: str | Path, *, full: bool = False) -> str | None:
         meta = read_meta(path)
     except FileNotFoundError:
         return f"{META} is missing"
+    except files.UnsafeFile as err:
+        return str(err)
     except (OSError, ValueError) as err:
         return f"{META} is unreadable ({err})"
     if not isinstance(meta, dict) or meta.get("step") != step:
         said = meta.get("step") if isinstance(meta, dict) else None
-        return f"{META} says step {said!r}, but the directory is step-{step}"
+        return f"{META} says step {_short(said)}, but the directory is step-{step}"
+    if not all(meta.get(k) is None or isinstance(meta[k], dict) for k in ("plan", "lineage")):
+        return f"{META} is malformed (its plan or lineage is not a table)"
     required = (META, DCP_METADATA, "rng-0.pt")
-    if meta.get("format", 1) < FORMAT and not (path / manifest.MANIFEST).exists():
-        missing = [name for name in required if not (path / name).is_file()]
-        return f"{missing[0]} is missing" if missing else None
-    return manifest.check(path, step, required=required, full=full)
+    written_as = meta.get("format", 1)
+    if type(written_as) is int and written_as < FORMAT and not os.path.lexists(path / manifest.MANIFEST):
+        if signing.key() is not None:  # nothing to authenticate: a forger's easiest way round the MAC
+            return f"{manifest.MANIFEST} is missing, but {signing.KEY_ENV} is set (signed checkpoints have one)"
+        problems = [files.problem(path / name) for name in required]
+        if any(problems):
+            return next(p for p in problems if p)
+    else:
+        problem = manifest.check(path, step, required=required, full=full)
+        if problem:
+            return problem
+    return _pickles_problem(path)
+
+
+def _pickles_problem(path: Path) -> str | None:
+    """Why the pickles of checkpoint `path` cannot be read without trusting them: `.metadata` (restricted
+    unpickler, checked against the shards), every item in the shards (a torch.save zip that inflates
+    nothing; the non-tensor ones read with weights_only=True) and every rank's RNG state (weights_only,
+    checked for shape). The tensors' values are DCP's to read, with weights_only=True, at load."""
+    try:
+        metadata = unpickle.read_metadata(path)
+    except FileNotFoundError:
+        return f"{DCP_METADATA} is missing"
+    except files.UnsafeFile as err:
+        return str(err)
+    except OSError as err:
+        return f"{DCP_METADATA} cannot be read ({err.strerror or err})"
+    except ValueError as err:
+        return str(err)
+    problem = unpickle.items_problem(path, metadata)
+    if problem:
+        return problem
+    for name in sorted(n for n in os.listdir(path) if _RNG.match(n)):
+        problem = rng.problem(path / name)
+        if problem:
+            return problem
+    return None
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
 def newest_intact(root: str | Path, *, quarantine: bool = False) -> Path | None:
@@ -211,6 +244,7 @@ def resume_point(root: str | Path, *, rank: int, ctrl: Control) -> Path | None:
     """The checkpoint every rank resumes from (collective): rank 0 verifies and moves damaged ones aside,
     the others take its answer, so all ranks load the same step. None: start at step 0."""
     root, found, err = Path(root), -1.0, None  # -1: none; -2: complete ones, none intact
+    signing.key()  # a malformed key stops every rank here, before rank 0 alone could meet it in `verify`
     if rank == 0:
         try:
             path = newest_intact(root, quarantine=True)
@@ -313,9 +347,7 @@ def _write_rank_files(tmp: Path, state: dict[str, Any], rank: int, ctrl: Control
     with warnings.catch_warnings():  # DCP warns that one process means one process
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         dcp.save(state, storage_writer=writer, process_group=ctrl.group, no_dist=not dist.is_initialized())
-    rng = io.BytesIO()
-    torch.save(rng_state(), rng)
-    _write_durable(tmp / f"rng-{rank}.pt", rng.getvalue())
+    _write_durable(tmp / f"rng-{rank}.pt", rng.encode(rng_state()))
     mine = [p for p in tmp.iterdir() if p.name.startswith(f"__{rank}_") or p.name == f"rng-{rank}.pt"]
     return manifest.hash_files(mine)
 
@@ -375,11 +407,23 @@ def load(
     ctrl: Control,
     trainable_only: bool = False,
 ) -> dict[str, Any]:
-    """Restore model, optimizer and this rank's RNG from `path` (collective). Returns meta.json."""
+    """Restore model, optimizer and this rank's RNG from `path` (collective). Returns meta.json.
+
+    DCP reads through unpickle.SafeReader/SafeLoadPlanner (no pickle runs code, regular files only). A failure
+    here, after `verify` passed (a file changed since, or tensors that do not fit the model), is
+    DamagedCheckpoint: exit 2 naming the checkpoint, never a traceback."""
     state = _state(model, optimizer, trainable_only)  # also initialises Adam's state, for DCP to load into
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load(state, checkpoint_id=path, process_group=ctrl.group, no_dist=not dist.is_initialized())
+        try:
+            reader = unpickle.reader(path)
+        except (OSError, ValueError) as err:
+            raise _unloadable(path, str(err) if not isinstance(err, FileNotFoundError) else "no .metadata") from None
+        try:
+            dcp.load(state, storage_reader=reader, planner=unpickle.SafeLoadPlanner(), process_group=ctrl.group,
+                     no_dist=not dist.is_initialized())  # fmt: skip
+        except (Exception, CheckpointException) as exc:  # CheckpointException (DCP) is a BaseException
+            raise _unloadable(path, unpickle.load_failure(exc)) from None
     set_state_dict(
         model,
         optimizer,
@@ -388,8 +432,21 @@ def load(
         options=StateDictOptions(strict=not trainable_only),
     )
     rng_file = path / f"rng-{rank}.pt"
-    if not rng_file.is_file():  # more ranks than when it was written: rank 0's stream is the best guess
+    if not os.path.lexists(rng_file):  # more ranks than when it was written: rank 0's stream is the best guess
         log.warning("checkpoint %s has no RNG state for rank %d; using rank 0's", path, rank)
         rng_file = path / "rng-0.pt"
-    set_rng_state(torch.load(rng_file, weights_only=True))
-    return read_meta(path)
+    try:
+        set_rng_state(rng.read(rng_file))
+    except (OSError, ValueError) as err:
+        raise _unloadable(path, rng.problem(rng_file) or f"{rng_file.name}: {err}") from None
+    try:
+        return read_meta(path)
+    except (OSError, ValueError) as err:
+        raise _unloadable(path, str(err) if isinstance(err, files.UnsafeFile) else f"{META}: {err}") from None
+
+
+def _unloadable(path: Path, why: str) -> DamagedCheckpoint:
+    return DamagedCheckpoint(
+        f"checkpoint {path} cannot be loaded ({why}). It changed after it was verified, or does not fit this "
+        f"model: move {path} out of {path.parent} to resume from the one before it"
+    )

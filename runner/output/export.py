@@ -18,6 +18,11 @@ involved), then transformers and peft write the result:
 
 The directory is written beside its destination and renamed into place (atomic on one filesystem);
 an older jobspec export there is replaced, any other existing directory is refused.
+
+The checkpoint is not trusted: it must verify (runner/checkpoint/store.py `verify`: manifest, signature
+when JOBSPEC_CHECKPOINT_KEY is set, and its pickles read without running code), its files are read as
+regular files within a bound, and DCP loads through the same restricted reader as a resume. A forged,
+linked or piped file is a damaged checkpoint: exit 2 naming the file.
 """
 
 from __future__ import annotations
@@ -40,12 +45,14 @@ from torch.distributed.checkpoint.api import CheckpointException
 from jobspec import __version__
 from jobspec.contract import EXIT_OK
 from jobspec.errors import ConfigError, JobspecError
+from jobspec.spec import safe_yaml
 from jobspec.spec.loader import parse_spec
 from jobspec.spec.models import JobSpec
-from runner.checkpoint import store
+from runner.checkpoint import files, store, unpickle
 
 log = logging.getLogger("jobspec.runner")
 PROVENANCE = "jobspec_export.json"
+PROVENANCE_MAX_BYTES = 2**20  # a page of JSON
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
@@ -85,9 +92,13 @@ def _intact_hint(damaged: Path) -> str:
 def checkpoint_spec(ckpt: Path) -> JobSpec:
     """The spec the checkpoint was trained with (written beside its weights)."""
     spec_file = ckpt / store.SPEC
-    if not spec_file.is_file():
+    if not os.path.lexists(spec_file):
         raise ConfigError(f"{ckpt}: no {store.SPEC} (written by an older jobspec); it cannot be exported")
-    return parse_spec(spec_file.read_text(encoding="utf-8"), str(spec_file))
+    try:
+        text = files.read_bytes(spec_file, safe_yaml.MAX_BYTES, "job spec").decode("utf-8")
+    except (OSError, UnicodeDecodeError) as err:
+        raise ConfigError(f"{spec_file}: damaged checkpoint ({err}); export an intact one") from None
+    return parse_spec(text, str(spec_file))
 
 
 def _with_base(spec: JobSpec, base: str | None) -> JobSpec:
@@ -116,13 +127,17 @@ def load_trained(spec: JobSpec, ckpt: Path) -> tuple[torch.nn.Module, Any]:
     lora = spec.model.lora is not None
     wanted = {n for n, p in model.named_parameters(remove_duplicate=False) if p.requires_grad or not lora}
     state = {k: v for k, v in model.state_dict().items() if k in wanted}
+    try:
+        reader = unpickle.reader(ckpt)  # `.metadata` read without running code from it, and checked
+    except (OSError, ValueError) as err:
+        raise ConfigError(f"{ckpt}: damaged checkpoint ({err}); export an intact one") from None
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        try:
-            dcp.load({"model": state}, checkpoint_id=ckpt, no_dist=True)  # in place into the model's tensors
+        try:  # in place into the model's tensors
+            dcp.load({"model": state}, storage_reader=reader, planner=unpickle.SafeLoadPlanner(), no_dist=True)
         except (Exception, CheckpointException) as err:  # a missing key or shard (CheckpointException is a
             # BaseException that wraps the cause)
-            raise ConfigError(f"{ckpt}: cannot read the model weights ({str(err).splitlines()[0][:300]})") from None
+            raise ConfigError(f"{ckpt}: cannot read the model weights ({unpickle.load_failure(err)})") from None
     return model, tokenizer
 
 
@@ -248,9 +263,10 @@ def is_export(path: Path) -> bool:
 def read_provenance(path: Path) -> dict[str, Any] | None:
     """The provenance of the export at `path`, or None (no export there, or unreadable)."""
     try:
-        return json.loads((path / PROVENANCE).read_text())
+        record = files.read_json(path / PROVENANCE, PROVENANCE_MAX_BYTES, "provenance file")
     except (OSError, ValueError):
         return None
+    return record if isinstance(record, dict) else None
 
 
 def default_out(spec: JobSpec) -> Path:
