@@ -5,7 +5,10 @@ Records come from JSONL, JSON, Parquet, a `datasets` directory or a hub id (`run
 decides per source from the first record). Each record becomes one row of at most
 `max_seq_len` positions: `input_ids` and `labels` already shifted by one (labels[t] is the token
 after input_ids[t], nanoGPT's x/y), -100 where there is no loss (prompt, padding). Longer records
-are truncated; records left without any target token are dropped (and counted in the log).
+are truncated; records left without any target token are dropped (and counted in the log). Text that
+truncation would drop is clipped before tokenizing (`clip_texts`): a 200 MB record costs its first
+(max_seq_len + 2) x `tokenizer.max_token_chars` characters of tokenizing, not gigabytes of token lists.
+The rows are stored flat (runner/data/tokens.py): ~3 bytes a token, not two int64 arrays a record.
 
 Packing (`data.packing: true`): whole records are concatenated in file order into rows of up to
 `max_seq_len + 1` tokens; a record that would overflow starts the next row. Masks are kept per record
@@ -18,6 +21,7 @@ a step redone at a smaller micro-batch after an OOM, sees exactly the same sampl
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -30,12 +34,12 @@ from jobspec.errors import ConfigError
 from jobspec.spec.models import DataSpec, JobSpec
 from runner.data.records import EVAL_SPLITS, TRAIN_SPLITS, read_records
 from runner.data.tokenizer import Message, Segment, Tokenizer
+from runner.data.tokens import IGNORE, Rows, Streams, StreamsBuilder, pack_groups
+from runner.data.tokens import Row as Row  # (input_ids, labels), imported from here by the tests
 
 log = logging.getLogger("jobspec.runner")
 BUNDLED = Path(__file__).with_name("sft_synthetic.jsonl")
-IGNORE = -100  # label of positions without loss (torch cross_entropy's ignore_index)
 PAD_MULTIPLE = 8  # pad each micro-batch to a multiple of 8 positions (tensor-core friendly shapes)
-Row = tuple[np.ndarray, np.ndarray]  # (input_ids, labels): int64 arrays of the same length
 
 
 @dataclass(frozen=True)
@@ -88,31 +92,54 @@ def as_message_list(value: object) -> object:
     return value
 
 
+def clip_texts(messages: list[Message], chars: int, max_messages: int) -> tuple[list[Message], int, int]:
+    """The first `max_messages` messages, their contents cut once `chars` characters of content came before;
+    with the length of the longest content cut and the number of messages dropped (0, 0: nothing was).
+
+    Tokens come out in message order, none covers more than `tokenizer.max_token_chars` characters and
+    every message renders at least one (its role's marker), so with `chars` = (max_seq_len + 2) x that
+    many characters and `max_messages` = max_seq_len + 2 what is cut lies past the max_seq_len + 1 tokens
+    a row keeps: truncated anyway. (A normalizer that deletes text, such as T5's whitespace folding, or a
+    template that renders a message as nothing could let a row keep a little more of the uncut record.)
+    The record itself is left as it is.
+    """
+    out, left, longest = [], chars, 0
+    for m in messages[:max_messages]:
+        content = m.get("content") if isinstance(m, dict) else None
+        if isinstance(content, str):
+            if len(content) > left:
+                m, longest = {**m, "content": content[:left]}, max(longest, len(content))
+            left = max(0, left - len(content))
+        out.append(m)
+    return out, longest, max(0, len(messages) - max_messages)
+
+
+def check_text(messages: list[Message]) -> None:
+    """ValueError for a content the tokenizers cannot encode: a lone UTF-16 surrogate, which JSON can
+    escape (\\ud800) but UTF-8 cannot hold (transformers' tokenizers fail on it with a TypeError)."""
+    for i, m in enumerate(messages):
+        content = m.get("content") if isinstance(m, dict) else None
+        if isinstance(content, str) and not content.isascii():
+            try:
+                content.encode("utf-8")
+            except UnicodeEncodeError as err:
+                raise ValueError(
+                    f"message {i}: a lone UTF-16 surrogate ({content[err.start]!r} at character {err.start}) in "
+                    "its text; write the character itself, or its full \\ud83d\\ude00-style pair"
+                ) from None
+
+
 def flatten(segments: Sequence[Segment], limit: int) -> tuple[np.ndarray, np.ndarray]:
     """Token ids and target flags of a rendered chat, truncated to `limit` tokens."""
-    ids = np.fromiter((t for seg, _ in segments for t in seg), dtype=np.int64)
-    flags = np.fromiter((target for seg, target in segments for _ in seg), dtype=bool, count=len(ids))
-    return ids[:limit], flags[:limit]
+    ids = np.fromiter(itertools.islice(itertools.chain.from_iterable(s for s, _ in segments), limit), np.int64)
+    flags = np.repeat(np.array([t for _, t in segments], dtype=bool), [len(s) for s, _ in segments])[:limit]
+    return ids, flags
 
 
-def to_row(ids: np.ndarray, flags: np.ndarray) -> Row:
-    """Shift by one: position t reads ids[t] and is scored on ids[t+1] when that token is a target."""
-    return ids[:-1].copy(), np.where(flags[1:], ids[1:], IGNORE)
-
-
-def pack(streams: Sequence[tuple[np.ndarray, np.ndarray]], max_seq_len: int) -> list[Row]:
+def pack(streams: Streams, max_seq_len: int, records: np.ndarray | None = None) -> Rows:
     """Greedy first-fit in order: rows of up to max_seq_len + 1 tokens (see the module docstring)."""
-    rows, ids, flags, used = [], [], [], 0
-    for i, f in streams:
-        if used and used + len(i) > max_seq_len + 1:
-            rows.append(to_row(np.concatenate(ids), np.concatenate(flags)))
-            ids, flags, used = [], [], 0
-        ids.append(i)
-        flags.append(f)
-        used += len(i)
-    if ids:
-        rows.append(to_row(np.concatenate(ids), np.concatenate(flags)))
-    return rows
+    records = np.arange(len(streams)) if records is None else records
+    return Rows(streams, records, pack_groups(streams.lengths[records], max_seq_len))
 
 
 def encode_file(
@@ -121,31 +148,44 @@ def encode_file(
     tokenizer: Tokenizer,
     field: str = "data.path",
     splits: Sequence[str] = TRAIN_SPLITS,
-) -> list[tuple[np.ndarray, np.ndarray]]:
+) -> Streams:
     """Every record of `source` as (token ids, target flags), truncated to max_seq_len + 1 tokens."""
-    fmt, out = None, []
+    fmt, out = None, StreamsBuilder(tokenizer.vocab_size)
+    reach = spec.max_seq_len + 2  # tokens (and so messages) past what a row keeps, with one to spare
+    chars = reach * tokenizer.max_token_chars
+    clipped, longest, dropped = 0, 0, 0
     for where, record in read_records(source, spec, field, splits):
         fmt = fmt or detect_format(record, spec, str(where))
         try:
-            segments = tokenizer.render(to_messages(record, fmt, spec))
+            messages, cut, beyond = clip_texts(to_messages(record, fmt, spec), chars, reach)
+            check_text(messages)
+            segments = tokenizer.render(messages)
         except ValueError as err:
             raise ConfigError(f"{where}: {err} (format {fmt})") from None
-        out.append(flatten(segments, spec.max_seq_len + 1))
-    if not out:
+        if cut or beyond:
+            clipped, longest, dropped = clipped + 1, max(longest, cut), max(dropped, beyond)
+        out.add(*flatten(segments, spec.max_seq_len + 1))
+    if not len(out):
         raise ConfigError(f"{field} {source}: no records (expected prompt/response or messages records)")
+    if clipped:
+        log.info(
+            "data %s: %d record(s) clipped before tokenizing to what max_seq_len %d can reach: texts to %d characters "
+            "(longest %d), chats to %d messages (at most %d dropped); %d characters a token at most",
+            source, clipped, spec.max_seq_len, chars, longest, reach, dropped, tokenizer.max_token_chars,
+        )  # fmt: skip
     log.info("data %s: %d records, format %s", source, len(out), fmt)
-    return out
+    return out.build()
 
 
 class SFTData:
     """Tokenized train and eval rows, held in memory; `collate` builds a micro-batch from row ids."""
 
-    def __init__(self, train: list[Row], eval_rows: list[Row], pad_id: int, max_seq_len: int):
+    def __init__(self, train: Rows, eval_rows: Rows, pad_id: int, max_seq_len: int):
         self.train, self.eval, self.pad_id, self.max_seq_len = train, eval_rows, pad_id, max_seq_len
 
     @property
     def longest(self) -> int:
-        return max(len(x) for x, _ in self.train)
+        return int(self.train.lengths.max()) if len(self.train) else 0
 
     def collate(self, ids: Sequence[int], split: str = "train") -> Batch:
         rows = [(self.train if split == "train" else self.eval)[i] for i in ids]
@@ -159,34 +199,38 @@ class SFTData:
         return Batch(torch.from_numpy(x), torch.from_numpy(y), int((y != IGNORE).sum()), tokens, tuple(ids))
 
 
-def _rows(streams: list[tuple[np.ndarray, np.ndarray]], spec: DataSpec, what: str) -> list[Row]:
-    kept = [(i, f) for i, f in streams if len(i) >= 2 and f[1:].any()]
-    if len(kept) < len(streams):
+def _rows(streams: Streams, which: np.ndarray, spec: DataSpec, what: str) -> Rows:
+    """Rows of the records `which` (indices, in order) that have a target within max_seq_len."""
+    kept = which[streams.trainable[which]]
+    if len(kept) < len(which):
         log.info(
             "%s: dropped %d of %d records with no response token within max_seq_len %d",
             what,
-            len(streams) - len(kept),
-            len(streams),
+            len(which) - len(kept),
+            len(which),
             spec.max_seq_len,
         )
-    rows = pack(kept, spec.max_seq_len) if spec.packing else [to_row(i, f) for i, f in kept]
-    if spec.packing:
-        log.info("%s: packed %d records into %d rows of <= %d tokens", what, len(kept), len(rows), spec.max_seq_len)
+    if not spec.packing:
+        return Rows(streams, kept, np.arange(len(kept) + 1))
+    rows = pack(streams, spec.max_seq_len, kept)
+    log.info("%s: packed %d records into %d rows of <= %d tokens", what, len(kept), len(rows), spec.max_seq_len)
     return rows
 
 
 def load_data(spec: JobSpec, tokenizer: Tokenizer) -> SFTData:
     """Train rows and eval rows (from `data.eval_path`, or `eval_fraction` of the file held out by seed)."""
     d = spec.data
-    streams = encode_file(d.path or BUNDLED, d, tokenizer)
+    data = encode_file(d.path or BUNDLED, d, tokenizer)
     if d.eval_path:  # a DatasetDict gives its validation (else test) split here
-        train_streams, eval_streams = streams, encode_file(d.eval_path, d, tokenizer, "data.eval_path", EVAL_SPLITS)
+        held_out = encode_file(d.eval_path, d, tokenizer, "data.eval_path", EVAL_SPLITS)
+        train, held = np.arange(len(data)), np.arange(len(held_out))
     else:  # the held-out records are a seeded random subset, the same on every rank and every restart
-        n_eval = int(len(streams) * d.eval_fraction)
-        held = set(np.random.default_rng([spec.training.seed, 0x5EED]).permutation(len(streams))[:n_eval].tolist())
-        train_streams = [s for i, s in enumerate(streams) if i not in held]
-        eval_streams = [s for i, s in enumerate(streams) if i in held]
-    return SFTData(_rows(train_streams, d, "train"), _rows(eval_streams, d, "eval"), tokenizer.pad_id, d.max_seq_len)
+        n_eval = int(len(data) * d.eval_fraction)
+        is_held = np.zeros(len(data), dtype=bool)
+        is_held[np.random.default_rng([spec.training.seed, 0x5EED]).permutation(len(data))[:n_eval]] = True
+        held_out, train, held = data, np.flatnonzero(~is_held), np.flatnonzero(is_held)
+    train_rows = _rows(data, train, d, "train")  # indices into one store: the eval rows copy nothing
+    return SFTData(train_rows, _rows(held_out, held, d, "eval"), tokenizer.pad_id, d.max_seq_len)
 
 
 class DataOrder:

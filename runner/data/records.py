@@ -7,16 +7,16 @@
 - `.jsonl` / `.ndjson`: one JSON object per line, streamed line by line; each line is decoded on its
   own, so one bad byte names its line and column instead of failing the whole file;
 - `.json`: one array of objects, or an object whose only key holds that array (`{"data": [...]}`);
-  read whole (JSON has no record boundaries to stream on);
-- `.parquet`: streamed in record batches with pyarrow;
+  held whole as text (JSON has no record boundaries to stream on), its records parsed one at a time;
+- `.parquet`: streamed in record batches with pyarrow (runner/data/tables.py);
 - a directory written by `Dataset.save_to_disk` or `DatasetDict.save_to_disk`; from a DatasetDict
   the first of `splits` it has (`train` for data.path; `validation`, else `test`, for data.eval_path);
 - otherwise a name like `org/name` that is no local path: `datasets.load_dataset(name)`, same splits.
 
-pyarrow and datasets are optional (`pip install 'jobspec-k8s[data]'`); they are imported only when a
-source needs them. Arrow has no "absent": a column or struct field missing from one record reads as
-null there. Nulls are dropped, so a record holds the keys its JSON line would (`to_pylist` already
-makes structs dicts and lists of structs lists of dicts).
+Files are data someone else wrote: each must be a regular file (runner/data/files.py), each record keeps
+to the limits on size, nesting and numbers (runner/data/limits.py), and every reader holds one record
+(or one bounded Arrow batch) at a time, a .json file's text aside. pyarrow and datasets are optional
+(`pip install 'jobspec-k8s[data]'`); they are imported only when a source needs them.
 """
 
 from __future__ import annotations
@@ -34,6 +34,9 @@ from typing import Any, BinaryIO
 
 from jobspec.errors import ConfigError
 from jobspec.spec.models import DataSpec
+from runner.data import limits, tables
+from runner.data.files import check_saved_dataset, open_data
+from runner.data.limits import JSONL_FIX, RecordError, loads, long_digits, over_limit, raw_decode, size
 
 log = logging.getLogger("jobspec.runner")
 TRAIN_SPLITS = ("train",)
@@ -44,7 +47,7 @@ SUPPORTED = (
     "a directory written by datasets' save_to_disk, or a Hugging Face hub dataset id (org/name)"
 )
 HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[\w.-]+)?")
-BATCH_ROWS = 1024  # rows per Arrow batch: bounded memory, few Python-level calls
+WHITESPACE = re.compile(r"[ \t\n\r]*")  # JSON's (json.decoder.WHITESPACE)
 
 
 @dataclass(frozen=True)
@@ -70,9 +73,9 @@ def read_records(
     path = Path(source)
     kind = source_kind(source, field)
     if kind == "jsonl":
-        return read_jsonl(path)
+        return read_jsonl(path, field)
     if kind == "json":
-        return read_json(path, spec)
+        return read_json(path, spec, field)
     if kind == "parquet":
         return read_parquet(path, field)
     if kind == "datasets":
@@ -104,29 +107,35 @@ def source_kind(source: str, field: str) -> str:
     raise ConfigError(f"{field} {source}: no such file or directory")
 
 
-def read_jsonl(path: Path) -> Records:
-    """(line, record) per non-empty line, read as bytes and decoded line by line."""
-    try:
-        f = path.open("rb")
-    except OSError as err:
-        raise ConfigError(f"{path}: cannot read the data file ({err})") from err
-    return _jsonl_lines(f, path)
+def read_jsonl(path: Path, field: str = "data.path") -> Records:
+    """(line, record) per non-empty line, read as bytes (at most MAX_LINE_BYTES a line), decoded line by line."""
+    f, file_size = open_data(path, field)
+    return _jsonl_lines(f, path, file_size)
 
 
-def _jsonl_lines(f: BinaryIO, path: Path) -> Records:
+def _jsonl_lines(f: BinaryIO, path: Path, left: int) -> Records:
     with f:
-        for n, raw in enumerate(f, 1):
+        n = 0
+        while left > 0:  # never past the size the file had when opened
+            raw = f.readline(min(limits.MAX_LINE_BYTES + 1, left))
+            if not raw:
+                break
+            n, left = n + 1, left - len(raw)
+            if len(raw) > limits.MAX_LINE_BYTES and not raw.endswith(b"\n"):
+                raise ConfigError(f"{path}:{n}: " + over_limit("a line longer than that", "MAX_LINE_BYTES"))
             if n == 1 and raw.startswith(codecs.BOM_UTF8):
                 raw = raw[len(codecs.BOM_UTF8) :]
             line = decode_utf8(raw, str(path), n)
             if not line.strip():
                 continue
             try:
-                record = json.loads(line)
+                record = loads(line, long_digits(raw))
             except json.JSONDecodeError as err:
                 raise ConfigError(
                     f"{path}:{n}: not valid JSON ({err.msg}); each line must be one JSON object"
                 ) from None
+            except RecordError as err:
+                raise ConfigError(f"{path}:{n}: {err}") from None
             if not isinstance(record, dict):
                 raise ConfigError(f"{path}:{n}: expected a JSON object, got {type(record).__name__}")
             yield Location(str(path), line=n), record
@@ -145,40 +154,113 @@ def decode_utf8(raw: bytes, path: str, first_line: int = 1) -> str:
         ) from None
 
 
-def read_json(path: Path, spec: DataSpec) -> Records:
+def read_json(path: Path, spec: DataSpec, field: str = "data.path") -> Records:
     """(row, record) per element of the file's array (or of the only key of its top-level object)."""
+    f, file_size = open_data(path, field)
+    with f:
+        if file_size > limits.MAX_JSON_FILE_BYTES:
+            raise ConfigError(
+                f"{path}: a .json file of {size(file_size)}, over the limit of {size(limits.MAX_JSON_FILE_BYTES)} "
+                f"(MAX_JSON_FILE_BYTES, runner/data/limits.py: a .json array is held whole); {JSONL_FIX}"
+            )
+        raw = f.read(file_size)
+    counting = long_digits(raw)  # once for the file, not once a record
+    text = decode_utf8(raw.removeprefix(codecs.BOM_UTF8), str(path))
+    del raw  # the text alone from here: the bytes and the text are the file twice
+    return _json_rows(path, text, *_array_start(path, text, spec, counting), counting)
+
+
+def _array_start(path: Path, text: str, spec: DataSpec, counting: bool) -> tuple[int, bool]:
+    """(index of the '[' whose elements are the records, whether it is the value of a one-key object)."""
+    i = _skip(text, 0)
+    if text.startswith("[", i):
+        return i, False
+    record_keys = {spec.messages_field, spec.prompt_field, spec.response_field}
+    if text.startswith("{", i) and text.startswith('"', j := _skip(text, i + 1)):
+        key, j = _decode(path, text, j, counting)
+        j = _skip(text, j)
+        if text.startswith(":", j) and text.startswith("[", j := _skip(text, j + 1)) and key not in record_keys:
+            log.info("data %s: records from its key %r", path, key)
+            return j, True
+    # Not a list of records: the whole document (within the file limit) for the error's words.
     try:
-        raw = path.read_bytes()
-    except OSError as err:
-        raise ConfigError(f"{path}: cannot read the data file ({err})") from err
-    try:
-        doc = json.loads(decode_utf8(raw.removeprefix(codecs.BOM_UTF8), str(path)))
+        doc = loads(text, counting)
     except json.JSONDecodeError as err:
         raise ConfigError(f"{path}:{err.lineno}: not valid JSON ({err.msg} at column {err.colno})") from None
-    return _json_rows(path, _json_array(doc, path, spec))
+    except RecordError as err:
+        raise ConfigError(f"{path}: {err}") from None
+    raise _not_an_array(path, doc, record_keys)
 
 
-def _json_array(doc: object, path: Path, spec: DataSpec) -> list:
-    if isinstance(doc, list):
-        return doc
-    record_keys = {spec.messages_field, spec.prompt_field, spec.response_field}
-    if isinstance(doc, dict) and len(doc) == 1 and not record_keys & doc.keys():
-        key, value = next(iter(doc.items()))
-        if isinstance(value, list):
-            log.info("data %s: records from its key %r", path, key)
-            return value
+def _json_rows(path: Path, text: str, i: int, wrapped: bool, counting: bool) -> Records:
+    """The records of the array at `text[i]`, each parsed, checked and yielded before the next is parsed."""
+    row, i = 0, _skip(text, i + 1)
+    while not text.startswith("]", i):
+        start = i
+        try:
+            record, i = raw_decode(text, i, counting)
+        except json.JSONDecodeError as err:
+            raise ConfigError(f"{path}:{err.lineno}: not valid JSON ({err.msg} at column {err.colno})") from None
+        except RecordError as err:
+            raise ConfigError(f"{path}: row {row}: {err}") from None
+        _check_size(path, row, text, start, i)
+        if not isinstance(record, dict):
+            raise ConfigError(f"{path}: row {row}: expected a JSON object, got {type(record).__name__}")
+        yield Location(str(path), row=row), record
+        row, i = row + 1, _skip(text, i)
+        if text.startswith(",", i):
+            comma, i = i, _skip(text, i + 1)
+            if text.startswith("]", i):  # where Python's json places it: at the comma
+                raise _invalid(path, text, "Illegal trailing comma before end of array", comma)
+        elif not text.startswith("]", i):
+            raise _invalid(path, text, "Expecting ',' delimiter", i)
+    i = _skip(text, i + 1)
+    if wrapped:
+        if text.startswith(",", i):  # a second key: not the one-key wrapper
+            raise _not_an_array(path, {}, set())
+        if not text.startswith("}", i):
+            raise _invalid(path, text, "Expecting ',' delimiter", i)
+        i = _skip(text, i + 1)
+    if i != len(text):
+        raise _invalid(path, text, "Extra data", i)
+
+
+def _check_size(path: Path, row: int, text: str, start: int, end: int) -> None:
+    """ConfigError when the record text[start:end] is over MAX_RECORD_BYTES as UTF-8. Characters <= bytes
+    <= 4 x characters: only a span that could go either way is encoded to count."""
+    chars, limit = end - start, limits.MAX_RECORD_BYTES
+    if chars > limit:
+        raise ConfigError(
+            f"{path}: row {row}: " + over_limit(f"a record of {chars:,} characters (as many bytes or more)")
+        )
+    if chars > limit // 4 and (n := len(text[start:end].encode("utf-8", "surrogatepass"))) > limit:
+        raise ConfigError(f"{path}: row {row}: " + over_limit(f"a record of {size(n)}"))
+
+
+def _skip(text: str, i: int) -> int:
+    return WHITESPACE.match(text, i).end()  # type: ignore[union-attr]  # matches the empty string too
+
+
+def _decode(path: Path, text: str, i: int, counting: bool) -> tuple[Any, int]:
+    try:
+        return raw_decode(text, i, counting)
+    except json.JSONDecodeError as err:
+        raise ConfigError(f"{path}:{err.lineno}: not valid JSON ({err.msg} at column {err.colno})") from None
+    except RecordError as err:
+        raise ConfigError(f"{path}: {err}") from None
+
+
+def _invalid(path: Path, text: str, message: str, i: int) -> ConfigError:
+    err = json.JSONDecodeError(message, text, i)  # computes the line and column of i
+    return ConfigError(f"{path}:{err.lineno}: not valid JSON ({err.msg} at column {err.colno})")
+
+
+def _not_an_array(path: Path, doc: object, record_keys: set[str]) -> ConfigError:
     what = "one record" if isinstance(doc, dict) and record_keys & doc.keys() else type(doc).__name__
-    raise ConfigError(
+    return ConfigError(
         f"{path}: expected a JSON array of records, or an object whose only key holds one "
         f'(e.g. {{"data": [...]}}), got {what}; use [...] or one object per line in a .jsonl file'
     )
-
-
-def _json_rows(path: Path, items: list) -> Records:
-    for i, record in enumerate(items):
-        if not isinstance(record, dict):
-            raise ConfigError(f"{path}: row {i}: expected a JSON object, got {type(record).__name__}")
-        yield Location(str(path), row=i), record
 
 
 def _optional(module: str, field: str, source: object, what: str) -> ModuleType:
@@ -190,38 +272,37 @@ def _optional(module: str, field: str, source: object, what: str) -> ModuleType:
 
 
 def read_parquet(path: Path, field: str) -> Records:
-    """(row, record) per row, in record batches of BATCH_ROWS."""
+    """(row, record) per row, in record batches sized to the rows (runner/data/tables.py)."""
     pq = _optional("pyarrow.parquet", field, path, "a Parquet file")
+    f, _ = open_data(path, field)
     try:
-        file = pq.ParquetFile(path)
+        file = pq.ParquetFile(f)
     except (OSError, ValueError) as err:  # ArrowInvalid is a ValueError, ArrowIOError an OSError
+        f.close()
         raise ConfigError(f"{path}: not a readable Parquet file ({err})") from err
-    return arrow_rows(file.iter_batches(batch_size=BATCH_ROWS), str(path))
+    try:
+        batches = tables.parquet_batches(file, str(path))
+    except BaseException:
+        f.close()
+        raise
+    return _closing(f, arrow_rows(batches, str(path)))
+
+
+def _closing(f: BinaryIO, records: Records) -> Records:
+    with f:
+        yield from records
 
 
 def arrow_rows(batches: Iterable[Any], where: str) -> Records:
-    """(row, record) per row of Arrow record batches or tables, nulls dropped (see the module docstring)."""
-    row = 0
-    try:
-        for batch in batches:
-            for record in batch.to_pylist():
-                yield Location(where, row=row), drop_nulls(record)
-                row += 1
-    except (OSError, ValueError) as err:  # a damaged file found mid-read
-        raise ConfigError(f"{where}: row {row}: cannot read ({err})") from err
-
-
-def drop_nulls(value: Any) -> Any:
-    if isinstance(value, dict):
-        return {k: drop_nulls(v) for k, v in value.items() if v is not None}
-    if isinstance(value, list):
-        return [drop_nulls(v) for v in value]
-    return value
+    """(row, record) per row of Arrow record batches or tables, within the record limits."""
+    for row, record in tables.rows(batches, where):
+        yield Location(where, row=row), record
 
 
 def read_saved_dataset(path: Path, field: str, splits: Sequence[str]) -> Records:
     """A `Dataset` or `DatasetDict` directory from `save_to_disk`."""
     datasets = _optional("datasets", field, path, "a datasets directory (save_to_disk)")
+    check_saved_dataset(path, field)  # what load_from_disk opens: regular files inside `path`
     try:
         loaded = datasets.load_from_disk(str(path))
     except Exception as err:  # the library's errors vary (FileNotFoundError, KeyError, ArrowInvalid): wrap them here
@@ -252,4 +333,4 @@ def _dataset_rows(datasets: ModuleType, loaded: Any, where: str, field: str, spl
             )
         loaded, where = loaded[split], f"{where}[{split}]"
         log.info("data %s: split %s of a DatasetDict", where, split)
-    return arrow_rows(loaded.with_format("arrow").iter(batch_size=BATCH_ROWS), where)
+    return arrow_rows(loaded.with_format("arrow").iter(batch_size=tables.BATCH_ROWS), where)

@@ -24,6 +24,7 @@ class Tokenizer(Protocol):
     vocab_size: int
     pad_id: int
     eos_id: int
+    max_token_chars: int  # the most characters of text one token covers (the data's clipping rule)
 
     def render(self, messages: Sequence[Message]) -> list[Segment]: ...
 
@@ -42,6 +43,7 @@ class ByteTokenizer:
     vocab_size = 262  # every preset's vocabulary (>= 512) holds it; the rows above stay unused
     pad_id = PAD
     eos_id = EOS
+    max_token_chars = 1  # a token is one byte, at most one character
 
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
@@ -136,6 +138,7 @@ class HFTokenizer:
             raise ConfigError(f"model.path {path!r}: the tokenizer has no eos_token (needed to end replies)")
         self.eos_id = int(eos)
         self.pad_id = int(pad if pad is not None else eos)  # padded positions are never targets
+        self.max_token_chars = _longest_token(tokenizer)
         template = _template_text(tokenizer)
         self.has_template = bool(template)
         fast = bool(getattr(tokenizer, "is_fast", False))  # offsets come from the Rust tokenizer only
@@ -246,6 +249,15 @@ class HFTokenizer:
 
 GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")  # transformers' own test for the tag
 OPEN, CLOSE = "\ue000", "\ue001"  # private-use characters around each reply in the marked rendering
+
+
+def _longest_token(tokenizer: object) -> int:
+    """Characters of the longest vocabulary entry: at least the text any token stands for (byte-level BPE
+    writes one character a byte, SentencePiece's "▁" is the space it replaces, "<0x0A>" one byte)."""
+    try:
+        return max((len(t) for t in tokenizer.get_vocab()), default=1)  # type: ignore[attr-defined]
+    except (AttributeError, NotImplementedError, TypeError):  # no vocabulary to read: more than any common token
+        return 256
 
 
 def _template_text(tokenizer: object) -> str:
