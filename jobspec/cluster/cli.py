@@ -135,7 +135,8 @@ def _connection_parent() -> argparse.ArgumentParser:
         type=_seconds,
         default=30.0,
         metavar="SECONDS",
-        help="per-request timeout, e.g. 30, 30s, 2m (default 30s)",
+        help="time for one answer of the API server, e.g. 30, 30s, 2m (default 30s); a call and its retries "
+        "give up after 60 s, or one such timeout if longer",
     )
     return p
 

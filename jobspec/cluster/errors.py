@@ -98,26 +98,49 @@ class NotReady(ClusterError):
     """The pod asked for has not started (or does not exist yet)."""
 
 
+MAX_MESSAGE_CHARS = 300  # of the server's words in one of ours: a message stays a line or two
+MAX_BODY_CHARS = 64 * 1024  # of a body looked at (the client reads no more of an error's)
+
+
+def gave_up(attempts: int, spent: float | None = None) -> str:
+    """' (gave up after 3 attempts in 60 s)' for a message; '' after one attempt within the count."""
+    if attempts <= 1 and spent is None:
+        return ""
+    tries = f"{attempts} attempt{'s' if attempts > 1 else ''}"
+    return f" (gave up after {tries}{f' in {spent:.0f} s, the retry budget' if spent is not None else ''})"
+
+
 def server_message(body: bytes | str | None) -> str:
     """The `message` of a Kubernetes Status body, or a short excerpt of whatever came back;
-    scrubbed of bearer tokens and token-like strings (a proxy or webhook may echo a header)."""
+    scrubbed of bearer tokens and token-like strings (a proxy or webhook may echo a header).
+    Only the body's first MAX_BODY_CHARS are looked at, and at most MAX_MESSAGE_CHARS are quoted."""
     if not body:
         return ""
-    text = body.decode("utf-8", "replace") if isinstance(body, bytes) else body
+    text = body[:MAX_BODY_CHARS]
+    text = text.decode("utf-8", "replace") if isinstance(text, bytes) else text
     try:
         status = json.loads(text)
-    except ValueError:
-        return redact(" ".join(text.split()), token_like=True)[:300]
+    except (ValueError, RecursionError):  # RecursionError: nested deeper than any Status
+        return _excerpt(text)
     if isinstance(status, dict) and isinstance(status.get("message"), str):
-        return redact(status["message"], token_like=True)
+        return _excerpt(status["message"])
     return ""
 
 
-def error_for_status(status: int, reason: str, body: bytes | str | None, op: Op, attempts: int = 1) -> ApiError:
+def _excerpt(text: str) -> str:
+    """Whitespace folded, credentials scrubbed (before the cut: a cut token is no longer recognised), cut."""
+    folded = redact(" ".join(text.split()), token_like=True)
+    return folded if len(folded) <= MAX_MESSAGE_CHARS else folded[: MAX_MESSAGE_CHARS - 3] + "..."
+
+
+def error_for_status(
+    status: int, reason: str, body: bytes | str | None, op: Op, attempts: int = 1, spent: float | None = None
+) -> ApiError:
     """Map an HTTP error answer to the project's error type, with a message a user can act on."""
     said = server_message(body)
     detail = f": {said}" if said else ""
-    tried = f" (gave up after {attempts} attempts)" if attempts > 1 else ""
+    reason = _excerpt(reason)[:80]
+    tried = gave_up(attempts, spent)
     if status == 401:
         return Unauthorized(
             f"the API server did not accept the credentials (401 Unauthorized) for {op.describe()}; "

@@ -23,6 +23,7 @@ log = logging.getLogger(__name__)
 
 START_WAIT = 600.0  # seconds `-f` waits for a pod to be scheduled and started
 POLL = 2.0
+MAX_LINE_BYTES = 1024**2  # a followed line longer than this is printed in pieces (the stream is never held whole)
 
 
 def _started(pod: dict[str, Any]) -> bool:
@@ -78,10 +79,15 @@ def print_log(
             f"pod {pod['metadata']['name']} (index {index}) has not started yet "
             f"({pod_detail(pod) or 'Pending'}); follow it with `jobspec logs {name} -n {namespace} -f`"
         )
+    from jobspec.cluster.client import MAX_LOG_BYTES
+
     container, _ = main_container(pod)
     data = client.read_log(namespace, pod["metadata"]["name"], container=container, previous=use_previous)
-    out.write(data.decode("utf-8", "replace"))
+    out.write(data[:MAX_LOG_BYTES].decode("utf-8", "replace"))
     out.flush()
+    if len(data) > MAX_LOG_BYTES:
+        note(f"the log is longer than {MAX_LOG_BYTES // 1024**2} MiB: its first {MAX_LOG_BYTES // 1024**2} MiB are "
+             f"shown; `jobspec logs {name} -n {namespace} -f --index {index}` streams it whole")  # fmt: skip
 
 
 @dataclass
@@ -140,6 +146,10 @@ def follow_log(
             *lines, buf = buf.split(b"\n")
             for line in lines:
                 _emit(line, seen, out)
+            if len(buf) > MAX_LINE_BYTES:  # a line without end: printed as it comes (timestamp and all), not held
+                out.write(buf.decode("utf-8", "replace"))
+                out.flush()
+                buf = b""
         if buf:
             _emit(buf, seen, out)
         if _ended(client.find(POD, namespace, pod_name)):

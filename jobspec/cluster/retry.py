@@ -3,6 +3,8 @@
 Retried: 429 (waiting at least the server's Retry-After), 5xx except 501, and transport
 failures (refused, reset, timed out). Never retried: every other 4xx, TLS errors.
 Every request jobspec sends is safe to repeat: reads, server-side apply, deletes.
+Stops after `attempts` tries, or before a wait that would end past `budget` seconds from the
+first try (a broken server that answers slowly, or not at all, costs one budget, not five timeouts).
 """
 
 from __future__ import annotations
@@ -56,7 +58,9 @@ class RetryPolicy:
     max_wait: float = 8.0  # backoff cap, seconds
     jitter: float = 0.5  # up to this many seconds added at random
     max_retry_after: float = 30.0  # a longer Retry-After is cut to this
+    budget: float = 60.0  # seconds for one call, every attempt and wait included (at least one request timeout)
     sleep: Callable[[float], None] = field(default=time.sleep, compare=False)
+    clock: Callable[[], float] = field(default=time.monotonic, compare=False)  # tests pass one that sleep advances
 
     def backoff(self, attempt: int) -> float:
         """Seconds to wait after failed attempt number `attempt` (1-based), jitter included."""
@@ -99,7 +103,7 @@ def retry_after(exc: BaseException | None) -> float | None:
 
 def _why(exc: BaseException | None) -> str:
     if isinstance(exc, HttpStatus):
-        return f"{exc.status} {exc.reason}"
+        return f"{exc.status} {exc.reason}"  # the reason is cut and scrubbed where HttpStatus is made
     for err in (exc, getattr(exc, "reason", None), *getattr(exc, "args", ())):
         if isinstance(err, OSError) and err.strerror:
             return err.strerror.lower()
@@ -107,21 +111,31 @@ def _why(exc: BaseException | None) -> str:
 
 
 class Exhausted(Exception):
-    """Raised by `call` when every attempt failed; carries the last failure and the count."""
+    """Raised by `call` when every attempt failed; carries the last failure, the count, and the seconds
+    spent when the budget (not the count) ended the tries."""
 
-    def __init__(self, last: BaseException, attempts: int) -> None:
+    def __init__(self, last: BaseException, attempts: int, spent: float | None = None) -> None:
         super().__init__(str(last))
         self.last = last
         self.attempts = attempts
+        self.spent = spent
 
 
-def call(fn: Callable[[], T], policy: RetryPolicy, op: Op) -> T:
-    """Run `fn` under `policy`. A non-retryable failure propagates as it is; when retries run
-    out, `Exhausted` wraps the last failure so the caller can say how often it tried."""
+def call(fn: Callable[[], T], policy: RetryPolicy, op: Op, *, budget: float | None = None) -> T:
+    """Run `fn` under `policy` (`budget` overrides the policy's). A non-retryable failure propagates as it is;
+    when retries run out, `Exhausted` wraps the last failure so the caller can say how often it tried."""
+    budget = policy.budget if budget is None else budget
+    start = policy.clock()
+    planned: dict[int, float] = {}  # attempt -> the wait after it: drawn once (jitter), read by stop and wait
 
     def wait(state: tenacity.RetryCallState) -> float:
-        exc = state.outcome.exception() if state.outcome else None
-        return policy.wait_for(exc, state.attempt_number)
+        if state.attempt_number not in planned:
+            exc = state.outcome.exception() if state.outcome else None
+            planned[state.attempt_number] = policy.wait_for(exc, state.attempt_number)
+        return planned[state.attempt_number]
+
+    def out_of_time(state: tenacity.RetryCallState) -> bool:
+        return policy.clock() - start + wait(state) > budget
 
     def before_sleep(state: tenacity.RetryCallState) -> None:
         exc = state.outcome.exception() if state.outcome else None
@@ -136,7 +150,7 @@ def call(fn: Callable[[], T], policy: RetryPolicy, op: Op) -> T:
         )
 
     retrying = tenacity.Retrying(
-        stop=tenacity.stop_after_attempt(policy.attempts),
+        stop=tenacity.stop_any(tenacity.stop_after_attempt(policy.attempts), out_of_time),
         wait=wait,
         retry=tenacity.retry_if_exception(is_retryable),
         sleep=policy.sleep,
@@ -147,4 +161,6 @@ def call(fn: Callable[[], T], policy: RetryPolicy, op: Op) -> T:
         return retrying(fn)
     except tenacity.RetryError as err:
         last: Any = err.last_attempt.exception()
-        raise Exhausted(last, err.last_attempt.attempt_number) from last
+        tries = err.last_attempt.attempt_number
+        spent = policy.clock() - start if tries < policy.attempts else None
+        raise Exhausted(last, tries, spent) from last

@@ -23,6 +23,8 @@ COMPLETION_INDEX = "batch.kubernetes.io/job-completion-index"  # annotation (and
 PROGRESS_ANNOTATION = "jobspec.dev/progress"  # optional: a JSON report on the pod, same keys
 FINISHED = ("Succeeded", "Failed")
 FAILED = ("Failed", "Failing")
+MAX_INDEXES = 100_000  # Kubernetes' own limit on an Indexed Job's completions: a larger figure is not a Job's
+MAX_REPORT_CHARS = 64 * 1024  # of a termination message (the kubelet keeps 4096 bytes) or progress annotation
 
 
 @dataclass(frozen=True)
@@ -97,15 +99,16 @@ def job_phase(job: dict[str, Any]) -> str:
 def parse_report(text: str | None) -> Report | None:
     """A Report from a termination message: the last line that is a JSON object wins; if there
     is none, the last non-empty line becomes the reason (e.g. a traceback's final line)."""
-    if not text or not text.strip():
+    if not isinstance(text, str) or not text.strip():
         return None
+    text = text[:MAX_REPORT_CHARS]  # written by the job's own container: untrusted, bounded
     candidates = [text.strip(), *reversed([ln.strip() for ln in text.splitlines() if ln.strip()])]
     for candidate in candidates:
         if not candidate.startswith("{"):
             continue
         try:
             data = json.loads(candidate)
-        except ValueError:
+        except (ValueError, RecursionError):  # not JSON, an integer of 5,000 digits, nested 5,000 deep
             continue
         if isinstance(data, dict):
             return _report_from(data)
@@ -123,12 +126,12 @@ def _report_from(data: dict[str, Any]) -> Report:
 
     tier, reason = data.get("tier"), data.get("reason")
     extra = {
-        k: v
-        for k, v in sorted(data.items())
+        k[:64]: v[:300] if isinstance(v, str) else v
+        for k, v in sorted(data.items())[:50]
         if k not in ("tier", "step", "loss", "reason") and isinstance(v, (str, int, float, bool)) and v == v
     }
     return Report(
-        tier=str(tier) if tier is not None else None,
+        tier=str(tier)[:64] if tier is not None else None,
         step=number(data.get("step"), int),
         loss=number(data.get("loss"), float),
         reason=redact(str(reason), token_like=True)[:300] if reason is not None else None,
@@ -200,13 +203,29 @@ def pod_report(pod: dict[str, Any]) -> Report | None:
 
 
 def parse_index_set(text: str | None) -> set[int]:
-    """'0,2-4' (Job status completedIndexes / failedIndexes) -> {0, 2, 3, 4}."""
+    """'0,2-4' (Job status completedIndexes / failedIndexes) -> {0, 2, 3, 4}; indexes below MAX_INDEXES only
+    (a range of a billion from a broken server is no memory bomb here)."""
     out: set[int] = set()
-    for part in (text or "").split(","):
+    for part in (text if isinstance(text, str) else "").split(","):
         lo, _, hi = part.strip().partition("-")
-        if lo.isdigit() and (not hi or hi.isdigit()):
-            out.update(range(int(lo), int(hi or lo) + 1))
+        if lo.isdigit() and (not hi or hi.isdigit()) and len(lo) < 7 and len(hi) < 7:
+            out.update(range(min(int(lo), MAX_INDEXES), min(int(hi or lo) + 1, MAX_INDEXES)))
     return out
+
+
+def _count(value: Any, high: int = 2**31) -> int:
+    """A count from the server's status (completions, restarts, succeeded): 0 when it is not a number, at most
+    `high`."""
+    return min(max(_int(value) or 0, 0), high)
+
+
+def _int(value: Any) -> int | None:
+    """An int32 from the server (Kubernetes' counts and exit codes are int32); None when it is not one."""
+    try:
+        number = int(value)
+    except (TypeError, ValueError, OverflowError):
+        return None
+    return number if -(2**31) <= number < 2**31 else None
 
 
 def _index_status(index: int, pods: list[dict[str, Any]], done: set[int], lost: set[int]) -> IndexStatus:
@@ -223,17 +242,17 @@ def _index_status(index: int, pods: list[dict[str, Any]], done: set[int], lost: 
         pod=newest["metadata"]["name"],
         phase=(newest.get("status") or {}).get("phase") or "Pending",
         detail=pod_detail(newest),
-        restarts=sum(int(s.get("restartCount") or 0) for s in statuses),
+        restarts=sum(_count(s.get("restartCount")) for s in statuses if isinstance(s, dict)),
         attempts=len(pods),
         node=(newest.get("spec") or {}).get("nodeName"),
-        exit_code=int(code) if code is not None else None,
+        exit_code=_int(code),
         report=report,
     )
 
 
 def build_status(job: dict[str, Any], pods: list[dict[str, Any]]) -> JobStatus:
     md, spec, st = job["metadata"], job.get("spec") or {}, job.get("status") or {}
-    completions = int(spec.get("completions") or spec.get("parallelism") or 1)
+    completions = max(_count(spec.get("completions") or spec.get("parallelism") or 1, MAX_INDEXES), 1)
     groups = pods_by_index(pods)
     done, lost = parse_index_set(st.get("completedIndexes")), parse_index_set(st.get("failedIndexes"))
     indexes = [_index_status(i, groups.get(i, []), done, lost) for i in sorted(set(range(completions)) | set(groups))]
@@ -249,9 +268,9 @@ def build_status(job: dict[str, Any], pods: list[dict[str, Any]]) -> JobStatus:
         spec_hash=(md.get("annotations") or {}).get(ANNOTATION_SPEC_HASH),
         queue=(md.get("labels") or {}).get(KUEUE_QUEUE_LABEL),
         completions=completions,
-        succeeded=int(st.get("succeeded") or 0),
-        failed=int(st.get("failed") or 0),
-        active=int(st.get("active") or 0),
+        succeeded=_count(st.get("succeeded")),
+        failed=_count(st.get("failed")),
+        active=_count(st.get("active")),
         start_time=st.get("startTime"),
         completion_time=st.get("completionTime"),
         indexes=indexes,

@@ -16,18 +16,22 @@ throughput is taken. Pure Python: no torch.
 
 from __future__ import annotations
 
+import logging
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from jobspec.catalog.presets import ModelShape
+from jobspec.catalog.tiers import TIERS
 from jobspec.contract import METRICS_FILE
 from jobspec.errors import ConfigError
 from jobspec.plan import memory
 from jobspec.spec.units import human_bytes
 
+log = logging.getLogger(__name__)
 SCALE_LIMITS = (0.25, 8.0)  # beyond these the measurement, not the model, is suspect: clamp and say so
+MAX_SETTINGS = 256  # (tier, micro-batch) pairs followed; a run shrinks a few times per tier
 
 
 @dataclass(frozen=True)
@@ -44,39 +48,77 @@ class Measured:
 
 
 def read_run(run_dir: str | Path) -> dict[str, Measured]:
-    """Per tier, the last plan the run trained with there and its measurements. ConfigError without metrics."""
-    from jobspec.report import read_records  # the report's reader: a truncated line is skipped, not fatal
+    """Per tier, the last plan the run trained with there and its measurements. ConfigError without metrics.
+
+    The metrics file is untrusted (jobspec/report/metrics.py): read line by line, records of the wrong type or
+    range skipped and counted, a file with no usable record refused. Memory stays bounded: per tier and
+    micro-batch a running peak and bounded samples for the medians."""
+    from jobspec.report.metrics import MetricsFile, lines  # here: `jobspec plan` without --from reads no run
 
     path = Path(run_dir) / METRICS_FILE
-    try:
-        records, _ = read_records(path)
-    except OSError as err:
-        raise ConfigError(f"--from {run_dir}: no readable {METRICS_FILE} ({err.strerror or err}); give a run "
-                          "directory (the spec's checkpoints.dir of a run that trained)") from None  # fmt: skip
-    plan: dict[str, Any] | None = None
-    seen: dict[tuple[str, int], dict[str, Any]] = {}
+    if not path.is_symlink() and not path.exists():
+        raise ConfigError(f"--from {run_dir}: no readable {METRICS_FILE} (no such file); give a run directory "
+                          "(the spec's checkpoints.dir of a run that trained)")  # fmt: skip
+    source = MetricsFile(path)
+    device: str | None = None  # the device of the latest plan; None before the first plan
+    seen: dict[tuple[str, int], _Tally] = {}
     last: dict[str, Any] | None = None  # the previous train record of the same attempt
-    for rec in records:
-        if rec.get("kind") == "plan":
-            plan, last = rec, None
-        elif rec.get("kind") == "train" and plan is not None and rec.get("tier") and rec.get("micro_batch"):
-            key = (rec["tier"], int(rec["micro_batch"]))
-            entry = seen.setdefault(key, {"device": plan.get("device", "?"), "peaks": [], "speeds": [], "steps": []})
-            if last is not None and last.get("tier") == rec["tier"] and rec.get("step", 0) > last.get("step", 0) > 1:
-                entry["steps"].append((rec["time"] - last["time"]) / (rec["step"] - last["step"]))
+    for rec in source.records():
+        if rec["kind"] == "plan":
+            device, last = rec.get("device", "?"), None
+        elif rec["kind"] == "train" and device is not None and rec.get("tier") in TIERS and "micro_batch" in rec:
+            key = (rec["tier"], rec["micro_batch"])
+            if key not in seen and len(seen) >= MAX_SETTINGS:
+                continue  # a run does not train at this many settings: the file is not a run's
+            tally = seen.setdefault(key, _Tally(device))
+            tally.add(rec, last)
             last = rec
-            if rec.get("mem_used_bytes") is not None:
-                entry["peaks"].append(int(rec["mem_used_bytes"]))
-            if rec.get("tokens_per_s") and int(rec.get("step", 0)) > 1:  # step 1 includes warm-up
-                entry["speeds"].append(float(rec["tokens_per_s"]))
+    source.require_records()
+    if source.skipped.count:
+        log.warning("%s: %s ignored; the measurements come from the other %s", path, lines(source.skipped.count),
+                    f"{source.usable:,}")  # fmt: skip
     out: dict[str, Measured] = {}
-    for (tier, mbs), e in seen.items():  # the last micro-batch a tier trained at wins (dicts keep order)
-        on_gpu = e["device"] == "cuda"
-        out[tier] = Measured(tier, mbs, e["device"], max(e["peaks"]) if on_gpu and e["peaks"] else None,
-                             statistics.median(e["speeds"]) if e["speeds"] else None,
-                             statistics.median(e["steps"]) if e["steps"] else None,
-                             len(e["peaks"]) or len(e["speeds"]))  # fmt: skip
+    for (tier, mbs), t in seen.items():  # the last micro-batch a tier trained at wins (dicts keep order)
+        on_gpu = t.device == "cuda"
+        out[tier] = Measured(tier, mbs, t.device, t.peak if on_gpu else None,
+                             statistics.median(t.speeds.values) if t.speeds.values else None,
+                             statistics.median(t.steps.values) if t.steps.values else None,
+                             t.peaks or t.speeds.count)  # fmt: skip
     return out
+
+
+class _Tally:
+    """One tier and micro-batch of one run: the peak memory and samples of the speed, in bounded memory."""
+
+    def __init__(self, device: str) -> None:
+        from jobspec.report.summary import BoundedSample
+
+        self.device = device
+        self.peak: int | None = None
+        self.peaks = 0  # records that carried a peak
+        self.speeds = BoundedSample()  # tokens/s
+        self.steps = BoundedSample()  # seconds per optimizer step
+
+    def add(self, rec: dict[str, Any], last: dict[str, Any] | None) -> None:
+        step = rec["step"]
+        per_step = _seconds_per_step(last, rec) if last is not None else None
+        if per_step is not None:
+            self.steps.add(per_step)
+        if "mem_used_bytes" in rec:
+            self.peaks += 1
+            self.peak = max(self.peak or 0, rec["mem_used_bytes"])
+        if rec.get("tokens_per_s") and step > 1:  # step 1 includes warm-up
+            self.speeds.add(float(rec["tokens_per_s"]))
+
+
+def _seconds_per_step(last: dict[str, Any], rec: dict[str, Any]) -> float | None:
+    """Between two train records of one attempt past its first step; None when a time is missing or goes back
+    (a clock set back measures nothing)."""
+    if last.get("tier") != rec["tier"] or not rec["step"] > last["step"] > 1:
+        return None
+    if "time" not in rec or "time" not in last or rec["time"] <= last["time"]:
+        return None
+    return (rec["time"] - last["time"]) / (rec["step"] - last["step"])
 
 
 def sample_scale(shape: ModelShape, measured: Measured, **estimate_kw: Any) -> tuple[float | None, str]:
@@ -113,5 +155,3 @@ def scales(shape: ModelShape, runs: dict[str, Measured], **estimate_kw: Any) -> 
         if scale is not None:
             out[tier] = scale
     return out, lines
-
-

@@ -33,6 +33,16 @@ class Fault:
     message: str = "injected failure"
     reset: bool = False
     delay: float = 0.0
+    # A broken server's answer instead of the Status: `body` (bytes as they are, anything else as JSON),
+    # repeated up to `size` bytes when given (never held whole), without a Content-Length when `chunked`
+    # (the body ends when the connection closes), a byte every `drip` seconds, or after headers that never
+    # end (one line every `drip_headers` seconds).
+    body: Any = None
+    size: int = 0
+    chunked: bool = False
+    drip: float = 0.0
+    drip_headers: float = 0.0
+    sent: int = 0  # body bytes written, over every answer, before the client hung up (or all of them)
 
 
 def status_body(code: int, message: str, reason: str = "") -> dict[str, Any]:
@@ -79,6 +89,8 @@ class Handler(BaseHTTPRequestHandler):
             self.close_connection = True
             self.connection.close()
             return
+        if fault and (fault.body is not None or fault.drip or fault.drip_headers):
+            return self._broken(fault)
         if fault and not fault.delay:
             return self._send(fault.status, fault.headers, status_body(fault.status, fault.message))
         status, headers, payload = self.fake.handle(req)
@@ -97,6 +109,39 @@ class Handler(BaseHTTPRequestHandler):
         self.send_header("Content-Length", str(len(data)))
         self.end_headers()
         self.wfile.write(data)
+
+    def _broken(self, fault: Fault) -> None:
+        """An answer no well-behaved server sends: huge, endless, or a byte at a time."""
+        self.close_connection = True
+        body = fault.body if isinstance(fault.body, bytes) else json.dumps(fault.body).encode()
+        size = fault.size or len(body)
+        try:
+            self.send_response(fault.status)
+            for key, value in fault.headers.items():
+                self.send_header(key, value)
+            if fault.drip_headers:
+                while True:
+                    self.wfile.write(b"X-Slow: 1\r\n")
+                    self.wfile.flush()
+                    time.sleep(fault.drip_headers)
+            if not fault.chunked:
+                self.send_header("Content-Length", str(size))
+            self.send_header("Connection", "close")
+            self.end_headers()
+            step = 1 if fault.drip else 1 << 20
+            pattern = body * (step // max(len(body), 1) + 1)  # whole copies of the body, at least a step long
+            sent = 0
+            while sent < size:
+                start = sent % len(pattern)
+                part = pattern[start : start + min(step, size - sent)]
+                self.wfile.write(part)
+                sent += len(part)
+                fault.sent += len(part)
+                if fault.drip:
+                    self.wfile.flush()
+                    time.sleep(fault.drip)
+        except OSError:  # the client hung up: what it asked for
+            pass
 
     def _stream(self, script: list[Any]) -> None:
         """A follow: no Content-Length, the body ends when the connection closes."""

@@ -1,33 +1,20 @@
-"""`jobspec report RUN_DIR`: plots and a one-page summary of a run, from its metrics.jsonl.
-
-Pure Python: no torch, so the report runs wherever the submitter does. The plots need matplotlib
-(`pip install 'jobspec-k8s[report]'`); without it the summary is still written and the plots are skipped.
-
-What is read (runner/output/metrics.py, runner/train/recipe.py, runner/oom/shrink.py, runner/oom/ladder.py):
-- `plan` records, one per start of the workers: a plan at another tier than the one before is a tier
-  change (the OOM ladder stepped down); the reason comes from `tier_state.json` when it is there;
-- `train` and `eval` records; a resumed run redoes the steps after its checkpoint, so for a step
-  logged twice the later record wins;
-- `event` records with `event: oom_shrink` (an in-process micro-batch shrink).
-Other kinds are ignored, and so is a line that is not a JSON object (a run killed mid-write leaves a
-truncated last line): the summary counts them.
-"""
+"""The report's page (report.md, report.html) and plots, from a `Run` (run.py)."""
 
 from __future__ import annotations
 
 import html
-import json
 import logging
 import statistics
 from collections.abc import Iterable
-from dataclasses import dataclass, field
-from itertools import pairwise
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from jobspec import install_hint
 from jobspec.contract import METRICS_FILE, TIER_STATE_FILE
-from jobspec.errors import ConfigError
+from jobspec.report.metrics import Record, lines
+from jobspec.report.run import Run, load_run
+from jobspec.report.summary import PEAK
 
 log = logging.getLogger(__name__)
 GiB = 1024**3
@@ -36,29 +23,9 @@ INSTALL_HINT = install_hint("report")
 # divided by the wall time between two log records (which includes eval and checkpoint time).
 TOKENS_LABEL = "input tokens/s (all ranks, padding excluded)"
 MAX_SHRINK_ROWS = 10  # the page stays one page
+MAX_HISTORY_ROWS = 50  # starts and tier changes listed; a crash-looping run has thousands
+MAX_MARKERS = 50  # per kind (shrinks, tier changes) drawn on a plot
 CSS = "body{font-family:sans-serif;max-width:60em}td,th{border:1px solid #ccc;padding:2px 6px;text-align:left}"
-
-Record = dict[str, Any]
-
-
-@dataclass
-class Run:
-    """What one run directory's metrics.jsonl (and tier_state.json) say."""
-
-    path: Path
-    plans: list[Record]
-    train: list[Record]  # one per step, by step
-    evals: list[Record]  # one per step, by step
-    shrinks: list[Record]
-    times: list[float]  # every record's `time`, in file order
-    unreadable: list[int]  # 1-based line numbers that were not a JSON object
-    tier_failures: dict[str, str] = field(default_factory=dict)  # failed tier -> reason
-    exhausted: bool = False  # tier_state.json: the last tier failed too
-
-    def tier_changes(self) -> list[tuple[int, str, str]]:
-        """(step, from tier, to tier) for each plan whose tier differs from the plan before it."""
-        return [(int(b.get("step", 0)), str(a.get("tier")), str(b.get("tier")))
-                for a, b in pairwise(self.plans) if a.get("tier") != b.get("tier")]  # fmt: skip
 
 
 @dataclass
@@ -68,80 +35,8 @@ class Report:
     plots_missing: bool  # matplotlib is not installed
 
 
-# --- reading ----------------------------------------------------------------------------------------
-
-
-def load_run(run_dir: str | Path) -> Run:
-    """Read a run directory; a ConfigError names the path and what was expected there."""
-    path = Path(run_dir)
-    expected = f"expected a run directory (the spec's checkpoints.dir) holding {METRICS_FILE}"
-    if not path.is_dir():
-        raise ConfigError(f"{path}: {'not a directory' if path.exists() else 'no such directory'}; {expected}")
-    metrics = path / METRICS_FILE
-    if not metrics.is_file():
-        raise ConfigError(f"{path}: no {METRICS_FILE}, so not a run directory; {expected}")
-    records, unreadable = read_records(metrics)
-    if not records:
-        raise ConfigError(f"{metrics}: no records; expected the JSON lines the runner writes from its first step")
-    by_kind: dict[str, list[Record]] = {}
-    for rec in records:
-        by_kind.setdefault(str(rec.get("kind")), []).append(rec)
-    run = Run(
-        path=path,
-        plans=by_kind.get("plan", []),
-        train=_last_per_step(by_kind.get("train", [])),
-        evals=_last_per_step(by_kind.get("eval", [])),
-        shrinks=[e for e in by_kind.get("event", []) if e.get("event") == "oom_shrink"],
-        times=[float(r["time"]) for r in records if _is_number(r.get("time"))],
-        unreadable=unreadable,
-    )
-    _read_tier_state(run)
-    return run
-
-
-def read_records(path: Path) -> tuple[list[Record], list[int]]:
-    """(the JSON object records of a metrics.jsonl, the numbers of the lines that are not one)."""
-    records, unreadable = [], []
-    with path.open(encoding="utf-8", errors="replace") as f:
-        for number, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-            except ValueError:
-                rec = None
-            if isinstance(rec, dict):
-                records.append(rec)
-            else:
-                unreadable.append(number)
-                log.warning("%s:%d: not a JSON record, ignored", path, number)
-    return records, unreadable
-
-
-def _last_per_step(records: list[Record]) -> list[Record]:
-    by_step = {r["step"]: r for r in records if isinstance(r.get("step"), int)}
-    return [by_step[s] for s in sorted(by_step)]
-
-
-def _read_tier_state(run: Run) -> None:
-    """Failure reasons from the tier ladder's state file; the report does without them when it is unreadable."""
-    path = run.path / TIER_STATE_FILE
-    if not path.is_file():
-        return
-    try:
-        state = json.loads(path.read_text(encoding="utf-8"))
-        run.tier_failures = {str(f["tier"]): str(f["reason"]) for f in state.get("failed", [])}
-        run.exhausted = bool(state.get("exhausted"))
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
-        log.warning("%s: unreadable (%s); tier changes are shown without their reason", path, err)
-
-
 def _is_number(value: Any) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool)
-
-
-def _points(records: list[Record], key: str, scale: float = 1.0) -> list[tuple[int, float]]:
-    return [(r["step"], r[key] * scale) for r in records if _is_number(r.get(key))]
 
 
 # --- plots ------------------------------------------------------------------------------------------
@@ -175,26 +70,28 @@ MARKER_STYLE = {"OOM shrink": ("tab:purple", "--"), "tier change": ("tab:red", "
 
 
 def charts(run: Run) -> list[Chart]:
+    train, evals = run.train_series, run.eval_series
     return [
         Chart("loss.png", "Loss", "loss per target token", "loss",
-              [Series("train", _points(run.train, "loss")), Series("eval", _points(run.evals, "eval_loss"), "o-")],
+              [Series("train", train.points("loss")), Series("eval", evals.points("eval_loss"), "o-")],
               from_zero=False),
-        Chart("lr.png", "Learning rate", "learning rate", "lr", [Series("lr", _points(run.train, "lr"))]),
+        Chart("lr.png", "Learning rate", "learning rate", "lr", [Series("lr", train.points("lr"))]),
         Chart("tokens_per_s.png", "Throughput", TOKENS_LABEL, "tokens_per_s",
-              [Series("tokens/s", _points(run.train, "tokens_per_s"))]),
+              [Series("tokens/s", train.points("tokens_per_s"))]),
         Chart("memory.png", "Memory (GPU allocator peak; process RSS on CPU)", "GiB", "mem_used_bytes",
-              [Series("used (peak since the previous record)", _points(run.train, "mem_used_bytes", 1 / GiB)),
-               Series("total", _points(run.train, "mem_total_bytes", 1 / GiB), "--")]),
+              [Series("used (peak since the previous record)", train.points("mem_used_bytes", 1 / GiB)),
+               Series("total", train.points("mem_total_bytes", 1 / GiB), "--")]),
     ]  # fmt: skip
 
 
 def markers(run: Run) -> list[Marker]:
+    """The first MAX_MARKERS shrinks and tier changes: more lines than that hide the series."""
     shrinks = [
-        Marker(int(e["step"]), f"mbs {e.get('from_micro_batch')}→{e.get('to_micro_batch')}", "OOM shrink")
-        for e in run.shrinks
-        if isinstance(e.get("step"), int)
+        Marker(e["step"], f"mbs {e.get('from_micro_batch')}→{e.get('to_micro_batch')}", "OOM shrink")
+        for e in run.shrinks[:MAX_MARKERS]
+        if "step" in e
     ]
-    tiers = [Marker(step, f"→ {new}", "tier change") for step, _, new in run.tier_changes()]
+    tiers = [Marker(step, f"→ {new}", "tier change") for step, _, new in run.tier_changes()[:MAX_MARKERS]]
     return shrinks + tiers
 
 
@@ -292,7 +189,7 @@ def plan_text(p: Record) -> str:
 
 def summary_rows(run: Run) -> list[list[str]]:
     last = run.train[-1] if run.train else {}
-    plan = run.plans[-1] if run.plans else last
+    plan = run.last_plan or last
     rows = [["Plan (latest start)", plan_text(plan) if plan else "no plan record"]]
     if last and (last.get("micro_batch"), last.get("grad_accum")) != (plan.get("micro_batch"), plan.get("grad_accum")):
         rows.append(["Micro-batch now", f"{last.get('micro_batch')} x {last.get('grad_accum')} (after OOM shrinks)"])
@@ -305,36 +202,40 @@ def summary_rows(run: Run) -> list[list[str]]:
     rows.append(["Eval loss", _eval_text(run)])
     rows.append(["Median throughput", _throughput_text(run)])
     rows.append(["Peak memory", _memory_text(run)])
-    rows.append(["OOM shrinks (in process)", str(len(run.shrinks))])
-    rows.append(["Tier changes", str(len(run.tier_changes()))])
-    wall = max(run.times) - min(run.times) if run.times else None
+    rows.append(["OOM shrinks (in process)", str(run.shrink_count)])
+    rows.append(["Tier changes", str(run.change_count)])
+    wall = run.last_time - run.first_time if run.first_time is not None and run.last_time is not None else None
     rows.append(["Wall time (first to last record)", _duration(wall) if wall is not None else "unknown"])
     return rows
 
 
 def _eval_text(run: Run) -> str:
-    evals = [r for r in run.evals if _is_number(r.get("eval_loss"))]
-    if not evals:
+    bests = [b.best for b in run.eval_series.buckets if b.best is not None]
+    if not bests:
         return "no eval records"
-    best, final = min(evals, key=lambda r: r["eval_loss"]), evals[-1]
+    best = min(reversed(bests), key=lambda r: r["eval_loss"])  # the later of equals, as a bucket keeps it
+    final = next((r for r in reversed(run.evals) if "eval_loss" in r), bests[-1])
     return f"best {best['eval_loss']:.4f} (step {best['step']}), final {final['eval_loss']:.4f} (step {final['step']})"
 
 
 def _throughput_text(run: Run) -> str:
-    values = [v for _, v in _points(run.train, "tokens_per_s")]
+    series = run.train_series
+    values = [v for _, v in series.points("tokens_per_s")]
     if not values:
         return "unknown"
+    count = sum(b.counts.get("tokens_per_s", 0) for b in series.buckets)
+    sampled = f", from the means of {len(values):,} runs of up to {series.stride} steps" if series.stride > 1 else ""
     return (
-        f"{statistics.median(values):,.0f} {TOKENS_LABEL}; median of {len(values)} log intervals "
+        f"{statistics.median(values):,.0f} {TOKENS_LABEL}; median of {count:,} log intervals{sampled} "
         "(wall time, evals and checkpoints included)"
     )
 
 
 def _memory_text(run: Run) -> str:
-    used = [r for r in run.train if _is_number(r.get("mem_used_bytes"))]
+    used = [b.peak for b in run.train_series.buckets if b.peak is not None]
     if not used:
         return "unknown"
-    peak = max(used, key=lambda r: r["mem_used_bytes"])
+    peak = max(used, key=lambda r: r[PEAK])
     total = peak.get("mem_total_bytes")
     of = f" of {total / GiB:.1f} GiB ({peak['mem_used_bytes'] / total:.0%})" if _is_number(total) and total else ""
     return f"{peak['mem_used_bytes'] / GiB:.2f} GiB{of} at step {peak['step']} (GPU allocator peak; process RSS on CPU)"
@@ -362,7 +263,7 @@ def history_rows(run: Run) -> list[list[str]]:
         mbs = f"{p.get('micro_batch')} x {p.get('grad_accum')} x {p.get('world_size')}"
         rows.append([str(p.get("step")), event, tier, mbs, why])
         previous = tier
-    return rows
+    return rows[:MAX_HISTORY_ROWS]
 
 
 def shrink_rows(run: Run) -> list[list[str]]:
@@ -375,17 +276,21 @@ def shrink_rows(run: Run) -> list[list[str]]:
 
 def build_page(run: Run, plots: list[Chart], notes: list[str]) -> Page:
     page = Page(f"Run report: {run.path.resolve().name}")
-    page.para(f"From {run.path / METRICS_FILE}: {len(run.train)} train, {len(run.evals)} eval records.")
+    skipped = f"; {lines(run.skipped.count)} ignored (see Notes)" if run.skipped.count else ""
+    page.para(f"From {run.path / METRICS_FILE}: {run.train_series.count:,} train, {run.eval_series.count:,} eval "
+              f"records{skipped}.")  # fmt: skip
     page.table(["Summary", ""], summary_rows(run))
     page.heading("Tier history")
     page.table(["step", "event", "tier", "micro-batch x accumulation x ranks", "why"], history_rows(run))
+    if run.plan_count > MAX_HISTORY_ROWS:
+        page.para(f"... and {run.plan_count - MAX_HISTORY_ROWS:,} more starts (see {METRICS_FILE}).")
     if run.exhausted:
         page.para(f"{TIER_STATE_FILE}: the last tier ran out of memory too; the ladder has nothing left to try.")
     if run.shrinks:
         page.heading("OOM shrinks")
         page.table(["step", "tier", "micro-batch", "accumulation", "reason"], shrink_rows(run))
-        if len(run.shrinks) > MAX_SHRINK_ROWS:
-            page.para(f"... and {len(run.shrinks) - MAX_SHRINK_ROWS} more (see {METRICS_FILE}).")
+        if run.shrink_count > MAX_SHRINK_ROWS:
+            page.para(f"... and {run.shrink_count - MAX_SHRINK_ROWS:,} more (see {METRICS_FILE}).")
     if plots:
         page.heading("Plots")
         for chart in plots:
@@ -404,13 +309,15 @@ def write_report(run_dir: str | Path, out: str | Path | None = None) -> Report:
     run = load_run(run_dir)
     out_dir = Path(out) if out is not None else Path(run_dir) / "report"
     out_dir.mkdir(parents=True, exist_ok=True)
-    notes = [f"line {n} of {METRICS_FILE} is not a JSON record: ignored" for n in run.unreadable]
+    notes = run.skipped.notes(METRICS_FILE)
     mpl = _load_matplotlib()
     drawn: list[Chart] = []
     if mpl is None:
         notes.append(f"no plots: matplotlib is not installed ({INSTALL_HINT})")
     else:
         marks = markers(run)
+        if max(run.shrink_count, run.change_count) > MAX_MARKERS:
+            notes.append(f"the plots mark the first {MAX_MARKERS} OOM shrinks and tier changes of each kind")
         for chart in charts(run):
             if not chart.series[0].points:
                 notes.append(f"{chart.file} skipped: {chart.field} is null in every record")
