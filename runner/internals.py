@@ -382,6 +382,7 @@ def dcp_private_globals() -> dict[tuple[str, str], Any]:
     def mem_format_of(value: int) -> Any:
         return mem_format(value)
 
+    mem_format_of.members = dict(mem_format.__members__)  # type: ignore[attr-defined]  # getattr(enum, NAME) form
     return {
         (storage_info.__module__, storage_info.__qualname__): storage_info,
         (mem_format.__module__, mem_format.__qualname__): mem_format_of,

@@ -77,7 +77,19 @@ def _allowed_globals() -> dict[tuple[str, str], Any]:
     # StorageMeta.checkpoint_id: the writer's directory, informational (replaced on read); a pure path does no I/O
     allowed[("pathlib", "PosixPath")] = allowed[("pathlib._local", "PosixPath")] = PurePosixPath
     allowed.update(internals.dcp_private_globals())
+    allowed[("builtins", "getattr")] = _enum_member
     return allowed
+
+
+def _enum_member(cls: Any, name: Any) -> Any:
+    """What `builtins.getattr` may do in DCP metadata: name a member of its enum. Python 3.12 and 3.11's later
+    patch releases (the runner image's) pickle an enum member as `getattr(EnumClass, "NAME")`; the enum class is
+    then the unpickler's by-value stand-in (runner.internals.dcp_private_globals), which carries the members.
+    Any other object or name is refused."""
+    members = getattr(cls, "members", None) if callable(cls) and not isinstance(cls, type) else None
+    if not isinstance(members, dict) or not isinstance(name, str) or name not in members:
+        raise pickle.UnpicklingError(f"it calls getattr on {_show(cls)}.{_show(name)}, which DCP metadata never does")
+    return members[name]
 
 
 def _show(value: object, limit: int = 80) -> str:

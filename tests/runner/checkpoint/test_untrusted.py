@@ -484,3 +484,39 @@ def test_any_mutation_of_a_pickle_is_intact_or_damage_and_runs_nothing(name, cut
         assert not MUTANT_MARKER.exists()
     finally:
         shutil.rmtree(work, ignore_errors=True)
+
+
+def test_enum_members_pickled_through_getattr_are_read_and_nothing_else_is():
+    """Python 3.12 (and 3.11's later patch releases, as in the runner image) pickle an enum member as
+    `getattr(EnumClass, "NAME")`: DCP's metadata then names builtins.getattr. It must read, and getattr stay
+    limited to the members of DCP's own enums."""
+    import enum
+    import io
+    import pickle
+
+    from runner.checkpoint.unpickle import _allowed_globals, _Unpickler
+
+    class Py312(pickle._Pickler):  # the pure-Python pickler, with 3.12's enum reduction
+        def reducer_override(self, obj):
+            if isinstance(obj, enum.Enum):
+                return getattr, (type(obj), obj.name)
+            return NotImplemented
+
+    def dumps(obj) -> bytes:
+        buf = io.BytesIO()
+        Py312(buf, protocol=4).dump(obj)
+        return buf.getvalue()
+
+    from torch.distributed.checkpoint.metadata import TensorProperties
+
+    props = TensorProperties(dtype=torch.float32)
+    data = dumps(props)
+    assert b"getattr" in data
+    assert _Unpickler(data, _allowed_globals()).load().memory_format == props.memory_format
+    for target, name in ((torch.Size, "__new__"), (TensorProperties, "__init__"), (props, "dtype")):
+        buf = io.BytesIO()
+        pickler = pickle._Pickler(buf, protocol=4)
+        pickler.save_reduce(getattr, (target, name), obj=None)
+        pickler.write(pickle.STOP)
+        with pytest.raises(pickle.UnpicklingError):
+            _Unpickler(buf.getvalue(), _allowed_globals()).load()
