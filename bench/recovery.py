@@ -1,6 +1,8 @@
-"""Seconds from an OOM to the next completed step, in process and across a tier restart; steps lost.
+"""Seconds from an OOM to the next completed step, in process and across a tier restart; steps lost. And a lost
+node: seconds from a frozen node to its peer's exit (detected), and to the next completed step after the restart.
 
     python bench/recovery.py [--steps 12] [--fault-step 6] [--rounds 3] [--vendor cpu|cuda] [--keep DIR]
+                             [--only oom|lost-node] [--heartbeat 5]
 
 Runs the real runner (`python -m runner SPEC`, tiny preset) with `JOBSPEC_FAULT_OOM="step=K,backward"`:
 the fault fires mid-backward, when the gradient reaches the middle transformer layer's output (after the
@@ -18,6 +20,14 @@ at the tier (and micro-batch) training ended with, leaving out step 1 and step K
 trained twice, from the sample ids the runner records (JOBSPEC_RECORD_SAMPLES=1: one record per finished
 step): every step 1..N must be recorded, a step recorded again was lost and redone, and every run must
 have trained each step on the same ids (the goal: 0 lost, same ids).
+
+Lost node (CPU, gloo): two supervisors on loopback as the two nodes of a 2-node job (`scheduling.
+heartbeat_timeout_seconds` = --heartbeat); once step 4 is trained (checkpoint step-3 behind it), one node's process
+group (supervisor and worker) is frozen with SIGSTOP, rank 1's and then rank 0's (which hosts the c10d store).
+Detected = the SIGSTOP -> the other node's exit (EXIT_FAILED, retried by the Job). The harness then acts as the Job
+controller: it kills the frozen pod (as the node's eviction would) and starts both pods again at once (no scheduling
+delay): next step = the SIGSTOP -> the first train record written after it; steps lost = the last step trained
+before the freeze - the step resumed from.
 """
 
 from __future__ import annotations
@@ -27,16 +37,20 @@ import itertools
 import json
 import os
 import resource
+import signal
+import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import yaml
 
+from jobspec.contract import ENV_MASTER_ADDR, ENV_MASTER_PORT, ENV_NNODES, ENV_NODE_RANK, EXIT_FAILED
 from runner.oom.faults import FIRED_FILE_TEMPLATE
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -152,6 +166,88 @@ def tier_step_down(base: Path, steps: int, k: int, vendor: str, how: str = "in_p
             "wall_s": wall, "cpu_s": cpu}  # fmt: skip
 
 
+def _nodes(spec: Path, log_dir: Path) -> list[subprocess.Popen]:
+    """Two supervisors on loopback, nodes 0 and 1 of a 2-node job (what a rendered Indexed Job sets by hand)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    procs = []
+    for node in (0, 1):
+        env = {**os.environ, ENV_NNODES: "2", ENV_NODE_RANK: str(node), ENV_MASTER_ADDR: "127.0.0.1",
+               ENV_MASTER_PORT: str(port), "PYTHONUNBUFFERED": "1"}  # fmt: skip
+        cmd = [sys.executable, "-m", "runner", str(spec), "--nproc", "1"]
+        with open(log_dir / f"node{node}.stderr", "a") as err:
+            out = subprocess.DEVNULL
+            procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=err, start_new_session=True))
+    return procs
+
+
+def _until(what: str, ready: Callable[[], bool], procs: list[subprocess.Popen], seconds: float = 600) -> None:
+    deadline = time.monotonic() + seconds
+    while not ready():
+        if any(p.poll() is not None for p in procs) or time.monotonic() > deadline:
+            raise RunnerFailed(f"{what}: a node ended or the wait ran out")
+        time.sleep(0.05)
+
+
+def _kill(procs: list[subprocess.Popen]) -> None:
+    for p in procs:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGCONT)
+            os.killpg(p.pid, signal.SIGKILL)
+        p.wait()
+
+
+def lost_node(base: Path, frozen: int, heartbeat_s: int) -> dict[str, Any]:
+    run_dir = base / f"lost_rank{frozen}"
+    run_dir.mkdir(parents=True, exist_ok=True)
+    spec = {**spec_dict(run_dir, micro_batch=4, steps=100_000, vendor="cpu"),
+            "hardware": {"vendor": "cpu", "gpus": 1, "nodes": 2},
+            "scheduling": {"heartbeat_timeout_seconds": heartbeat_s}}  # fmt: skip
+    spec["checkpoints"]["every_steps"] = 3
+    path = base / f"lost_rank{frozen}.yaml"
+    path.write_text(yaml.safe_dump(spec))
+
+    def train() -> list[dict[str, Any]]:
+        return [r for r in metrics(run_dir) if r.get("kind") == "train"] if (run_dir / "metrics.jsonl").exists() else []
+
+    procs = _nodes(path, base)
+    try:
+        _until("training", lambda: any(r["step"] >= 4 for r in train()), procs)
+        os.killpg(procs[frozen].pid, signal.SIGSTOP)
+        stopped, t0 = time.time(), time.monotonic()
+        trained = max(r["step"] for r in train())
+        code = procs[1 - frozen].wait(timeout=heartbeat_s + 120)
+        detected = time.monotonic() - t0
+        if code != EXIT_FAILED:
+            raise RunnerFailed(f"the surviving node exited {code}, not {EXIT_FAILED}")
+    finally:
+        _kill(procs)  # the frozen pod goes (its node's eviction); the Job starts both again
+    procs = _nodes(path, base)
+    try:
+        _until("the restart", lambda: any(r["time"] > stopped for r in train()), procs)
+    finally:
+        _kill(procs)
+    plan = [r for r in metrics(run_dir) if r.get("kind") == "plan"][-1]
+    after = next(r for r in train() if r["time"] > stopped)
+    return {"scenario": f"lost node: rank {frozen} frozen" + (" (hosts the store)" if frozen == 0 else ""),
+            "detected_s": detected, "recovery_s": after["time"] - stopped, "steps_lost": trained - plan["step"],
+            "detail": f"trained to step {trained}, resumed from step {plan['step']}"}  # fmt: skip
+
+
+def report_lost_node(rounds: list[dict[str, Any]], failed: list[str], heartbeat_s: int, n: int) -> None:
+    print(f"Lost node (cpu, 2 nodes x 1 process on loopback, heartbeat timeout {heartbeat_s} s, SIGSTOP after step 4, "
+          f"restart at once; medians of {n} rounds):")  # fmt: skip
+    for why in failed:
+        print(f"  lost node FAILED {why}")
+    for name in dict.fromkeys(r["scenario"] for r in rounds):
+        rs = [r for r in rounds if r["scenario"] == name]
+        med = {k: statistics.median(r[k] for r in rs) for k in ("detected_s", "recovery_s")}
+        print(f"  {name:42s} lost -> detected {med['detected_s']:5.2f} s; lost -> next completed step "
+              f"{med['recovery_s']:5.2f} s; steps lost {sorted({r['steps_lost'] for r in rs})}")  # fmt: skip
+        print(f"      {rs[0]['detail']}; detected per round: " + ", ".join(f"{r['detected_s']:.2f} s" for r in rs))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=12)
@@ -159,8 +255,21 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds; medians are reported")
     parser.add_argument("--vendor", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--keep", type=Path, default=None, help="keep the run directories here")
+    parser.add_argument("--only", choices=("oom", "lost-node"), default=None, help="one family of scenarios")
+    parser.add_argument("--heartbeat", type=int, default=5, help="lost node: scheduling.heartbeat_timeout_seconds")
     args = parser.parse_args()
     base = args.keep or Path(tempfile.mkdtemp(prefix="jobspec-recovery-"))
+    if args.only != "oom":
+        lost, why = [], []
+        for i in range(args.rounds):
+            for frozen in (1, 0):
+                try:
+                    lost.append(lost_node(base / f"round{i}", frozen, args.heartbeat))
+                except (RunnerFailed, subprocess.TimeoutExpired) as err:
+                    why.append(f"round {i}, rank {frozen} frozen: {err}")
+        report_lost_node(lost, why, args.heartbeat, args.rounds)
+    if args.only == "lost-node":
+        return
     scenarios = {
         "shrink": lambda d: in_process(d, args.steps, args.fault_step, args.vendor),
         "step-down": lambda d: tier_step_down(d, args.steps, args.fault_step, args.vendor, "in_process"),

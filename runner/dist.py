@@ -15,7 +15,10 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from jobspec.errors import ConfigError
+
 log = logging.getLogger("jobspec.runner")
+TIMEOUT_ENV = "JOBSPEC_DIST_TIMEOUT_S"
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 
 
@@ -39,14 +42,18 @@ class DistEnv:
         return self.rank == 0
 
 
-def init_process_group(env: DistEnv, device: torch.device, *, needed: bool) -> bool:
+def init_process_group(env: DistEnv, device: torch.device, *, needed: bool, timeout_s: float = 600.0) -> bool:
     """Join the job's process group (NCCL/RCCL on GPU, gloo on CPU) when there are several ranks or
-    `needed` (FSDP wants a group even alone). Returns whether a group exists."""
+    `needed` (FSDP wants a group even alone). Returns whether a group exists.
+
+    `timeout_s` (the spec's `scheduling.collective_timeout_seconds`; JOBSPEC_DIST_TIMEOUT_S overrides it) bounds
+    the rendezvous and every collective: one that hangs for a reason the heartbeat cannot see (a live rank stuck
+    elsewhere) fails the attempt, which the Job retries, instead of waiting for ever."""
     if dist.is_initialized():
         return True
     if env.world_size == 1 and not needed:
         return False
-    timeout = timedelta(seconds=float(os.environ.get("JOBSPEC_DIST_TIMEOUT_S", "1800")))
+    timeout = timedelta(seconds=collective_timeout_s(timeout_s))
     backend = "nccl" if device.type == "cuda" else "gloo"  # torch maps "nccl" to RCCL on ROCm builds
     kwargs: dict = {}
     if device.type == "cuda":  # NCCL binds one device; torch refuses a device_id without an index
@@ -56,6 +63,18 @@ def init_process_group(env: DistEnv, device: torch.device, *, needed: bool) -> b
     dist.init_process_group(backend, rank=env.rank, world_size=env.world_size, timeout=timeout, **kwargs)
     log.info("process group: %s, rank %d of %d", backend, env.rank, env.world_size)
     return True
+
+
+def collective_timeout_s(spec_s: float) -> float:
+    """JOBSPEC_DIST_TIMEOUT_S when set (a debugging override), else the spec's value."""
+    raw = os.environ.get(TIMEOUT_ENV, "")
+    try:
+        value = float(raw) if raw else spec_s
+    except ValueError:
+        value = -1.0
+    if not value > 0:  # nan too
+        raise ConfigError(f"{TIMEOUT_ENV}={raw!r}: give the collective timeout in seconds, e.g. 600")
+    return value
 
 
 class Control:

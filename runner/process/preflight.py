@@ -9,12 +9,12 @@ has nothing left to do.
 
 from __future__ import annotations
 
-import json
 import logging
 from importlib.util import find_spec
 from pathlib import Path
 
 from jobspec.errors import ConfigError
+from jobspec.plan.planner import model_shape
 from jobspec.spec.models import JobSpec
 from jobspec.spec.rules import flash_attention_problems
 from runner.data import records
@@ -45,6 +45,7 @@ def check(spec: JobSpec) -> None:
         lacking = [name for name in DATA_PACKAGES.get(kind, ()) if find_spec(name) is None]
         if lacking:
             raise ConfigError(f"{field} {source} ({kind}) needs {', '.join(lacking)}: {DATA_EXTRA}")
+    model_shape(spec)  # the model's config.json checked (jobspec.catalog.model_config) before workers build it
     rules_from_env()  # bad JOBSPEC_FAULT_OOM text: ConfigError naming the variable
     tracking.check_packages(spec)
     check_attention(spec)
@@ -80,7 +81,7 @@ def finished(spec: JobSpec) -> str | None:
     export's provenance; anything unreadable, or a newest checkpoint that fails its manifest, means "not
     known to be finished" and the workers decide (they resume from the newest intact one).
     """
-    from runner.checkpoint import store
+    from runner.checkpoint import files, store
 
     root = Path(spec.checkpoints.dir)
     newest = store.latest(root)
@@ -97,7 +98,7 @@ def finished(spec: JobSpec) -> str | None:
     out = Path(spec.export_dir)
     if spec.output.export:
         try:
-            exported = json.loads((out / "jobspec_export.json").read_text())
+            exported = files.read_json(out / "jobspec_export.json", 2**20, "provenance file")  # no FIFO/link hang
         except (OSError, ValueError):
             return None
         if exported.get("step") != step:

@@ -50,11 +50,14 @@ from jobspec.spec.loader import load_spec
 from jobspec.spec.models import JobSpec
 from runner.oom import relaunch
 from runner.oom.ladder import MESSAGE_LIMIT
-from runner.process import preflight
+from runner.process import preflight, redaction
 from runner.sizing.hostmem import host_oom, oom_kills
 
 log = logging.getLogger("jobspec.runner")
 KILL_GRACE_S = float(os.environ.get("JOBSPEC_KILL_GRACE_S", "30"))  # after one rank fails, before SIGKILL
+# Of the pod's grace period after SIGTERM, what the supervisor keeps for itself: it kills workers that have not
+# stopped by then and still writes its termination message and exits before the kubelet's SIGKILL.
+STOP_MARGIN_S = 10.0
 # When ranks end differently, the most telling code wins (config > storage > OOM ladder > failure > preempted > ok).
 _PRIORITY = [EXIT_CONFIG, EXIT_STORAGE, EXIT_OOM_LAST_TIER, EXIT_OOM_RETRY_TIER, EXIT_FAILED, EXIT_PREEMPTED, EXIT_OK]
 
@@ -82,7 +85,8 @@ class Outcome:
     def message(self) -> str:
         """One JSON line of at most MESSAGE_LIMIT bytes: the reason is shortened, never the JSON cut."""
         s = self.status
-        record = {"exit_code": self.exit_code, "reason": self.reason, "tier": s.get("tier"), "step": s.get("step"),
+        reason = redaction.scrubbed(self.reason, token_like=True)  # before it is cut: a cut secret is unrecognisable
+        record = {"exit_code": self.exit_code, "reason": reason, "tier": s.get("tier"), "step": s.get("step"),
                   "loss": s.get("loss")}  # fmt: skip
         text = json.dumps(record)
         while len(text.encode()) > MESSAGE_LIMIT and record["reason"]:
@@ -158,9 +162,11 @@ def topology(spec: JobSpec, nproc: int | None) -> Topology:
 class Workers:
     """The worker processes of one attempt."""
 
-    def __init__(self, spec_path: str, overrides: list[str], topo: Topology, status_file: str):
+    def __init__(self, spec_path: str, overrides: list[str], topo: Topology, status_file: str, stop_grace_s: float):
         self.procs: list[subprocess.Popen] = []
         self.killed: set[int] = set()  # local ranks we SIGKILLed ourselves
+        self.stop_grace_s = stop_grace_s  # after a stop signal, before SIGKILL
+        self.overran = False  # a stop signal came and some worker had not stopped within stop_grace_s
         cmd = [sys.executable, "-m", "runner.process.worker", spec_path, *[a for o in overrides for a in ("--set", o)]]
         threads = str(max(1, (os.cpu_count() or 1) // topo.nproc))
         for local in range(topo.nproc):
@@ -187,9 +193,17 @@ class Workers:
 
     def wait(self, stopping: list[bool]) -> list[int]:
         """Wait for every worker. After one fails, the rest get SIGTERM and, KILL_GRACE_S later, SIGKILL
-        (a rank blocked in a collective with a dead peer never returns by itself)."""
-        deadline = None
+        (a rank blocked in a collective with a dead peer never returns by itself). After a stop signal (which
+        `forward` passed on), the ones still running `stop_grace_s` later are killed: a worker in a long C call
+        (a huge allocation) cannot see the signal, and the pod must end within its grace period."""
+        deadline = stop_deadline = None
         while any(p.poll() is None for p in self.procs):
+            if stopping[0] and stop_deadline is None:
+                stop_deadline = time.monotonic() + self.stop_grace_s
+            if stop_deadline is not None and time.monotonic() > stop_deadline and not self.overran:
+                log.warning("the workers did not stop within %.0f s of the signal: killing them", self.stop_grace_s)
+                self.overran = True
+                self.signal_all(signal.SIGKILL)
             failed = [p for p in self.procs if p.returncode not in (None, 0)]
             if failed and deadline is None and not stopping[0]:
                 log.warning("a worker exited with %s; stopping the others", failed[0].returncode)
@@ -201,8 +215,14 @@ class Workers:
         return [int(p.returncode) for p in self.procs]
 
 
-def combine(codes: list[int], killed: set[int] = frozenset()) -> tuple[int, str]:
-    """One exit code and reason for the node from its workers' return codes (negative: killed by a signal)."""
+def combine(codes: list[int], killed: set[int] = frozenset(), overran: bool = False) -> tuple[int, str]:
+    """One exit code and reason for the node from its workers' return codes (negative: killed by a signal).
+    `overran`: the workers in `killed` were killed for not stopping within the grace period of a stop signal."""
+    if overran and any(c == -signal.SIGKILL for r, c in enumerate(codes) if r in killed):
+        return EXIT_PREEMPTED, (
+            "stopped by a signal; a worker did not stop within the grace period and was killed: the steps since "
+            "the last checkpoint are lost (raise scheduling.termination_grace_seconds if checkpoints take longer)"
+        )
     mapped = {}
     for rank, c in enumerate(codes):
         if c == -signal.SIGKILL and rank not in killed:
@@ -232,8 +252,9 @@ def termination_log() -> Path | None:
     return path if path.exists() and os.access(path, os.W_OK) else None
 
 
-def run_attempt(spec_path: str, overrides: list[str], topo: Topology, stopping: list[bool]) -> Outcome:
-    """Start the workers once and wait for them."""
+def run_attempt(spec_path: str, overrides: list[str], topo: Topology, stopping: list[bool],
+                stop_grace_s: float = 120 - STOP_MARGIN_S) -> Outcome:  # fmt: skip
+    """Start the workers once and wait for them (killed `stop_grace_s` after a stop signal)."""
     fd, status_file = tempfile.mkstemp(prefix="jobspec-status-", suffix=".json")
     os.close(fd)
     started: list[Workers] = []
@@ -256,7 +277,8 @@ def run_attempt(spec_path: str, overrides: list[str], topo: Topology, stopping: 
             topo.master_addr,
             topo.master_port,
         )
-        kills, workers = oom_kills(), Workers(spec_path, overrides, topo, status_file)  # kills: tells a host OOM
+        kills = oom_kills()  # the kernel's OOM kills so far: a later one tells a host OOM
+        workers = Workers(spec_path, overrides, topo, status_file, stop_grace_s)
         started.append(workers)
         if stopping[0]:  # the signal came while they were being started
             workers.signal_all(signal.SIGTERM)
@@ -264,7 +286,7 @@ def run_attempt(spec_path: str, overrides: list[str], topo: Topology, stopping: 
     finally:
         for s, h in previous.items():
             signal.signal(s, h)
-    code, reason = combine(codes, workers.killed)
+    code, reason = combine(codes, workers.killed, workers.overran)
     if code == EXIT_FAILED and (host := host_oom(kills, oom_kills())):
         reason = host
     try:
@@ -288,6 +310,7 @@ def supervise(spec: JobSpec, spec_path: str, overrides: list[str], nproc: int | 
     two launches (the relaunch wait) starts no new launch and ends the run as preempted, with its
     termination message, instead of killing this process with the default action."""
     topo, stopping, last = topology(spec, nproc), [False], []  # stopping: set by SIGTERM/SIGINT
+    grace = max(1.0, spec.scheduling.termination_grace_seconds - STOP_MARGIN_S)
 
     def between(signum: int, frame: object) -> None:
         stopping[0] = True
@@ -298,7 +321,7 @@ def supervise(spec: JobSpec, spec_path: str, overrides: list[str], nproc: int | 
             status = last[0].status if last else {}  # the previous launch's tier, step and loss
             last[:] = [Outcome(EXIT_PREEMPTED, f"stopped by a signal before the relaunch at tier {tier}", status)]
         else:
-            last[:] = [run_attempt(spec_path, overrides, topo, stopping)]
+            last[:] = [run_attempt(spec_path, overrides, topo, stopping, grace)]
         return last[0].exit_code
 
     previous = {s: signal.signal(s, between) for s in (signal.SIGTERM, signal.SIGINT)}
@@ -324,6 +347,7 @@ def main(argv: list[str] | None = None) -> int:
         format="%(asctime)s %(levelname)s [supervisor] %(message)s",
         datefmt="%H:%M:%S",
     )
+    redaction.install()
     try:
         spec = load_spec(args.spec, args.overrides)
         preflight.check(spec)  # a missing file, extra or bad fault rule: seconds, not a minute of imports
@@ -334,7 +358,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             outcome = supervise(spec, str(Path(args.spec).resolve()), args.overrides, args.nproc)
     except JobspecError as err:
-        print(str(err), file=sys.stderr)
+        print(redaction.scrubbed(str(err)), file=sys.stderr)
         outcome = Outcome(err.exit_code, str(err).splitlines()[0])
     if outcome.exit_code != EXIT_OK:
         level = logging.WARNING if outcome.exit_code == EXIT_PREEMPTED else logging.ERROR

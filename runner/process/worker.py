@@ -4,10 +4,13 @@ Reads its place in the job from RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, 
 MASTER_PORT, runs `runner.train.recipe.Recipe` and exits with the contract's code: 0 done, 2 bad spec or
 data (or a run directory held by another run, or without an intact checkpoint), 74 checkpoint volume
 full or not writable, 75/76 no tier fits, 143 stopped by SIGTERM (the steps trained are checkpointed),
-1 anything else (traceback logged).
+1 anything else (traceback logged), and 1 too when the gang lost a member (runner/process/heartbeat.py): the Job
+restarts the pods, which resume together from the newest complete checkpoint.
 
 SIGTERM and SIGINT only set the stop flag, from the first line of `main` to the process's exit: a signal
 that comes after the run finished (final checkpoint written) cannot turn its exit 0 into a death by signal.
+During setup (data, model build, probe steps, resume), where the loop never reads the flag, the signal ends
+the process at once with 143 (`Stopped`); the supervisor kills what a long C call keeps from noticing.
 """
 
 from __future__ import annotations
@@ -21,24 +24,51 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from jobspec.contract import EXIT_FAILED, EXIT_STORAGE
+from jobspec.contract import EXIT_FAILED, EXIT_PREEMPTED, EXIT_STORAGE
 from jobspec.errors import JobspecError
 from jobspec.spec.loader import load_spec
 from runner.checkpoint.storage import describe, volume_error
 from runner.dist import DistEnv
 from runner.oom.shrink import tier_failed
+from runner.process import heartbeat, redaction
 from runner.sizing.plan import NoFit
 from runner.train.recipe import Recipe
-from runner.train.step import StopFlag
+from runner.train.step import StopFlag, Stopped
 
 log = logging.getLogger("jobspec.runner")
 
 
-def write_status(env: DistEnv, status: dict[str, Any]) -> None:
-    """Rank 0 tells the supervisor how it ended (JOBSPEC_STATUS_FILE), for the termination message."""
+def write_status(env: DistEnv, status: dict[str, Any], *, every_node: bool = False) -> None:
+    """Rank 0 (`every_node`: each node's first rank) tells its supervisor how it ended (JOBSPEC_STATUS_FILE),
+    for the termination message."""
     path = os.environ.get("JOBSPEC_STATUS_FILE")
-    if path and env.is_main:
+    if path and (env.local_rank == 0 if every_node else env.is_main):
         Path(path).write_text(json.dumps(status))
+
+
+def gang_lost(loss: heartbeat.Loss, recipe: Recipe | None, env: DistEnv) -> None:
+    """The heartbeat declared a member lost (this runs on its watchdog thread): the main thread may wait in a
+    collective that never returns, so record the loss and end the process here with EXIT_FAILED, which the Job
+    retries; the restarted pods resume together from the newest complete checkpoint. Nothing is left half-written:
+    a checkpoint is published by a rename after its shards and marker are complete, and a metrics record is one
+    line. A rank that was itself frozen ("self") writes nothing shared: the gang has moved on without it."""
+    try:
+        step = recipe.step if recipe is not None else 0
+        resumes = max(recipe.saved_step, 0) if recipe is not None else 0
+        reason = (f"{loss.describe()}; last completed step {step}, newest checkpoint step-{resumes}: {step - resumes} "
+                  "step(s) to redo")  # fmt: skip
+        log.error("%s; exiting %d so that the Job restarts the pods", reason, EXIT_FAILED)
+        status = {**(recipe.status if recipe is not None else {}), "step": step, "reason": reason}
+        with contextlib.suppress(OSError):
+            write_status(env, status, every_node=True)  # the survivor on another node has a supervisor too
+        if recipe is not None and recipe.metrics is not None and loss.kind != "self":
+            record = {"kind": "event", "event": "member_lost", "step": step, "member": loss.member, "cause": loss.kind,
+                      "silent_s": round(loss.silent_s, 3), "detected_at": round(loss.detected_at, 3), "by": loss.by,
+                      "checkpoint_step": resumes, "steps_to_redo": step - resumes}  # fmt: skip
+            with contextlib.suppress(Exception):  # the record is a courtesy; the exit is what matters
+                recipe.metrics.write(record)
+    finally:  # whatever the record met, the process ends: its main thread may never return
+        _exit(EXIT_FAILED)
 
 
 def setup_logging(rank: int) -> None:
@@ -50,6 +80,7 @@ def setup_logging(rank: int) -> None:
         datefmt="%H:%M:%S",
     )
     logging.getLogger("jobspec.runner").setLevel(level)
+    redaction.install()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -62,9 +93,15 @@ def main(argv: list[str] | None = None) -> int:
     env = DistEnv.from_env()
     setup_logging(env.rank)
     worker: Recipe | None = None
+    gang: heartbeat.Heartbeat | None = None
     code = EXIT_FAILED
     try:
-        worker = Recipe(load_spec(args.spec, args.overrides), env, stop=stop)
+        spec = load_spec(args.spec, args.overrides)
+        gang = heartbeat.start(env, spec.scheduling.heartbeat_timeout_seconds,
+                               lambda loss: gang_lost(loss, worker, env), addr=os.environ.get("MASTER_ADDR"),
+                               port=int(os.environ.get("MASTER_PORT") or 0))  # fmt: skip
+        fenced = {"fence": gang.fence} if gang is not None else {}  # a writer checks the gang before it writes
+        worker = Recipe(spec, env, stop=stop, **fenced)
         worker.setup()
         code = worker.train()
     except NoFit as err:  # probe steps: micro-batch 1 does not fit this tier; persist it for the OOM ladder
@@ -78,6 +115,11 @@ def main(argv: list[str] | None = None) -> int:
             fallback=worker.spec.memory.fallback,
             writer=env.is_main,
         )
+    except Stopped as err:  # SIGTERM/SIGINT before training: nothing new since the last checkpoint
+        log.warning("%s", err)
+        code = EXIT_PREEMPTED
+        if worker is not None:
+            worker.status["reason"] = str(err)
     except JobspecError as err:  # bad spec or data (2): message, no traceback
         log.error("%s", err)
         code = err.exit_code
@@ -91,8 +133,12 @@ def main(argv: list[str] | None = None) -> int:
         else:
             log.exception("training failed")
             if worker is not None:
-                worker.status["reason"] = f"{type(err).__name__}: {err}"[:300]
+                worker.status["reason"] = redaction.scrubbed(f"{type(err).__name__}: {err}")[:300]
     finally:
+        if gang is not None:  # before the process group goes: rank 0's store stays up until all have said goodbye
+            if not gang.fresh():  # woken up after the gang moved on (a collective failed on the way out)
+                gang.fence()  # gang_lost ends the process: no lease release, nothing shared written
+            gang.leave(bye=code != EXIT_FAILED)  # a crash may be this rank's alone: the others must find it lost
         if worker is not None:
             worker.cleanup()
             write_status(env, worker.status)

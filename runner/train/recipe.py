@@ -17,6 +17,7 @@ import json
 import logging
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -61,7 +62,8 @@ log = logging.getLogger("jobspec.runner")
 class Recipe:
     """One rank's training run; OOM handling (shrink, tier ladder) is `self.guard` (runner/oom/shrink.py)."""
 
-    def __init__(self, spec: JobSpec, env: DistEnv | None = None, stop: StopFlag | None = None):
+    def __init__(self, spec: JobSpec, env: DistEnv | None = None, stop: StopFlag | None = None,
+                 fence: Callable[[], None] | None = None):  # fmt: skip
         gpu = spec.hardware.vendor != "cpu" and torch.cuda.is_available()
         if spec.training.precision == "fp16" and not gpu:  # rejected before any work is done
             raise ConfigError(
@@ -73,6 +75,9 @@ class Recipe:
         self.root = Path(spec.checkpoints.dir)
         self.stop = StopFlag() if stop is None else stop  # the worker's is installed for its whole life (worker.py)
         self.owns_stop = stop is None
+        # Called right before this rank writes what the gang shares (checkpoint, metrics line, samples, lease):
+        # raises, or ends the process, when the gang has moved on without it (runner/process/heartbeat.py).
+        self.fence = fence or (lambda: None)
         self.lease: Lease | None = None  # rank 0's claim on the run directory (runner/checkpoint/lease.py)
         self.step = 0  # optimizer steps completed
         self.first_step = 0  # where this process started (the resumed step)
@@ -90,13 +95,19 @@ class Recipe:
     # --- setup ------------------------------------------------------------------------------------------
 
     def setup(self) -> None:
-        spec, env = self.spec, self.env
+        """Everything before the first step. A stop signal meanwhile ends it at once (`Stopped`): nothing has
+        been trained since the last checkpoint, and a long build must not outlast the pod's grace period."""
         if self.owns_stop:
             self.stop.install()
+        with self.stop.immediate():
+            self._setup()
+
+    def _setup(self) -> None:
+        spec, env = self.spec, self.env
         self.host = probe_host()
         self.device, self.dev = engine.pick_device(spec, env.local_rank, self.host)
         log.info("%s", describe(self.dev, self.host))
-        init_process_group(env, self.device, needed=False)
+        init_process_group(env, self.device, needed=False, timeout_s=spec.scheduling.collective_timeout_seconds)
         self.ctrl = Control(env.world_size)
         self._take_lease()
 
@@ -143,7 +154,8 @@ class Recipe:
         spec, env = self.spec, self.env
         internals.check(self.plan.tier, env.world_size, self.device.type)  # before any work at this tier
         if self.plan.tier != "fast":
-            init_process_group(env, self.device, needed=True)  # FSDP needs a group even for one rank
+            timeout_s = spec.scheduling.collective_timeout_seconds
+            init_process_group(env, self.device, needed=True, timeout_s=timeout_s)  # FSDP: a group even alone
         model = build_model(
             spec,
             bos=getattr(self.tokenizer, "BOS", self.tokenizer.eos_id),
@@ -324,6 +336,7 @@ class Recipe:
                     tic, tokens = time.perf_counter(), 0
                 self.progress.update(self._bar_loss(result))
                 if self.lease is not None:
+                    self.fence()
                     self.lease.beat()  # a clock check; the file is rewritten every lease.interval seconds
                 if (t.eval_every and self.step % t.eval_every == 0) or self.step == self.total_steps:
                     self._evaluate(final=self.step == self.total_steps)
@@ -386,7 +399,8 @@ class Recipe:
         plan = size_for_tier(self.spec, self.dev, self.host, self.env.world_size, nxt, local_ranks=local, reasons=why)
         self.plan = agree(apply_cap(plan, self.root), self.ctrl.reduce_min)
         resume = self._newest_checkpoint() if kept is None else None
-        self._build(resume, None, kept)
+        with self.stop.immediate():  # give_up checkpointed the steps: a stop here loses none
+            self._build(resume, None, kept)
         del kept  # the host copies
         self.status.update(tier=self.plan.tier, step=self.step, reason="running")
         seconds = time.perf_counter() - t0
@@ -502,6 +516,7 @@ class Recipe:
         self.status.update(step=self.step, loss=loss)
         used, total = memory_bytes(self.device, self.host.total_bytes)
         p = self.plan
+        self.fence()
         self.metrics.write(
             {
                 "kind": "train",
@@ -543,6 +558,7 @@ class Recipe:
     def _save(self) -> None:
         if self.saved_step == self.step:
             return
+        self.fence()
         if self.lease is not None:
             self.lease.beat(force=True)  # still ours: a writer that lost its lease must not publish
         meta = {
@@ -572,6 +588,7 @@ class Recipe:
         self.saved_step = self.step
 
     def _record_samples(self, ids: list[int]) -> None:
+        self.fence()
         rec = {
             "step": self.step,
             "rank": self.env.rank,
