@@ -236,7 +236,9 @@ class Heartbeat:
                 return Loss("ended", 0, now - self._reply, wall, rank)
             if now - self._reply > self.timeout:
                 return Loss("store", 0, now - self._reply, wall, rank)
-            silent = [(now - self._moved[r], r) for r in self.watched if self._seen.get(r, 0) < BYE]
+            # silent as of the store's last answer, not as of now: while the store itself is slow to answer, the
+            # counters were not read, and a watched rank is not to blame for that (the store check above is)
+            silent = [(self._reply - self._moved[r], r) for r in self.watched if self._seen.get(r, 0) < BYE]
             longest, member = max(silent, default=(0.0, -1))
             return Loss("silent", member, longest, wall, rank) if longest > self.timeout else None
 
