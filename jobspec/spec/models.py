@@ -242,6 +242,28 @@ class ModelSpec(Section):
         return self
 
 
+class DataSource(Section):
+    path: Annotated[
+        PathStr,
+        Field(
+            min_length=1,
+            description="One source: any file, directory or hub id `data.path` takes (relative to the working dir).",
+        ),
+    ]
+    weight: Annotated[
+        float,
+        Field(gt=0, le=1e6, description="Share of the samples drawn from this source: weight / sum of the weights."),
+    ] = 1.0
+    name: Annotated[
+        WordStr | None,
+        Field(description="Label of the source in logs and metrics; default the file or directory name."),
+    ] = None
+    format: Annotated[
+        Literal["auto", "prompt_response", "messages"] | None,
+        Field(description="Record layout of this source; default `data.format`."),
+    ] = None
+
+
 class DataSpec(Section):
     path: Annotated[
         PathStr | None,
@@ -264,6 +286,22 @@ class DataSpec(Section):
         int, Field(ge=16, le=131072, description="Tokens per sample (longer samples are truncated); sizes memory.")
     ] = 512
     packing: Annotated[bool, Field(description="Pack several samples into each max_seq_len row.")] = False
+    sources: Annotated[
+        list[DataSource] | None,
+        Field(
+            min_length=1,
+            max_length=64,
+            description="Several training sources mixed by weight ({path, weight, name, format} each), sampled "
+            "deterministically with exact resume; exclusive with `path` (one source).",
+        ),
+    ] = None
+    cache_dir: Annotated[
+        PathStr | None,
+        Field(
+            description="Where the tokenized data is cached, content-addressed, for every rank and restart; "
+            "default `<checkpoints.dir>/data-cache`."
+        ),
+    ] = None
     pvc: Annotated[
         DnsLabel | None, Field(description="PersistentVolumeClaim with the data, mounted read-only at `mount_path`.")
     ] = None
@@ -282,6 +320,19 @@ class DataSpec(Section):
         Literal["auto"] | Annotated[int, Field(ge=0, le=64)],
         Field(description="DataLoader workers; auto sizes them from CPUs and host memory."),
     ] = "auto"
+
+    @model_validator(mode="after")
+    def _one_kind_of_source(self) -> "DataSpec":
+        if self.sources is not None and self.path is not None:
+            raise ValueError("set `data.path` (one source) or `data.sources` (several, by weight), not both")
+        return self
+
+    def train_sources(self, bundled: str) -> list[DataSource]:
+        """The training sources: `sources`, or `path` (`bundled`, the runner's sample set, when None) as one source
+        of weight 1."""
+        if self.sources is not None:
+            return list(self.sources)
+        return [DataSource(path=self.path or bundled)]
 
 
 class TrainingSpec(Section):

@@ -32,6 +32,7 @@ import torch
 
 from jobspec.errors import ConfigError
 from jobspec.spec.models import DataSpec, JobSpec
+from runner.data.cache import cache_root
 from runner.data.records import EVAL_SPLITS, TRAIN_SPLITS, read_records
 from runner.data.tokenizer import Message, Segment, Tokenizer
 from runner.data.tokens import IGNORE, Rows, Streams, StreamsBuilder, pack_groups
@@ -148,8 +149,11 @@ def encode_file(
     tokenizer: Tokenizer,
     field: str = "data.path",
     splits: Sequence[str] = TRAIN_SPLITS,
+    *,
+    cache_dir: Path | None = None,
 ) -> Streams:
-    """Every record of `source` as (token ids, target flags), truncated to max_seq_len + 1 tokens."""
+    """Every record of `source` as (token ids, target flags), truncated to max_seq_len + 1 tokens; `cache_dir`: where
+    the tokenized records are cached for every rank and restart (runner/data/cache.py), None: not cached."""
     fmt, out = None, StreamsBuilder(tokenizer.vocab_size)
     reach = spec.max_seq_len + 2  # tokens (and so messages) past what a row keeps, with one to spare
     chars = reach * tokenizer.max_token_chars
@@ -219,10 +223,10 @@ def _rows(streams: Streams, which: np.ndarray, spec: DataSpec, what: str) -> Row
 
 def load_data(spec: JobSpec, tokenizer: Tokenizer) -> SFTData:
     """Train rows and eval rows (from `data.eval_path`, or `eval_fraction` of the file held out by seed)."""
-    d = spec.data
-    data = encode_file(d.path or BUNDLED, d, tokenizer)
+    d, cache = spec.data, cache_root(spec)
+    data = encode_file(d.path or BUNDLED, d, tokenizer, cache_dir=cache)
     if d.eval_path:  # a DatasetDict gives its validation (else test) split here
-        held_out = encode_file(d.eval_path, d, tokenizer, "data.eval_path", EVAL_SPLITS)
+        held_out = encode_file(d.eval_path, d, tokenizer, "data.eval_path", EVAL_SPLITS, cache_dir=cache)
         train, held = np.arange(len(data)), np.arange(len(held_out))
     else:  # the held-out records are a seeded random subset, the same on every rank and every restart
         n_eval = int(len(data) * d.eval_fraction)
