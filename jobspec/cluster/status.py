@@ -20,10 +20,14 @@ if TYPE_CHECKING:  # the client module pulls in urllib3 and tenacity: only for c
     from jobspec.cluster.client import ClusterClient
 
 COMPLETION_INDEX = "batch.kubernetes.io/job-completion-index"  # annotation (and label, 1.28+) on pods
+# Failed pods of this index before this one, set by the Job controller when backoffLimitPerIndex is used (1.28+):
+# the count survives the garbage collection of the failed pods, which the pods listed do not
+INDEX_FAILURES = "batch.kubernetes.io/job-index-failure-count"
 PROGRESS_ANNOTATION = "jobspec.dev/progress"  # optional: a JSON report on the pod, same keys
 FINISHED = ("Succeeded", "Failed")
 FAILED = ("Failed", "Failing")
 MAX_INDEXES = 100_000  # Kubernetes' own limit on an Indexed Job's completions: a larger figure is not a Job's
+MAX_ATTEMPTS = 10_000  # of one index: more than any backoffLimitPerIndex the spec renders
 MAX_REPORT_CHARS = 64 * 1024  # of a termination message (the kubelet keeps 4096 bytes) or progress annotation
 
 
@@ -45,7 +49,8 @@ class IndexStatus:
     phase: str | None  # that pod's phase; for a pod-less index, from the Job's index lists
     detail: str | None  # why it waits or ended: ContainerCreating, Unschedulable, OOMKilled, ...
     restarts: int  # container restarts in the newest pod
-    attempts: int  # pods created for this index (a retry at the next memory tier is a new pod)
+    attempts: int  # pods created for this index (a retry at the next memory tier, a restart of the gang after a
+    # lost member: each a new pod), from the pods listed or the controller's failure count, whichever is larger
     node: str | None
     exit_code: int | None
     report: Report | None
@@ -228,6 +233,10 @@ def _int(value: Any) -> int | None:
     return number if -(2**31) <= number < 2**31 else None
 
 
+def _index_failures(pod: dict[str, Any]) -> int:
+    return _count(((pod.get("metadata") or {}).get("annotations") or {}).get(INDEX_FAILURES), MAX_ATTEMPTS)
+
+
 def _index_status(index: int, pods: list[dict[str, Any]], done: set[int], lost: set[int]) -> IndexStatus:
     if not pods:
         phase = "Succeeded" if index in done else "Failed" if index in lost else None
@@ -243,7 +252,7 @@ def _index_status(index: int, pods: list[dict[str, Any]], done: set[int], lost: 
         phase=(newest.get("status") or {}).get("phase") or "Pending",
         detail=pod_detail(newest),
         restarts=sum(_count(s.get("restartCount")) for s in statuses if isinstance(s, dict)),
-        attempts=len(pods),
+        attempts=max(len(pods), _index_failures(newest) + 1),
         node=(newest.get("spec") or {}).get("nodeName"),
         exit_code=_int(code),
         report=report,

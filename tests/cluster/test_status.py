@@ -211,3 +211,13 @@ def test_to_dict_keys_are_fixed() -> None:
         "exit_code",
         "report",
     ]
+
+
+@pytest.mark.parametrize(
+    ("count", "attempts"), [("3", 4), ("0", 1), ("junk", 1), ("-5", 1), ("9" * 40, 1), ("99999", 10_001)]
+)
+def test_attempts_count_the_failed_pods_of_an_index_the_cluster_already_removed(count: str, attempts: int) -> None:
+    # a gang restarted after lost members: the failed pods were garbage-collected, the controller's count remains
+    failures = {"batch.kubernetes.io/job-index-failure-count": count}
+    newest = pod(0, "Running", state={"running": {}}, annotations=failures)
+    assert build_status(job({"active": 1}), [newest]).indexes[0].attempts == attempts
