@@ -23,6 +23,7 @@ SPEC_FILE_NAME = "spec.yaml"
 SPEC_PATH = f"{SPEC_MOUNT_DIR}/{SPEC_FILE_NAME}"
 SHM_MOUNT = "/dev/shm"
 SCRATCH_DIR = "/tmp"  # an emptyDir: with a read-only root, the only writable place besides checkpoints and shm
+HF_CACHE_MOUNT = "/hf-cache"  # HF_HOME when the model or data come from the hub (model.hub_cache)
 WORKDIR = "/workspace"  # the container's working directory: relative spec paths resolve here
 TERMINATION_MESSAGE_PATH = "/dev/termination-log"
 

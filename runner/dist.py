@@ -93,6 +93,16 @@ class Control:
         dist.all_reduce(t, op=_OPS[op], group=self.group)
         return t.tolist()
 
+    def from_rank0(self, text: str) -> str:
+        """Rank 0's `text` (hexadecimal digits, at most 64) on every rank: summed as float64 words of 32 bits each,
+        which carry it exactly, with zeros from the other ranks."""
+        if self.world_size == 1:
+            return text
+        padded = text + "0" * (-len(text) % 8)
+        words = [float(int(padded[i : i + 8], 16)) for i in range(0, len(padded), 8)]
+        values = self.all_reduce([float(len(text)), *words, *[0.0] * (8 - len(words))])
+        return "".join(f"{int(w):08x}" for w in values[1:])[: int(values[0])]
+
     def any(self, flag: bool) -> bool:
         """True on every rank when it is True on any rank (all-reduce MAX)."""
         return bool(self.all_reduce([float(flag)], "max")[0])

@@ -42,8 +42,12 @@ Each internal: what it is for; why no public API does it; what a run loses witho
   unpickle.py). DCP reads its metadata only with pickle.load, which runs any callable the file names. Required
   to resume or export a checkpoint.
 
-Checked on: torch 2.11 (the GPU machine) and 2.13, accelerate 1.15, torchao 0.13 and 0.18.
-transformers and peft: no private name is used. Gradient buckets use `torch.cat`/`split` (public),
+- transformers `PretrainedConfig._attn_implementation`: which attention kernel a built model runs (packed rows
+  are flattened to one row for flash kernels: runner/model/packing.py). transformers sets it from
+  `attn_implementation=` and keeps no public getter. Without it: "" (packed rows keep their shape).
+
+Checked on: torch 2.11 (the GPU machine) and 2.13, accelerate 1.15, torchao 0.13 and 0.18, transformers 4.56
+and 5.x (`_attn_implementation` only). peft: no private name is used. Gradient buckets use `torch.cat`/`split` (public),
 not `torch._utils._flatten_dense_tensors`.
 
 The layer rule (`lint-imports`, pyproject.toml) lets only this module name these internals.
@@ -117,6 +121,16 @@ def force_fsdp(accelerator: Any, plugin: Any) -> None:
 def forget_optimizer(accelerator: Any, optimizer: Any) -> None:
     """Drop an optimizer `accelerator.prepare` registered (it would be unscaled and stepped with the others)."""
     accelerator._optimizers.remove(optimizer)
+
+
+# --- transformers ----------------------------------------------------------------------------------------------
+
+
+def attention_kernel(model: nn.Module) -> str:
+    """The attention implementation `model` runs ("sdpa", "eager", "flash_attention_2", ...), through DDP's and
+    peft's wrappers (FSDP2 keeps the module); "" when it has no transformers config."""
+    config = getattr(getattr(model, "module", model), "config", None)
+    return str(getattr(config, "_attn_implementation", None) or "")
 
 
 # --- torch: DDP and FSDP2 ---------------------------------------------------------------------------------------

@@ -123,8 +123,10 @@ def format_submit(result: SubmitResult, extra_flags: str = "") -> str:
     verb = {"created": "created", "replaced": "replaced (old job deleted first)"}[result.outcome]
     if result.dry_run:
         body = "".join(f"{r} {result.outcome} (server dry run)\n" for r in result.applied)
+        body += "".join(f"{r} kept (it exists)\n" for r in result.kept)
         return body + f"{where} would be {verb}; nothing was persisted\n"
     body = "".join(f"{r} applied\n" for r in result.applied)
+    body += "".join(f"{r} kept (it exists: a cache jobs share)\n" for r in result.kept)
     return body + f"{where} {verb}\n" + follow_up(result.name, result.namespace, extra_flags)
 
 

@@ -39,11 +39,12 @@ SERVICE = Kind("Service", "v1", "services")
 JOB = Kind("Job", "batch/v1", "jobs")
 POD = Kind("Pod", "v1", "pods")
 NETWORK_POLICY = Kind("NetworkPolicy", "networking.k8s.io/v1", "networkpolicies")
-KINDS = {k.kind: k for k in (CONFIGMAP, SERVICE, NETWORK_POLICY, JOB, POD)}
-SUBMITTED_KINDS = (CONFIGMAP, SERVICE, NETWORK_POLICY, JOB)
+CLAIM = Kind("PersistentVolumeClaim", "v1", "persistentvolumeclaims")  # the shared hub cache (render/hub.py)
+KINDS = {k.kind: k for k in (CLAIM, CONFIGMAP, SERVICE, NETWORK_POLICY, JOB, POD)}
+SUBMITTED_KINDS = (CLAIM, CONFIGMAP, SERVICE, NETWORK_POLICY, JOB)
 
 # Deleted in this order by `cancel` (the Job first, so no new pod mounts a missing ConfigMap; the
-# NetworkPolicy last: it guards the job's pods while they stop).
+# NetworkPolicy last: it guards the job's pods while they stop). Never the hub cache's claim: jobs share it.
 OWNED_KINDS = (JOB, SERVICE, CONFIGMAP, NETWORK_POLICY)
 
 

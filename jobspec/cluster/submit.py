@@ -6,6 +6,8 @@ Decision table, keyed on the Job that already has this name:
     other spec-hash, no --replace  -> SpecChanged (a Job's pod template is immutable)
     --replace                      -> delete the Job (Foreground: its pods first), wait, apply  "replaced"
     not made by jobspec            -> NotManaged, whatever the flags
+A PersistentVolumeClaim among the objects (the hub cache that jobs share) is created when missing and left
+as it is when it exists, whoever made it: its size and class are the first job's, and data lives on it.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from jobspec.cluster.errors import Conflict, NotManaged, SpecChanged
-from jobspec.cluster.resources import JOB, kind_of, ref
+from jobspec.cluster.resources import CLAIM, JOB, kind_of, ref
 from jobspec.cluster.status import FINISHED, job_phase
 from jobspec.contract import ANNOTATION_SPEC_HASH, LABEL_MANAGED_BY, MANAGED_BY
 from jobspec.errors import ClusterError, ConfigError
@@ -33,6 +35,7 @@ class SubmitResult:
     spec_hash: str
     dry_run: bool = False  # server dry run: nothing was persisted
     applied: list[str] = field(default_factory=list)  # kubectl-style refs, in apply order
+    kept: list[str] = field(default_factory=list)  # claims that exist already, left alone
     phase: str | None = None  # of the Job that was already there
 
 
@@ -108,6 +111,9 @@ def submit(
     for obj in objects:
         if dry_run and existing is not None and obj is job:
             continue  # the server still has the old Job (dry run): applying over it would be refused
+        if kind_of(obj) is CLAIM and client.find(CLAIM, namespace, obj["metadata"]["name"]) is not None:
+            result.kept.append(ref(obj))  # shared, with files on it: never resized, relabelled or taken over
+            continue
         try:
             client.apply(obj, dry_run=dry_run, force=replace)
         except Conflict as err:

@@ -27,8 +27,31 @@ ROW_COUNT_LIMIT = 1024**3  # bytes of JSON lines `plan` counts rows in (about a 
 
 
 def count_rows(spec: JobSpec) -> tuple[int | None, str]:
-    """(records, where) of the training data when it is a JSON-lines file here (or the bundled set)."""
-    if spec.data.path is None:
+    """(records, where) of the training data when it is JSON-lines files here (or the bundled set): every
+    source of `data.sources` counted, None when any cannot be."""
+    return _total(source_rows(spec))
+
+
+def _total(counts: list[tuple[int | None, str]]) -> tuple[int | None, str]:
+    if any(n is None for n, _ in counts):
+        return None, next(where for n, where in counts if n is None)
+    if len(counts) == 1:
+        return counts[0]
+    return sum(n or 0 for n, _ in counts), f"{len(counts)} data.sources"
+
+
+def source_rows(spec: JobSpec) -> list[tuple[int | None, str]]:
+    """(records, where) of each training source: `data.sources`, or `data.path` (the bundled set when unset); a
+    stream (`data.streaming`) is not counted: its length is `training.steps`, and it may be larger than this disk."""
+    if spec.data.streaming:
+        return [(None, "a stream (data.streaming: its length is training.steps)")]
+    if spec.data.sources is None:
+        return [_count_file(spec.data.path, "data.path")]
+    return [_count_file(s.path, f"data.sources[{i}].path") for i, s in enumerate(spec.data.sources)]
+
+
+def _count_file(source: str | None, field: str) -> tuple[int | None, str]:
+    if source is None:
         runner = find_spec("runner")
         where = "the bundled set"
         folders = list(runner.submodule_search_locations or []) if runner else []
@@ -36,7 +59,7 @@ def count_rows(spec: JobSpec) -> tuple[int | None, str]:
             return None, f"{where} (the runner is not installed)"
         path = Path(folders[0]) / "data" / "sft_synthetic.jsonl"
     else:
-        path, where = Path(spec.data.path), f"data.path {spec.data.path}"
+        path, where = Path(source), f"{field} {source}"
     if path.suffix not in (".jsonl", ".ndjson") or not path.is_file():
         return None, f"{where} is not a JSON-lines file on this machine"
     if path.stat().st_size > ROW_COUNT_LIMIT:
@@ -46,19 +69,25 @@ def count_rows(spec: JobSpec) -> tuple[int | None, str]:
 
 
 def job_length(spec: JobSpec, rows: int | None = None) -> JobLength:
-    """`training.steps`, else epochs over the rows (counted here, or `rows`), as the runner counts them:
-    eval_fraction held out, an epoch's last partial batch dropped, epochs x steps per epoch rounded up."""
+    """`training.steps`, else epochs over the rows (counted here, or `rows`: all sources together), as the runner
+    counts them: eval_fraction held out (of each source), an epoch's last partial batch dropped, epochs x steps
+    per epoch rounded up."""
     tr = spec.training
     tokens = tr.global_batch * spec.data.max_seq_len
     if tr.steps is not None:
         return JobLength(tr.steps, tokens, f"training.steps {tr.steps:,}")
-    where = "--rows"
+    where, held = "--rows", None
     if rows is None:
-        rows, where = count_rows(spec)
+        counts = source_rows(spec)
+        rows, where = _total(counts)
+        if rows is not None and not spec.data.eval_path:  # the runner holds out int(n x fraction) of each source
+            held = sum(int((n or 0) * spec.data.eval_fraction) for n, _ in counts)
     epochs = tr.epochs or 1.0
     if rows is None:
         return JobLength(None, tokens, f"{epochs:g} epoch(s), rows unknown ({where}): pass --rows N")
-    train = rows - (0 if spec.data.eval_path else int(rows * spec.data.eval_fraction))
+    if held is None:
+        held = 0 if spec.data.eval_path else int(rows * spec.data.eval_fraction)
+    train = rows - held
     per_epoch = train // tr.global_batch
     if per_epoch < 1:
         few = f"{train:,} training rows ({where}) are fewer than global batch {tr.global_batch}"

@@ -1,5 +1,6 @@
 """Render a JobSpec into plain Kubernetes objects: the spec ConfigMap, a headless Service, a NetworkPolicy
-(unless `scheduling.network_policy: false`) and an Indexed Job.
+(unless `scheduling.network_policy: false`), an Indexed Job, and the shared hub cache's PersistentVolumeClaim
+when the model or data come from the hub (render/hub.py).
 
 Pure: no I/O, no cluster, no torch, no kubernetes client; the same spec always gives equal dicts.
 `to_yaml` / `to_json` print them for `kubectl apply -f -`; the submitter sends the dicts as they are.
@@ -22,6 +23,7 @@ from jobspec.render.env import (
     SCRATCH_DIR,
     master_addr,
 )
+from jobspec.render.hub import cache_claim
 from jobspec.render.images import DEFAULT_IMAGES, IMAGE_REPOSITORY, default_image, image_for
 from jobspec.render.objects import (
     headless_service,
@@ -76,11 +78,13 @@ __all__ = [
 
 
 def render(spec: JobSpec) -> list[dict[str, Any]]:
-    """The objects for one job, in apply order: ConfigMap (the spec), headless Service, NetworkPolicy,
+    """The objects for one job, in apply order: the hub cache's PersistentVolumeClaim (`model.hub_cache`,
+    when the model or data come from the hub), ConfigMap (the spec), headless Service, NetworkPolicy,
     Indexed Job. The policy comes before the Job, so that no pod is ever reachable from outside its job.
 
     Raises ConfigError for a spec that validates but cannot become a pod: a checkpoints.dir on top of
     one of the pod's own mounts (the same path is fine on one machine, so the spec allows it).
     """
     policy = [network_policy(spec)] if spec.scheduling.network_policy else []
-    return [spec_configmap(spec), headless_service(spec), *policy, indexed_job(spec)]
+    claim = [c] if (c := cache_claim(spec)) is not None else []  # the hub cache, before the Job that mounts it
+    return [*claim, spec_configmap(spec), headless_service(spec), *policy, indexed_job(spec)]

@@ -16,6 +16,7 @@ from jobspec.contract import (
     RDZV_PORT,
     SCRATCH_DIR,
 )
+from jobspec.render.hub import hub_env
 from jobspec.spec.models import JobSpec, SecretRef
 
 COMPLETION_INDEX_ANNOTATION = "batch.kubernetes.io/job-completion-index"
@@ -33,7 +34,8 @@ VENDOR_ENV: Mapping[str, Mapping[str, str]] = MappingProxyType({
 
 # The root filesystem is read-only, so caches that default to $HOME or /tmp/<user> go to the /tmp
 # emptyDir: the HF hub (via XDG_CACHE_HOME), Triton and Inductor kernels, MIOpen and the CUDA JIT cache
-# (via HOME). The user's `env` overrides any of these (e.g. HF_HOME on the checkpoint volume).
+# (via HOME). A hub model or dataset puts HF_HOME on its own volume (render/hub.py). The user's `env`
+# overrides any of these.
 SCRATCH_ENV: Mapping[str, str] = MappingProxyType({
     "HOME": SCRATCH_DIR,
     "XDG_CACHE_HOME": f"{SCRATCH_DIR}/.cache",
@@ -51,6 +53,7 @@ def container_env(spec: JobSpec) -> list[dict[str, Any]]:
     """Runtime defaults, then the user's env (wins over defaults), then the rendezvous contract."""
     env = {name: _plain(name, value) for name, value in {**SCRATCH_ENV, **VENDOR_ENV[spec.hardware.vendor]}.items()}
     env.update({name: _user_var(name, value) for name, value in tracker_env(spec).items()})
+    env.update({name: _user_var(name, value) for name, value in hub_env(spec).items()})
     env.update({name: _user_var(name, value) for name, value in spec.env.items()})
     index_path = f"metadata.annotations['{COMPLETION_INDEX_ANNOTATION}']"
     env[ENV_NODE_RANK] = {"name": ENV_NODE_RANK, "valueFrom": {"fieldRef": {"fieldPath": index_path}}}

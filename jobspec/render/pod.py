@@ -8,6 +8,7 @@ from types import MappingProxyType
 from typing import Any
 
 from jobspec.contract import (
+    HF_CACHE_MOUNT,
     RDZV_PORT,
     RUN_AS_GID,
     RUN_AS_UID,
@@ -20,6 +21,7 @@ from jobspec.contract import (
 )
 from jobspec.errors import ConfigError
 from jobspec.render.env import container_env
+from jobspec.render.hub import cache_volume
 from jobspec.render.images import image_for
 from jobspec.spec.models import JobSpec, Toleration
 from jobspec.spec.units import format_bytes
@@ -148,7 +150,7 @@ def checkpoint_mount_path(spec: JobSpec) -> str:
 def _volumes(spec: JobSpec) -> tuple[list[Obj], list[Obj]]:
     """Volumes and their mounts, of the types Pod Security "restricted" allows (configMap, emptyDir, PVC)."""
     checkpoint_dir = checkpoint_mount_path(spec)
-    if checkpoint_dir in (SPEC_MOUNT_DIR, SHM_MOUNT, SCRATCH_DIR):
+    if checkpoint_dir in (SPEC_MOUNT_DIR, SHM_MOUNT, SCRATCH_DIR, HF_CACHE_MOUNT):
         raise ConfigError(
             f"checkpoints.dir: {spec.checkpoints.dir!r} would hide the pod's own {checkpoint_dir} mount; "
             "use a directory of its own, e.g. /checkpoints"
@@ -174,6 +176,10 @@ def _volumes(spec: JobSpec) -> tuple[list[Obj], list[Obj]]:
     if spec.data.pvc:  # training data, read-only: a bug in the runner cannot damage the data set
         volumes.append({"name": "data", "persistentVolumeClaim": {"claimName": spec.data.pvc, "readOnly": True}})
         mounts.append({"name": "data", "mountPath": spec.data.mount_path, "readOnly": True})
+    cache = cache_volume(spec)  # HF_HOME, when the model or data come from the hub
+    if cache is not None:
+        volumes.append(cache[0])
+        mounts.append(cache[1])
     return volumes, mounts
 
 

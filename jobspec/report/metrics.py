@@ -8,7 +8,8 @@ other jobs and other people wrote. So:
 - a line is read with a length bound (MAX_LINE_BYTES): a longer one is skipped without being held;
 - the JSON parser refuses what no runner writes before Python builds it: integers of more than
   MAX_INT_DIGITS digits, NaN and Infinity, nesting deeper than the parser's recursion limit;
-- each record's known fields are checked for type and range (FIELDS); a record with one bad field is
+- each record's known fields are checked for type and range (FIELDS; objects such as a train record's
+  `samples_by_source` {name: count} entry by entry, MAPS); a record with one bad field is
   skipped as a whole (its other figures are suspect too) and counted with its line and reason. Unknown
   fields are dropped, so nothing hostile is kept.
 A file in which no line is a usable record is refused (exit 2) naming its first bad line.
@@ -92,6 +93,10 @@ FIELDS: dict[str, Rule] = {
     "from_micro_batch": _SIZE, "to_micro_batch": _SIZE, "from_grad_accum": _SIZE, "to_grad_accum": _SIZE,
     "checkpointing": _BOOL, "resumed": _BOOL, "pin_memory": _BOOL,
 }  # fmt: skip
+# Fields that hold an object: its keys names (of at most key_chars characters), its values held to a rule.
+MAPS: dict[str, tuple[int, int, Rule]] = {  # field: (most entries, key_chars, rule of each value)
+    "samples_by_source": (64, 256, _COUNT),  # data.sources: at most 64, each named by a word
+}
 REQUIRED = {"train": ("step",), "eval": ("step",)}  # a train or eval record without its step says nothing
 # The same as plain tuples: `validate` runs on every field of every record, and attribute lookups add up.
 _LIMITS = {key: (rule.types, rule.low, rule.high) for key, rule in FIELDS.items()}
@@ -107,6 +112,12 @@ def validate(obj: Any) -> tuple[Record | None, str]:
     clean: Record = {}
     for key, value in obj.items():
         limits = _LIMITS.get(key)
+        if limits is None and key in MAPS and value is not None:
+            why = _map_why_not(key, value)
+            if why:
+                return None, f"{key}: {why}"
+            clean[key] = dict(value)
+            continue
         if limits is None or value is None:  # an unknown field is dropped; null is unknown
             continue
         types, low, high = limits
@@ -118,6 +129,21 @@ def validate(obj: Any) -> tuple[Record | None, str]:
         if key not in clean:
             return None, f"{key}: missing from a {kind} record"
     return clean, ""
+
+
+def _map_why_not(key: str, value: Any) -> str:
+    """Why `value` is no object of MAPS[key]'s shape; "" when it is."""
+    most, key_chars, rule = MAPS[key]
+    if type(value) is not dict:
+        return f"expected an object, got {_type_name(value)}"
+    if len(value) > most:
+        return f"an object of {len(value):,} entries (at most {most})"
+    for name, item in value.items():  # JSON keys are strings; their length is still the writer's
+        if len(name) > key_chars:
+            return f"a key of {len(name):,} characters (at most {key_chars})"
+        if type(item) not in rule.types or not rule.low <= item <= rule.high:
+            return f"a value: {rule.why_not(item)}"  # the key is not echoed: a writer's text
+    return ""
 
 
 # --- parsing ----------------------------------------------------------------------------------------

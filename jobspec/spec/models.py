@@ -209,6 +209,83 @@ class Architecture(Section):
         return self
 
 
+class SecretRef(Section):
+    secret: Annotated[DnsLabel, Field(description="Secret name in the job's namespace.")]
+    key: Annotated[str, Field(min_length=1, max_length=MAX_SUBDOMAIN_CHARS, description="Key inside the Secret.")]
+    optional: Annotated[bool, Field(description="Start even if the Secret or key is missing.")] = False
+
+
+def _secret_only(value: Any) -> Any:
+    if isinstance(value, (str, int, float)):  # never echoed: it may be the key itself
+        raise ValueError(
+            "inline credentials are refused (they would land in the ConfigMap and the logs): "
+            "reference a Secret instead, e.g. `{secret: wandb, key: api-key}`"
+        )
+    return value
+
+
+SecretOnly = Annotated[SecretRef, BeforeValidator(_secret_only)]
+
+
+HUB_CACHE_CLAIM = "jobspec-hf-cache"  # `claim: auto`: `<this>-rwx` / `-rwo` / `-rwop` by access mode
+_REVISION = re.compile(r"^[A-Za-z0-9_][\w.+-]*(/[\w.+-]+)*$")  # a branch, tag or commit; no '..', no leading '-'
+
+
+def _claim(value: Any) -> Any:
+    if isinstance(value, bool):  # YAML 1.1 reads a bare `none`/`no`/`off` loosely: false means no claim
+        return "auto" if value else "none"
+    return _dns_label(value) if isinstance(value, str) else value
+
+
+def _revision(value: Any) -> Any:
+    if isinstance(value, str):
+        check_length(value, MAX_WORD_CHARS)
+        if not _REVISION.match(value) or ".." in value:
+            raise ValueError(
+                "not a hub revision: use a branch (main), a tag (v1.0) or a commit hash (40 hex digits), "
+                "as the model's page on the hub lists them"
+            )
+    return value
+
+
+class HubCacheSpec(Section):
+    """The Hugging Face cache (HF_HOME) of the pods when the model or data come from the hub: on a volume,
+    so that a restart, the other nodes' next attempt and the next job find the files instead of
+    downloading them again."""
+
+    claim: Annotated[
+        str,
+        BeforeValidator(_claim, json_schema_input_type=_LABEL_SCHEMA | bool),
+        Field(
+            description=f"auto: the PersistentVolumeClaim `{HUB_CACHE_CLAIM}-<rwx|rwo|rwop>` of the job's namespace "
+            "(by access mode), rendered with the job and created by `jobspec submit` when missing; it is never "
+            "deleted with the job and every job of the namespace shares it. A name: that existing claim, used "
+            "as it is (not rendered, never created, changed or deleted). none: an emptyDir, each pod downloads "
+            "again and nothing is kept."
+        ),
+    ] = "auto"
+    size: Annotated[
+        ByteSize,
+        Field(description="Storage the claim asks for (`claim: auto` when it creates it), e.g. 200Gi."),
+    ] = 200 * 1024**3
+    storage_class: Annotated[
+        Annotated[str, StringConstraints(max_length=MAX_SUBDOMAIN_CHARS)] | None,
+        Field(description="storageClassName of the claim jobspec creates; null: the cluster's default class."),
+    ] = None
+    access_mode: Annotated[
+        Literal["auto", "ReadWriteOnce", "ReadWriteMany", "ReadWriteOncePod"],
+        Field(
+            description="Access mode of the claim jobspec creates; auto: ReadWriteMany when hardware.nodes > 1 "
+            "(every node mounts it), else ReadWriteOnce (jobs sharing it then run on one node at a time)."
+        ),
+    ] = "auto"
+
+
+def _hub_cache(value: Any) -> Any:
+    # `hub_cache: none` (or false) is the short form of `{claim: none}`.
+    return {"claim": "none"} if value in ("none", False) else value
+
+
 class ModelSpec(Section):
     preset: Annotated[
         PresetName | None,
@@ -234,6 +311,29 @@ class ModelSpec(Section):
         ),
     ] = "sdpa"
     lora: Annotated[LoraSpec | None, Field(description="Train LoRA adapters instead of all weights.")] = None
+    revision: Annotated[
+        WordStr | None,
+        BeforeValidator(_revision),
+        Field(
+            description="Hub models: the branch, tag or commit of `path` to load; pin a commit for a run that "
+            "restarts on the same weights. Default: the repository's default branch (main)."
+        ),
+    ] = None
+    hub_token: Annotated[
+        SecretOnly | None,
+        Field(
+            description="Hub models and datasets: Secret holding a Hugging Face token, for gated or private "
+            "repositories (env HF_TOKEN); never inline."
+        ),
+    ] = None
+    hub_cache: Annotated[
+        HubCacheSpec,
+        BeforeValidator(_hub_cache, json_schema_input_type=HubCacheSpec | Literal["none"] | bool),
+        Field(
+            description="Where the pods keep the Hugging Face cache (HF_HOME) when the model or data come from "
+            "the hub: {claim, size, storage_class, access_mode}, or `none` for an emptyDir."
+        ),
+    ] = HubCacheSpec()
 
     @model_validator(mode="after")
     def _one_source(self) -> "ModelSpec":
@@ -285,7 +385,30 @@ class DataSpec(Section):
     max_seq_len: Annotated[
         int, Field(ge=16, le=131072, description="Tokens per sample (longer samples are truncated); sizes memory.")
     ] = 512
-    packing: Annotated[bool, Field(description="Pack several samples into each max_seq_len row.")] = False
+    packing: Annotated[
+        bool,
+        Field(
+            description="Pack several records into each max_seq_len row, each attending only to itself (positions "
+            "restart per record); turned off, with the reason in the log, where the model's attention cannot."
+        ),
+    ] = False
+    streaming: Annotated[
+        bool,
+        Field(
+            description="Read the training records in order as the steps need them, tokenized on the fly in a "
+            "background thread (memory flat in the data size; no cache), resumable by position. Needs "
+            "`training.steps` (a stream has no known length); eval comes from `eval_path` only."
+        ),
+    ] = False
+    shuffle_buffer: Annotated[
+        int | None,
+        Field(
+            ge=0,
+            le=1_000_000,
+            description="With `streaming`: records shuffled together, window by window (seeded; 0 or 1: file "
+            "order); default 1024.",
+        ),
+    ] = None
     sources: Annotated[
         list[DataSource] | None,
         Field(
@@ -325,6 +448,22 @@ class DataSpec(Section):
     def _one_kind_of_source(self) -> "DataSpec":
         if self.sources is not None and self.path is not None:
             raise ValueError("set `data.path` (one source) or `data.sources` (several, by weight), not both")
+        return self
+
+    @model_validator(mode="after")
+    def _stream_options(self) -> "DataSpec":
+        # A stream's length is unknown: no fraction of it can be held out; an eval set comes from eval_path.
+        # eval_fraction left at its default means no eval (the runner logs it); set explicitly, it is refused.
+        if self.streaming and not self.eval_path and "eval_fraction" in self.model_fields_set and self.eval_fraction:
+            raise ValueError(
+                "`data.streaming` cannot hold out `data.eval_fraction` of a stream of unknown length: set "
+                "`data.eval_path` (an eval set, prepared as usual) or `data.eval_fraction: 0` (no eval)"
+            )
+        if self.shuffle_buffer is not None and not self.streaming:
+            raise ValueError(
+                "`data.shuffle_buffer` applies to `data.streaming: true` only (prepared data is shuffled whole): "
+                "remove it or set `data.streaming: true`"
+            )
         return self
 
     def train_sources(self, bundled: str) -> list[DataSource]:
@@ -499,12 +638,6 @@ class CheckpointSpec(Section):
     ] = "auto"
 
 
-class SecretRef(Section):
-    secret: Annotated[DnsLabel, Field(description="Secret name in the job's namespace.")]
-    key: Annotated[str, Field(min_length=1, max_length=MAX_SUBDOMAIN_CHARS, description="Key inside the Secret.")]
-    optional: Annotated[bool, Field(description="Start even if the Secret or key is missing.")] = False
-
-
 class OutputSpec(Section):
     """The product of a run: a Hugging Face model directory (or a PEFT adapter) that loads without jobspec."""
 
@@ -526,18 +659,6 @@ class OutputSpec(Section):
         ByteSize | None,
         Field(description="Largest safetensors file before the weights are sharded; default transformers' own."),
     ] = None
-
-
-def _secret_only(value: Any) -> Any:
-    if isinstance(value, (str, int, float)):  # never echoed: it may be the key itself
-        raise ValueError(
-            "inline credentials are refused (they would land in the ConfigMap and the logs): "
-            "reference a Secret instead, e.g. `{secret: wandb, key: api-key}`"
-        )
-    return value
-
-
-SecretOnly = Annotated[SecretRef, BeforeValidator(_secret_only)]
 
 
 class TensorBoardSpec(Section):

@@ -93,9 +93,9 @@ def markdown() -> str:
     out = []
     for model in _models(JobSpec):
         out.append(f"#### {model.__name__}\n")
-        doc = (model.__doc__ or "").strip().splitlines()
-        if doc and model.__module__ == "jobspec.spec.models" and not doc[0].startswith("Usage docs"):
-            out.append(doc[0] + "\n")
+        doc = " ".join((model.__doc__ or "").strip().split("\n\n")[0].split())  # the first paragraph, one line
+        if doc and model.__module__ == "jobspec.spec.models" and not doc.startswith("Usage docs"):
+            out.append(doc + "\n")
         out.append("| field | type | default | description |\n| --- | --- | --- | --- |")
         for name, field in model.model_fields.items():
             desc = (field.description or "").replace("|", "\\|")

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import posixpath
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Protocol
 
 from jobspec.catalog import gpus as gpu_catalogue
@@ -77,6 +77,10 @@ class _Training(Protocol):
     def micro_batch(self) -> int | str: ...
     @property
     def precision(self) -> str: ...
+    @property
+    def steps(self) -> int | None: ...
+    @property
+    def epochs(self) -> float | None: ...
 
 
 class _Image(Protocol):
@@ -91,13 +95,22 @@ class _Model(Protocol):
     def attention(self) -> str: ...
 
 
+class _Source(Protocol):
+    @property
+    def name(self) -> str | None: ...
+
+
 class _Data(Protocol):
     @property
     def max_seq_len(self) -> int: ...
     @property
+    def sources(self) -> Sequence[_Source] | None: ...
+    @property
     def pvc(self) -> str | None: ...
     @property
     def mount_path(self) -> str: ...
+    @property
+    def streaming(self) -> bool: ...
 
 
 class _Checkpoints(Protocol):
@@ -271,6 +284,40 @@ def _scheduling_keys(spec: SpecView) -> list[Problem]:
     return out
 
 
+def _source_names(spec: SpecView) -> list[Problem]:
+    """Each data source's name labels its samples in the logs and metrics: two sources may not share one (a
+    default name, the file's, is made unique by the runner instead)."""
+    first: dict[str, int] = {}
+    out: list[Problem] = []
+    for i, source in enumerate(spec.data.sources or ()):
+        name = source.name
+        if name is None:
+            continue
+        if not name.strip():
+            out.append((f"data.sources.{i}.name", "is empty", "name the source, or leave name out (the file's name)"))
+        elif name in first:
+            out.append((f"data.sources.{i}.name", f"{name!r} is already data.sources.{first[name]}.name",
+                        "give each source its own name, or leave name out (the file's name)"))  # fmt: skip
+        else:
+            first[name] = i
+    return out
+
+
+def _streaming_length(spec: SpecView) -> list[Problem]:
+    """A stream (`data.streaming`) is read as the steps need it: its length is unknown before the end, so the
+    run's length is `training.steps`, never epochs."""
+    if not spec.data.streaming:
+        return []
+    tr = spec.training
+    if tr.epochs is not None:
+        return [("training.epochs", "cannot count passes over a stream (data.streaming: true has no known length)",
+                 "set training.steps instead, or data.streaming: false to prepare the data up front")]  # fmt: skip
+    if tr.steps is None:
+        return [("training.steps", "is required with data.streaming: true (a stream has no known length, so "
+                 "epochs cannot size the run)", "set training.steps, e.g. 1000")]  # fmt: skip
+    return []
+
+
 def _cpu_precision(spec: SpecView) -> list[Problem]:
     if spec.hardware.vendor == "cpu" and spec.training.precision == "fp16":
         return [("training.precision", "fp16 autocast is not supported for vendor cpu", "use bf16 or fp32")]
@@ -293,7 +340,7 @@ def flash_attention_problems(spec: SpecView) -> list[Problem]:
 
 _RULES: tuple[Callable[[SpecView], list[Problem]], ...] = (
     _batch, _image_vendor, _gpu_type, _preset_positions, _checkpoint_dir, _shm_size, _data_mount,
-    _scheduling_keys, _cpu_precision, flash_attention_problems,
+    _scheduling_keys, _cpu_precision, flash_attention_problems, _source_names, _streaming_length,
 )  # fmt: skip
 
 

@@ -36,8 +36,13 @@ def rows_digest(rows: list[tuple[np.ndarray, np.ndarray]]) -> str:
 
 def lineage(spec: JobSpec, train_rows: list[tuple[np.ndarray, np.ndarray]]) -> dict[str, Any]:
     """The values a resume must find unchanged, by field path."""
-    model = spec.model.model_dump(mode="json", exclude={"attention"})
-    data = spec.data.model_dump(mode="json", include=set(DATA_FIELDS))
+    # Where the hub cache lives and which Secret holds the token never change the training.
+    model = spec.model.model_dump(mode="json", exclude={"attention", "hub_cache", "hub_token"})
+    # several sources: their paths, weights and formats make the samples (a name is only a label in the metrics)
+    sources = {"sources": {"__all__": {"path", "weight", "format"}}}
+    data = spec.data.model_dump(mode="json", include={**dict.fromkeys(DATA_FIELDS, True), **sources})
+    if spec.data.streaming:  # a stream's order (only then: the lineage of every other run stays as it was)
+        data |= {"streaming": True, "shuffle_buffer": spec.data.shuffle_buffer}
     return {
         "name": spec.name,
         **{f"model.{k}": v for k, v in model.items()},
@@ -53,7 +58,8 @@ def check_resume(saved: dict[str, Any] | None, now: dict[str, Any], *, where: st
     if saved is None:
         log.warning("%s has no lineage (written by an older jobspec): resuming without checking it", where)
         return
-    changed = [(k, saved.get(k), v) for k, v in now.items() if saved.get(k) != v]
+    keys = [*now, *(k for k in saved if k not in now)]  # a value only one side has changed too (streaming on/off)
+    changed = [(k, saved.get(k), now.get(k)) for k in keys if saved.get(k) != now.get(k)]
     if not changed:
         return
     lines = "\n".join(f"  {k}: checkpoint {_show(old)}, spec now {_show(new)}" for k, old, new in changed)

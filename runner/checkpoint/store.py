@@ -284,19 +284,26 @@ def save(
     keep: int,
     trainable_only: bool = False,
     files: dict[str, bytes] | None = None,
+    fence: Callable[[], None] = lambda: None,
+    attempt: str = "",
 ) -> Path:
     """Write checkpoint `step` (collective: every rank calls it); rank 0 adds `files` (name -> bytes) beside
-    meta.json. Returns step-<N>'s path; StorageError on every rank when the volume cannot take it."""
+    meta.json. Returns step-<N>'s path; StorageError on every rank when the volume cannot take it.
+
+    `fence` runs on every rank before each phase, and on rank 0 right before the rename that publishes: it raises
+    when this rank's gang has moved on without it (a rank frozen mid-save that wakes up later). `attempt` (the
+    run's lease holder) names the temp dir: a woken rank of an earlier attempt can only write into its own
+    attempt's temp dir, which no later attempt publishes and the next prune removes."""
     t0 = time.perf_counter()
     root = Path(root)
-    tmp, final = root / f".tmp-step-{step}", root / f"step-{step}"
-    phase = _Phase(ctrl, rank, root, tmp)
+    tmp, final = root / f".tmp-step-{step}{'-' + attempt[:12] if attempt else ''}", root / f"step-{step}"
+    phase = _Phase(ctrl, rank, root, tmp, fence)
     phase.need = phase.run(lambda: _prepare(root, tmp, expected_bytes(root, model, trainable_only)) if rank == 0 else 0)
     entries = phase.run(lambda: _write_rank_files(tmp, _state(model, optimizer, trainable_only), rank, ctrl))
     hashed = {name: e for part in _gather(ctrl, entries) for name, e in part.items()}
     if rank == 0:
         meta = {**meta, "step": step, "format": FORMAT}
-        phase.run(lambda: _finish(tmp, final, step, meta, files or {}, hashed, keep))
+        phase.run(lambda: _finish(tmp, final, step, meta, files or {}, hashed, keep, fence))
         log.info("checkpoint %s written in %.1f s", final, time.perf_counter() - t0)
     else:
         phase.run(lambda: None)
@@ -308,13 +315,16 @@ class _Phase:
     volume error hit any rank; if so every rank raises StorageError after rank 0 removed the temp dir. The
     all-reduce is also the barrier between phases."""
 
-    def __init__(self, ctrl: Control, rank: int, root: Path, tmp: Path | None):
-        self.ctrl, self.rank, self.root, self.tmp = ctrl, rank, root, tmp
+    def __init__(
+        self, ctrl: Control, rank: int, root: Path, tmp: Path | None, fence: Callable[[], None] = lambda: None
+    ) -> None:
+        self.ctrl, self.rank, self.root, self.tmp, self.fence = ctrl, rank, root, tmp, fence
         self.need: int | None = None  # the checkpoint's expected bytes, for a "no space left" message
 
     def run(self, part: Callable[[], T]) -> T:
         problem: str | OSError | None = None
         result = None
+        self.fence()  # outside the agreement: a superseded rank leaves, the live ones never wait for it
         try:
             result = part()
         except StorageError as err:  # the pre-check
@@ -361,13 +371,14 @@ def _gather(ctrl: Control, entries: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def _finish(tmp: Path, final: Path, step: int, meta: dict[str, Any], files: dict[str, bytes],
-            hashed: dict[str, dict[str, Any]], keep: int) -> None:  # fmt: skip
+            hashed: dict[str, dict[str, Any]], keep: int, fence: Callable[[], None]) -> None:  # fmt: skip
     """Rank 0: the small files and the manifest (hashing what no rank hashed), then publish and prune."""
     for name, data in files.items():
         _write_durable(tmp / name, data)
     _write_durable(tmp / META, json.dumps(meta, indent=1).encode())
     _write_durable(tmp / manifest.MANIFEST, manifest.write(tmp, step, hashed, skip=(DONE,)))
     fsync_dir(tmp)
+    fence()  # the last moment a rank 0 frozen since the agreement can find that its gang moved on
     _publish(tmp, final)
     prune(final.parent, keep)
 

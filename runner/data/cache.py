@@ -1,13 +1,341 @@
-"""The tokenized data cached once per job: content-addressed, shared by every rank and every restart."""
+"""The tokenized data cached once per job: content-addressed, shared by every rank and every restart.
+
+One source's `Streams` (runner/data/tokens.py) live in `<cache root>/<key>/` as four flat .npy arrays (ids,
+flags, bounds, trainable) and a meta.json that gives each array's dtype, length, byte size and sha256, and
+the key's parts in readable form. The key is a sha256 over everything that decides the tokens:
+
+- the source's bytes: a file's content; a `datasets` save_to_disk directory's files (names and contents). A hub
+  dataset id names no fixed content (its revision moves, and is only resolved by downloading it): not cached,
+  and the log says so; save it with `save_to_disk` and point the spec at the directory to cache it;
+- the tokenizer (`cache_identity()`: the byte tokenizer's name and version; a transformers tokenizer's
+  serialized state, chat template and special tokens, hashed) and its chat template;
+- max_seq_len (records are cut to max_seq_len + 1 tokens), the record format and field names, the splits read;
+- FORMAT_VERSION of this layout.
+Packing is not in the key: rows are grouped from the cached records at load time (a pass over the lengths).
+The source's path is not in the key either: the same bytes elsewhere hit the same entry.
+
+Written once: the first process takes an exclusive `fcntl.flock` on `<key>.lock` in the cache root, checks
+again, tokenizes, writes a temp directory (each file fsynced), renames it into place and releases the lock;
+the others wait on the lock (at most LOCK_WAIT_S), then read. Read = checks, then `np.memmap`: every file a
+regular file inside the entry (opened once, checked on the descriptor), sizes, dtypes and sha256 as meta.json
+says, bounds from 0 rising to len(ids), ids inside the vocabulary. Any failure is logged as a warning naming
+the file and the entry is rebuilt: a cache is never trusted and never a reason to stop. Mapped read-only, the
+ids and flags are shared by every process on the node through the page cache: ~3 B a token resident once
+touched, not a private copy per rank.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import fcntl
+import hashlib
+import json
+import logging
+import os
+import re
+import shutil
+import socket
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
-from jobspec.spec.models import JobSpec
+import numpy as np
+from numpy.lib import format as npy
+
+from jobspec.errors import ConfigError
+from jobspec.spec.models import DataSpec, JobSpec
+from jobspec.untrusted import open_regular, read_bounded
+from runner.data.files import open_data
+from runner.data.records import source_kind
+from runner.data.tokenizer import Tokenizer
+from runner.data.tokens import Streams
+
+log = logging.getLogger("jobspec.runner")
+FORMAT_VERSION = 1  # of this layout and of the key's parts: raise it when either changes
+ARRAYS = {"ids": ("uint16", "int32"), "flags": ("bool",), "bounds": ("int64",), "trainable": ("bool",)}
+META = "meta.json"
+MAX_META_BYTES = 1 << 20  # a chat template and a few hashes: kilobytes
+LOCK_WAIT_S = 3 * 3600.0  # a process tokenizing a very large source; past this a waiting rank stops with an error
+READ_BLOCK = 1 << 20
+USERINFO = re.compile(r"(?<=://)[^/@\s]+@")  # user:password@ in a URL-like source: never written down
 
 
 def cache_root(spec: JobSpec) -> Path:
     """Where the job's tokenized data is cached: `data.cache_dir`, else `<checkpoints.dir>/data-cache` (the run
     directory's volume: kept across restarts, shared by the pods that share it)."""
     return Path(spec.data.cache_dir) if spec.data.cache_dir else Path(spec.checkpoints.dir) / "data-cache"
+
+
+@dataclass(frozen=True)
+class CacheKey:
+    digest: str  # sha256 hex over `parts`: the entry's directory name
+    parts: dict[str, str]  # what went into it, readable (meta.json); no secrets
+    vocab_size: int
+    source: str  # for the log
+
+
+def cache_key(
+    source: str | Path, spec: DataSpec, tokenizer: Tokenizer, field: str, splits: Sequence[str]
+) -> CacheKey | None:
+    """The key of `source` tokenized by `tokenizer` under `spec`; None (logged) when its content or the
+    tokenizer cannot be known before tokenizing. A source that is not there fails here as it would when read."""
+    shown = USERINFO.sub("***@", str(source))
+    kind = source_kind(str(source), field)
+    if kind == "hub":
+        log.info(
+            "data %s: a hub dataset id: its revision is not known before it is downloaded, so its tokenized records "
+            "are not cached (save it with Dataset.save_to_disk and give that directory to cache them)", shown,
+        )  # fmt: skip
+        return None
+    identity = getattr(tokenizer, "cache_identity", None)
+    try:
+        tok = identity() if identity is not None else None
+    except TypeError as err:
+        log.info("data %s: tokenized records not cached: %s", shown, err)
+        return None
+    if tok is None:
+        log.info("data %s: tokenized records not cached: tokenizer %s cannot name its state", shown, tokenizer.name)
+        return None
+    content = _digest_dir(Path(source)) if kind == "datasets" else _digest_file(Path(source), field)
+    parts = {
+        "format_version": str(FORMAT_VERSION),
+        "source_kind": kind,
+        "source_sha256": content,
+        **{f"tokenizer.{k}": v for k, v in sorted(tok.items())},
+        "max_seq_len": str(spec.max_seq_len),
+        "format": spec.format,
+        "prompt_field": spec.prompt_field,
+        "response_field": spec.response_field,
+        "messages_field": spec.messages_field,
+        "splits": ",".join(splits),
+    }
+    digest = hashlib.sha256(json.dumps(parts, sort_keys=True).encode("utf-8")).hexdigest()
+    return CacheKey(digest, parts, tokenizer.vocab_size, shown)
+
+
+def _digest_file(path: Path, field: str) -> str:
+    f, size = open_data(path, field)
+    with f:
+        return _sha256(f, size)
+
+
+def _digest_dir(root: Path) -> str:
+    """Names and contents of the regular files of a datasets directory, in name order. Links and other files
+    enter by their name and kind only (the reader refuses them anyway); `cache-*.arrow` files that a
+    `Dataset.map` on the loaded set may leave there are not part of the data."""
+    h = hashlib.sha256()
+    for folder, dirs, files in os.walk(root):
+        dirs.sort()
+        for name in sorted(files):
+            path = Path(folder) / name
+            if name.startswith("cache-") and name.endswith(".arrow"):
+                continue
+            h.update(str(path.relative_to(root)).encode("utf-8", "surrogateescape") + b"\0")
+            if path.is_symlink() or not path.is_file():
+                h.update(b"not a regular file\0")
+                continue
+            h.update(_digest_file(path, "data file").encode("ascii"))
+    return h.hexdigest()
+
+
+class Damaged(Exception):
+    """A cache entry that fails a check: the file and what is wrong."""
+
+
+def cached_streams(root: Path, key: CacheKey, build: Callable[[], Streams], wait_s: float = LOCK_WAIT_S) -> Streams:
+    """The cached Streams of `key` under `root`, built by `build` and stored first when missing or damaged."""
+    entry = root / key.digest
+    found = _lookup(entry, key)
+    if found is not None:
+        return found
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        lock = _locked(root / f"{key.digest}.lock", wait_s)
+        lock.__enter__()
+    except OSError as err:
+        log.warning("data %s: cache %s not usable (%s); tokenizing without it", key.source, root, err)
+        return build()
+    try:
+        found = _lookup(entry, key)  # another process may have written it while this one waited
+        if found is not None:
+            return found
+        log.info("data %s: tokenizing once into the cache %s", key.source, entry)
+        streams = build()
+        try:
+            _write(root, entry, key, streams)
+        except OSError as err:
+            log.warning("data %s: could not write the cache %s (%s); using the records tokenized here", key.source,
+                        entry, err)  # fmt: skip
+            return streams
+    finally:
+        lock.__exit__(None, None, None)
+    return _lookup(entry, key) or streams
+
+
+def _lookup(entry: Path, key: CacheKey) -> Streams | None:
+    if not os.path.lexists(entry):
+        return None
+    start = time.perf_counter()
+    try:
+        streams = read_entry(entry, key)
+    except Damaged as err:
+        log.warning("data %s: cache entry damaged, rebuilding it: %s", key.source, err)
+        return None
+    log.info("data %s: %d records, %d tokens from the cache %s (checked in %.1f s)", key.source, len(streams),
+             len(streams.ids), entry, time.perf_counter() - start)  # fmt: skip
+    return streams
+
+
+def read_entry(entry: Path, key: CacheKey) -> Streams:
+    """The entry's arrays memory-mapped read-only after every check of the module docstring; `Damaged` if one fails."""
+    if entry.is_symlink() or not entry.is_dir():
+        raise Damaged(f"{entry} is not a directory")
+    try:
+        meta = json.loads(read_bounded(entry / META, MAX_META_BYTES, what="cache file", root=entry))
+    except (ConfigError, ValueError) as err:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise Damaged(f"{entry / META}: {err}") from None
+    if not isinstance(meta, dict) or meta.get("format_version") != FORMAT_VERSION or meta.get("key") != key.digest:
+        raise Damaged(f"{entry / META}: not this format version and key")
+    arrays = {name: _map(entry / f"{name}.npy", meta, allowed) for name, allowed in ARRAYS.items()}
+    ids, flags, bounds, trainable = arrays["ids"], arrays["flags"], arrays["bounds"], arrays["trainable"]
+    if len(bounds) < 2 or bounds[0] != 0 or bounds[-1] != len(ids) or np.any(bounds[1:] < bounds[:-1]):
+        raise Damaged(f"{entry / 'bounds.npy'}: record bounds do not rise from 0 to the {len(ids)} tokens")
+    if len(flags) != len(ids) or len(trainable) != len(bounds) - 1:
+        raise Damaged(f"{entry}: arrays of mismatched lengths (flags {len(flags)}, ids {len(ids)})")
+    if len(ids) and (int(ids.max()) >= key.vocab_size or int(ids.min()) < 0):
+        raise Damaged(f"{entry / 'ids.npy'}: token ids outside the vocabulary of {key.vocab_size}")
+    return Streams(ids, flags, bounds, trainable)
+
+
+def _map(path: Path, meta: dict, allowed: tuple[str, ...]) -> np.ndarray:
+    """One .npy file of the entry: size and sha256 as meta.json says, a 1-D array of an allowed dtype, mapped."""
+    info = meta.get("arrays", {}).get(path.stem) if isinstance(meta.get("arrays"), dict) else None
+    if not isinstance(info, dict) or info.get("dtype") not in allowed:
+        raise Damaged(f"{path}: meta.json does not describe it")
+    try:
+        f = open_regular(path, what="cache file", root=path.parent)
+    except ConfigError as err:
+        raise Damaged(str(err)) from None
+    with f:
+        size = os.fstat(f.fileno()).st_size
+        if size != info.get("bytes"):
+            raise Damaged(f"{path}: {size} bytes, meta.json says {info.get('bytes')}")
+        if _sha256(f, size) != info.get("sha256"):
+            raise Damaged(f"{path}: sha256 differs from meta.json's")
+        f.seek(0)
+        try:
+            version = npy.read_magic(f)
+            read_header = {(1, 0): npy.read_array_header_1_0, (2, 0): npy.read_array_header_2_0}.get(version)
+            if read_header is None:
+                raise ValueError(f"npy format version {version}")
+            shape, fortran, dtype = read_header(f, max_header_size=10_000)
+        except (ValueError, SyntaxError, TypeError) as err:
+            raise Damaged(f"{path}: not a .npy array ({err})") from None
+        count = shape[0] if len(shape) == 1 else -1
+        if dtype != np.dtype(info["dtype"]) or fortran or count != info.get("length"):
+            raise Damaged(f"{path}: {dtype}{list(shape)}, meta.json says {info['dtype']}[{info.get('length')}]")
+        offset = f.tell()
+        if offset + count * dtype.itemsize != size:
+            raise Damaged(f"{path}: {size} bytes do not hold {count} values of {dtype}")
+        if count == 0:
+            return np.zeros(0, dtype)
+        return np.memmap(f, dtype=dtype, mode="r", offset=offset, shape=(count,))
+
+
+def _sha256(f: BinaryIO, size: int) -> str:
+    """The sha256 of the file's first `size` bytes, read with readinto() into one reused buffer: no new block
+    per read that the allocator could keep resident afterwards, and read(), not the map, so the pages go to
+    the page cache without counting as this process's memory."""
+    h, buffer = hashlib.sha256(), bytearray(READ_BLOCK)
+    view = memoryview(buffer)
+    f.seek(0)
+    while size > 0 and (n := f.readinto(view[: min(READ_BLOCK, size)])):  # type: ignore[attr-defined]
+        h.update(view[:n])
+        size -= n
+    return h.hexdigest()
+
+
+def _write(root: Path, entry: Path, key: CacheKey, streams: Streams) -> None:
+    """The entry written in a temp directory (each file fsynced), renamed into place; the lock is held."""
+    for stale in root.glob(f".tmp-{key.digest}-*"):  # a writer that died: the lock says none is writing
+        shutil.rmtree(stale, ignore_errors=True)
+    tmp = root / f".tmp-{key.digest}-{socket.gethostname()}-{os.getpid()}"
+    tmp.mkdir()
+    try:
+        arrays = {}
+        for name in ARRAYS:
+            array = np.ascontiguousarray(getattr(streams, name))
+            with open(tmp / f"{name}.npy", "wb") as f:
+                np.save(f, array, allow_pickle=False)
+                f.flush()
+                os.fsync(f.fileno())
+            with open(tmp / f"{name}.npy", "rb") as f:
+                size = os.fstat(f.fileno()).st_size
+                arrays[name] = {"dtype": str(array.dtype), "length": len(array), "bytes": size,
+                                "sha256": _sha256(f, size)}  # fmt: skip
+        meta = {"format_version": FORMAT_VERSION, "key": key.digest, "parts": key.parts, "source": key.source,
+                "records": len(streams), "tokens": len(streams.ids), "arrays": arrays,
+                "packing": "not in the key: rows are packed from these records when loaded",
+                "written": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}  # fmt: skip
+        with open(tmp / META, "w", encoding="utf-8") as f:
+            json.dump(meta, f, indent=1, sort_keys=True)
+            f.flush()
+            os.fsync(f.fileno())
+        _fsync_dir(tmp)
+        if os.path.lexists(entry):  # a damaged entry: moved aside whole, then removed
+            aside = root / f".tmp-{key.digest}-damaged-{os.getpid()}"
+            os.rename(entry, aside)
+            if aside.is_dir() and not aside.is_symlink():
+                shutil.rmtree(aside, ignore_errors=True)
+            else:
+                aside.unlink()
+        os.rename(tmp, entry)
+        _fsync_dir(root)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    log.info("data %s: cached %d records, %d tokens in %s", key.source, len(streams), len(streams.ids), entry)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    except OSError as err:  # some network filesystems refuse fsync on a directory
+        if err.errno not in (errno.EINVAL, errno.ENOTSUP):
+            raise
+    finally:
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def _locked(path: Path, wait_s: float) -> Iterator[None]:
+    """An exclusive flock on `path` (created), waited for up to `wait_s` seconds; the holder's name is in it."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o644)
+    try:
+        start, told = time.monotonic(), False
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                waited = time.monotonic() - start
+                if waited > wait_s:
+                    holder = os.pread(fd, 200, 0).decode("utf-8", "replace").strip() or "another process"
+                    raise ConfigError(
+                        f"data cache {path}: {holder} has been tokenizing this source for over {waited:.0f} s "
+                        f"(LOCK_WAIT_S {wait_s:.0f} s); if it is stuck, stop it, or set data.cache_dir to another "
+                        "directory"
+                    ) from None
+                if not told:
+                    log.info("data cache %s: another process is tokenizing this source; waiting for it", path)
+                    told = True
+                time.sleep(0.2)
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{socket.gethostname()} pid {os.getpid()}".encode(), 0)
+        yield
+    finally:
+        os.close(fd)  # closing releases the lock

@@ -12,11 +12,15 @@ The rows are stored flat (runner/data/tokens.py): ~3 bytes a token, not two int6
 
 Packing (`data.packing: true`): whole records are concatenated in file order into rows of up to
 `max_seq_len + 1` tokens; a record that would overflow starts the next row. Masks are kept per record
-and every record starts with a non-target token (BOS or its first prompt token), so no loss crosses a
-boundary; attention does cross it (no block-diagonal mask), as in nanoGPT and HF's ConstantLengthDataset.
+and a record's first token is never a target (`Rows`), so no loss crosses a boundary. A packed batch carries
+position ids that restart at 0 at each record (`Batch.position_ids`); with them the model confines attention
+to each record (a block-diagonal causal mask, or varlen flash-attention: runner/model/packing.py), so every
+record's logits are those it has alone. Packing stays on only where a startup check shows this holds.
 
 Order: `DataOrder.step_samples(step)` is a pure function of (seed, epoch, step), so a resumed run, or
-a step redone at a smaller micro-batch after an OOM, sees exactly the same samples.
+a step redone at a smaller micro-batch after an OOM, sees exactly the same samples. Several sources
+(`data.sources`) are encoded and packed each on its own (no row joins two sources), their rows end to end in
+one id space, mixed by weight by `MixedOrder` (runner/data/mix.py); one source keeps `DataOrder`.
 """
 
 from __future__ import annotations
@@ -26,16 +30,19 @@ import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NoReturn
 
 import numpy as np
 import torch
 
 from jobspec.errors import ConfigError
 from jobspec.spec.models import DataSpec, JobSpec
-from runner.data.cache import cache_root
+from runner.data.cache import cache_key, cache_root, cached_streams
+from runner.data.mix import ConcatRows, MixedOrder, source_names
+from runner.data.prepare import CHUNK_RECORDS, ChunkRenderer
 from runner.data.records import EVAL_SPLITS, TRAIN_SPLITS, read_records
 from runner.data.tokenizer import Message, Segment, Tokenizer
-from runner.data.tokens import IGNORE, Rows, Streams, StreamsBuilder, pack_groups
+from runner.data.tokens import IGNORE, Rows, Streams, StreamsBuilder, pack_groups, record_positions
 from runner.data.tokens import Row as Row  # (input_ids, labels), imported from here by the tests
 
 log = logging.getLogger("jobspec.runner")
@@ -52,6 +59,9 @@ class Batch:
     targets: int  # positions with a loss
     tokens: int  # real (non-padding) positions
     sample_ids: tuple[int, ...]
+    # (B, T) int64, restarting at 0 at each record of a packed row (padding goes on counting from the last one);
+    # None for rows of one record each: the model numbers them itself, exactly as without packing
+    position_ids: torch.Tensor | None = None
 
 
 def detect_format(record: dict, spec: DataSpec, where: str) -> str:
@@ -154,21 +164,51 @@ def encode_file(
 ) -> Streams:
     """Every record of `source` as (token ids, target flags), truncated to max_seq_len + 1 tokens; `cache_dir`: where
     the tokenized records are cached for every rank and restart (runner/data/cache.py), None: not cached."""
+    if cache_dir is None:
+        return _tokenize(source, spec, tokenizer, field, splits)
+    key = cache_key(source, spec, tokenizer, field, splits)
+    if key is None:  # the reason is logged
+        return _tokenize(source, spec, tokenizer, field, splits)
+    return cached_streams(Path(cache_dir), key, lambda: _tokenize(source, spec, tokenizer, field, splits))
+
+
+def _tokenize(source: str | Path, spec: DataSpec, tokenizer: Tokenizer, field: str, splits: Sequence[str]) -> Streams:
+    """`encode_file` without the cache: the records read and checked here, rendered in chunks of CHUNK_RECORDS
+    (runner/data/prepare.py: over worker processes once the source shows itself large), joined in file order."""
     fmt, out = None, StreamsBuilder(tokenizer.vocab_size)
     reach = spec.max_seq_len + 2  # tokens (and so messages) past what a row keeps, with one to spare
     chars = reach * tokenizer.max_token_chars
     clipped, longest, dropped = 0, 0, 0
-    for where, record in read_records(source, spec, field, splits):
-        fmt = fmt or detect_format(record, spec, str(where))
-        try:
-            messages, cut, beyond = clip_texts(to_messages(record, fmt, spec), chars, reach)
-            check_text(messages)
-            segments = tokenizer.render(messages)
-        except ValueError as err:
-            raise ConfigError(f"{where}: {err} (format {fmt})") from None
-        if cut or beyond:
-            clipped, longest, dropped = clipped + 1, max(longest, cut), max(dropped, beyond)
-        out.add(*flatten(segments, spec.max_seq_len + 1))
+    chats: list[list[Message]] = []
+    places: list[object] = []  # where each chat of the chunk is, for an error
+    with ChunkRenderer(tokenizer, spec.max_seq_len + 1) as renderer:
+
+        def collect(drain: bool = False) -> None:
+            for tag, chunk in renderer.ready(drain):
+                if isinstance(chunk, ValueError):
+                    _locate(tag, tokenizer, chunk, fmt)
+                ids, flags, lengths = chunk
+                for a, b in itertools.pairwise(np.concatenate(([0], np.cumsum(lengths))).tolist()):
+                    out.add(ids[a:b], flags[a:b])
+
+        for where, record in read_records(source, spec, field, splits):
+            fmt = fmt or detect_format(record, spec, str(where))
+            try:
+                messages, cut, beyond = clip_texts(to_messages(record, fmt, spec), chars, reach)
+                check_text(messages)
+            except ValueError as err:
+                raise ConfigError(f"{where}: {err} (format {fmt})") from None
+            if cut or beyond:
+                clipped, longest, dropped = clipped + 1, max(longest, cut), max(dropped, beyond)
+            chats.append(messages)
+            places.append(where)
+            if len(chats) == CHUNK_RECORDS:
+                renderer.put(chats, (places, chats))
+                chats, places = [], []
+                collect()
+        if chats:
+            renderer.put(chats, (places, chats))
+        collect(drain=True)
     if not len(out):
         raise ConfigError(f"{field} {source}: no records (expected prompt/response or messages records)")
     if clipped:
@@ -181,11 +221,48 @@ def encode_file(
     return out.build()
 
 
+def _locate(tag: object, tokenizer: Tokenizer, err: ValueError, fmt: str | None) -> NoReturn:
+    """The ConfigError for a chunk the tokenizer refused, naming the first record it refuses alone."""
+    places, chats = tag  # type: ignore[misc]  # as `_tokenize` put them
+    for where, messages in zip(places, chats, strict=True):
+        try:
+            tokenizer.render(messages)
+        except ValueError as one:
+            raise ConfigError(f"{where}: {one} (format {fmt})") from None
+    raise ConfigError(f"{places[0]} and the {len(places) - 1} records after it: {err} (format {fmt})") from None
+
+
+def pad_rows(rows: Sequence[Row], pad_id: int, max_seq_len: int) -> tuple[np.ndarray, np.ndarray]:
+    """(input_ids, labels) of a micro-batch: the rows padded on the right to the longest, rounded up to
+    PAD_MULTIPLE (at most max_seq_len), with `pad_id` and IGNORE."""
+    width = min(-(-max(len(x) for x, _ in rows) // PAD_MULTIPLE) * PAD_MULTIPLE, max_seq_len)
+    x = np.full((len(rows), width), pad_id, dtype=np.int64)
+    y = np.full((len(rows), width), IGNORE, dtype=np.int64)
+    for r, (xi, yi) in enumerate(rows):
+        x[r, : len(xi)], y[r, : len(yi)] = xi, yi
+    return x, y
+
+
+def make_batch(x: np.ndarray, y: np.ndarray, rows: Sequence[Row], ids: Sequence[int],
+               positions: torch.Tensor | None) -> Batch:  # fmt: skip
+    tokens = sum(len(xi) for xi, _ in rows)
+    return Batch(torch.from_numpy(x), torch.from_numpy(y), int((y != IGNORE).sum()), tokens, tuple(ids), positions)
+
+
 class SFTData:
     """Tokenized train and eval rows, held in memory; `collate` builds a micro-batch from row ids."""
 
-    def __init__(self, train: Rows, eval_rows: Rows, pad_id: int, max_seq_len: int):
+    def __init__(self, train: Rows | ConcatRows, eval_rows: Rows | ConcatRows, pad_id: int, max_seq_len: int,
+                 sources: Sequence[str] = ("data",)):  # fmt: skip
         self.train, self.eval, self.pad_id, self.max_seq_len = train, eval_rows, pad_id, max_seq_len
+        self.sources = tuple(sources)  # the training sources' names, in spec order
+        # Train ids of source s: [offsets[s], offsets[s+1]) (ConcatRows); one source owns them all.
+        self.offsets: np.ndarray = getattr(train, "offsets", np.array([0, len(train)], dtype=np.int64))
+
+    def source_counts(self, ids: Sequence[int] | np.ndarray) -> np.ndarray:
+        """How many of the train row `ids` come from each source."""
+        src = np.searchsorted(self.offsets, np.asarray(ids, dtype=np.int64), side="right") - 1
+        return np.bincount(src, minlength=len(self.sources))
 
     @property
     def longest(self) -> int:
@@ -193,14 +270,22 @@ class SFTData:
 
     def collate(self, ids: Sequence[int], split: str = "train") -> Batch:
         rows = [(self.train if split == "train" else self.eval)[i] for i in ids]
-        width = max(len(x) for x, _ in rows)
-        width = min(-(-width // PAD_MULTIPLE) * PAD_MULTIPLE, self.max_seq_len)
-        x = np.full((len(rows), width), self.pad_id, dtype=np.int64)
-        y = np.full((len(rows), width), IGNORE, dtype=np.int64)
-        for r, (xi, yi) in enumerate(rows):
-            x[r, : len(xi)], y[r, : len(yi)] = xi, yi
-        tokens = sum(len(xi) for xi, _ in rows)
-        return Batch(torch.from_numpy(x), torch.from_numpy(y), int((y != IGNORE).sum()), tokens, tuple(ids))
+        x, y = pad_rows(rows, self.pad_id, self.max_seq_len)
+        positions = self._positions(ids, split, x.shape[1])
+        return make_batch(x, y, rows, ids, positions)
+
+    def _positions(self, ids: Sequence[int], split: str, width: int) -> torch.Tensor | None:
+        """(B, width) position ids of packed rows (`Rows.positions`, padding counted on); None when no row of
+        `split` holds several records (the model then numbers each row itself, as without packing)."""
+        rows = self.train if split == "train" else self.eval
+        parts = getattr(rows, "parts", [rows])  # several sources (runner/data/mix.py ConcatRows): each part's rows
+        if not any(part.packed for part in parts):
+            return None
+        out = np.empty((len(ids), width), dtype=np.int64)
+        for r, i in enumerate(ids):
+            part, k = rows.locate(i) if hasattr(rows, "locate") else (rows, i)
+            out[r] = record_positions(part.record_lengths(k), width)
+        return torch.from_numpy(out)
 
 
 def _rows(streams: Streams, which: np.ndarray, spec: DataSpec, what: str) -> Rows:
@@ -222,19 +307,43 @@ def _rows(streams: Streams, which: np.ndarray, spec: DataSpec, what: str) -> Row
 
 
 def load_data(spec: JobSpec, tokenizer: Tokenizer) -> SFTData:
-    """Train rows and eval rows (from `data.eval_path`, or `eval_fraction` of the file held out by seed)."""
+    """Train rows of every source (`data.sources`, or `data.path` as one) and eval rows: `data.eval_path`, or
+    `eval_fraction` of each source held out by seed."""
     d, cache = spec.data, cache_root(spec)
-    data = encode_file(d.path or BUNDLED, d, tokenizer, cache_dir=cache)
+    sources, several = d.train_sources(str(BUNDLED)), d.sources is not None and len(d.sources) > 1
+    names, fraction = source_names(sources), 0.0 if d.eval_path else d.eval_fraction
+    train_parts, eval_parts = [], []
+    for i, (source, name) in enumerate(zip(sources, names, strict=True)):
+        field = "data.path" if d.sources is None else f"data.sources[{i}].path"
+        fmt = d if source.format is None else d.model_copy(update={"format": source.format})
+        data = encode_file(source.path, fmt, tokenizer, field, cache_dir=cache)
+        # One source keeps the seed it always had: the same rows held out as before sources existed.
+        train, held = _split(len(data), fraction, [spec.training.seed, 0x5EED, *([i] if several else [])])
+        what = f" {name}" if several else ""
+        train_parts.append(_rows(data, train, d, f"train{what}"))  # indices into one store: the eval rows copy nothing
+        if not d.eval_path:
+            eval_parts.append(_rows(data, held, d, f"eval{what}"))
+        if several and not len(train_parts[-1]):
+            raise ConfigError(f"{field} {source.path}: no training rows left (every record held out or dropped)")
     if d.eval_path:  # a DatasetDict gives its validation (else test) split here
         held_out = encode_file(d.eval_path, d, tokenizer, "data.eval_path", EVAL_SPLITS, cache_dir=cache)
-        train, held = np.arange(len(data)), np.arange(len(held_out))
-    else:  # the held-out records are a seeded random subset, the same on every rank and every restart
-        n_eval = int(len(data) * d.eval_fraction)
-        is_held = np.zeros(len(data), dtype=bool)
-        is_held[np.random.default_rng([spec.training.seed, 0x5EED]).permutation(len(data))[:n_eval]] = True
-        held_out, train, held = data, np.flatnonzero(~is_held), np.flatnonzero(is_held)
-    train_rows = _rows(data, train, d, "train")  # indices into one store: the eval rows copy nothing
-    return SFTData(train_rows, _rows(held_out, held, d, "eval"), tokenizer.pad_id, d.max_seq_len)
+        eval_parts = [_rows(held_out, np.arange(len(held_out)), d, "eval")]
+    if not several:
+        return SFTData(train_parts[0], eval_parts[0], tokenizer.pad_id, d.max_seq_len, names)
+    train_rows, eval_rows = ConcatRows(train_parts), ConcatRows(eval_parts) if len(eval_parts) > 1 else eval_parts[0]
+    weights = np.array([s.weight for s in sources]) / sum(s.weight for s in sources)
+    log.info("data: %d sources mixed by weight: %s", len(sources), ", ".join(
+        f"{n} {w:.1%} ({len(p):,} rows)" for n, w, p in zip(names, weights, train_parts, strict=True)))  # fmt: skip
+    return SFTData(train_rows, eval_rows, tokenizer.pad_id, d.max_seq_len, names)
+
+
+def _split(n: int, fraction: float, seed: list[int]) -> tuple[np.ndarray, np.ndarray]:
+    """(train, held-out) record indices: `fraction` of the n records held out, a seeded random subset, the same
+    on every rank and every restart."""
+    is_held = np.zeros(n, dtype=bool)
+    if int(n * fraction):
+        is_held[np.random.default_rng(seed).permutation(n)[: int(n * fraction)]] = True
+    return np.flatnonzero(~is_held), np.flatnonzero(is_held)
 
 
 class DataOrder:
@@ -266,6 +375,10 @@ class DataOrder:
         p = step % self.steps_per_epoch
         return self._perm[1][p * self.global_batch : (p + 1) * self.global_batch].tolist()
 
+    def step_counts(self, step: int) -> np.ndarray:
+        """Samples of each source in step `step`: one source, all of them (`MixedOrder.step_counts`)."""
+        return np.array([self.global_batch], dtype=np.int64)
+
 
 def rank_slice(ids: Sequence[int], rank: int, world_size: int) -> list[int]:
     """This rank's contiguous share of a step's ids (global_batch divides evenly over ranks)."""
@@ -278,8 +391,19 @@ def micro_batches(ids: Sequence[int], micro_batch: int) -> list[list[int]]:
     return [list(ids[i : i + micro_batch]) for i in range(0, len(ids), micro_batch)]
 
 
-def total_steps(spec: JobSpec, order: DataOrder) -> int:
-    """`training.steps`, or `epochs` (default 1) x steps per epoch, rounded up."""
+def data_order(spec: JobSpec, data: SFTData) -> DataOrder | MixedOrder:
+    """The order steps consume the train rows: `DataOrder` for one source (the ids it always gave), `MixedOrder`
+    for several, drawn by `data.sources[i].weight`."""
+    t, sizes = spec.training, np.diff(data.offsets).tolist()
+    if len(sizes) == 1:
+        return DataOrder(sizes[0], t.global_batch, t.seed)
+    weights = [s.weight for s in spec.data.train_sources(str(BUNDLED))]
+    return MixedOrder(sizes, weights, t.global_batch, t.seed)
+
+
+def total_steps(spec: JobSpec, order: DataOrder | MixedOrder) -> int:
+    """`training.steps`, or `epochs` (default 1) x steps per epoch, rounded up; with several sources an epoch
+    is the sum of all sources' training rows (each source's own passes follow its weight)."""
     if spec.training.steps is not None:
         return spec.training.steps
     return max(1, int(np.ceil((spec.training.epochs or 1.0) * order.steps_per_epoch)))

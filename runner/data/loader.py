@@ -29,8 +29,12 @@ class StepBatches:
     batches: tuple[Batch, ...]
 
     def pin_memory(self) -> StepBatches:  # called by the DataLoader's pin-memory thread
-        pin = [replace(b, input_ids=b.input_ids.pin_memory(), labels=b.labels.pin_memory()) for b in self.batches]
-        return replace(self, batches=tuple(pin))
+        return replace(self, batches=tuple(_pinned(b) for b in self.batches))
+
+
+def _pinned(b: Batch) -> Batch:
+    positions = None if b.position_ids is None else b.position_ids.pin_memory()
+    return replace(b, input_ids=b.input_ids.pin_memory(), labels=b.labels.pin_memory(), position_ids=positions)
 
 
 class _Steps(Dataset):

@@ -113,9 +113,19 @@ def read_jsonl(path: Path, field: str = "data.path") -> Records:
     return _jsonl_lines(f, path, file_size)
 
 
-def _jsonl_lines(f: BinaryIO, path: Path, left: int) -> Records:
+def read_jsonl_at(path: Path, field: str, offset: int, line: int) -> tuple[Records, BinaryIO]:
+    """`read_jsonl` from byte `offset`, the start of line `line + 1` (a stream's resume point, runner/data/stream.py):
+    the records and the open file, whose `tell()` after a record is the offset of the line after it."""
+    f, file_size = open_data(path, field)
+    if not 0 <= offset <= file_size:
+        f.close()
+        raise ConfigError(f"{field} {path}: offset {offset} is outside the file's {file_size} bytes")
+    f.seek(offset)
+    return _jsonl_lines(f, path, file_size - offset, line), f
+
+
+def _jsonl_lines(f: BinaryIO, path: Path, left: int, n: int = 0) -> Records:
     with f:
-        n = 0
         while left > 0:  # never past the size the file had when opened
             raw = f.readline(min(limits.MAX_LINE_BYTES + 1, left))
             if not raw:
@@ -321,6 +331,26 @@ def read_hub_dataset(name: str, field: str, splits: Sequence[str]) -> Records:
             f"failed: {err}"
         ) from err
     return _dataset_rows(datasets, loaded, name, field, splits)
+
+
+def read_hub_stream(name: str, field: str, splits: Sequence[str]) -> Records:
+    """`datasets.load_dataset(name, streaming=True)`: the records as the hub serves them, none stored whole
+    (`data.streaming`, runner/data/stream.py)."""
+    datasets = _optional("datasets", field, repr(name), "a Hugging Face hub dataset id (no such local path)")
+    try:
+        loaded = datasets.load_dataset(name, streaming=True)
+    except Exception as err:  # hub, network and builder errors of every kind: wrap them here
+        raise ConfigError(
+            f"{field} {name!r} is not a local file or directory, and streaming it as a Hugging Face hub dataset "
+            f"failed: {err}"
+        ) from err
+    if isinstance(loaded, datasets.IterableDatasetDict):
+        split = next((s for s in splits if s in loaded), None)
+        if split is None:
+            wanted = " or ".join(repr(s) for s in splits)
+            raise ConfigError(f"{field} {name}: no {wanted} split; it has {sorted(loaded)}")
+        loaded, name = loaded[split], f"{name}[{split}]"
+    return arrow_rows(loaded.with_format("arrow").iter(batch_size=tables.BATCH_ROWS), name)
 
 
 def _dataset_rows(datasets: ModuleType, loaded: Any, where: str, field: str, splits: Sequence[str]) -> Records:

@@ -8,7 +8,8 @@ short records of one Parquet row group. Flat arrays also stay shared with forked
 where a list of small arrays is copied page by page as their reference counts change.
 
 `Rows` are record indices into that store, one record a row or several packed, made into the
-(input_ids, labels) int64 pair of a training row when one is read.
+(input_ids, labels) int64 pair of a training row when one is read; `Rows.positions(r)` gives a packed row's
+position ids, restarting at 0 at each record, from the record bounds alone.
 """
 
 from __future__ import annotations
@@ -182,10 +183,40 @@ class Rows(Sequence[Row]):
         else:
             ids = np.concatenate([store.ids[bounds[k] : bounds[k + 1]] for k in ks]).astype(np.int64)
             flags = np.concatenate([store.flags[bounds[k] : bounds[k + 1]] for k in ks])
+        if len(ks) > 1:  # no loss across a boundary: a record's first token is never a target of the one before
+            flags = flags.copy()
+            flags[np.cumsum(store.lengths[ks[:-1]])] = False
         return ids[:-1], np.where(flags[1:], ids[1:], IGNORE)
+
+    @property
+    def packed(self) -> bool:
+        """Whether some row holds several records (its positions then restart at each: `positions`)."""
+        return len(self.records) > len(self)
+
+    def record_lengths(self, r: int) -> np.ndarray:
+        """Tokens of each record of row r, in order."""
+        g0, g1 = _span(self.groups, r, len(self))
+        return self.streams.lengths[self.records[g0:g1]]
+
+    def positions(self, r: int) -> np.ndarray:
+        """Row r's position ids (int64, one per position of `self[r]`): 0 at the first token of each record, so
+        that each record of a packed row is numbered as when it is alone (runner/model/packing.py)."""
+        lengths = self.record_lengths(r)
+        return record_positions(lengths, int(lengths.sum()) - 1)
 
     def __iter__(self) -> Iterator[Row]:
         return (self[r] for r in range(len(self)))
+
+
+def record_positions(lengths: np.ndarray, width: int) -> np.ndarray:
+    """Position ids of `width` positions over records of `lengths` tokens laid end to end: each record counts
+    from 0; positions past the records (right padding) go on counting from the last one, so they form no
+    record of their own and the real tokens before them, causal, never see them. Vectorised: no loop per token."""
+    starts = np.zeros(len(lengths), dtype=np.int64)
+    np.cumsum(lengths[:-1], out=starts[1:])
+    spans = lengths.astype(np.int64).copy()  # the positions each record covers within `width`
+    spans[-1] = width - starts[-1]
+    return np.arange(width, dtype=np.int64) - np.repeat(starts, np.maximum(spans, 0))[:width]
 
 
 def pack_groups(lengths: np.ndarray, max_seq_len: int) -> np.ndarray:

@@ -46,6 +46,7 @@ from jobspec import __version__
 from jobspec.contract import EXIT_OK
 from jobspec.errors import ConfigError, JobspecError
 from jobspec.spec import safe_yaml
+from jobspec.spec.hub import hub_origin
 from jobspec.spec.loader import parse_spec
 from jobspec.spec.models import JobSpec
 from runner.checkpoint import files, store, unpickle
@@ -193,7 +194,10 @@ def write_export(spec: JobSpec, ckpt: Path, out: Path, *, final: Path, merge: bo
         model = model.merge_and_unload()
     if kind == "adapter":
         cfg = model.peft_config["default"]
-        cfg.base_model_name_or_path = spec.model.path
+        origin = hub_origin(spec.model.path)  # a hub model trained from its snapshot in the pod's cache: the adapter
+        cfg.base_model_name_or_path = origin[0] if origin else spec.model.path  # names the hub id, loadable anywhere
+        if origin:
+            cfg.revision = origin[1]  # the commit trained on
         if spec.model.preset:  # the base exists nowhere else (built from config and seed): ship it beside the adapter
             base = build_model(_base_spec(spec), bos=getattr(tokenizer, "BOS", tokenizer.eos_id),
                                eos=tokenizer.eos_id, vocab=tokenizer.vocab_size)  # fmt: skip

@@ -2,7 +2,8 @@
 
 Only rank 0 writes. Train records carry at least: step, loss, lr, tier, micro_batch, grad_accum,
 global_batch, samples, tokens_per_s, mem_used_bytes, mem_total_bytes, gpu_util (null when unknown);
-eval records carry step and eval_loss. `kind` tells them apart ("train" | "eval" | "plan").
+eval records carry step and eval_loss. `kind` tells them apart ("train" | "eval" | "plan"). With several
+data sources, train records also carry `samples_by_source`: {source name: samples since the previous train record}.
 Memory on GPU is the allocator's peak since the previous record; on CPU the process's peak RSS.
 """
 
@@ -108,8 +109,16 @@ def format_line(r: dict[str, Any]) -> str:
     return (
         f"step {r['step']}/{r['total_steps']} | loss {r['loss']:.4f} | lr {r['lr']:.2e} | "
         f"{r['tokens_per_s']:,.0f} input tok/s | {r['tier']} mbs {r['micro_batch']} x {r['grad_accum']} "
-        f"x {r['world_size']} = {r['global_batch']}{mem}{util}"
+        f"x {r['world_size']} = {r['global_batch']}{mem}{util}{format_mix(r.get('samples_by_source'))}"
     )
+
+
+def format_mix(mix: dict[str, int] | None) -> str:
+    """` | mix chat 75% code 25%`: each source's share of the samples since the previous record."""
+    total = sum(mix.values()) if mix else 0
+    if not total:
+        return ""
+    return " | mix " + " ".join(f"{name} {n / total:.0%}" for name, n in mix.items())
 
 
 class Progress:

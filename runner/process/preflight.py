@@ -38,9 +38,7 @@ def check(spec: JobSpec) -> None:
     missing = [name for name in RUNNER_PACKAGES if find_spec(name) is None]
     if missing:
         raise ConfigError(f"training here needs the runner extra ({', '.join(missing)} not installed): {RUNNER_EXTRA}")
-    for field, source in (("data.path", spec.data.path), ("data.eval_path", spec.data.eval_path)):
-        if source is None:
-            continue
+    for field, source in data_sources(spec):
         kind = records.source_kind(source, field)  # raises for a missing file, an unknown format
         lacking = [name for name in DATA_PACKAGES.get(kind, ()) if find_spec(name) is None]
         if lacking:
@@ -54,6 +52,13 @@ def check(spec: JobSpec) -> None:
             "memory.tier zero2_offload steps the optimizer on the host with torchao, which is not installed: "
             "pip install 'jobspec-k8s[offload]' (the CUDA and ROCm images carry it), or choose another memory.tier"
         )
+
+
+def data_sources(spec: JobSpec) -> list[tuple[str, str]]:
+    """(field, path) of every data source the spec names: data.path or each data.sources[i].path, data.eval_path."""
+    named = [("data.path", spec.data.path)]
+    named += [(f"data.sources[{i}].path", s.path) for i, s in enumerate(spec.data.sources or ())]
+    return [(field, path) for field, path in [*named, ("data.eval_path", spec.data.eval_path)] if path is not None]
 
 
 def check_attention(spec: JobSpec) -> None:

@@ -1,6 +1,7 @@
 """The in-pod supervisor behind `python -m runner SPEC [--set k=v ...] [--nproc N]`.
 
-It loads and validates the spec (a bad one: the message and exit 2, no traceback), decides how many
+It loads and validates the spec (a bad one: the message and exit 2, no traceback), fetches a hub model once
+for the node (runner/process/hub.py: the workers get the local snapshot as model.path), decides how many
 processes this node runs, starts them (`python -m runner.process.worker`) with the torchrun-style variables
 RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT, forwards SIGTERM/SIGINT,
 maps their exits to the contract's codes (jobspec.contract) and writes a one-line JSON termination
@@ -50,7 +51,7 @@ from jobspec.spec.loader import load_spec
 from jobspec.spec.models import JobSpec
 from runner.oom import relaunch
 from runner.oom.ladder import MESSAGE_LIMIT
-from runner.process import preflight, redaction
+from runner.process import hub, preflight, redaction
 from runner.sizing.hostmem import host_oom, oom_kills
 
 log = logging.getLogger("jobspec.runner")
@@ -336,6 +337,16 @@ def supervise(spec: JobSpec, spec_path: str, overrides: list[str], nproc: int | 
     return last[-1] if same else Outcome(r.exit_code, r.message or last[-1].reason, last[-1].status)
 
 
+def with_hub_model(spec_path: str, spec: JobSpec, overrides: list[str]) -> tuple[JobSpec, list[str]]:
+    """A hub `model.path` fetched once for this node (runner/process/hub.py), before any worker starts: the spec
+    and the workers' overrides then name the local snapshot, so no rank downloads and all read one commit."""
+    snapshot = hub.fetch_model(spec)
+    if snapshot is None:
+        return spec, overrides
+    overrides = [*overrides, f"model.path={json.dumps(snapshot)}"]  # quoted: the value is read as YAML
+    return load_spec(spec_path, overrides), overrides
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m runner", description="Train the job a spec describes.")
     add_spec_args(parser)
@@ -350,13 +361,14 @@ def main(argv: list[str] | None = None) -> int:
     redaction.install()
     try:
         spec = load_spec(args.spec, args.overrides)
+        spec, overrides = with_hub_model(args.spec, spec, args.overrides)
         preflight.check(spec)  # a missing file, extra or bad fault rule: seconds, not a minute of imports
         done = preflight.finished(spec)
         if done:
             log.info("%s", done)
             outcome = Outcome(EXIT_OK, "done (already complete)")
         else:
-            outcome = supervise(spec, str(Path(args.spec).resolve()), args.overrides, args.nproc)
+            outcome = supervise(spec, str(Path(args.spec).resolve()), overrides, args.nproc)
     except JobspecError as err:
         print(redaction.scrubbed(str(err)), file=sys.stderr)
         outcome = Outcome(err.exit_code, str(err).splitlines()[0])

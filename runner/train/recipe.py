@@ -31,13 +31,15 @@ from jobspec.spec.models import JobSpec
 from jobspec.spec.units import human_bytes
 from runner import internals
 from runner.checkpoint import store
-from runner.checkpoint.lease import Lease, LeaseHeld
+from runner.checkpoint.lease import Lease, LeaseHeld, check_holder
 from runner.checkpoint.lineage import check_resume, lineage
-from runner.data.dataset import PAD_MULTIPLE, DataOrder, load_data, rank_slice, total_steps
+from runner.data.dataset import PAD_MULTIPLE, data_order, load_data, rank_slice, total_steps
 from runner.data.loader import Prefetcher
+from runner.data.stream import StreamData, load_stream
 from runner.data.tokenizer import load_tokenizer
 from runner.dist import Control, DistEnv, destroy_process_group, init_process_group
 from runner.model.build import build_model
+from runner.model.packing import confine_packing
 from runner.oom import faults, ladder
 from runner.oom.detect import oom_guard, release_memory
 from runner.oom.shrink import RecipeGuard, TierOOM, apply_cap
@@ -77,7 +79,15 @@ class Recipe:
         self.owns_stop = stop is None
         # Called right before this rank writes what the gang shares (checkpoint, metrics line, samples, lease):
         # raises, or ends the process, when the gang has moved on without it (runner/process/heartbeat.py).
-        self.fence = fence or (lambda: None)
+        gang = fence or (lambda: None)
+
+        def fenced() -> None:  # the heartbeat's verdict, then the run directory's: still the attempt that holds it
+            gang()
+            if self.attempt:
+                check_holder(self.root, self.attempt, self.spec.name)
+
+        self.fence = fenced
+        self.attempt = ""  # rank 0's lease holder when this attempt started, known to every rank (_take_lease)
         self.lease: Lease | None = None  # rank 0's claim on the run directory (runner/checkpoint/lease.py)
         self.step = 0  # optimizer steps completed
         self.first_step = 0  # where this process started (the resumed step)
@@ -110,10 +120,18 @@ class Recipe:
         init_process_group(env, self.device, needed=False, timeout_s=spec.scheduling.collective_timeout_seconds)
         self.ctrl = Control(env.world_size)
         self._take_lease()
+        # data.packing only where the model confines attention to each record (else off, and the log says why)
+        self.spec = spec = confine_packing(spec, self.device, self.ctrl.any)
 
         self.tokenizer = load_tokenizer(spec.model.path, model_shape(spec).vocab)
-        self.data = load_data(spec, self.tokenizer)
-        self.order = DataOrder(len(self.data.train), spec.training.global_batch, spec.training.seed)
+        if spec.data.streaming:  # read and tokenized as the steps need it, by a thread (runner/data/stream.py)
+            self.data = load_stream(spec, self.tokenizer, env.rank, env.world_size, write_index=env.is_main)
+            self.order = self.data.order
+        else:
+            self.data = load_data(spec, self.tokenizer)
+            self.order = data_order(spec, self.data)  # several sources: mixed by weight (runner/data/mix.py)
+        # Samples of each source trained since the last train record (several sources only).
+        self.mixed = [0] * len(self.data.sources) if len(self.data.sources) > 1 else None
         self.total_steps = total_steps(spec, self.order)
         self.lineage = lineage(spec, self.data.train)
         resume = store.resume_point(self.root, rank=env.rank, ctrl=self.ctrl)  # verified; damaged ones skipped
@@ -146,6 +164,9 @@ class Recipe:
                 held = err
         if self.ctrl.any(held is not None):
             raise held or LeaseHeld(f"{self.root} is in use by another run (rank 0's log names it)")
+        # Every rank learns which lease stands for this attempt: before each shared write it checks that the lease
+        # is still that one (lease.check_holder), so a rank of an attempt the gang left behind writes nothing.
+        self.attempt = self.ctrl.from_rank0(self.lease.holder if self.lease is not None else "")
 
     def _build(self, resume: Path | None, meta: dict[str, Any] | None, kept: handoff.Handoff | None = None) -> None:
         """Model, optimizer, accelerator and stepper at `self.plan`, the state of `resume` (a checkpoint) or of
@@ -195,8 +216,11 @@ class Recipe:
             self.step = self.saved_step = int(meta["step"])
             log.info("resumed from %s: step %d of %d", resume, self.step, self.total_steps)
         pin = self.plan.pin_memory and self.device.type == "cuda"  # workers collate the next steps meanwhile
+        # A stream is tokenized ahead by its own thread, in this process: collating it is cheap, and no worker can
+        # take it (runner/data/stream.py).
+        workers = 0 if isinstance(self.data, StreamData) else self.plan.num_workers
         self.stepper.prefetch = Prefetcher(self.data, self.step_ids, start=self.step, total=self.total_steps,
-                                           micro_batch=self.plan.micro_batch, num_workers=self.plan.num_workers,
+                                           micro_batch=self.plan.micro_batch, num_workers=workers,
                                            pin_memory=pin)  # fmt: skip
         self.guard = RecipeGuard(self)  # OOM: in-process shrink, fault injection, hand-over to the tier ladder
 
@@ -329,6 +353,9 @@ class Recipe:
                 self.status["step"] = self.step
                 tokens += result.tokens
                 self.trained_tokens += result.tokens
+                if self.mixed is not None:  # the step's global samples, whichever share this rank trained
+                    counts = self.order.step_counts(self.step - 1)
+                    self.mixed = [a + int(b) for a, b in zip(self.mixed, counts, strict=True)]
                 if self.record_samples:
                     self._record_samples(result.sample_ids)
                 if self.step in (1, self.total_steps) or self.step % t.log_every == 0:
@@ -537,8 +564,18 @@ class Recipe:
                 "mem_used_bytes": used,
                 "mem_total_bytes": total,
                 "gpu_util": self.gpu_util(),
+                **self._mix(),
             }
         )
+
+    def _mix(self) -> dict[str, dict[str, int]]:
+        """`samples_by_source`: each source's samples (all ranks) since the last train record, by source name;
+        nothing with one source."""
+        if self.mixed is None:
+            return {}
+        mix = dict(zip(self.data.sources, self.mixed, strict=True))
+        self.mixed = [0] * len(self.mixed)
+        return {"samples_by_source": mix}
 
     def _evaluate(self, *, final: bool = False) -> None:
         """Eval loss on this rank's share of the held-out data. A stop during the `final` one (after the last
@@ -553,6 +590,7 @@ class Recipe:
             log.warning("stop requested during the final evaluation: skipped; writing the final checkpoint")
             return
         self.eval_loss = loss
+        self.fence()
         self.metrics.write({"kind": "eval", "step": self.step, "eval_loss": loss, "eval_tokens": n})
 
     def _save(self) -> None:
@@ -584,6 +622,8 @@ class Recipe:
             keep=self.spec.checkpoints.keep,
             trainable_only=self.spec.model.lora is not None,
             files={store.SPEC: yaml.safe_dump(self.spec.to_yaml_dict(), sort_keys=False).encode()},
+            fence=self.fence,
+            attempt=self.attempt,
         )
         self.saved_step = self.step
 
@@ -604,7 +644,8 @@ class Recipe:
 
     def cleanup(self) -> None:
         prefetch = getattr(getattr(self, "stepper", None), "prefetch", None)  # its DataLoader workers
-        for closable in (self.progress, self.metrics, prefetch):
+        stream = getattr(self, "data", None) if isinstance(getattr(self, "data", None), StreamData) else None
+        for closable in (self.progress, self.metrics, prefetch, stream):
             if closable is not None:
                 closable.close()
         if self.lease is not None:

@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from runner.data.dataset import IGNORE, Batch, SFTData, micro_batches
 from runner.data.loader import Prefetcher
 from runner.dist import Control
+from runner.model.packing import packed_inputs
 from runner.oom import fsdp
 from runner.oom.detect import Guarded, Headroom, allocated_bytes, guarded, headroom
 from runner.oom.shrink import RankOOM, agreement, all_reduce_grads, raise_agreed
@@ -46,16 +47,27 @@ class Preempted(Exception):
 
 
 def summed_loss(
-    model: torch.nn.Module, head: ChunkedLossHead | None, input_ids: torch.Tensor, labels: torch.Tensor
+    model: torch.nn.Module,
+    head: ChunkedLossHead | None,
+    input_ids: torch.Tensor,
+    labels: torch.Tensor,
+    position_ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Summed token cross-entropy of a micro-batch, in fp32: chunked inside the output layer when the `head` is
     installed (the fp32 logits never whole), else from the logits upcast ((B, T, V) fp32). The step's loss and the
-    memory trace's (runner/train/trace.py) are this one function."""
+    memory trace's (runner/train/trace.py) are this one function.
+
+    `position_ids` (B, T): a packed batch, whose records restart at 0; given with no attention mask and no cache,
+    they make transformers confine attention to each record (runner/model/packing.py). None: as without packing."""
+    kwargs: dict[str, Any] = {}
+    if position_ids is not None:  # no cache either: transformers reads packed positions only without one
+        input_ids, labels, kwargs["position_ids"] = packed_inputs(model, input_ids, labels, position_ids)
+        kwargs["use_cache"] = False
     if head is not None:
         with head.targets(labels):
-            per_token = model(input_ids=input_ids).logits  # (B, T, 1): each token's loss, 0 at IGNORE
+            per_token = model(input_ids=input_ids, **kwargs).logits  # (B, T, 1): each token's loss, 0 at IGNORE
         return per_token.float().sum()  # FSDP2 may have cast it to its output dtype: sum in fp32
-    logits = model(input_ids=input_ids).logits
+    logits = model(input_ids=input_ids, **kwargs).logits
     return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE, reduction="sum")
 
 
@@ -191,7 +203,10 @@ class Stepper:
 
     def loss_sum(self, batch: Batch) -> torch.Tensor:
         """Summed token cross-entropy of a micro-batch, in fp32 (`summed_loss`)."""
-        return summed_loss(self.model, self.head, self._to_device(batch.input_ids), self._to_device(batch.labels))
+        positions = None if batch.position_ids is None else self._to_device(batch.position_ids)
+        return summed_loss(
+            self.model, self.head, self._to_device(batch.input_ids), self._to_device(batch.labels), positions
+        )
 
     def train_step(self, sample_ids: Sequence[int], micro_batch: int, lr: float) -> StepResult:
         """Accumulate over this rank's `sample_ids` in micro-batches of `micro_batch`, then one optimizer step.

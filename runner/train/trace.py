@@ -27,7 +27,9 @@ transformers takes FakeTensors for tracing (`is_tracing`): `find_packed_sequence
 packed-sequence mask where eager returns None for the arange positions the runner's forward makes, which makes
 it build a (b, 1, s, s) mask and expand K/V for grouped-query attention. The trace gives it the eager answer
 (`_eager_decisions`), so the traced graph is the eager one (tests/runner/sizing/test_trace.py checks it
-against real tensors to the byte).
+against real tensors to the byte). With `packed=True` (`data.packing`) the traced micro-batch is packed as the
+runner's are, two records a row with their own position ids (`Batch.position_ids`), and there eager also finds
+packed sequences and builds that (b, 1, s, s) block-diagonal mask: the trace keeps transformers' own answer.
 """
 
 from __future__ import annotations
@@ -183,16 +185,18 @@ def _optimizer(model: nn.Module, fused: bool | None, sharded: bool) -> torch.opt
 
 
 @contextlib.contextmanager
-def _eager_decisions() -> Iterator[None]:
+def _eager_decisions(packed: bool = False) -> Iterator[None]:
     """transformers' eager answers where FakeTensors would make it take the tracing path.
 
     `find_packed_sequence_indices` reads the position ids to tell packed rows apart; the runner's forward passes
-    none, so transformers makes arange positions, in which eager finds no packing (None) and then skips the mask
-    (SDPA's is_causal, native GQA). On fakes it cannot read them and returns the mask it would compile. Releases
-    without that function (transformers 4.x before packed-sequence detection) make no such decision."""
+    none for unpacked rows, so transformers makes arange positions, in which eager finds no packing (None) and then
+    skips the mask (SDPA's is_causal, native GQA). On fakes it cannot read them and returns the mask it would
+    compile. For a `packed` batch (position ids restarting within a row) eager finds the packed sequences too and
+    returns that same mask, which it builds from the same ops: transformers' own function is then the eager answer.
+    Releases without that function (transformers 4.x before packed-sequence detection) make no such decision."""
     from transformers import masking_utils
 
-    if not hasattr(masking_utils, "find_packed_sequence_indices"):
+    if packed or not hasattr(masking_utils, "find_packed_sequence_indices"):
         yield
         return
     with mock.patch.object(masking_utils, "find_packed_sequence_indices", return_value=None):
@@ -243,6 +247,7 @@ def trace_step(
     fake: bool = True,
     seed: int = 0,
     grad_accum: int = 2,
+    packed: bool = False,
 ) -> TraceResult:
     """One rank's bytes at the peak of the runner's optimizer step at `tier` (see the module docstring).
 
@@ -253,6 +258,7 @@ def trace_step(
     parameters with their temporaries). `fake=False` runs real tensors on the CPU (FSDP tiers on one rank).
     `grad_accum`: micro-batches per optimizer step, as Stepper.train_step runs them (2: the gradients of the first
     are alive during the second, the runner's usual case; 1 when the micro-batch is the whole per-rank batch).
+    `packed`: rows of two records each with their own position ids, as `data.packing` trains (see the docstring).
     """
     tier_index(tier)  # raises for unknown names
     if precision not in DTYPE or micro_batch < 1 or seq_len < 1 or world_size < 1:
@@ -274,13 +280,14 @@ def trace_step(
     if ckpt:
         engine.enable_checkpointing(net, lora=lora is not None)
     group = _process_group(world_size, fake) if fsdp else contextlib.nullcontext()
-    with group, _eager_decisions():
+    with group, _eager_decisions(packed):
         if fsdp:  # on the meta device for fakes: FSDP2's device mesh cannot be built under FakeTensorMode
             net = _shard(net, traced, precision)
         else:
             _autocast(net, precision, device)
         result = _run(net, cfg, loss, fsdp=fsdp, fused=fused, fake=fake, micro_batch=micro_batch, seq_len=seq_len,
-                      world_size=world_size, max_grad_norm=max_grad_norm, grad_accum=grad_accum)  # fmt: skip
+                      world_size=world_size, max_grad_norm=max_grad_norm, grad_accum=grad_accum,
+                      packed=packed)  # fmt: skip
     raw = {str(getattr(k, "value", k)): int(v) for k, v in result.get(device, {}).items()}
     total = raw.pop("Total", 0)
     parts = dict.fromkeys(("parameters", "gradients", "optimizer", "activations", "temporaries", "other"), 0)
@@ -318,6 +325,7 @@ def _run(
     world_size: int,
     max_grad_norm: float | None,
     grad_accum: int,
+    packed: bool = False,
 ) -> dict[Any, dict[Any, int]]:
     """Two optimizer steps of the runner under the tracker; its peak snapshot (device -> category -> bytes)."""
     device = torch.device("cpu")
@@ -329,10 +337,12 @@ def _run(
         loss_sum = loss(net, device)
         vocab = int(cfg.vocab_size)
         ids = torch.randint(0, vocab, (micro_batch, seq_len), device=device)
-        batch = Batch(ids, ids.clone(), micro_batch * seq_len, micro_batch * seq_len, ())
+        positions = packed_positions(micro_batch, seq_len, device) if packed else None
+        batch = Batch(ids, ids.clone(), micro_batch * seq_len, micro_batch * seq_len, (), positions)
         scale = world_size / batch.targets  # as Stepper.train_step: the global per-token mean
         trained = [p for p in net.parameters() if p.requires_grad]
-        tracker = internals.memory_tracker(net, optimizer, fsdp, (batch.input_ids, batch.labels))
+        inputs = (batch.input_ids, batch.labels, *([] if positions is None else [positions]))
+        tracker = internals.memory_tracker(net, optimizer, fsdp, inputs)
         with tracker:
             for step in range(2):  # the first creates Adam's moments; the second is the runner's steady state
                 optimizer.zero_grad(set_to_none=True)
@@ -380,7 +390,21 @@ def runner_loss(model: nn.Module, device: torch.device) -> Callable[[Batch], tor
     fake = any(internals.is_fake(p) for p in model.parameters())
     with mock.patch.object(ChunkedLossHead, "probe", return_value=None) if fake else contextlib.nullcontext():
         head = install_chunked_loss(model, run=model, device=device)
-    return lambda batch: summed_loss(model, head, batch.input_ids.to(device), batch.labels.to(device))
+
+    def loss_sum(batch: Batch) -> torch.Tensor:
+        positions = None if batch.position_ids is None else batch.position_ids.to(device)
+        return summed_loss(model, head, batch.input_ids.to(device), batch.labels.to(device), positions)
+
+    return loss_sum
+
+
+def packed_positions(micro_batch: int, seq_len: int, device: torch.device) -> torch.Tensor:
+    """(micro_batch, seq_len) position ids of packed rows: two records a row, the second from seq_len // 2 (a row
+    of one token holds one record). The memory of a packed step does not depend on where the records split."""
+    pos = torch.arange(seq_len, device=device)
+    half = seq_len // 2
+    pos = torch.where(pos >= half, pos - half, pos) if half else pos
+    return pos.expand(micro_batch, -1).contiguous()
 
 
 def spec_model(spec: Any) -> ModelShape | Any:
@@ -407,7 +431,7 @@ def trace_spec(spec: Any, tiers: dict[str, int], world_size: int, precision: str
         r = trace_step(model, tier=tier, world_size=world_size, micro_batch=mbs, seq_len=spec.data.max_seq_len,
                        loss=runner_loss, precision=precision, lora=spec.model.lora, checkpointing=forced,
                        attention=spec.model.attention, max_grad_norm=spec.training.max_grad_norm,
-                       grad_accum=2 if per_rank // mbs > 1 else 1)  # fmt: skip
+                       grad_accum=2 if per_rank // mbs > 1 else 1, packed=spec.data.packing)  # fmt: skip
         out.append({"tier": tier, "micro_batch": mbs, "peak": r.peak, "parts": r.parts, "host": r.host,
                     "ddp_buckets": r.ddp_buckets, "seconds": round(r.seconds, 2), "notes": list(r.notes)})  # fmt: skip
     return out

@@ -26,7 +26,7 @@ CONTROLLER_UID = "batch.kubernetes.io/controller-uid"
 INDEX = "batch.kubernetes.io/job-completion-index"
 
 _CORE = re.compile(
-    r"^/api/v1/namespaces/(?P<ns>[^/]+)/(?P<plural>configmaps|services|pods)(?:/(?P<name>[^/]+))?"
+    r"^/api/v1/namespaces/(?P<ns>[^/]+)/(?P<plural>configmaps|services|pods|persistentvolumeclaims)(?:/(?P<name>[^/]+))?"
     r"(?P<log>/log)?$"
 )
 _BATCH = re.compile(r"^/apis/batch/v1/namespaces/(?P<ns>[^/]+)/(?P<plural>jobs)(?:/(?P<name>[^/]+))?$")
@@ -102,7 +102,8 @@ class FakeApi:
     def put(self, obj: dict[str, Any]) -> dict[str, Any]:
         obj = copy.deepcopy(obj)
         plural = {"ConfigMap": "configmaps", "Service": "services", "Job": "jobs", "Pod": "pods",
-                  "NetworkPolicy": "networkpolicies"}[obj["kind"]]  # fmt: skip
+                  "NetworkPolicy": "networkpolicies",
+                  "PersistentVolumeClaim": "persistentvolumeclaims"}[obj["kind"]]  # fmt: skip
         md = obj["metadata"]
         md.setdefault("uid", str(uuid.uuid4()))
         md.setdefault("creationTimestamp", "2025-01-01T00:00:00Z")

@@ -110,9 +110,11 @@ def test_role_grants_exactly_what_the_client_uses(
     from jobspec.cluster.listing import list_jobs
     from jobspec.cluster.status import collect_status
 
+    claim = {"apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": {"name": "jobspec-hf-cache-rwo"},
+             "spec": {"accessModes": ["ReadWriteOnce"], "resources": {"requests": {"storage": "1Gi"}}}}  # fmt: skip
+    submit(client, [claim, *make_objects()], "ml")  # the hub cache: looked up, created
     submit(client, make_objects(), "ml")
-    submit(client, make_objects(), "ml")
-    submit(client, make_objects(spec_hash="hash-2"), "ml", replace=True)
+    submit(client, [claim, *make_objects(spec_hash="hash-2")], "ml", replace=True)  # looked up, kept
     pod = api.add_pod("ml", "train", 0)["metadata"]["name"]
     api.logs[("ml", pod)] = b"x\n"
     collect_status(client, "ml", "train")

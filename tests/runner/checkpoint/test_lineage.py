@@ -91,3 +91,40 @@ def test_a_finished_run_rerun_trains_nothing_and_keeps_its_export(tmp_path, capl
     assert code == EXIT_OK and worker.first_step == 4
     assert "already exported" in caplog.text
     assert (run / "model" / "model.safetensors").stat().st_mtime_ns == before
+
+
+def test_a_change_of_the_sources_mix_is_refused_and_a_new_label_is_not():
+    import yaml
+
+    from jobspec.spec.loader import parse_spec
+    from runner.checkpoint.lineage import check_resume, lineage
+
+    def of(sources):
+        spec = {"name": "x", "model": {"preset": "tiny"}, "training": {"global_batch": 8}, "data": {"sources": sources}}
+        return lineage(parse_spec(yaml.safe_dump(spec), "spec.yaml"), [])
+
+    saved = of([{"path": "a.jsonl", "weight": 3}, {"path": "b.jsonl"}])
+    check_resume(saved, of([{"path": "a.jsonl", "weight": 3, "name": "chat"}, {"path": "b.jsonl"}]), where="c",
+                 force=False)  # fmt: skip
+    for changed in ([{"path": "a.jsonl", "weight": 2}, {"path": "b.jsonl"}], [{"path": "a.jsonl", "weight": 3}],
+                    [{"path": "a.jsonl", "weight": 3}, {"path": "b.jsonl", "format": "messages"}]):  # fmt: skip
+        with pytest.raises(ConfigError, match=r"data\.sources"):
+            check_resume(saved, of(changed), where="c", force=False)
+
+
+def test_turning_streaming_on_or_off_is_refused_and_other_runs_keep_their_lineage():
+    import yaml
+
+    from jobspec.spec.loader import parse_spec
+    from runner.checkpoint.lineage import check_resume, lineage
+
+    def of(**data):
+        spec = {"name": "x", "model": {"preset": "tiny"}, "training": {"global_batch": 8, "steps": 4}, "data": data}
+        return lineage(parse_spec(yaml.safe_dump(spec), "spec.yaml"), [])
+
+    prepared, streamed = of(), of(streaming=True)
+    assert not any("streaming" in k or "shuffle" in k for k in prepared)  # as a checkpoint of an older jobspec has it
+    for saved, now in ((prepared, streamed), (streamed, prepared), (streamed, of(streaming=True, shuffle_buffer=8))):
+        with pytest.raises(ConfigError, match=r"data\.(streaming|shuffle_buffer)"):
+            check_resume(saved, now, where="c", force=False)
+    check_resume(streamed, of(streaming=True), where="c", force=False)

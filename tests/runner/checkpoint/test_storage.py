@@ -61,8 +61,8 @@ def test_no_room_for_a_later_checkpoint_keeps_the_previous_one(tmp_path, monkeyp
     [
         (errno.ENOSPC, "no space left at {run}: needs about"),
         (errno.EDQUOT, "no space left at {run}: needs about"),
-        (errno.EROFS, "{run} is on a read-only filesystem (writing {run}/.tmp-step-8/__0_0.distcp)"),
-        (errno.EACCES, "cannot write to {run}: Permission denied (writing {run}/.tmp-step-8/__0_0.distcp)"),
+        (errno.EROFS, "{run} is on a read-only filesystem (writing {run}/.tmp-step-8-{attempt}/__0_0.distcp)"),
+        (errno.EACCES, "cannot write to {run}: Permission denied (writing {run}/.tmp-step-8-{attempt}/__0_0.distcp)"),
     ],
 )
 def test_an_os_error_while_writing_exits_74_and_keeps_the_previous_checkpoint(tmp_path, monkeypatch, code, says):
@@ -79,7 +79,9 @@ def test_an_os_error_while_writing_exits_74_and_keeps_the_previous_checkpoint(tm
 
     monkeypatch.setattr(store.dcp, "save", failing_save)
     exit_code, status = _run(tmp_path, run)
-    assert exit_code == EXIT_STORAGE and status["reason"].startswith(says.format(run=run)), status["reason"]
+    attempt = re.search(r"\.tmp-step-8-(\w+)/", status["reason"])  # the temp dir is named by the attempt (its lease)
+    says = says.format(run=run, attempt=attempt[1] if attempt else "?")
+    assert exit_code == EXIT_STORAGE and status["reason"].startswith(says), status["reason"]
     assert store.latest(run) == run / "step-4" and store.verify(run / "step-4") is None
     assert not list(run.glob(".tmp-*")) and not (run / "lease.json").exists()
 
@@ -160,7 +162,8 @@ def small_volume(tmp_path):
 
 
 def test_a_real_full_volume_is_caught_by_the_check_at_start(tmp_path, small_volume):
-    code, status = _run(tmp_path, small_volume / "run")
+    # the data cache elsewhere (it would take 0.3 MiB of the volume: the figures below are the checkpoint's alone)
+    code, status = _run(tmp_path, small_volume / "run", data={"max_seq_len": 64, "cache_dir": str(tmp_path / "c")})
     assert code == EXIT_STORAGE
     assert status["reason"].startswith(f"no space left at {small_volume / 'run'}: needs about 6.")
     assert ", has 4.00 MiB" in status["reason"] or ", has 3.9" in status["reason"]
@@ -169,7 +172,7 @@ def test_a_real_full_volume_is_caught_by_the_check_at_start(tmp_path, small_volu
 def test_a_real_enospc_while_writing_exits_74_and_cleans_up(tmp_path, small_volume, monkeypatch):
     monkeypatch.setattr(storage, "check_space", lambda root, need: None)  # let the write itself hit the wall
     run = small_volume / "run"
-    code, status = _run(tmp_path, run)
+    code, status = _run(tmp_path, run, data={"max_seq_len": 64, "cache_dir": str(tmp_path / "c")})
     assert code == EXIT_STORAGE and status["reason"].startswith(f"no space left at {run}: needs about 6."), status
     assert re.search(r", has (3\.9\d|4\.00) MiB", status["reason"])  # measured after the partial write was removed
     assert store.latest(run) is None and not list(run.glob(".tmp-*"))  # the partial checkpoint is gone

@@ -1,0 +1,111 @@
+"""Fencing by the run directory's lease: a rank of an attempt the gang left behind writes nothing.
+
+Every rank learns at start which lease stands for its attempt (rank 0's holder, `Control.from_rank0`), and checks
+before each shared write that the run directory still holds it (`lease.check_holder`), inside the checkpoint
+protocol too: before each phase and right before the rename that publishes. A checkpoint's temp dir is named by
+the attempt, so a rank that wakes mid-save writes into a directory no later attempt publishes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from torch import nn
+
+from jobspec.contract import EXIT_FAILED
+from jobspec.errors import ConfigError
+from runner.checkpoint import store
+from runner.checkpoint.lease import LEASE_FILE, Lease, LeaseLost, Superseded, check_holder
+from runner.dist import Control
+from tests.runner.train_helpers import ROOT, runner_env
+
+
+def test_the_attempt_that_holds_the_lease_writes_and_any_other_is_superseded(tmp_path):
+    lease = Lease(tmp_path, "job-a")
+    lease.acquire()
+    check_holder(tmp_path, lease.holder, "job-a")  # still this attempt's
+    with pytest.raises(Superseded, match="earlier attempt") as err:
+        check_holder(tmp_path, "0" * 32, "job-a")  # the gang restarted: a new rank 0 took the lease over
+    assert err.value.exit_code == EXIT_FAILED  # an old pod's exit must never fail the Job (exit 2 would)
+    lease.release()
+    with pytest.raises(Superseded):  # released by a later attempt that finished: held by none
+        check_holder(tmp_path, lease.holder, "job-a")
+
+
+def test_another_jobs_lease_is_a_lost_lease_and_a_broken_lease_file_never_hangs(tmp_path):
+    record = {"holder": "f" * 32, "job": "job-b", "host": "h", "pid": 1, "since": 0, "heartbeat": 0}
+    (tmp_path / LEASE_FILE).write_text(json.dumps(record))
+    with pytest.raises(LeaseLost, match="taken over"):
+        check_holder(tmp_path, "0" * 32, "job-a")
+    for broken in ("fifo", "link", "garbage"):
+        (tmp_path / LEASE_FILE).unlink()
+        if broken == "fifo":
+            os.mkfifo(tmp_path / LEASE_FILE)
+        elif broken == "link":
+            (tmp_path / LEASE_FILE).symlink_to("/dev/zero")
+        else:
+            (tmp_path / LEASE_FILE).write_bytes(b"\x00{" * 1000)
+        with pytest.raises(Superseded):  # unreadable: not this attempt's, and no hang on a FIFO or /dev/zero
+            check_holder(tmp_path, "0" * 32, "job-a")
+
+
+def _model():
+    torch.manual_seed(0)
+    model = nn.Linear(4, 4)
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    return model, opt
+
+
+def test_a_fenced_rank_publishes_no_checkpoint_and_its_temp_dir_is_its_attempts(tmp_path):
+    model, opt = _model()
+    ctrl = Control(1)
+    store.save(tmp_path, 1, model, opt, {"plan": {}}, rank=0, ctrl=ctrl, keep=3, attempt="a" * 32)
+    calls = []
+
+    def fence():  # passes the phases, then the gang moves on while this rank writes: the publish is fenced
+        calls.append(1)
+        if len(calls) > 3:
+            raise Superseded("moved on")
+
+    with pytest.raises(Superseded):
+        store.save(tmp_path, 2, model, opt, {"plan": {}}, rank=0, ctrl=ctrl, keep=3, fence=fence, attempt="b" * 32)
+    assert len(calls) == 4  # before each of the three phases, and before the rename
+    assert [p.name for _, p in store.complete(tmp_path)] == ["step-1"] and not (tmp_path / "step-2").exists()
+    assert (tmp_path / f".tmp-step-2-{'b' * 12}").is_dir()  # its own attempt's: no later attempt publishes it
+    store.save(tmp_path, 3, model, opt, {"plan": {}}, rank=0, ctrl=ctrl, keep=3, attempt="c" * 32)
+    assert not list(tmp_path.glob(".tmp-step-*"))  # the next publish prunes every attempt's leftovers
+    assert sorted(p.name for p in tmp_path.glob("step-*")) == ["step-1", "step-3"]
+
+
+def test_rank_0s_text_reaches_every_rank_exactly(tmp_path):
+    script = textwrap.dedent(f"""
+        import os, sys
+        import torch.distributed as dist
+        sys.path.insert(0, {str(ROOT)!r})
+        from runner.dist import Control
+        rank = int(sys.argv[1])
+        dist.init_process_group("gloo", init_method="file://{tmp_path}/rdv", rank=rank, world_size=2)
+        ctrl = Control(2)
+        for text in ("ffffffff" * 4, "0123456789abcdef" * 2, "00000001", "abc", "", "f" * 64):
+            got = ctrl.from_rank0(text if rank == 0 else "")
+            assert got == text, (rank, text, got)
+        print("ok", rank, flush=True)
+        os._exit(0)  # gloo's teardown at interpreter exit can abort (see tests/runner/oom)
+    """)
+    procs = [subprocess.Popen([sys.executable, "-c", script, str(r)], cwd=ROOT, env=runner_env(),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in (0, 1)]  # fmt: skip
+    outs = [p.communicate(timeout=120) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs
+    assert [o.strip() for o, _ in outs] == ["ok 0", "ok 1"]
+
+
+def test_superseded_is_no_config_error():
+    assert not issubclass(Superseded, ConfigError)
