@@ -92,6 +92,13 @@ MLP_TARGETS = frozenset({"gate_proj", "up_proj", "down_proj", "c_fc", "mlp.c_pro
 FP32_ACT_FACTOR = 1.44
 # Eager attention keeps the scores and their softmax: bytes per head per token pair (traced 6.24 under bf16).
 EAGER_SCORE_BYTES = 6.25
+# A packed micro-batch (`data.packing`) under sdpa: transformers' (b, 1, s, s) block-diagonal mask instead of SDPA's
+# `is_causal`. Per micro-batch row and token pair, traced on the runner's step (hidden 384, 2-6 layers, b 4, s 1024):
+# every layer saves a 16-bit copy of the mask for backward (gpt2 2.0 B a layer, llama 3.0 with its GQA expansion,
+# + 0.4 once); with activation checkpointing only the mask itself stays (1.0-1.2). Eager materialises a mask
+# whether packed or not (its scores term covers it); flash attention takes the positions as varlen lengths.
+PACKED_MASK_LAYER_BYTES = {"llama": 3.1, "gpt2": 2.0}
+PACKED_MASK_CHECKPOINTED_BYTES = 1.2
 # After the last block, per token and hidden unit: the final norm's saved tensors, the hidden states the loss keeps
 # and its gradient, by (family, residual width); traced, and where the step peaks with activation checkpointing.
 LOSS_HIDDEN_BYTES: dict[tuple[str, int], int] = {("llama", 4): 14, ("llama", 2): 10, ("gpt2", 4): 10, ("gpt2", 2): 6}
@@ -338,6 +345,7 @@ def estimate(
     precision: Precision = "bf16",
     sample_scale: float = 1.0,
     grad_accum: int = 2,
+    packed: bool = False,
 ) -> MemoryEstimate:
     """Bytes one GPU needs to train `shape` at `tier` over `world_size` data-parallel ranks.
 
@@ -345,7 +353,8 @@ def estimate(
     (jobspec/plan/calibration.py); 1.0 is the model as derived. `grad_accum`: micro-batches per optimizer step.
     When it accumulates (2 or more), the gradients of the earlier micro-batches are alive at the activations'
     peak; with one micro-batch a step they are not yet, and the step peaks at whichever is larger, the
-    activations and loss or, after backward, the gradients: `gradients` is then only what they add beyond."""
+    activations and loss or, after backward, the gradients: `gradients` is then only what they add beyond.
+    `packed`: rows of several records (`data.packing`), whose attention mask sdpa then holds whole."""
     if seq_len < 1 or micro_batch < 0 or world_size < 1:
         raise ConfigError(
             f"seq_len {seq_len}, micro_batch {micro_batch}, world_size {world_size}: "
@@ -358,6 +367,9 @@ def estimate(
     logits = _loss_bytes(shape, tier, tokens, precision, lora)
     if ckpt:  # the recomputed layer, where it outgrows the loss's peak (see _activations)
         acts += max(0, _recompute(shape, tier, tokens, seq_len, attention, precision, lora) - logits)
+    if packed and attention == "sdpa":  # the block-diagonal mask, and each layer's saved copy of it
+        per_pair = PACKED_MASK_CHECKPOINTED_BYTES if ckpt else shape.layers * PACKED_MASK_LAYER_BYTES[_family(shape)]
+        acts += int(per_pair * micro_batch * seq_len * seq_len)
     acts, logits = int(acts * sample_scale), int(logits * sample_scale)
     grads = st.gradients if grad_accum > 1 else max(0, st.gradients - acts - logits)
     states = st.weights + grads + st.optimizer + st.buckets + st.working
@@ -402,6 +414,7 @@ def plan_tier(
     precision: Precision = "bf16",
     sample_scale: float = 1.0,
     micro_batch: int | None = None,
+    packed: bool = False,
 ) -> TierPlan:
     """The largest micro-batch at `tier` that fits `utilization * gpu_bytes` and divides the per-rank batch,
     or, with `micro_batch` (the spec's fixed one), whether that one fits and by how much.
@@ -429,7 +442,9 @@ def plan_tier(
         attention=attention,
         precision=precision,
         sample_scale=sample_scale,
+        packed=packed,
     )
+
     def at(m: int) -> MemoryEstimate:  # at micro-batch m, accumulating unless m is the whole per-rank batch
         return est(micro_batch=m, grad_accum=max(1, per_rank // m) if m else 2)
 
@@ -480,6 +495,7 @@ def plan_all(
     precision: Precision = "bf16",
     sample_scale: dict[str, float] | None = None,
     micro_batch: int | None = None,
+    packed: bool = False,
 ) -> list[TierPlan]:
     """`plan_tier` for every tier, in TIERS order (cheapest first); `sample_scale`: measured corrections by tier;
     `micro_batch`: the spec's fixed micro-batch (each tier then says whether it fits)."""
@@ -498,6 +514,7 @@ def plan_all(
             precision=precision,
             sample_scale=(sample_scale or {}).get(t, 1.0),
             micro_batch=micro_batch,
+            packed=packed,
         )
         for t in TIERS
     ]

@@ -75,6 +75,7 @@ def estimate_kwargs(spec: JobSpec, world_size: int, precision: str) -> dict[str,
         "checkpointing": forced,
         "attention": spec.model.attention,
         "precision": precision,
+        "packed": spec.data.packing,
     }
 
 

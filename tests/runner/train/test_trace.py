@@ -110,3 +110,24 @@ def test_the_formula_is_within_10_percent_of_the_trace(shape, tier):
     model = e.gpu_bytes - e.overhead
     assert abs(model / traced.peak - 1) < 0.10, (e.breakdown(), traced.parts, traced.peak)
     assert e.host == pytest.approx(traced.host, rel=0.10, abs=1)  # what the offload tiers keep on the host
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tier", ["fast", "zero3"])
+@pytest.mark.parametrize("shape", [GRID[0], GRID[3]], ids=lambda g: f"{g[0]}-h{g[1]}")
+def test_the_formula_counts_the_packed_mask_as_the_trace_does(shape, tier):
+    """`data.packing` under sdpa: the (b, 1, s, s) block-diagonal mask replaces SDPA's is_causal. The formula's packed
+    step stays within 10% of the traced one, and what packing adds is the traced addition to within 25% (the mask,
+    and a copy per layer without checkpointing)."""
+    from jobspec.catalog.presets import ModelShape
+    from jobspec.plan import memory
+
+    fam, h, i, layers, heads, kv, vocab, tied = shape
+    s = ModelShape(fam, layers=layers, hidden=h, heads=heads, kv_heads=kv, vocab=vocab, max_positions=2048,
+                   intermediate=i, tie_embeddings=tied)  # fmt: skip
+    traced = {p: trace_step(s, tier=tier, world_size=4, micro_batch=4, seq_len=1024, loss=runner_loss, packed=p)
+              for p in (False, True)}  # fmt: skip
+    est = {p: memory.estimate(s, tier=tier, seq_len=1024, micro_batch=4, world_size=4, packed=p) for p in (False, True)}
+    assert abs((est[True].gpu_bytes - est[True].overhead) / traced[True].peak - 1) < 0.10
+    added, traced_added = est[True].activations - est[False].activations, traced[True].peak - traced[False].peak
+    assert traced_added > 0 and abs(added / traced_added - 1) < 0.25, (added, traced_added)
