@@ -60,6 +60,7 @@ META = "meta.json"
 MAX_META_BYTES = 1 << 20  # a chat template and a few hashes: kilobytes
 LOCK_WAIT_S = 3 * 3600.0  # a process tokenizing a very large source; past this a waiting rank stops with an error
 READ_BLOCK = 1 << 20
+SHA256_HEX = re.compile(r"[0-9a-f]{64}")
 USERINFO = re.compile(r"(?<=://)[^/@\s]+@")  # user:password@ in a URL-like source: never written down
 
 
@@ -78,10 +79,17 @@ class CacheKey:
 
 
 def cache_key(
-    source: str | Path, spec: DataSpec, tokenizer: Tokenizer, field: str, splits: Sequence[str]
+    source: str | Path,
+    spec: DataSpec,
+    tokenizer: Tokenizer,
+    field: str,
+    splits: Sequence[str],
+    stamps: Path | None = None,
 ) -> CacheKey | None:
     """The key of `source` tokenized by `tokenizer` under `spec`; None (logged) when its content or the
-    tokenizer cannot be known before tokenizing. A source that is not there fails here as it would when read."""
+    tokenizer cannot be known before tokenizing. A source that is not there fails here as it would when read.
+    `stamps`: the directory where the digests of files already hashed are kept, as `source-*.stamp` files (the cache
+    root: see `_digest_file`); None: every file is read."""
     shown = USERINFO.sub("***@", str(source))
     kind = source_kind(str(source), field)
     if kind == "hub":
@@ -99,7 +107,7 @@ def cache_key(
     if tok is None:
         log.info("data %s: tokenized records not cached: tokenizer %s cannot name its state", shown, tokenizer.name)
         return None
-    content = _digest_dir(Path(source)) if kind == "datasets" else _digest_file(Path(source), field)
+    content = _digest_dir(Path(source), stamps) if kind == "datasets" else _digest_file(Path(source), field, stamps)
     parts = {
         "format_version": str(FORMAT_VERSION),
         "source_kind": kind,
@@ -116,13 +124,48 @@ def cache_key(
     return CacheKey(digest, parts, tokenizer.vocab_size, shown)
 
 
-def _digest_file(path: Path, field: str) -> str:
+def _digest_file(path: Path, field: str, stamps: Path | None = None) -> str:
+    """The sha256 of a data file. With `stamps`, a file whose identity and change times match the stamp written
+    when it was last hashed (device, inode, size, mtime and ctime: ctime is the kernel's, no `touch` can set it
+    back) is not read again: a restart of a job on a 50 GB source takes a stat, not minutes of reading."""
     f, size = open_data(path, field)
     with f:
-        return _sha256(f, size)
+        st = os.fstat(f.fileno())
+        identity = [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns]
+        name = f"source-{hashlib.sha256(str(identity[:2]).encode()).hexdigest()[:32]}.stamp"  # a file, not an entry
+        stamp = stamps / name if stamps else None
+        known = _read_stamp(stamp, identity) if stamp is not None else None
+        if known is not None:
+            return known
+        digest = _sha256(f, size)
+    if stamp is not None:
+        _write_stamp(stamp, {"identity": identity, "sha256": digest})
+    return digest
 
 
-def _digest_dir(root: Path) -> str:
+def _read_stamp(stamp: Path, identity: list[int]) -> str | None:
+    """The digest a stamp holds for a file of exactly this `identity`; None for any other (or a damaged) stamp."""
+    try:
+        record = json.loads(read_bounded(stamp, 4096, what="digest stamp", root=stamp.parent))
+    except (OSError, ValueError, ConfigError):  # none yet, or not a small regular file of JSON: hash the file
+        return None
+    digest = record.get("sha256") if isinstance(record, dict) else None
+    if record.get("identity") != identity or not isinstance(digest, str) or not SHA256_HEX.fullmatch(digest):
+        return None
+    return digest
+
+
+def _write_stamp(stamp: Path, record: dict) -> None:
+    try:
+        stamp.parent.mkdir(parents=True, exist_ok=True)
+        tmp = stamp.with_name(f".{stamp.name}.{os.getpid()}")
+        tmp.write_text(json.dumps(record))
+        os.replace(tmp, stamp)  # atomic: a reader sees a whole stamp or none
+    except OSError as err:  # a read-only or full cache volume: the next start hashes again
+        log.debug("digest stamp %s not written: %s", stamp, err)
+
+
+def _digest_dir(root: Path, stamps: Path | None = None) -> str:
     """Names and contents of the regular files of a datasets directory, in name order. Links and other files
     enter by their name and kind only (the reader refuses them anyway); `cache-*.arrow` files that a
     `Dataset.map` on the loaded set may leave there are not part of the data."""
@@ -137,7 +180,7 @@ def _digest_dir(root: Path) -> str:
             if path.is_symlink() or not path.is_file():
                 h.update(b"not a regular file\0")
                 continue
-            h.update(_digest_file(path, "data file").encode("ascii"))
+            h.update(_digest_file(path, "data file", stamps).encode("ascii"))
     return h.hexdigest()
 
 

@@ -166,7 +166,7 @@ def encode_file(
     the tokenized records are cached for every rank and restart (runner/data/cache.py), None: not cached."""
     if cache_dir is None:
         return _tokenize(source, spec, tokenizer, field, splits)
-    key = cache_key(source, spec, tokenizer, field, splits)
+    key = cache_key(source, spec, tokenizer, field, splits, stamps=Path(cache_dir))
     if key is None:  # the reason is logged
         return _tokenize(source, spec, tokenizer, field, splits)
     return cached_streams(Path(cache_dir), key, lambda: _tokenize(source, spec, tokenizer, field, splits))

@@ -341,3 +341,37 @@ def test_the_data_bench_runs_quick():
     assert done.returncode == 0, done.stderr
     for figure in ("cold ours", "cold datasets.map", "restart (fresh process", "resident per token", "64-turn"):
         assert figure in done.stdout, done.stdout
+
+
+def test_a_restart_does_not_read_the_source_again_to_find_its_key_unless_it_changed(tmp_path, monkeypatch):
+    """The source's digest is kept in a stamp (device, inode, size, mtime, ctime): a restart on a large source costs a
+    stat; a rewritten file (even with its mtime set back) is hashed again; a forged or broken stamp is ignored."""
+    import runner.data.cache as cache_mod
+
+    source = tmp_path / "d.jsonl"
+    source.write_text('{"prompt": "a", "response": "b"}\n' * 50)
+    stamps, reads = tmp_path / "cache", []
+    real = cache_mod._sha256
+    monkeypatch.setattr(cache_mod, "_sha256", lambda f, size: reads.append(size) or real(f, size))
+
+    def key():
+        return cache_key(source, DataSpec(), ByteTokenizer(), "data.path", ("train",), stamps=stamps)
+
+    first = key()
+    assert len(reads) == 1 and len(list(stamps.glob("source-*.stamp"))) == 1
+    assert key() == first and len(reads) == 1  # the restart: no read
+    st = source.stat()
+    source.write_text('{"prompt": "a", "response": "c"}\n' * 50)  # same size, new content
+    os.utime(source, ns=(st.st_atime_ns, st.st_mtime_ns))  # and the old mtime: ctime still moved
+    changed = key()
+    assert changed != first and len(reads) == 2
+    (stamp,) = stamps.glob("source-*.stamp")
+    record = json.loads(stamp.read_text())
+    stamp.write_text(json.dumps({**record, "sha256": "f" * 64, "identity": [0, 0, 0, 0, 0]}))  # someone else's
+    assert key() == changed and len(reads) == 3
+    for broken in ("not json", json.dumps({**record, "sha256": "../../x"}), "[" * 5000):
+        stamp.write_text(broken)
+        assert key() == changed
+    stamp.unlink()
+    stamp.symlink_to("/dev/zero")  # never a hang
+    assert key() == changed
