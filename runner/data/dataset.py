@@ -259,6 +259,18 @@ class SFTData:
         # Train ids of source s: [offsets[s], offsets[s+1]) (ConcatRows); one source owns them all.
         self.offsets: np.ndarray = getattr(train, "offsets", np.array([0, len(train)], dtype=np.int64))
 
+    def eval_order(self) -> list[int]:
+        """The eval row ids in the order evaluation takes them (`training.eval_batches` micro-batches from the front
+        of each rank's share): held out of several sources, one row of each source in turn, so that a small eval
+        budget measures every source, not the first one only; otherwise in their order."""
+        offsets = getattr(self.eval, "offsets", None)
+        if offsets is None or len(offsets) <= 2:
+            return list(range(len(self.eval)))
+        sizes = np.diff(offsets)
+        turn = np.concatenate([np.arange(n) for n in sizes])  # each row's place within its source
+        source = np.repeat(np.arange(len(sizes)), sizes)
+        return (offsets[source] + turn)[np.lexsort((source, turn))].tolist()
+
     def source_counts(self, ids: Sequence[int] | np.ndarray) -> np.ndarray:
         """How many of the train row `ids` come from each source."""
         src = np.searchsorted(self.offsets, np.asarray(ids, dtype=np.int64), side="right") - 1

@@ -337,7 +337,7 @@ class Recipe:
         t, ck = self.spec.training, self.spec.checkpoints
         if self.progress is None:
             self.progress = Progress(self.total_steps, self.step, enabled=self.env.is_main)
-        mine = rank_slice(range(len(self.data.eval)), self.env.rank, self.env.world_size)
+        mine = rank_slice(self.data.eval_order(), self.env.rank, self.env.world_size)
         self.eval_ids = mine[: t.eval_batches * self.plan.micro_batch]
         tic, tokens = time.perf_counter(), 0
         check = self.device.type == "cuda" and self.step < self.total_steps

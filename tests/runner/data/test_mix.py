@@ -123,6 +123,9 @@ def test_load_data_puts_the_sources_side_by_side(tmp_path):
                        order) == 54 // 8  # fmt: skip
     again = load_data(spec, ByteTokenizer())
     assert [again.train[i][0].tolist() for i in range(54)] == [data.train[i][0].tolist() for i in range(54)]
+    # evaluation takes one held-out row of each source in turn: a budget of 2 rows already measures both
+    assert data.eval_order() == [0, 4, 1, 5, 2, 3]
+    assert ["alpha" in text_of(data.eval[i]) for i in data.eval_order()[:2]] == [True, False]
 
 
 def test_each_source_is_packed_on_its_own(tmp_path):
