@@ -204,3 +204,30 @@ def test_the_spec_architecture_gets_the_same_checks(tmp_path):
     assert code == 2 and "model.architecture.layers" in out
     with pytest.raises(ConfigError, match="kv_heads"):
         load_spec(spec_for(tmp_path, tmp_path / "nowhere", architecture={**arch, "heads": 4, "kv_heads": 3}))
+
+
+@pytest.mark.parametrize(
+    ("model_type", "hidden", "heads", "kv_heads", "head_dim"),
+    [
+        ("llama", 640, 8, 4, 128),  # queries wider than the model (Qwen3-4B, Gemma: heads x head_dim != hidden)
+        ("mistral", 512, 8, 2, 32),  # and narrower
+        ("qwen2", 512, 8, 2, None),  # derived: hidden / heads
+        ("llama", 512, 8, 8, 64),  # named, and the same as derived
+    ],
+)
+def test_the_parameter_count_follows_a_configs_head_dim(model_type, hidden, heads, kv_heads, head_dim):
+    """`head_dim` decides the attention's widths: the shape counts what transformers builds (qwen2 adds biases to
+    q, k and v: q + 2 kv a layer, which the memory model leaves out)."""
+    pytest.importorskip("transformers")
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = {"hidden_size": hidden, "num_attention_heads": heads, "num_key_value_heads": kv_heads,
+           "intermediate_size": 1024, "num_hidden_layers": 2, "vocab_size": 1000, "tie_word_embeddings": False,
+           **({"head_dim": head_dim} if head_dim else {})}  # fmt: skip
+    shape = shape_from_config(cfg)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **cfg))
+    built = sum(p.numel() for p in model.parameters())
+    biases = 2 * (shape.q_width + 2 * shape.kv_width) if model_type == "qwen2" else 0
+    assert shape.params + biases == built

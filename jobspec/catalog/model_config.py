@@ -79,7 +79,8 @@ def shape_from_config(cfg: dict[str, Any], where: str = "config.json") -> ModelS
     tie = cfg.get("tie_word_embeddings", False)  # transformers' Llama default
     return ModelShape("llama", layers=v["layers"], hidden=v["hidden"], heads=v["heads"], kv_heads=v["kv_heads"],
                       vocab=v["vocab"], max_positions=v["max_positions"] or 2048, intermediate=v["intermediate"],
-                      tie_embeddings=tie if isinstance(tie, bool) else False)  # fmt: skip
+                      tie_embeddings=tie if isinstance(tie, bool) else False,
+                      head_dim=v.get("head_dim") if v.get("head_dim") != v["hidden"] // v["heads"] else None)  # fmt: skip
 
 
 def check_config(cfg: dict[str, Any], where: str) -> None:

@@ -25,6 +25,18 @@ class ModelShape:
     intermediate: int  # MLP inner width (gpt2: 4 * hidden)
     kv_heads: int | None = None  # llama grouped-query attention; None = heads
     tie_embeddings: bool = True
+    head_dim: int | None = None  # llama-style configs that name it (Qwen3, Gemma): q is heads x head_dim wide, which
+    # need not be `hidden`; None = hidden // heads
+
+    @property
+    def q_width(self) -> int:
+        """Width of the attention's queries (and of its output projection's input): heads x head_dim."""
+        return self.heads * (self.head_dim or self.hidden // self.heads)
+
+    @property
+    def kv_width(self) -> int:
+        """Width of the keys and of the values (grouped-query attention: fewer heads than the queries)."""
+        return (self.kv_heads or self.heads) * (self.head_dim or self.hidden // self.heads)
 
     @property
     def params(self) -> int:
@@ -35,9 +47,9 @@ class ModelShape:
             block = 4 * h * h + 2 * h * i + 9 * h + i
             embed = v * h + self.max_positions * h
             return embed + n * block + 2 * h  # + final layernorm
-        kv = (self.kv_heads or self.heads) * (h // self.heads)
-        # per block: q,o (2h^2) + k,v (2*h*kv) + gate/up/down (3hi) + 2 RMSNorms (2h)
-        block = 2 * h * h + 2 * h * kv + 3 * h * i + 2 * h
+        q, kv = self.q_width, self.kv_width
+        # per block: q,o (2*h*q) + k,v (2*h*kv) + gate/up/down (3hi) + 2 RMSNorms (2h)
+        block = 2 * h * q + 2 * h * kv + 3 * h * i + 2 * h
         embed = v * h * (1 if self.tie_embeddings else 2)
         return embed + n * block + h
 

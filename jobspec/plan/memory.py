@@ -140,12 +140,12 @@ def _lora_modules(shape: ModelShape) -> dict[str, list[tuple[str, int, int]]]:
             "attn.c_proj": [attn],
             "mlp.c_proj": [mlp],
         }
-    kv = (shape.kv_heads or shape.heads) * (h // shape.heads)  # grouped-query k/v width
+    q, kv = shape.q_width, shape.kv_width  # heads x head_dim, and the grouped-query k/v width
     shapes = {
-        "q_proj": (h, h),
+        "q_proj": (h, q),
         "k_proj": (h, kv),
         "v_proj": (h, kv),
-        "o_proj": (h, h),
+        "o_proj": (q, h),
         "gate_proj": (h, i),
         "up_proj": (h, i),
         "down_proj": (i, h),
@@ -174,8 +174,7 @@ def _largest_module(shape: ModelShape) -> int:
     if shape.family == "gpt2":
         block = 4 * h * h + 2 * h * i + 9 * h + i
     else:
-        kv = (shape.kv_heads or shape.heads) * (h // shape.heads)
-        block = 2 * h * h + 2 * h * kv + 3 * h * i + 2 * h
+        block = 2 * h * shape.q_width + 2 * h * shape.kv_width + 3 * h * i + 2 * h
     return max(block, shape.vocab * h)  # an untied head is the same size as the embedding
 
 

@@ -55,6 +55,7 @@ def preset_config(shape: ModelShape, bos: int, eos: int) -> object:
             tie_word_embeddings=shape.tie_embeddings,
             bos_token_id=bos,
             eos_token_id=eos,
+            **({"head_dim": shape.head_dim} if shape.head_dim else {}),  # a shape read from a config that names it
         )
     return cfg
 

@@ -131,3 +131,21 @@ def test_the_formula_counts_the_packed_mask_as_the_trace_does(shape, tier):
     assert abs((est[True].gpu_bytes - est[True].overhead) / traced[True].peak - 1) < 0.10
     added, traced_added = est[True].activations - est[False].activations, traced[True].peak - traced[False].peak
     assert traced_added > 0 and abs(added / traced_added - 1) < 0.25, (added, traced_added)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tier", ["fast", "zero2", "zero3"])
+def test_the_formula_follows_a_head_dim_that_is_not_hidden_over_heads(tier):
+    """A config that names its head_dim (queries 1024 wide on a 640-wide model, as Qwen3-4B and Gemma have them):
+    the shape read from it counts the parameters transformers builds, and the formula stays within 10%."""
+    from jobspec.catalog.model_config import shape_from_config
+    from jobspec.plan import memory
+
+    cfg = {"model_type": "llama", "hidden_size": 640, "intermediate_size": 1792, "num_hidden_layers": 3,
+           "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 128, "vocab_size": 40_000,
+           "max_position_embeddings": 2048, "tie_word_embeddings": False}  # fmt: skip
+    shape = shape_from_config(cfg)
+    traced = trace_step(cfg, tier=tier, world_size=4, micro_batch=4, seq_len=1024, loss=runner_loss)
+    assert shape.params == traced.params
+    e = memory.estimate(shape, tier=tier, seq_len=1024, micro_batch=4, world_size=4)
+    assert abs((e.gpu_bytes - e.overhead) / traced.peak - 1) < 0.10, (e.breakdown(), traced.parts, traced.peak)
