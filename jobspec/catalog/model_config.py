@@ -41,6 +41,10 @@ _LLAMA_KEYS = {"layers": "num_hidden_layers", "hidden": "hidden_size", "heads": 
                "intermediate": "intermediate_size", "head_dim": "head_dim"}  # fmt: skip
 
 
+# Model types whose attention normalises the queries and keys (q_norm, k_norm): their activations hold more
+QK_NORM_TYPES = frozenset({"qwen3", "qwen3_moe", "gemma3", "gemma3_text", "olmo2"})
+
+
 def read_config(model_dir: str | Path) -> dict[str, Any]:
     """The config.json of a local model directory: a regular file inside it (a Hugging Face cache snapshot's
     link into its repository's blobs included), bounded, a JSON object."""
@@ -80,7 +84,8 @@ def shape_from_config(cfg: dict[str, Any], where: str = "config.json") -> ModelS
     return ModelShape("llama", layers=v["layers"], hidden=v["hidden"], heads=v["heads"], kv_heads=v["kv_heads"],
                       vocab=v["vocab"], max_positions=v["max_positions"] or 2048, intermediate=v["intermediate"],
                       tie_embeddings=tie if isinstance(tie, bool) else False,
-                      head_dim=v.get("head_dim") if v.get("head_dim") != v["hidden"] // v["heads"] else None)  # fmt: skip
+                      head_dim=v.get("head_dim") if v.get("head_dim") != v["hidden"] // v["heads"] else None,
+                      qk_norm=cfg.get("model_type") in QK_NORM_TYPES)  # fmt: skip
 
 
 def check_config(cfg: dict[str, Any], where: str) -> None:

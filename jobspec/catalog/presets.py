@@ -27,6 +27,7 @@ class ModelShape:
     tie_embeddings: bool = True
     head_dim: int | None = None  # llama-style configs that name it (Qwen3, Gemma): q is heads x head_dim wide, which
     # need not be `hidden`; None = hidden // heads
+    qk_norm: bool = False  # an RMSNorm on the queries and keys of every head (Qwen3, Gemma 3, OLMo 2)
 
     @property
     def q_width(self) -> int:

@@ -92,6 +92,9 @@ MLP_TARGETS = frozenset({"gate_proj", "up_proj", "down_proj", "c_fc", "mlp.c_pro
 FP32_ACT_FACTOR = 1.44
 # Eager attention keeps the scores and their softmax: bytes per head per token pair (traced 6.24 under bf16).
 EAGER_SCORE_BYTES = 6.25
+# QK-norm (Qwen3, Gemma 3, OLMo 2): each layer saves the norms' fp32 input and 16-bit output of its queries and keys,
+# per token and unit of q_width + kv_width (traced 6.03, 3 and 6 layers); nothing more with checkpointing.
+QK_NORM_BYTES = 6
 # A packed micro-batch (`data.packing`) under sdpa: transformers' (b, 1, s, s) block-diagonal mask instead of SDPA's
 # `is_causal`. Per micro-batch row and token pair, traced on the runner's step (hidden 384, 2-6 layers, b 4, s 1024):
 # every layer saves a 16-bit copy of the mask for backward (gpt2 2.0 B a layer, llama 3.0 with its GQA expansion,
@@ -294,6 +297,8 @@ def _activations(
     lora: LoraShape | None = None,
 ) -> int:
     per_token = _layer_bytes(shape, tier, precision, lora)
+    if shape.qk_norm:
+        per_token += QK_NORM_BYTES * (shape.q_width + shape.kv_width)
     if attention == "eager":  # the scores and their softmax stay in memory, per head and token pair
         per_token += EAGER_SCORE_BYTES * shape.heads * seq_len * (2 if precision == "fp32" else 1)
     elif attention not in ("sdpa", "flash", "flash_attention_2"):
