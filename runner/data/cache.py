@@ -98,14 +98,9 @@ def cache_key(
             "are not cached (save it with Dataset.save_to_disk and give that directory to cache them)", shown,
         )  # fmt: skip
         return None
-    identity = getattr(tokenizer, "cache_identity", None)
-    try:
-        tok = identity() if identity is not None else None
-    except TypeError as err:
-        log.info("data %s: tokenized records not cached: %s", shown, err)
-        return None
+    tok, why = tokenizer_identity(tokenizer)
     if tok is None:
-        log.info("data %s: tokenized records not cached: tokenizer %s cannot name its state", shown, tokenizer.name)
+        log.info("data %s: tokenized records not cached: %s", shown, why)
         return None
     content = _digest_dir(Path(source), stamps) if kind == "datasets" else _digest_file(Path(source), field, stamps)
     parts = {
@@ -122,6 +117,17 @@ def cache_key(
     }
     digest = hashlib.sha256(json.dumps(parts, sort_keys=True).encode("utf-8")).hexdigest()
     return CacheKey(digest, parts, tokenizer.vocab_size, shown)
+
+
+def tokenizer_identity(tokenizer: Tokenizer) -> tuple[dict[str, str] | None, str]:
+    """(what decides the tokenizer's output, its `cache_identity()`; or None and why it cannot be named)."""
+    identity = getattr(tokenizer, "cache_identity", None)
+    if identity is None:
+        return None, f"tokenizer {tokenizer.name} cannot name its state"
+    try:
+        return identity(), ""
+    except TypeError as err:  # a slow tokenizer: no serialized state
+        return None, str(err)
 
 
 def _digest_file(path: Path, field: str, stamps: Path | None = None) -> str:

@@ -41,7 +41,7 @@ from runner.data.cache import cache_key, cache_root, cached_streams
 from runner.data.mix import ConcatRows, MixedOrder, source_names
 from runner.data.prepare import CHUNK_RECORDS, ChunkRenderer
 from runner.data.records import EVAL_SPLITS, TRAIN_SPLITS, read_records
-from runner.data.tokenizer import Message, Segment, Tokenizer
+from runner.data.tokenizer import Message, Segment, Tokenizer, segment_arrays
 from runner.data.tokens import IGNORE, Rows, Streams, StreamsBuilder, pack_groups, record_positions
 from runner.data.tokens import Row as Row  # (input_ids, labels), imported from here by the tests
 
@@ -142,9 +142,20 @@ def check_text(messages: list[Message]) -> None:
 
 def flatten(segments: Sequence[Segment], limit: int) -> tuple[np.ndarray, np.ndarray]:
     """Token ids and target flags of a rendered chat, truncated to `limit` tokens."""
-    ids = np.fromiter(itertools.islice(itertools.chain.from_iterable(s for s, _ in segments), limit), np.int64)
-    flags = np.repeat(np.array([t for _, t in segments], dtype=bool), [len(s) for s, _ in segments])[:limit]
-    return ids, flags
+    ids, flags = segment_arrays(segments)
+    return ids[:limit], flags[:limit]
+
+
+def record_chat(record: dict, fmt: str, spec: DataSpec, chars: int, reach: int,
+                where: object) -> tuple[list[Message], int, int]:  # fmt: skip
+    """A record as the chat the tokenizer renders, clipped to what a row can reach (`clip_texts`) and checked
+    (`check_text`); a bad one is a ConfigError at `where` (file:line or row)."""
+    try:
+        messages, cut, beyond = clip_texts(to_messages(record, fmt, spec), chars, reach)
+        check_text(messages)
+    except ValueError as err:
+        raise ConfigError(f"{where}: {err} (format {fmt})") from None
+    return messages, cut, beyond
 
 
 def pack(streams: Streams, max_seq_len: int, records: np.ndarray | None = None) -> Rows:
@@ -193,11 +204,7 @@ def _tokenize(source: str | Path, spec: DataSpec, tokenizer: Tokenizer, field: s
 
         for where, record in read_records(source, spec, field, splits):
             fmt = fmt or detect_format(record, spec, str(where))
-            try:
-                messages, cut, beyond = clip_texts(to_messages(record, fmt, spec), chars, reach)
-                check_text(messages)
-            except ValueError as err:
-                raise ConfigError(f"{where}: {err} (format {fmt})") from None
+            messages, cut, beyond = record_chat(record, fmt, spec, chars, reach, where)
             if cut or beyond:
                 clipped, longest, dropped = clipped + 1, max(longest, cut), max(dropped, beyond)
             chats.append(messages)
@@ -290,8 +297,7 @@ class SFTData:
         """(B, width) position ids of packed rows (`Rows.positions`, padding counted on); None when no row of
         `split` holds several records (the model then numbers each row itself, as without packing)."""
         rows = self.train if split == "train" else self.eval
-        parts = getattr(rows, "parts", [rows])  # several sources (runner/data/mix.py ConcatRows): each part's rows
-        if not any(part.packed for part in parts):
+        if not rows.packed:  # Rows, or ConcatRows of several sources (runner/data/mix.py)
             return None
         out = np.empty((len(ids), width), dtype=np.int64)
         for r, i in enumerate(ids):

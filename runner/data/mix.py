@@ -100,10 +100,6 @@ class ConcatRows(Sequence[Row]):
         """Whether some row holds several records (runner/data/tokens.py `Rows.packed`)."""
         return any(getattr(p, "packed", False) for p in self.parts)
 
-    def source_of(self, ids: Sequence[int] | np.ndarray) -> np.ndarray:
-        """The source index of each row id."""
-        return np.searchsorted(self.offsets, np.asarray(ids, dtype=np.int64), side="right") - 1
-
 
 class MixedOrder:
     """Which row ids optimizer step `step` consumes when several sources mix by weight (see the module docstring).
@@ -138,7 +134,7 @@ class MixedOrder:
 
     def step_samples(self, step: int) -> list[int]:
         """The global_batch row ids of optimizer step `step` (0-based), in rank order."""
-        src, draw = self._draws(step)
+        src, draw = self.draws(step)
         epoch, row = np.divmod(draw, self.sizes[src])
         ids = np.empty(len(src), dtype=np.int64)
         for s, e in set(zip(src.tolist(), epoch.tolist(), strict=True)):  # a few (source, epoch) pairs per step
@@ -148,11 +144,7 @@ class MixedOrder:
 
     def step_counts(self, step: int) -> np.ndarray:
         """Samples of each source in step `step`."""
-        return np.bincount(self._draws(step)[0], minlength=len(self.sizes))
-
-    def draws(self, step: int) -> tuple[np.ndarray, np.ndarray]:
-        """(source, index of the draw within its source) of each slot of step `step`, in slot order."""
-        return self._draws(step)
+        return np.bincount(self.draws(step)[0], minlength=len(self.sizes))
 
     def drawn_before(self, step: int) -> np.ndarray:
         """Draws of each source in the slots before step `step` (where each source's stream stands then)."""
@@ -161,8 +153,8 @@ class MixedOrder:
         src, _ = self._block(k)
         return self._counts_before(k) + np.bincount(src[: n - k * BLOCK], minlength=len(self.sizes))
 
-    def _draws(self, step: int) -> tuple[np.ndarray, np.ndarray]:
-        """(source, index of the draw within its source) of each slot of step `step`."""
+    def draws(self, step: int) -> tuple[np.ndarray, np.ndarray]:
+        """(source, index of the draw within its source) of each slot of step `step`, in slot order."""
         a, b = step * self.global_batch, (step + 1) * self.global_batch
         srcs, draws = [], []
         for k in range(a // BLOCK, (b - 1) // BLOCK + 1):  # one block, two at a boundary (more if G > BLOCK)

@@ -48,20 +48,18 @@ import torch
 from jobspec.errors import ConfigError
 from jobspec.spec.models import DataSpec, JobSpec
 from jobspec.untrusted import read_bounded
-from runner.data.cache import cache_root
+from runner.data.cache import cache_root, tokenizer_identity
 from runner.data.dataset import (
     BUNDLED,
     Batch,
     SFTData,
     _locate,
     _rows,
-    check_text,
-    clip_texts,
     detect_format,
     encode_file,
     make_batch,
     pad_rows,
-    to_messages,
+    record_chat,
 )
 from runner.data.mix import MixedOrder, source_names
 from runner.data.prepare import CHUNK_RECORDS, render_chunk
@@ -75,7 +73,7 @@ from runner.data.records import (
     source_kind,
 )
 from runner.data.tokenizer import Message, Tokenizer
-from runner.data.tokens import IGNORE, Row, record_positions
+from runner.data.tokens import Row, record_positions, training_row
 
 log = logging.getLogger("jobspec.runner")
 SHUFFLE_BUFFER = 1024  # records shuffled together by default (a window held in memory as parsed records)
@@ -101,11 +99,7 @@ class Sample:
 
     def row(self) -> Row:
         """(input_ids, labels) as `Rows.__getitem__` makes them: no loss across a record boundary."""
-        flags = self.flags
-        if len(self.lengths) > 1:
-            flags = flags.copy()
-            flags[np.cumsum(self.lengths[:-1])] = False
-        return self.ids[:-1], np.where(flags[1:], self.ids[1:], IGNORE)
+        return training_row(self.ids, self.flags, self.lengths)
 
 
 @dataclass(frozen=True)
@@ -285,12 +279,7 @@ class SourceStream:
 
     def _messages(self, where: Location, record: dict) -> list[Message]:
         self.fmt = self.fmt or detect_format(record, self.spec, str(where))
-        try:
-            messages, _, _ = clip_texts(to_messages(record, self.fmt, self.spec), self.chars, self.reach)
-            check_text(messages)
-        except ValueError as err:
-            raise ConfigError(f"{where}: {err} (format {self.fmt})") from None
-        return messages
+        return record_chat(record, self.fmt, self.spec, self.chars, self.reach, where)[0]
 
     def _rows(self, start: Position) -> Iterator[tuple[Position, Sample]]:
         """(position of its first record, sample) in order from `start`, sample numbers counted from start.sample."""
@@ -366,7 +355,7 @@ class StreamOrder:
     def step_counts(self, step: int) -> np.ndarray:
         if self.mix is None:
             return np.array([self.global_batch], dtype=np.int64)
-        return np.bincount(self.mix.draws(step)[0], minlength=len(self.mix.sizes))
+        return self.mix.step_counts(step)
 
     def copy(self) -> StreamOrder:
         """The same order with caches of its own (for the reader thread: `MixedOrder` caches are not thread-safe)."""
@@ -452,9 +441,6 @@ class StreamData(SFTData):
 
     def step_rows(self, step: int) -> dict[int, Sample]:
         """This rank's samples of step `step`, by slot id."""
-        return self._step(step)
-
-    def _step(self, step: int) -> dict[int, Sample]:
         if step in self._kept:
             return self._kept[step]
         if self._reader is None or step < self._next or step > self._next + AHEAD_STEPS:
@@ -487,7 +473,7 @@ class StreamData(SFTData):
         if split != "train":
             return super().collate(ids, split)
         step = int(ids[0]) // self.order.global_batch
-        kept = self._step(step)
+        kept = self.step_rows(step)
         samples = [kept[int(i)] for i in ids]
         rows = [s.row() for s in samples]
         x, y = pad_rows(rows, self.pad_id, self.max_seq_len)
@@ -507,14 +493,9 @@ class StreamData(SFTData):
 
 def index_path(spec: JobSpec, source: str, field: str, tokenizer: Tokenizer, number: int) -> Path | None:
     """Where the position index of a source lives (module docstring); None when the tokenizer cannot name its state."""
-    identity = getattr(tokenizer, "cache_identity", None)
-    try:
-        tok = identity() if identity is not None else None
-    except TypeError:
-        tok = None
+    tok, why = tokenizer_identity(tokenizer)
     if tok is None:
-        log.info("data %s: no stream position index (tokenizer %s cannot name its state): a restart re-reads the "
-                 "stream from the start", source, tokenizer.name)  # fmt: skip
+        log.info("data %s: no stream position index (%s): a restart re-reads the stream from the start", source, why)
         return None
     d = spec.data
     parts: dict[str, Any] = {"version": INDEX_VERSION, "source": str(Path(source).resolve()) if Path(source).exists()

@@ -226,7 +226,7 @@ class HFTokenizer:
             return None
         enc = self.tok(marked[0], add_special_tokens=False, return_offsets_mapping=True)  # type: ignore[operator]
         ids, offsets = list(enc["input_ids"]), enc["offset_mapping"]
-        return _runs(ids, _overlaps(offsets, marked[1]))
+        return _runs(ids, _overlap_flags(offsets, marked[1]).tolist())
 
     def _marked_spans(self, messages: Sequence[Message], roles: list[str]) -> tuple[str, list[tuple[int, int]]] | None:
         """The chat's plain rendering and the target (start, end) characters of each reply in it; None when a
@@ -367,19 +367,9 @@ def _unmark(marked: str, count: int) -> tuple[str, list[tuple[int, int]]] | None
     return "".join(pieces) + rest, spans
 
 
-def _overlaps(offsets: Sequence[tuple[int, int]], spans: Sequence[tuple[int, int]]) -> list[bool]:
-    """Per token: does its (start, end) characters overlap a span? Both in order, so one pass."""
-    flags, k = [], 0
-    for start, end in offsets:
-        while k < len(spans) and start >= spans[k][1]:
-            k += 1
-        flags.append(k < len(spans) and end > spans[k][0])
-    return flags
-
-
 def _overlap_flags(offsets: Sequence[tuple[int, int]], spans: Sequence[tuple[int, int]]) -> np.ndarray:
-    """`_overlaps` vectorized: the first span ending after a token's start (a binary search) holds the token
-    when it starts before the token ends."""
+    """Per token: do its (start, end) characters overlap a span (spans in order)? The first span ending after the
+    token's start (a binary search) holds the token when it starts before the token ends."""
     if not spans:
         return np.zeros(len(offsets), dtype=bool)
     edges = np.asarray(offsets, dtype=np.int64).reshape(-1, 2)

@@ -183,10 +183,7 @@ class Rows(Sequence[Row]):
         else:
             ids = np.concatenate([store.ids[bounds[k] : bounds[k + 1]] for k in ks]).astype(np.int64)
             flags = np.concatenate([store.flags[bounds[k] : bounds[k + 1]] for k in ks])
-        if len(ks) > 1:  # no loss across a boundary: a record's first token is never a target of the one before
-            flags = flags.copy()
-            flags[np.cumsum(store.lengths[ks[:-1]])] = False
-        return ids[:-1], np.where(flags[1:], ids[1:], IGNORE)
+        return training_row(ids, flags, store.lengths[ks])
 
     @property
     def packed(self) -> bool:
@@ -206,6 +203,16 @@ class Rows(Sequence[Row]):
 
     def __iter__(self) -> Iterator[Row]:
         return (self[r] for r in range(len(self)))
+
+
+def training_row(ids: np.ndarray, flags: np.ndarray, lengths: np.ndarray) -> Row:
+    """(input_ids, labels) of a row of records of `lengths` tokens laid end to end (int64 `ids`, their target
+    `flags`): position t reads token t and is scored on token t+1 when that is a target; no loss across a
+    boundary: a record's first token is never a target of the one before."""
+    if len(lengths) > 1:
+        flags = flags.copy()
+        flags[np.cumsum(lengths[:-1])] = False
+    return ids[:-1], np.where(flags[1:], ids[1:], IGNORE)
 
 
 def record_positions(lengths: np.ndarray, width: int) -> np.ndarray:
