@@ -17,7 +17,7 @@ from typing import Any
 
 import yaml
 
-from .fake_http import Fault, Handler, Request, Server, status_body
+from .fake_http import Fault, Handler, Request, Served, Server, status_body
 
 __all__ = ["TOKEN", "FakeApi", "Request"]
 
@@ -36,7 +36,9 @@ _NETWORKING = re.compile(
 )
 
 
-class FakeApi:
+class FakeApi(Served):  # start(), stop(), url
+    handler, server = Handler, Server
+
     def __init__(self) -> None:
         self.objects: dict[tuple[str, str, str], dict[str, Any]] = {}  # (plural, namespace, name)
         self.requests: list[Request] = []
@@ -47,30 +49,7 @@ class FakeApi:
         # or a callable run at that point (e.g. to mark the pod finished).
         self.streams: dict[tuple[str, str], list[list[Any]]] = {}
         self.lock = threading.RLock()
-        self._server: Server | None = None
         self._counter = 0
-
-    # -- lifecycle ---------------------------------------------------------------------------
-
-    def start(self) -> FakeApi:
-        api = self
-
-        class Bound(Handler):
-            fake = api
-
-        self._server = Server(("127.0.0.1", 0), Bound)
-        threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.02}, daemon=True).start()
-        return self
-
-    def stop(self) -> None:
-        if self._server:
-            self._server.shutdown()
-            self._server.server_close()
-
-    @property
-    def url(self) -> str:
-        assert self._server is not None
-        return f"http://127.0.0.1:{self._server.server_address[1]}"
 
     def kubeconfig(self, directory: Path, namespace: str | None = "ml", token: str = TOKEN) -> Path:
         """A kubeconfig with context `fake` (namespace `namespace`) and `other` (namespace `other-ns`)."""

@@ -6,10 +6,11 @@ import json
 import re
 import socket
 import struct
+import threading
 import time
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any
+from typing import Any, Self
 from urllib.parse import parse_qs, unquote, urlsplit
 
 
@@ -61,6 +62,32 @@ class Server(ThreadingHTTPServer):
 
     def handle_error(self, request: Any, client_address: Any) -> None:
         pass  # resets and clients that hang up are part of the script
+
+
+class Served:
+    """A fake served on 127.0.0.1 from a thread: `start()` binds a subclass of `handler` whose `fake` is this
+    object, `url` is where it answers, `stop()` ends it. Subclasses set `handler` (and `server` when they need
+    another server class)."""
+
+    handler: type[BaseHTTPRequestHandler]
+    server: type[ThreadingHTTPServer] = ThreadingHTTPServer
+    _server: ThreadingHTTPServer | None = None
+
+    def start(self) -> Self:
+        bound = type("Bound", (self.handler,), {"fake": self})
+        self._server = self.server(("127.0.0.1", 0), bound)
+        threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.02}, daemon=True).start()
+        return self
+
+    def stop(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+
+    @property
+    def url(self) -> str:
+        assert self._server is not None
+        return f"http://127.0.0.1:{self._server.server_address[1]}"
 
 
 class Handler(BaseHTTPRequestHandler):

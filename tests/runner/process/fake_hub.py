@@ -13,19 +13,20 @@ import hashlib
 import json
 import threading
 from collections import Counter
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 from typing import Any
 from urllib.parse import unquote, urlsplit
 
+from tests.cluster.fake_http import Served
 
-class FakeHub:
+
+class FakeHub(Served):  # start(), stop(), url
     def __init__(self, repos: dict[str, Path], gated: dict[str, str] | None = None) -> None:
         self.repos = repos  # id -> directory whose files are the repository (one commit)
         self.gated = gated or {}  # id -> the token that may read it
         self.requests: list[tuple[str, str]] = []  # (method, path)
         self.lock = threading.Lock()
-        self._server: ThreadingHTTPServer | None = None
 
     def commit(self, repo: str) -> str:
         h = hashlib.sha1()
@@ -42,26 +43,6 @@ class FakeHub:
         with self.lock:
             return Counter(p.split("/resolve/", 1)[1].split("/", 1)[1] for m, p in self.requests
                            if m == "GET" and "/resolve/" in p)  # fmt: skip
-
-    def start(self) -> FakeHub:
-        hub = self
-
-        class Bound(_Handler):
-            fake = hub
-
-        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Bound)
-        threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.02}, daemon=True).start()
-        return self
-
-    def stop(self) -> None:
-        if self._server is not None:
-            self._server.shutdown()
-            self._server.server_close()
-
-    @property
-    def url(self) -> str:
-        assert self._server is not None
-        return f"http://127.0.0.1:{self._server.server_address[1]}"
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -139,3 +120,6 @@ def _split_repo(path: str) -> tuple[str, str, str]:
     org, _, rest = path.partition("/")
     name, sep, rest = rest.partition("/")
     return f"{org}/{name}", sep, rest
+
+
+FakeHub.handler = _Handler  # defined after the hub it answers for
