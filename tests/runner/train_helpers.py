@@ -9,6 +9,7 @@ import contextlib
 import json
 import os
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -73,6 +74,20 @@ def train_in_process(spec, keep_worker: bool = False):
     finally:
         worker.cleanup()
     return code, worker
+
+
+def train_and_resume(base: Path, sections: dict[str, Any], at: int = 4):
+    """The same spec trained twice in this process: uninterrupted in `base/full`, and in `base/part` from a copy of
+    full's checkpoint step-`at` alone; both must exit 0. Returns the two workers (full, resumed)."""
+    from jobspec.contract import EXIT_OK
+
+    code, full = train_in_process(tiny_spec(base / "full", **sections))
+    assert code == EXIT_OK, "the uninterrupted run failed"
+    (base / "part").mkdir()
+    shutil.copytree(base / "full" / f"step-{at}", base / "part" / f"step-{at}")
+    code, part = train_in_process(tiny_spec(base / "part", **sections))
+    assert code == EXIT_OK, "the resumed run failed"
+    return full, part
 
 
 def worker_in_process(spec_file: Path, status_file: Path, *overrides: str) -> tuple[int, dict[str, Any]]:

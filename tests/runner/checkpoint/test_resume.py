@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -25,6 +24,7 @@ from tests.runner.train_helpers import (
     timeout_s,
     tiny_spec,
     tiny_spec_dict,
+    train_and_resume,
     train_in_process,
     worker_in_process,
     write_spec,
@@ -37,12 +37,7 @@ LORA = {"lora": {"rank": 4, "targets": ["c_attn"], "dropout": 0.1}}  # dropout: 
 def test_a_resumed_run_matches_an_uninterrupted_one(tmp_path, model):
     """Uninterrupted to step 8 vs stopped at 4 (its checkpoint copied alone) and resumed to 8."""
     sections = {"model": model, "training": {"micro_batch": 4, "steps": 8}, "checkpoints": {"every_steps": 4}}
-    code, full = train_in_process(tiny_spec(tmp_path / "full", **sections))
-    assert code == EXIT_OK
-    (tmp_path / "part").mkdir()
-    shutil.copytree(tmp_path / "full" / "step-4", tmp_path / "part" / "step-4")
-    code, part = train_in_process(tiny_spec(tmp_path / "part", **sections))
-    assert code == EXIT_OK
+    full, part = train_and_resume(tmp_path, sections)
     plan = records(tmp_path / "part", "plan")[0]
     assert plan["resumed"] and plan["step"] == 4
     a = {r["step"]: r["loss"] for r in records(tmp_path / "full")}

@@ -5,7 +5,6 @@ reader stays flat in memory, and a real tiny-model run trains, checkpoints and r
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 import sys
 
@@ -13,7 +12,6 @@ import numpy as np
 import pytest
 import torch
 
-from jobspec.contract import EXIT_OK
 from jobspec.spec.loader import SpecError, parse_spec
 from runner.data import stream as stream_mod
 from runner.data.dataset import Batch, _rows, encode_file
@@ -22,7 +20,14 @@ from runner.data.prepare import CHUNK_RECORDS
 from runner.data.stream import SourceStream, StreamData, load_stream
 from runner.data.tokenizer import ByteTokenizer
 from runner.data.tokens import Rows, pack_groups
-from tests.runner.train_helpers import ROOT, records, tiny_spec, tiny_spec_dict, train_in_process, write_jsonl
+from tests.runner.train_helpers import (
+    ROOT,
+    records,
+    tiny_spec,
+    tiny_spec_dict,
+    train_and_resume,
+    write_jsonl,
+)
 
 GB = 8
 
@@ -304,12 +309,8 @@ def test_a_streamed_run_trains_checkpoints_and_resumes_exactly(tmp_path, monkeyp
     sections = {"data": {"path": str(path), "eval_path": str(evals), "streaming": True, "packing": True,
                          "shuffle_buffer": 32}, "training": {"micro_batch": 4, "steps": 8},
                 "checkpoints": {"every_steps": 4}}  # fmt: skip
-    code, full = train_in_process(tiny_spec(tmp_path / "full", **sections))
-    assert code == EXIT_OK and (tmp_path / "full" / "step-8").is_dir()
-    (tmp_path / "part").mkdir()
-    shutil.copytree(tmp_path / "full" / "step-4", tmp_path / "part" / "step-4")
-    code, part = train_in_process(tiny_spec(tmp_path / "part", **sections))
-    assert code == EXIT_OK
+    full, part = train_and_resume(tmp_path, sections)
+    assert (tmp_path / "full" / "step-8").is_dir()
     assert records(tmp_path / "part", "plan")[0]["step"] == 4
     a = {r["step"]: r["loss"] for r in records(tmp_path / "full")}
     b = {r["step"]: r["loss"] for r in records(tmp_path / "part")}

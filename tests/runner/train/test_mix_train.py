@@ -4,7 +4,6 @@ and metrics.jsonl reports each source's samples since the previous record."""
 from __future__ import annotations
 
 import json
-import shutil
 
 import numpy as np
 
@@ -12,7 +11,7 @@ from jobspec.contract import EXIT_OK
 from jobspec.report.metrics import MetricsFile
 from runner.data.dataset import data_order, load_data
 from runner.data.tokenizer import ByteTokenizer
-from tests.runner.train_helpers import records, tiny_spec, train_in_process, write_jsonl
+from tests.runner.train_helpers import records, tiny_spec, train_and_resume, train_in_process, write_jsonl
 
 
 def sources(tmp_path) -> dict:
@@ -35,12 +34,7 @@ def test_two_sources_train_resume_exactly_and_report_the_mix(tmp_path, monkeypat
     monkeypatch.setenv("JOBSPEC_RECORD_SAMPLES", "1")  # every rank logs the ids it trained on, per step
     sections = {"data": sources(tmp_path), "training": {"micro_batch": 4, "steps": 8, "eval_every": 4},
                 "checkpoints": {"every_steps": 4}}  # fmt: skip
-    code, _ = train_in_process(tiny_spec(tmp_path / "full", **sections))
-    assert code == EXIT_OK
-    (tmp_path / "part").mkdir()
-    shutil.copytree(tmp_path / "full" / "step-4", tmp_path / "part" / "step-4")
-    code, _ = train_in_process(tiny_spec(tmp_path / "part", **sections))
-    assert code == EXIT_OK
+    train_and_resume(tmp_path, sections)
     assert records(tmp_path / "part", "plan")[0]["step"] == 4
 
     full, part = sample_log(tmp_path / "full"), sample_log(tmp_path / "part")

@@ -15,7 +15,6 @@ model (jobspec/plan/memory.py `_states`) describes for a GPU.
 from __future__ import annotations
 
 import contextlib
-import shutil
 import sys
 from dataclasses import dataclass
 
@@ -24,7 +23,6 @@ import torch
 from torch import nn
 
 from jobspec.catalog import tiers
-from jobspec.contract import EXIT_OK
 from jobspec.errors import ConfigError
 from jobspec.plan import memory
 from jobspec.plan.planner import lora_shape, model_shape
@@ -34,7 +32,7 @@ from runner.model.build import build_model
 from runner.sizing.plan import Plan
 from runner.train import engine
 from runner.train.offload import HostAdamW
-from tests.runner.train_helpers import records, tiny_spec, train_in_process
+from tests.runner.train_helpers import records, tiny_spec, train_and_resume
 
 CPU, GPU = torch.device("cpu"), torch.device("cuda")
 SEQ = 16
@@ -340,12 +338,8 @@ def test_a_resumed_zero2_offload_run_matches_an_uninterrupted_one(as_on_a_gpu, t
     """The Recipe's whole path (Stepper: LR per step, clipping; DCP checkpoints) with HostAdamW, as on a GPU."""
     sections = {"training": {"micro_batch": 2, "steps": 8}, "checkpoints": {"every_steps": 4},
                 "memory": {"tier": "zero2_offload"}}  # fmt: skip
-    code, full = train_in_process(tiny_spec(tmp_path / "full", **sections))
-    assert code == EXIT_OK and isinstance(full.optimizer.optimizer, HostAdamW)
-    (tmp_path / "part").mkdir()
-    shutil.copytree(tmp_path / "full" / "step-4", tmp_path / "part" / "step-4")
-    code, part = train_in_process(tiny_spec(tmp_path / "part", **sections))
-    assert code == EXIT_OK
+    full, part = train_and_resume(tmp_path, sections)
+    assert isinstance(full.optimizer.optimizer, HostAdamW)
     a = {r["step"]: r["loss"] for r in records(tmp_path / "full")}
     b = {r["step"]: r["loss"] for r in records(tmp_path / "part")}
     assert sorted(b) == [5, 6, 7, 8] and all(b[s] == a[s] for s in b), (a, b)
