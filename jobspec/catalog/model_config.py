@@ -43,6 +43,8 @@ _LLAMA_KEYS = {"layers": "num_hidden_layers", "hidden": "hidden_size", "heads": 
 
 # Model types whose attention normalises the queries and keys (q_norm, k_norm): their activations hold more
 QK_NORM_TYPES = frozenset({"qwen3", "qwen3_moe", "gemma3", "gemma3_text", "olmo2"})
+# Model types with one projection for q, k and v and one for the MLP's gate and up (qkv_proj, gate_up_proj)
+FUSED_TYPES = frozenset({"phi3"})
 
 
 def read_config(model_dir: str | Path) -> dict[str, Any]:
@@ -79,13 +81,22 @@ def shape_from_config(cfg: dict[str, Any], where: str = "config.json") -> ModelS
     if gpt2:
         return ModelShape("gpt2", layers=v["layers"], hidden=v["hidden"], heads=v["heads"], vocab=v["vocab"],
                           max_positions=v["max_positions"] or 1024,
-                          intermediate=v["intermediate"] or 4 * v["hidden"])  # fmt: skip
+                          intermediate=v["intermediate"] or 4 * v["hidden"],
+                          residual_dropout=_dropout(cfg, "resid_pdrop", 0.1))  # fmt: skip
     tie = cfg.get("tie_word_embeddings", False)  # transformers' Llama default
     return ModelShape("llama", layers=v["layers"], hidden=v["hidden"], heads=v["heads"], kv_heads=v["kv_heads"],
                       vocab=v["vocab"], max_positions=v["max_positions"] or 2048, intermediate=v["intermediate"],
                       tie_embeddings=tie if isinstance(tie, bool) else False,
                       head_dim=v.get("head_dim") if v.get("head_dim") != v["hidden"] // v["heads"] else None,
-                      qk_norm=cfg.get("model_type") in QK_NORM_TYPES)  # fmt: skip
+                      qk_norm=cfg.get("model_type") in QK_NORM_TYPES,
+                      fused_projections=cfg.get("model_type") in FUSED_TYPES,
+                      residual_dropout=_dropout(cfg, "resid_pdrop", 0.0))  # fmt: skip
+
+
+def _dropout(cfg: dict[str, Any], key: str, default: float) -> bool:
+    """Whether the config trains with dropout at `key` (transformers' default for the family when absent)."""
+    value = cfg.get(key, default)
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
 
 
 def check_config(cfg: dict[str, Any], where: str) -> None:

@@ -28,6 +28,10 @@ class ModelShape:
     head_dim: int | None = None  # llama-style configs that name it (Qwen3, Gemma): q is heads x head_dim wide, which
     # need not be `hidden`; None = hidden // heads
     qk_norm: bool = False  # an RMSNorm on the queries and keys of every head (Qwen3, Gemma 3, OLMo 2)
+    fused_projections: bool = False  # one linear layer for q, k and v and one for the MLP's gate and up (Phi-3):
+    # the same parameters, other activations and LoRA target names
+    residual_dropout: bool = False  # dropout on each block's two residual branches (GPT-2's resid_pdrop, 0.1 in its
+    # configs; the presets train without)
 
     @property
     def q_width(self) -> int:

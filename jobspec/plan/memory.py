@@ -12,15 +12,22 @@ w the weights held, t the trainable ones, f = w - t the frozen ones (LoRA), N da
 
     tier           weights        gradients  optimizer  buckets      working weights
     fast           4t + 2f        4t         8t         4t (N > 1)   2t  autocast's bf16 copies
-    zero2          (4t + 2f)/N    4t/N       8t/N       -            2w + 4m  FSDP2's bf16 gather, kept to backward
-    zero2_offload  (4t + 2f)/N    4t/N       host       -            2w + 4m  (m: the largest module's parameters,
-    zero3          (4t + 2f)/N    4t/N       8t/N       -            4m + 2m   its gather buffer and 16-bit gradient)
+    zero2          (4t + 2f)/N    4t/N       8t/N       -            2w  FSDP2's bf16 gather, kept to backward,
+    zero2_offload  (4t + 2f)/N    4t/N       host       -            2w  + the module at the peak (below)
+    zero3          (4t + 2f)/N    4t/N       8t/N       -            the module at the peak (below)
     minimal        host           host       host       -            as zero3
 
-    activations    per layer and token: ACT_BYTES[family, residual] (c_h * hidden + c_i * intermediate), the
-                   residual stream fp32 under autocast (`fast`: fp32 parameters) and bf16 under FSDP2's
-                   mixed precision; with checkpointing each layer keeps only its input (residual width x
-                   hidden) and one layer is recomputed at a time; eager attention adds its scores
+    at the peak    FSDP2 tiers peak at one of three moments (`_fsdp_peak`): forward at the loss (the output
+                   layer gathered, its 16-bit gradient the fused loss makes, one chunk of logits), backward
+                   at the output layer (its gradient reduce-scattered in fp32) or backward at a block (the
+                   block gathered, its fp32 gradient, the layer checkpointing recomputes); a gathered module
+                   is 2 bytes a parameter, twice over where forward reshards (zero3: the parameters and the
+                   all-gather buffer; a tied embedding has no buffer of its own)
+    activations    per layer and token: ACT_BYTES[family, residual] (c_h * hidden + c_q * q width + c_kv *
+                   kv width + c_i * intermediate), the residual stream fp32 under autocast (`fast`: fp32
+                   parameters) and bf16 under FSDP2's mixed precision; with checkpointing each layer keeps
+                   only its input (residual width x hidden) and one layer is recomputed at a time; eager
+                   attention adds its scores, QK-norm its norms, packing its mask, dropout its masks
     logits         the chunked cross-entropy (runner/train/loss.py): the final hidden states it saves, the
                    labels and per-token log-sum-exp, and one chunk of logits at a time (LOSS_CHUNK_BYTES of
                    fp32 logits, with their 16-bit copy and gradient): never the whole (tokens x vocab) tensor
@@ -55,43 +62,59 @@ DDP_BUCKET_BYTES = 4
 # Offload tiers: the host holds what the GPU does not: the fp32 shard, its gradient and Adam's m and v
 # (16 bytes per trainable parameter per rank's shard), the frozen shard in 16 bits.
 HOST_TRAINABLE_BYTES = MASTER_BYTES + GRAD_BYTES + ADAM_BYTES
-# FSDP2 holds a gathered module's 16-bit weights twice at its peak (the all-gather buffer and the unsharded
-# parameters): GATHER_FACTOR x the largest module (block, embedding or untied head; traced at the output layer).
-# Every FSDP tier also holds one module's unsharded 16-bit gradient before its reduce-scatter (the output layer's,
-# which the chunked loss accumulates in forward, is the largest). Traced: bench/memory_model.py.
-GATHER_FACTOR = 2
-# Activations per layer and token, bytes = c_h * hidden + c_i * intermediate, by (family, residual stream width),
-# fitted to traces of the runner's step (runner/train/trace.py; the fit: bench/memory_model.py --fit, within 0.02 %
-# over hidden 256-512, intermediate 2-3.5x, 2-4 layers). Llama-style blocks (RMSNorm upcasts to fp32, SwiGLU saves
-# gate, up and their product) and GPT-2 blocks (LayerNorm, tanh GELU's intermediates) differ; the fp32 residual
-# of autocast over fp32 weights (`fast`) saves both the fp32 stream and autocast's bf16 copies of it.
-ACT_BYTES: dict[tuple[str, int], tuple[float, float]] = {
-    ("llama", 4): (32.0, 8.0),
-    ("llama", 2): (22.0, 8.0),
-    ("gpt2", 4): (20.0, 10.0),
-    ("gpt2", 2): (16.0, 10.0),
+# Activations per layer and token, bytes = c_h * hidden + c_q * q_width + c_kv * kv_width + c_i * intermediate, by
+# (family, residual stream width), fitted to traces of the runner's step (runner/train/trace.py; per layer and token
+# from traces at 2 and 4 layers and micro-batches 2 and 4, hidden 512-768, intermediate 2-4x, with and without
+# grouped-query attention and a head_dim that is not hidden / heads: every fit within 2 bytes a token). Llama-style
+# blocks (RMSNorm upcasts to fp32, RoPE on q and k, SwiGLU saves gate, up and their product), Phi-3's fused qkv and
+# gate/up projections (its queries are `hidden` wide: their term is in c_h), and GPT-2 blocks (LayerNorm, tanh
+# GELU; q and kv are `hidden` wide) differ. The fp32 residual of autocast over fp32 weights (`fast`) saves both the
+# fp32 stream and autocast's 16-bit copies of it; there, as on a GPU, autocast runs GELU's `pow` in fp32 (GPT-2:
+# 16 bytes an intermediate unit, 10 under FSDP2's 16-bit weights, which run without autocast).
+ACT_BYTES: dict[tuple[str, int], tuple[float, float, float, float]] = {
+    ("llama", 4): (26.0, 4.0, 4.0, 8.0),
+    ("llama", 2): (16.0, 4.0, 4.0, 8.0),
+    ("phi3", 4): (28.0, 0.0, 6.0, 8.0),
+    ("phi3", 2): (24.0, 0.0, 6.0, 8.0),
+    ("gpt2", 4): (20.0, 0.0, 0.0, 16.0),
+    ("gpt2", 2): (16.0, 0.0, 0.0, 10.0),
 }
-# LoRA (frozen 16-bit base: its linears save no input for a weight gradient), by (family, adapters on the MLP too,
-# `fast`'s autocast); traced over the same grid with rank 8 on the attention's or on every linear layer.
-LORA_ACT_BYTES: dict[tuple[str, bool, bool], tuple[float, float]] = {
-    ("llama", False, True): (18.0, 6.0),
-    ("llama", False, False): (16.0, 6.0),
-    ("llama", True, True): (26.0, 8.0),
-    ("llama", True, False): (18.0, 8.0),
-    ("gpt2", False, True): (14.0, 8.0),
-    ("gpt2", False, False): (14.0, 8.0),
-    ("gpt2", True, True): (18.0, 10.0),
-    ("gpt2", True, False): (16.0, 10.0),
+# fp32 training (no autocast, no 16-bit copies), every tier
+FP32_ACT_BYTES: dict[str, tuple[float, float, float, float]] = {
+    "llama": (24.0, 8.0, 8.0, 16.0),
+    "phi3": (40.0, 0.0, 12.0, 16.0),
+    "gpt2": (32.0, 0.0, 0.0, 20.0),
 }
+# LoRA (a frozen 16-bit base: its linears save no input for a weight gradient): the blocks without adapters, by
+# (family, autocast: `fast`), then each adapter's 16-bit input (LORA_INPUT_BYTES a unit of its width). Under
+# `fast`'s autocast every adapter (fp32) casts and saves a copy of its own; under FSDP2's 16-bit adapters, adapters
+# that read one tensor (q, k and v) save it once, and the attention's output projection reads what SDPA already
+# keeps (not so in Phi-3's blocks). Traced with rank 8 on the attention's, the MLP's or every linear layer (the same
+# grid as ACT_BYTES).
+LORA_ACT_BYTES: dict[tuple[str, bool], tuple[float, float, float, float]] = {
+    ("llama", True): (8.0, 4.0, 4.0, 6.0),
+    ("llama", False): (8.0, 4.0, 4.0, 6.0),
+    ("phi3", True): (14.0, 0.0, 6.0, 6.0),
+    ("phi3", False): (14.0, 0.0, 6.0, 6.0),
+    ("gpt2", True): (16.0, 0.0, 0.0, 14.0),
+    ("gpt2", False): (12.0, 0.0, 0.0, 8.0),
+}
+LORA_INPUT_BYTES = 2
 # With checkpointing, the layer being recomputed in backward also holds the gradients through it: per token
 # and hidden unit, on top of its activations (traced, gpt2/llama, hidden 512-1024).
 RECOMPUTE_GRAD_BYTES = 22
 LORA_LOSS_HIDDEN_BYTES = 4  # after the last block with LoRA: the frozen norm, the 16-bit hidden states the loss keeps
-MLP_TARGETS = frozenset({"gate_proj", "up_proj", "down_proj", "c_fc", "mlp.c_proj", "c_proj"})
-# fp32 training (no autocast): every saved tensor fp32, no 16-bit copies; traced 1.44x the `fast` bytes per layer
+# LoRA in fp32 (no autocast): every saved tensor fp32; traced 1.44x the `fast` bytes per layer
 FP32_ACT_FACTOR = 1.44
-# Eager attention keeps the scores and their softmax: bytes per head per token pair (traced 6.24 under bf16).
-EAGER_SCORE_BYTES = 6.25
+# Residual dropout (GPT-2's resid_pdrop, Phi-3's): a GPU's fused dropout keeps a 1-byte mask of each of a block's two
+# residual branches (traced with the trace's GPU decisions: 2 bytes per token and hidden unit a layer). Attention
+# dropout runs inside a GPU's SDPA kernel and keeps nothing.
+DROPOUT_MASK_BYTES = 1
+# Eager attention keeps the scores' softmax: bytes per head per token pair (traced 5.98-5.99 at s 256-512). Llama-style
+# blocks take it in fp32 and keep a 16-bit copy; GPT-2's softmax is fp32 only under (a GPU's) autocast, `fast`:
+# without autocast (FSDP2's 16-bit weights) it keeps 16 bits (traced 1.98-1.99).
+EAGER_SCORE_BYTES = 6.0
+EAGER_SCORE_BYTES_16 = 2.0
 # QK-norm (Qwen3, Gemma 3, OLMo 2): each layer saves the norms' fp32 input and 16-bit output of its queries and keys,
 # per token and unit of q_width + kv_width (traced 6.03, 3 and 6 layers); nothing more with checkpointing.
 QK_NORM_BYTES = 6
@@ -100,11 +123,12 @@ QK_NORM_BYTES = 6
 # every layer saves a 16-bit copy of the mask for backward (gpt2 2.0 B a layer, llama 3.0 with its GQA expansion,
 # + 0.4 once); with activation checkpointing only the mask itself stays (1.0-1.2). Eager materialises a mask
 # whether packed or not (its scores term covers it); flash attention takes the positions as varlen lengths.
-PACKED_MASK_LAYER_BYTES = {"llama": 3.1, "gpt2": 2.0}
+PACKED_MASK_LAYER_BYTES = {"llama": 3.1, "phi3": 3.1, "gpt2": 2.0}
 PACKED_MASK_CHECKPOINTED_BYTES = 1.2
 # After the last block, per token and hidden unit: the final norm's saved tensors, the hidden states the loss keeps
 # and its gradient, by (family, residual width); traced, and where the step peaks with activation checkpointing.
-LOSS_HIDDEN_BYTES: dict[tuple[str, int], int] = {("llama", 4): 14, ("llama", 2): 10, ("gpt2", 4): 10, ("gpt2", 2): 6}
+LOSS_HIDDEN_BYTES: dict[tuple[str, int], int] = {("llama", 4): 14, ("llama", 2): 10, ("phi3", 4): 14, ("phi3", 2): 10,
+                                                 ("gpt2", 4): 10, ("gpt2", 2): 6}  # fmt: skip
 # The chunked cross-entropy's working set: one chunk of fp32 logits is at most this many bytes, and its 16-bit logits
 # (or gradient) come with it: LOSS_CHUNK_FACTOR times the fp32 chunk (traced).
 # runner/train/loss.py sizes its chunks from the same constant.
@@ -131,54 +155,61 @@ class LoraShape:
     targets: tuple[str, ...]
 
 
-def _lora_modules(shape: ModelShape) -> dict[str, list[tuple[str, int, int]]]:
-    """Target name -> (module, in, out features) of the linear layers it matches in one block."""
+def _lora_modules(shape: ModelShape) -> dict[str, list[tuple[str, int, int, str]]]:
+    """Target name -> (module, in, out features, the tensor it reads) of the linear layers it matches in one block.
+    Modules that read one tensor (q, k and v read the attention's normed input) name the same one."""
     h, i = shape.hidden, shape.intermediate
     if shape.family == "gpt2":  # Conv1D layers; `c_proj` is the suffix of both projections
-        attn, mlp = ("attn.c_proj", h, h), ("mlp.c_proj", i, h)
+        attn, mlp = ("attn.c_proj", h, h, "attn_out"), ("mlp.c_proj", i, h, "mlp_act")
         return {
-            "c_attn": [("c_attn", h, 3 * h)],
-            "c_fc": [("c_fc", h, i)],
+            "c_attn": [("c_attn", h, 3 * h, "attn_in")],
+            "c_fc": [("c_fc", h, i, "mlp_in")],
             "c_proj": [attn, mlp],
             "attn.c_proj": [attn],
             "mlp.c_proj": [mlp],
         }
     q, kv = shape.q_width, shape.kv_width  # heads x head_dim, and the grouped-query k/v width
-    shapes = {
-        "q_proj": (h, q),
-        "k_proj": (h, kv),
-        "v_proj": (h, kv),
-        "o_proj": (q, h),
-        "gate_proj": (h, i),
-        "up_proj": (h, i),
-        "down_proj": (i, h),
-    }
-    return {name: [(name, fin, fout)] for name, (fin, fout) in shapes.items()}
+    if shape.fused_projections:  # Phi-3: one projection for q, k and v, one for the MLP's gate and up
+        shapes = {"qkv_proj": (h, q + 2 * kv, "attn_in"), "o_proj": (q, h, "attn_out"),
+                  "gate_up_proj": (h, 2 * i, "mlp_in"), "down_proj": (i, h, "mlp_act")}  # fmt: skip
+    else:
+        shapes = {"q_proj": (h, q, "attn_in"), "k_proj": (h, kv, "attn_in"), "v_proj": (h, kv, "attn_in"),
+                  "o_proj": (q, h, "attn_out"), "gate_proj": (h, i, "mlp_in"), "up_proj": (h, i, "mlp_in"),
+                  "down_proj": (i, h, "mlp_act")}  # fmt: skip
+    return {name: [(name, fin, fout, reads)] for name, (fin, fout, reads) in shapes.items()}
+
+
+def _lora_targets(shape: ModelShape, lora: LoraShape) -> set[tuple[str, int, int, str]]:
+    """The modules of one block that `lora` adapts (a set: `c_proj` + `mlp.c_proj` count once); ConfigError naming
+    the targets this family has when one is unknown."""
+    table = _lora_modules(shape)
+    unknown = [t for t in lora.targets if t not in table]
+    if unknown or not lora.targets or lora.rank < 1:
+        raise ConfigError(
+            f"LoRA rank {lora.rank} with targets {list(lora.targets)}: rank must be >= 1 and targets "
+            f"non-empty, from {', '.join(table)} for a {_family(shape).replace('phi3', 'Phi-3')} model"
+        )
+    return {m for t in lora.targets for m in table[t]}
 
 
 def trainable_params(shape: ModelShape, lora: LoraShape | None) -> int:
     """Trainable parameters: all of them, or sum over layers and target modules of r*(in+out)."""
     if lora is None:
         return shape.params
-    table = _lora_modules(shape)
-    unknown = [t for t in lora.targets if t not in table]
-    if unknown or not lora.targets or lora.rank < 1:
-        raise ConfigError(
-            f"LoRA rank {lora.rank} with targets {list(lora.targets)}: rank must be >= 1 and targets "
-            f"non-empty, from {', '.join(table)} for a {shape.family} model"
-        )
-    modules = {m for t in lora.targets for m in table[t]}  # a set: `c_proj` + `mlp.c_proj` count once
-    return shape.layers * sum(lora.rank * (fin + fout) for _, fin, fout in modules)
+    return shape.layers * sum(lora.rank * (fin + fout) for _, fin, fout, _ in _lora_targets(shape, lora))
+
+
+def _block_params(shape: ModelShape) -> int:
+    """Parameters of one transformer block (FSDP2 gathers a block whole)."""
+    h, i = shape.hidden, shape.intermediate
+    if shape.family == "gpt2":
+        return 4 * h * h + 2 * h * i + 9 * h + i
+    return 2 * h * shape.q_width + 2 * h * shape.kv_width + 3 * h * i + 2 * h
 
 
 def _largest_module(shape: ModelShape) -> int:
     """Params of the largest module gathered whole: a block, the token embedding, or the head."""
-    h, i = shape.hidden, shape.intermediate
-    if shape.family == "gpt2":
-        block = 4 * h * h + 2 * h * i + 9 * h + i
-    else:
-        block = 2 * h * shape.q_width + 2 * h * shape.kv_width + 3 * h * i + 2 * h
-    return max(block, shape.vocab * h)  # an untied head is the same size as the embedding
+    return max(_block_params(shape), shape.vocab * shape.hidden)  # an untied head is the size of the embedding
 
 
 @dataclass(frozen=True)
@@ -241,23 +272,69 @@ def _states(shape: ModelShape, tier: str, world_size: int, lora: LoraShape | Non
     shards = (MASTER_BYTES * t + FROZEN_BYTES * f) // n
     grads, adam = GRAD_BYTES * t // n, ADAM_BYTES * t // n
     host_offload = HOST_TRAINABLE_BYTES * t // n
-    largest = HALF_BYTES * _largest_module(shape)
-    # the largest module's all-gather buffer; a tied embedding lives in FSDP2's root unit, gathered once and kept
-    buffer = 0 if shape.tie_embeddings and _largest_module(shape) == shape.vocab * shape.hidden else largest
-    gathered = (GATHER_FACTOR - 1) * largest + buffer + largest  # weights (+ buffer) + its unsharded gradient
     if tier == "fast":
         buckets = DDP_BUCKET_BYTES * t if n > 1 else 0
         weights = MASTER_BYTES * t + FROZEN_BYTES * f
         return _States(weights, GRAD_BYTES * t, ADAM_BYTES * t, buckets, HALF_BYTES * t, 0, t)
+    # FSDP2 tiers: what stays gathered the whole step (every weight in 16 bits where forward does not reshard);
+    # the module gathered at the peak, and its gradient, depend on the moment (_fsdp_peak)
+    kept = HALF_BYTES * w if tier in ("zero2", "zero2_offload") else 0
     if tier == "zero2":
-        return _States(shards, grads, adam, 0, HALF_BYTES * w + buffer + largest, 0, t)
+        return _States(shards, grads, adam, 0, kept, 0, t)
     if tier == "zero2_offload":
-        return _States(shards, grads, 0, 0, HALF_BYTES * w + buffer + largest, host_offload, t)
+        return _States(shards, grads, 0, 0, kept, host_offload, t)
     if tier == "zero3":
-        return _States(shards, grads, adam, 0, gathered, 0, t)
+        return _States(shards, grads, adam, 0, kept, 0, t)
     tier_index(tier)  # raises for unknown names
     # minimal: shards, gradients and the optimizer on the host; the GPU keeps only the gathered modules
-    return _States(0, 0, 0, 0, gathered, host_offload + FROZEN_BYTES * f // n, t)
+    return _States(0, 0, 0, 0, kept, host_offload + FROZEN_BYTES * f // n, t)
+
+
+def _fsdp_peak(
+    shape: ModelShape,
+    tier: str,
+    world_size: int,
+    lora: LoraShape | None,
+    *,
+    acts: int,
+    loss_hidden: int,
+    chunk: int,
+    recompute: int,
+) -> tuple[int, int, int]:
+    """(gathered weights and gradients beyond what `_states` keeps, activations, loss bytes) at the largest of the
+    four moments an FSDP2 step peaks at (traced; bench/memory_model.py), `acts` the activations forward saves:
+
+    - forward, at the loss: the output layer gathered (16-bit weights, and an untied head's all-gather buffer; a tied
+      embedding lives in the root unit), the fused loss's 16-bit gradient of it, the loss's hidden states and chunk;
+    - backward, at the output layer: the same gather and the head's gradient, reduce-scattered in fp32 (a tied
+      embedding's stays 16-bit);
+    - backward, at a block: the block gathered (weights and all-gather buffer), its gradient reduce-scattered in
+      fp32, with activation checkpointing the block being recomputed; a tied embedding's 16-bit gradient (the
+      embedding itself is no longer gathered);
+    - the end of backward: the root unit's embedding gathered, its 16-bit gradient and the fp32 copy that is
+      reduce-scattered, the activations gone (the peak of a tied embedding too large for its few blocks).
+
+    Without resharding after forward (zero2, zero2_offload) every weight is gathered already: only the buffers
+    come on top. With LoRA the frozen base has no gradients; the adapters' are small and left out."""
+    head, block, half = shape.vocab * shape.hidden, _block_params(shape), HALF_BYTES
+    tied, reshard, full = shape.tie_embeddings, tier in ("zero3", "minimal"), lora is None
+    buffer = half if world_size > 1 else 0  # one rank gathers nothing: its 16-bit copy is the unsharded module
+    reduced = GRAD_BYTES if full else 0  # a module's gradient, reduce-scattered in fp32
+    # `minimal` offloads the gradient shard the reduce-scatter gives: on the device until copied (a whole copy on one
+    # rank); the embedding's and an untied head's are the large ones
+    offloaded = GRAD_BYTES * head // world_size if full and tier == "minimal" else 0
+    gather_head = (half * head if reshard else 0) + (0 if tied else buffer * head)
+    gather_block = (half * block if reshard else 0) + buffer * block
+    head_grad = half * head if full else 0  # made by the fused loss in forward
+    moments = (
+        (gather_head + head_grad, acts, loss_hidden + chunk),
+        (gather_head + (head_grad if tied else reduced * head + offloaded), acts, loss_hidden),
+        (gather_block + reduced * block + (head_grad if tied else 0) - (half * head if tied and not reshard else 0),
+         acts + recompute, 0),
+        ((half * head if reshard and world_size > 1 else 0) + (head_grad + reduced * head + offloaded if full else 0),
+         0, 0),
+    )  # fmt: skip
+    return tuple(int(x) for x in max(moments, key=sum))  # type: ignore[return-value]
 
 
 def residual_bytes(tier: str, precision: str, lora: LoraShape | None = None) -> int:
@@ -271,19 +348,37 @@ def residual_bytes(tier: str, precision: str, lora: LoraShape | None = None) -> 
 
 
 def _family(shape: ModelShape) -> str:
-    return "gpt2" if shape.family == "gpt2" else "llama"
+    """The block the activation coefficients were traced on: gpt2, phi3 (fused projections) or llama."""
+    if shape.family == "gpt2":
+        return "gpt2"
+    return "phi3" if shape.fused_projections else "llama"
 
 
 def _layer_bytes(shape: ModelShape, tier: str, precision: str, lora: LoraShape | None) -> float:
     """Activation bytes one layer saves per token (sdpa), from the traced coefficients."""
-    h, i = shape.hidden, shape.intermediate
-    if lora is not None:
-        mlp = any(t in MLP_TARGETS for t in lora.targets)
-        c_h, c_i = LORA_ACT_BYTES[(_family(shape), mlp, tier == "fast")]
-    else:
-        c_h, c_i = ACT_BYTES[(_family(shape), residual_bytes(tier, precision))]
-    per_token = c_h * h + c_i * i
+    widths = (shape.hidden, shape.q_width, shape.kv_width, shape.intermediate)
+    family = _family(shape)
+    masks = 2 * DROPOUT_MASK_BYTES * shape.hidden if shape.residual_dropout else 0
+    if lora is None:
+        coef = FP32_ACT_BYTES[family] if precision == "fp32" else ACT_BYTES[(family, residual_bytes(tier, precision))]
+        return sum(c * w for c, w in zip(coef, widths, strict=True)) + masks
+    per_token = sum(c * w for c, w in zip(LORA_ACT_BYTES[(family, tier == "fast")], widths, strict=True)) + masks
+    modules = _lora_targets(shape, lora)
+    if tier == "fast" and precision != "fp32":  # autocast: every fp32 adapter saves a 16-bit copy of its input
+        per_token += sum(LORA_INPUT_BYTES * fin for _, fin, _, _ in modules)
+    else:  # 16-bit adapters save the tensor they read, once however many read it
+        read = {reads: fin for _, fin, _, reads in modules}
+        if not shape.fused_projections:
+            read.pop("attn_out", None)  # the output projection reads what SDPA keeps for its own backward
+        per_token += sum(LORA_INPUT_BYTES * fin for fin in read.values())
     return per_token * FP32_ACT_FACTOR if precision == "fp32" else per_token
+
+
+def _eager_scores(shape: ModelShape, tier: str, precision: str) -> float:
+    """Bytes eager attention keeps per head and token pair."""
+    if precision == "fp32":
+        return 2 * EAGER_SCORE_BYTES_16 if shape.family == "gpt2" and tier != "fast" else 2 * EAGER_SCORE_BYTES
+    return EAGER_SCORE_BYTES_16 if shape.family == "gpt2" and tier != "fast" else EAGER_SCORE_BYTES
 
 
 def _activations(
@@ -300,7 +395,7 @@ def _activations(
     if shape.qk_norm:
         per_token += QK_NORM_BYTES * (shape.q_width + shape.kv_width)
     if attention == "eager":  # the scores and their softmax stay in memory, per head and token pair
-        per_token += EAGER_SCORE_BYTES * shape.heads * seq_len * (2 if precision == "fp32" else 1)
+        per_token += _eager_scores(shape, tier, precision) * shape.heads * seq_len
     elif attention not in ("sdpa", "flash", "flash_attention_2"):
         raise ConfigError(f"unknown attention {attention!r}; expected sdpa, flash or eager")
     if checkpointing:
@@ -316,24 +411,30 @@ def _recompute(shape: ModelShape, tier: str, tokens: int, seq_len: int, attentio
     """Bytes of the layer that checkpointing recomputes in backward: its activations and the gradients through it."""
     per_token = _layer_bytes(shape, tier, precision, lora) + RECOMPUTE_GRAD_BYTES * shape.hidden
     if attention == "eager":
-        per_token += EAGER_SCORE_BYTES * shape.heads * seq_len * (2 if precision == "fp32" else 1)
+        per_token += _eager_scores(shape, tier, precision) * shape.heads * seq_len
     return int(per_token * tokens)
 
 
-def _loss_bytes(shape: ModelShape, tier: str, tokens: int, precision: str, lora: LoraShape | None = None) -> int:
-    """After the last block: the final norm, the hidden states the chunked cross-entropy keeps, per-token extras,
-    and one chunk's working set."""
+def _loss_parts(shape: ModelShape, tier: str, tokens: int, precision: str, lora: LoraShape | None) -> tuple[int, int]:
+    """(kept, chunk) after the last block: the final norm, the hidden states the chunked cross-entropy keeps and
+    per-token extras; one chunk's working set."""
     if tokens == 0:
-        return 0
+        return 0, 0
     if lora is not None:
         hidden = LORA_LOSS_HIDDEN_BYTES * (2 if precision == "fp32" else 1)
     else:
         hidden = LOSS_HIDDEN_BYTES[(_family(shape), residual_bytes(tier, precision))]
     chunk = min(tokens, loss_chunk_tokens(shape.vocab)) * shape.vocab * 4 * LOSS_CHUNK_FACTOR
+    return tokens * (hidden * shape.hidden + LOSS_TOKEN_BYTES), int(chunk)
+
+
+def _loss_bytes(shape: ModelShape, tier: str, tokens: int, precision: str, lora: LoraShape | None = None) -> int:
+    """`fast`'s loss: its parts, and the fused loss's fp32 gradient of the output layer with autocast's copy."""
+    kept, chunk = _loss_parts(shape, tier, tokens, precision, lora)
     head = 0
-    if tier == "fast" and lora is None:  # the fused loss's fp32 gradient of the output layer, and autocast's copy
+    if tokens and lora is None:
         head = shape.vocab * shape.hidden * (MASTER_BYTES + (0 if precision == "fp32" else HALF_BYTES))
-    return tokens * (hidden * shape.hidden + LOSS_TOKEN_BYTES) + chunk + head
+    return kept + chunk + head
 
 
 def estimate(
@@ -368,18 +469,25 @@ def estimate(
     st = _states(shape, tier, world_size, lora)
     tokens = seq_len * micro_batch
     acts = _activations(shape, tier, tokens, seq_len, ckpt, attention, precision, lora)
-    logits = _loss_bytes(shape, tier, tokens, precision, lora)
-    if ckpt:  # the recomputed layer, where it outgrows the loss's peak (see _activations)
-        acts += max(0, _recompute(shape, tier, tokens, seq_len, attention, precision, lora) - logits)
+    recompute = _recompute(shape, tier, tokens, seq_len, attention, precision, lora) if ckpt else 0
+    working = st.working
+    if tier == "fast":
+        logits = _loss_bytes(shape, tier, tokens, precision, lora)
+        acts += max(0, recompute - logits)  # the recomputed layer, where it outgrows the loss's peak
+    else:
+        kept, chunk = _loss_parts(shape, tier, tokens, precision, lora)
+        gathered, acts, logits = _fsdp_peak(shape, tier, world_size, lora, acts=acts, loss_hidden=kept, chunk=chunk,
+                                            recompute=recompute)  # fmt: skip
+        working += gathered
     if packed and attention == "sdpa":  # the block-diagonal mask, and each layer's saved copy of it
         per_pair = PACKED_MASK_CHECKPOINTED_BYTES if ckpt else shape.layers * PACKED_MASK_LAYER_BYTES[_family(shape)]
         acts += int(per_pair * micro_batch * seq_len * seq_len)
     acts, logits = int(acts * sample_scale), int(logits * sample_scale)
     grads = st.gradients if grad_accum > 1 else max(0, st.gradients - acts - logits)
-    states = st.weights + grads + st.optimizer + st.buckets + st.working
+    states = st.weights + grads + st.optimizer + st.buckets + working
     overhead = OVERHEAD_FIXED + (states + acts + logits) * OVERHEAD_PERCENT // 100
     return MemoryEstimate(tier, micro_batch, ckpt, st.trainable, st.weights, grads, st.optimizer, st.buckets,
-                          st.working, acts, logits, overhead, st.host)  # fmt: skip
+                          working, acts, logits, overhead, st.host)  # fmt: skip
 
 
 @dataclass(frozen=True)

@@ -31,21 +31,46 @@ def trace_tiers(
             f"jobspec plan --trace runs the runner's training step on fake tensors and needs {', '.join(missing)}: "
             f"{install_hint('trace')}"
         )
-    tiers = ",".join(f"{p.tier}={max(1, p.micro_batch)}" for p in plans)
+    pairs = [(p.tier, max(1, p.micro_batch)) for p in plans]
+    try:
+        rows = run_trace(spec_path, overrides, pairs, world_size, precision, TIMEOUT_S)
+    except TraceFailed as err:
+        why = f"{err}; plan without --trace" if err.timed_out else str(err)
+        raise ConfigError(f"jobspec plan --trace: {why}") from None
+    return {row["tier"]: row for row in rows}
+
+
+class TraceFailed(Exception):
+    """The trace process failed, timed out or printed no result (the message says which)."""
+
+    def __init__(self, message: str, timed_out: bool = False):
+        super().__init__(message)
+        self.timed_out = timed_out
+
+
+def run_trace(
+    spec_path: str,
+    overrides: Sequence[str],
+    pairs: Sequence[tuple[str, int]],
+    world_size: int,
+    precision: str,
+    timeout_s: float,
+) -> list[dict[str, Any]]:
+    """`python -m runner.train.trace` for (tier, micro-batch) pairs, in a process of its own: its JSON rows."""
+    tiers = ",".join(f"{tier}={mbs}" for tier, mbs in pairs)
     cmd = [sys.executable, "-m", "runner.train.trace", spec_path, "--tiers", tiers, "--world-size", str(world_size),
            "--precision", precision]  # fmt: skip
     for item in overrides:
         cmd += ["--set", item]
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT_S)
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
     except subprocess.TimeoutExpired:
-        why = f"the trace took longer than {TIMEOUT_S:.0f} s; plan without --trace"
-        raise ConfigError(f"jobspec plan --trace: {why}") from None
+        raise TraceFailed(f"the trace took longer than {timeout_s:.0f} s", timed_out=True) from None
     if proc.returncode != 0:
         tail = "\n  ".join(proc.stderr.strip().splitlines()[-6:])
-        raise ConfigError(f"jobspec plan --trace: the trace failed (exit {proc.returncode}):\n  {tail}")
+        raise TraceFailed(f"the trace failed (exit {proc.returncode}):\n  {tail}")
     try:
         rows = json.loads(proc.stdout.strip().splitlines()[-1])
     except (IndexError, ValueError):
-        raise ConfigError("jobspec plan --trace: the trace printed no result") from None
-    return {row["tier"]: row for row in rows}
+        raise TraceFailed("the trace printed no result") from None
+    return list(rows)

@@ -598,6 +598,18 @@ class MemorySpec(Section):
             "(at most 3 tries, the wait doubling after each); null: keep the smaller one.",
         ),
     ] = 50
+    trace: Annotated[
+        Literal["auto", "on", "off"],
+        Field(
+            description="Size the starting micro-batch from a trace of the runner's own step (fake tensors, rank 0, "
+            "a process of its own) instead of the memory model's formula; probe steps verify either. auto: on a "
+            "GPU, unless training.micro_batch is set.",
+        ),
+    ] = "auto"
+    trace_seconds: Annotated[
+        int,
+        Field(ge=10, le=540, description="Time the trace may take before the formula's plan is kept (seconds)."),
+    ] = 180
 
 
 _SUB_PATH = re.compile(r"^[A-Za-z0-9._-]+(/[A-Za-z0-9._-]+)*$")

@@ -18,6 +18,7 @@ import logging
 import os
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +46,7 @@ from runner.oom.detect import oom_guard, release_memory
 from runner.oom.shrink import RecipeGuard, TierOOM, apply_cap
 from runner.output import tracking
 from runner.output.metrics import GpuUtil, Metrics, Progress, memory_bytes
+from runner.sizing import traced
 from runner.sizing.plan import (
     Plan,
     agree,
@@ -283,6 +285,9 @@ class Recipe:
             plan = size_for_tier(spec, self.dev, self.host, world, tier, local_ranks=local, reasons=why)
         if plan is None:
             plan = initial_plan(spec, self.dev, self.host, world, local_ranks=local)
+            if traced.wanted(spec, self.dev.is_gpu):
+                share = partial(self.ctrl.all_reduce, op="max")
+                plan = traced.from_trace(plan, spec, share, is_main=self.env.rank == 0)
         return agree(
             apply_cap(plan, self.root),
             self.ctrl.reduce_min,

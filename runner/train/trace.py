@@ -142,7 +142,8 @@ def _build(cfg: Any, *, lora: LoraSpec | None, precision: str, attention: str, m
 
 
 def _autocast(model: nn.Module, precision: str, device: torch.device) -> None:
-    """What accelerate's prepare_model does for native AMP (`fast`): autocast the forward, fp32 outputs."""
+    """What accelerate's prepare_model does for native AMP (`fast`): autocast the forward, fp32 outputs. Its FSDP2
+    path (`_prepare_fsdp2`) does not: there FSDP2's MixedPrecisionPolicy casts the gathered weights."""
     if precision == "fp32":
         return
     from accelerate.utils import convert_outputs_to_fp32
@@ -203,6 +204,68 @@ def _eager_decisions(packed: bool = False) -> Iterator[None]:
         yield
 
 
+# CUDA's autocast runs these ops in fp32 (torch's autocast_mode.cpp, the CUDA fp32 and fp32-set-opt-dtype lists, as
+# far as transformer blocks call them); the CPU's autocast runs them in the input's 16-bit dtype. For GPT-2 blocks
+# (LayerNorm, tanh GELU's `pow`) that is 40 % more activation memory on a GPU.
+_CUDA_FP32_OPS: tuple[tuple[Any, str], ...] = tuple(
+    [(torch, name) for name in ("pow", "layer_norm", "group_norm", "softmax", "log_softmax", "exp", "log", "rsqrt",
+                                "reciprocal", "cumsum", "logsumexp")]
+    + [(torch.Tensor, name) for name in ("pow", "__pow__", "softmax", "log_softmax", "exp", "log", "rsqrt",
+                                         "reciprocal", "cumsum", "logsumexp")]
+    + [(torch.nn.functional, name) for name in ("layer_norm", "group_norm", "softmax", "log_softmax", "softplus")]
+)  # fmt: skip
+
+
+@contextlib.contextmanager
+def gpu_decisions() -> Iterator[None]:
+    """What a GPU decides where the CPU trace would decide otherwise, for the ops that change the step's memory.
+
+    - Autocast: while it is on, the ops of CUDA's fp32 list get fp32 inputs, as CUDA's (and ROCm's) autocast casts
+      them. The CPU's autocast keeps LayerNorm, softmax, `pow`... in 16 bits; on a GPU their outputs, and what they
+      save for backward, are fp32. Checked against an H100: GPT-2 small, `fast`, micro-batch 72 at 1024 tokens,
+      `torch.cuda.max_memory_allocated` 58.17 GiB; this trace 58.10 GiB, the CPU's policy 41.44 GiB.
+    - Attention dropout (a config's attn_pdrop > 0, GPT-2's default): a GPU's flash and memory-efficient SDPA
+      kernels drop out inside the kernel, keeping no (b, h, s, s) tensor; the CPU's flash kernel cannot, and SDPA
+      falls back to its math path, which keeps the probabilities and a mask. The trace runs SDPA without dropout,
+      the memory of the GPU's kernel (its RNG state aside). Other dropout (residual, embedding) keeps a 1-byte mask
+      as CUDA's fused kernel does, where the CPU's keeps a noise tensor of the input's width.
+
+    The functions are wrapped (not a TorchFunctionMode: activation checkpointing recomputes in backward outside
+    the modes of the forward)."""
+    halves = (torch.bfloat16, torch.float16)
+
+    def upcast(value: Any) -> Any:
+        return value.float() if isinstance(value, torch.Tensor) and value.dtype in halves else value
+
+    def wrap(fn: Callable[..., Any]) -> Callable[..., Any]:
+        def in_fp32(*args: Any, **kwargs: Any) -> Any:
+            if torch.is_autocast_enabled("cpu"):
+                args, kwargs = tuple(map(upcast, args)), {k: upcast(v) for k, v in kwargs.items()}
+            return fn(*args, **kwargs)
+
+        return in_fp32
+
+    sdpa, dropout = torch.nn.functional.scaled_dot_product_attention, torch.nn.functional.dropout
+
+    def fused_mask(input: torch.Tensor, p: float = 0.5, training: bool = True, inplace: bool = False) -> torch.Tensor:
+        if training and 0 < p < 1 and not inplace and input.numel():  # what CUDA's dropout runs: a 1-byte mask
+            return torch.native_dropout(input, p, True)[0]
+        return dropout(input, p, training, inplace)
+
+    def fused_dropout(*args: Any, **kwargs: Any) -> Any:
+        if len(args) > 4:
+            args = (*args[:4], 0.0, *args[5:])
+        return sdpa(*args, **{**kwargs, "dropout_p": 0.0} if "dropout_p" in kwargs else kwargs)
+
+    with contextlib.ExitStack() as stack:
+        for owner, name in _CUDA_FP32_OPS:
+            if hasattr(owner, name):
+                stack.enter_context(mock.patch.object(owner, name, wrap(getattr(owner, name))))
+        stack.enter_context(mock.patch.object(torch.nn.functional, "scaled_dot_product_attention", fused_dropout))
+        stack.enter_context(mock.patch.object(torch.nn.functional, "dropout", fused_mask))
+        yield
+
+
 @contextlib.contextmanager
 def _process_group(world_size: int, fake: bool) -> Iterator[None]:
     """A process group of `world_size` for FSDP2: torch's fake backend (collectives do nothing) or gloo (1 rank)."""
@@ -248,6 +311,7 @@ def trace_step(
     seed: int = 0,
     grad_accum: int = 2,
     packed: bool = False,
+    gpu: bool = True,
 ) -> TraceResult:
     """One rank's bytes at the peak of the runner's optimizer step at `tier` (see the module docstring).
 
@@ -259,6 +323,8 @@ def trace_step(
     `grad_accum`: micro-batches per optimizer step, as Stepper.train_step runs them (2: the gradients of the first
     are alive during the second, the runner's usual case; 1 when the micro-batch is the whole per-rank batch).
     `packed`: rows of two records each with their own position ids, as `data.packing` trains (see the docstring).
+    `gpu`: autocast decides which ops run in fp32 as CUDA's (and ROCm's) autocast does, and attention dropout runs
+    inside the SDPA kernel, as where the step will run (`gpu_decisions`); False: as on the CPU.
     """
     tier_index(tier)  # raises for unknown names
     if precision not in DTYPE or micro_batch < 1 or seq_len < 1 or world_size < 1:
@@ -280,9 +346,10 @@ def trace_step(
     if ckpt:
         engine.enable_checkpointing(net, lora=lora is not None)
     group = _process_group(world_size, fake) if fsdp else contextlib.nullcontext()
-    with group, _eager_decisions(packed):
+    policy = gpu_decisions() if gpu else contextlib.nullcontext()
+    with group, _eager_decisions(packed), policy:
         if fsdp:  # on the meta device for fakes: FSDP2's device mesh cannot be built under FakeTensorMode
-            net = _shard(net, traced, precision)
+            net = _shard(net, traced, precision)  # accelerate's FSDP2 path casts by the mixed-precision policy only
         else:
             _autocast(net, precision, device)
         result = _run(net, cfg, loss, fsdp=fsdp, fused=fused, fake=fake, micro_batch=micro_batch, seq_len=seq_len,
@@ -421,13 +488,13 @@ def spec_model(spec: Any) -> ModelShape | Any:
         raise ConfigError(f"model.path {spec.model.path!r}: no config to trace ({str(err).splitlines()[0]})") from None
 
 
-def trace_spec(spec: Any, tiers: dict[str, int], world_size: int, precision: str) -> list[dict[str, Any]]:
-    """`trace_step` for each tier at its micro-batch (tier -> micro-batch), as JSON-ready dicts."""
+def trace_spec(spec: Any, tiers: list[tuple[str, int]], world_size: int, precision: str) -> list[dict[str, Any]]:
+    """`trace_step` for each (tier, micro-batch) pair, as JSON-ready dicts."""
     model = spec_model(spec)
     forced = {"on": True, "off": False}.get(spec.training.gradient_checkpointing)
     per_rank = spec.training.global_batch // world_size
     out = []
-    for tier, mbs in tiers.items():
+    for tier, mbs in tiers:
         r = trace_step(model, tier=tier, world_size=world_size, micro_batch=mbs, seq_len=spec.data.max_seq_len,
                        loss=runner_loss, precision=precision, lora=spec.model.lora, checkpointing=forced,
                        attention=spec.model.attention, max_grad_norm=spec.training.max_grad_norm,
@@ -439,7 +506,8 @@ def trace_spec(spec: Any, tiers: dict[str, int], world_size: int, precision: str
 
 def main(argv: list[str] | None = None) -> int:
     """`python -m runner.train.trace SPEC --tiers fast=4,zero3=8 --world-size N --precision bf16`: one JSON list on
-    stdout (what `jobspec plan --trace` runs in a process of its own, so that the submitter never imports torch)."""
+    stdout (what `jobspec plan --trace` runs in a process of its own, so that the submitter never imports torch, and
+    the runner's rank 0 to size its micro-batch: runner/sizing/traced.py). A tier may come twice (zero3=2,zero3=4)."""
     import argparse
     import json
     import os
@@ -458,7 +526,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # a config is read from disk or the local cache, never fetched
     try:
-        tiers = {t: int(m) for t, m in (pair.split("=") for pair in args.tiers.split(","))}
+        tiers = [(t, int(m)) for t, m in (pair.split("=") for pair in args.tiers.split(","))]
         result = trace_spec(load_spec(args.spec, args.overrides), tiers, args.world_size, args.precision)
     except JobspecError as err:
         print(f"error: {err}", file=sys.stderr)

@@ -170,12 +170,15 @@ def modelled(spec, tier: str) -> tuple[int, int, int, int, int]:
     s = memory._states(shape, tier, 1, lora)
     t = s.trainable
     w = shape.params + (t if lora else 0)
-    largest = memory.HALF_BYTES * memory._largest_module(shape)
     persistent = s.weights + s.gradients + s.optimizer + s.buckets
+    if tier == "fast":
+        return persistent, s.host, t, w, s.working
+    # the module gathered at the step's peak, with its gradients (memory._fsdp_peak, before any sample)
+    bound = memory._fsdp_peak(shape, tier, 1, lora, acts=0, loss_hidden=0, chunk=0, recompute=0)[0]
     if tier in ("zero2", "zero2_offload"):  # the gather FSDP2 keeps; the transient buffer and gradient are the bound
-        assert s.working >= memory.HALF_BYTES * w + largest
-        return persistent + memory.HALF_BYTES * w, s.host, t, w, s.working - memory.HALF_BYTES * w
-    return persistent, s.host, t, w, s.working
+        assert s.working == memory.HALF_BYTES * w
+        return persistent + s.working, s.host, t, w, bound
+    return persistent, s.host, t, w, bound
 
 
 # --- which optimizer a tier steps with --------------------------------------------------------------------

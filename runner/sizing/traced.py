@@ -1,0 +1,105 @@
+"""The starting micro-batch from a trace of the runner's own step, where time allows (`memory.trace`).
+
+The memory model (jobspec/plan/memory.py) is fitted to traces of this step and stays within a few percent of them
+on the shapes it was fitted on; a model it was not fitted on may differ more. With `memory.trace` (auto: on a GPU,
+unless the spec fixes the micro-batch) rank 0 traces the planned tier at two micro-batches in a process of its own
+(runner/train/trace.py builds a fake process group, and this process has a real one), within
+`memory.trace_seconds`. The peak is affine in the micro-batch once the activations dominate, so the line through
+the two traces gives the bytes at any micro-batch: every rank sizes its micro-batch from rank 0's line, by the
+model's own budget rule (its fixed 1 GiB and 5 % allowance on top of the traced bytes, which leave them out), and
+the probe steps then verify it as they verify the model's. A trace that fails or runs out of time is logged and
+the model's plan kept.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import yaml
+
+from jobspec.catalog.tiers import divisors
+from jobspec.errors import JobspecError
+from jobspec.plan import memory
+from jobspec.plan.traced import TraceFailed, run_trace
+from jobspec.spec.models import JobSpec
+from jobspec.spec.units import human_bytes as gib
+from runner.sizing.plan import Plan, with_micro_batch
+
+log = logging.getLogger("jobspec.runner")
+Share = Callable[[Sequence[float]], Sequence[float]]  # all-reduce MAX over ranks (rank 0 sends, the others 0)
+
+
+def wanted(spec: JobSpec, on_gpu: bool) -> bool:
+    """Whether this run sizes its micro-batch from a trace: `memory.trace` on, or auto on a GPU; never when the
+    spec fixes the micro-batch (nothing to choose)."""
+    if spec.memory.trace == "off" or isinstance(spec.training.micro_batch, int):
+        return False
+    return spec.memory.trace == "on" or on_gpu
+
+
+def trace_line(
+    spec: JobSpec, tier: str, world_size: int, precision: str, micro_batches: tuple[int, int], timeout_s: float
+) -> tuple[int, int]:
+    """(bytes at micro-batch 0, bytes per sample) on the line through traces of `tier` at two micro-batches; the
+    spec as this process has it (overrides and a hub model's local snapshot included) goes to the trace as a file."""
+    with tempfile.TemporaryDirectory(prefix="jobspec-trace-") as tmp:
+        path = Path(tmp) / "spec.yaml"
+        path.write_text(yaml.safe_dump(spec.to_yaml_dict(), sort_keys=False))
+        rows = run_trace(str(path), (), [(tier, m) for m in micro_batches], world_size, precision, timeout_s)
+    (m1, p1), (m2, p2) = sorted((int(r["micro_batch"]), int(r["peak"])) for r in rows)
+    if m2 == m1 or p2 <= p1:
+        raise TraceFailed(f"the traced peak does not grow from micro-batch {m1} ({p1:,} B) to {m2} ({p2:,} B)")
+    per_sample = math.ceil((p2 - p1) / (m2 - m1))
+    return max(0, p1 - per_sample * m1), per_sample
+
+
+def _with_overhead(traced: int) -> int:
+    """The model's allowance on top of traced bytes: OVERHEAD_FIXED + OVERHEAD_PERCENT of them."""
+    return traced + memory.OVERHEAD_FIXED + traced * memory.OVERHEAD_PERCENT // 100
+
+
+def from_trace(plan: Plan, spec: JobSpec, share: Share, *, is_main: bool) -> Plan:
+    """`plan` at the largest micro-batch the traced line fits in its budget (a divisor of the per-rank batch), the
+    same on every rank (rank 0 traces, `share` hands its line to all); `plan` as it was when the trace fails."""
+    line, why = [0.0, 0.0], ""
+    m1 = max(1, plan.micro_batch)
+    if is_main:
+        start = time.monotonic()
+        try:
+            fixed, per_sample = trace_line(spec, plan.tier, plan.world_size, plan.precision, (m1, 2 * m1),
+                                           float(spec.memory.trace_seconds))  # fmt: skip
+            line = [float(fixed), float(per_sample)]
+        except (TraceFailed, JobspecError, OSError) as err:
+            why = str(err).splitlines()[0]
+        log.info("plan: trace of tier %s at micro-batches %d and %d took %.1f s", plan.tier, m1, 2 * m1,
+                 time.monotonic() - start)  # fmt: skip
+    fixed, per_sample = (int(x) for x in share(line))
+    if per_sample <= 0:
+        note = f"trace: none ({why or 'rank 0 could not trace'}); the model's micro-batch {plan.micro_batch} kept"
+        log.warning("plan: %s", note)
+        return dataclasses.replace(plan, reasons=(*plan.reasons, note))
+    top = 0
+    while _with_overhead(fixed + per_sample * (top + 1)) <= plan.budget_bytes:
+        top += 1
+        if top >= plan.per_rank:  # nothing above the per-rank batch is of use
+            break
+    mbs = max((d for d in divisors(plan.per_rank) if d <= top), default=1)
+    traced = dataclasses.replace(
+        plan,
+        fixed_bytes=_with_overhead(fixed),
+        per_sample_bytes=per_sample + per_sample * memory.OVERHEAD_PERCENT // 100,
+        model_max_micro_batch=top,
+    )
+    fits = "" if top else "; not even micro-batch 1 fits by the trace: probe steps decide"
+    reason = (
+        f"micro-batch {plan.micro_batch} -> {mbs} from the trace of tier {plan.tier}: {gib(traced.fixed_bytes)} + "
+        f"{gib(traced.per_sample_bytes)} per sample with the overhead (the model: {gib(plan.fixed_bytes)} + "
+        f"{gib(plan.per_sample_bytes)}), {top} fit {gib(plan.budget_bytes)}{fits}"
+    )
+    return with_micro_batch(traced, mbs, reason)

@@ -1,0 +1,96 @@
+"""The runner's starting micro-batch from a trace of its own step (runner/sizing/traced.py, `memory.trace`).
+
+The trace runs for real (a process of its own, the tiny preset on fake tensors); only its failure is faked, at the
+boundary (run_trace)."""
+
+from __future__ import annotations
+
+import pytest
+
+from jobspec.catalog.tiers import divisors
+from jobspec.plan import memory
+from jobspec.plan.traced import TraceFailed
+from runner.sizing import traced
+from runner.sizing.hostmem import HostInfo
+from runner.sizing.plan import initial_plan
+from runner.sizing.probe import DeviceInfo
+from runner.train.trace import trace_spec
+from tests.runner.train_helpers import tiny_spec, train_in_process
+
+GiB = 1024**3
+HOST = HostInfo(64 * GiB, 60 * GiB, 16)
+# a GPU whose budget, after the model's 1 GiB allowance, leaves the tiny model room for a few dozen samples
+GPU = DeviceInfo("cuda", "small", int(1.3 * GiB), int(1.3 * GiB), (9, 0), True, 1, "pynvml")
+
+
+def _spec(tmp_path, **memory_section):
+    return tiny_spec(tmp_path, data={"max_seq_len": 512}, training={"global_batch": 256, "precision": "bf16"},
+                     memory={"tier": "fast", **memory_section})  # fmt: skip
+
+
+def test_only_where_it_is_wanted(tmp_path):
+    auto, on, off = (_spec(tmp_path, trace=t) for t in ("auto", "on", "off"))
+    assert traced.wanted(auto, on_gpu=True) and not traced.wanted(auto, on_gpu=False)
+    assert traced.wanted(on, on_gpu=False) and not traced.wanted(off, on_gpu=True)
+    fixed = tiny_spec(tmp_path, training={"micro_batch": 2}, memory={"trace": "on"})
+    assert not traced.wanted(fixed, on_gpu=True)  # the spec's micro-batch: nothing to choose
+
+
+def test_the_line_through_two_traces_sizes_the_micro_batch(tmp_path):
+    spec = _spec(tmp_path, trace="on")
+    plan = initial_plan(spec, GPU, HOST, 1)
+    new = traced.from_trace(plan, spec, lambda line: list(line), is_main=True)
+    # the process ran what the runner's trace runs in process, at the model's micro-batch and twice it
+    m1 = plan.micro_batch
+    low, high = (row["peak"] for row in trace_spec(spec, [(plan.tier, m1), (plan.tier, 2 * m1)], 1, plan.precision))
+    per_sample = -(-(high - low) // m1)
+    fixed = low - per_sample * m1
+    assert per_sample > 0 and new.fixed_bytes == traced._with_overhead(fixed)
+    assert new.per_sample_bytes == per_sample + per_sample * memory.OVERHEAD_PERCENT // 100
+    budget = plan.budget_bytes
+    fits = [m for m in range(1, plan.per_rank + 1) if traced._with_overhead(fixed + per_sample * m) <= budget]
+    assert new.model_max_micro_batch == max(fits) and 1 < max(fits) < plan.per_rank
+    assert new.micro_batch == max(d for d in divisors(plan.per_rank) if d <= max(fits))
+    assert new.micro_batch * new.grad_accum == plan.per_rank and new.estimated_bytes <= plan.budget_bytes
+    assert any(f"from the trace of tier {plan.tier}" in r for r in new.reasons)
+
+
+def test_a_failed_trace_keeps_the_models_plan(tmp_path, monkeypatch):
+    spec = _spec(tmp_path, trace="on")
+    plan = initial_plan(spec, GPU, HOST, 1)
+
+    def slow(*args, **kwargs):
+        raise TraceFailed("the trace took longer than 180 s", timed_out=True)
+
+    monkeypatch.setattr(traced, "run_trace", slow)
+    kept = traced.from_trace(plan, spec, lambda line: list(line), is_main=True)
+    assert (kept.micro_batch, kept.fixed_bytes, kept.per_sample_bytes) == (
+        plan.micro_batch, plan.fixed_bytes, plan.per_sample_bytes)  # fmt: skip
+    assert "trace: none (the trace took longer than 180 s)" in kept.reasons[-1]
+
+
+def test_every_rank_sizes_from_rank_0s_line(tmp_path, monkeypatch):
+    """Rank 0 traces; the others, which send zeros, take its line from the all-reduce MAX and end on its plan."""
+    spec = _spec(tmp_path, trace="on")
+    plan = initial_plan(spec, GPU, HOST, 1)
+    sent: list[list[float]] = []
+
+    def rank0_share(line):
+        sent.append(list(line))
+        return list(line)
+
+    rank0 = traced.from_trace(plan, spec, rank0_share, is_main=True)
+    monkeypatch.setattr(traced, "run_trace", pytest.fail)  # another rank never traces
+    rank1 = traced.from_trace(plan, spec, lambda line: [max(a, b) for a, b in zip(line, sent[0], strict=True)],
+                              is_main=False)  # fmt: skip
+    assert (rank1.micro_batch, rank1.fixed_bytes, rank1.per_sample_bytes) == (
+        rank0.micro_batch, rank0.fixed_bytes, rank0.per_sample_bytes)  # fmt: skip
+
+
+@pytest.mark.slow
+def test_a_run_starts_from_the_trace(tmp_path):
+    """`memory.trace: on` on this CPU machine: the worker traces, plans from the line and trains."""
+    spec = tiny_spec(tmp_path, training={"steps": 3}, memory={"trace": "on"})
+    code, worker = train_in_process(spec)
+    assert code == 0
+    assert any("from the trace of tier fast" in r for r in worker.plan.reasons)
