@@ -1,4 +1,6 @@
-"""Hypothesis profiles: CI is deterministic, a developer's run explores, `bench/fuzz.py` explores longer.
+"""Hypothesis profiles, and the container tier last.
+
+Hypothesis profiles: CI is deterministic, a developer's run explores, `bench/fuzz.py` explores longer.
 
 - `ci` (.ci/run sets HYPOTHESIS_PROFILE=ci): derandomized, so the same code gives the same examples and
   a red CI is never luck; no example database (a clean clone has none anyway).
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import os
 
+import pytest
 from hypothesis import settings
 
 # No per-example deadline anywhere: hypothesis measures it in wall time, which a loaded machine stretches (a
@@ -21,3 +24,9 @@ settings.register_profile("ci", derandomize=True, database=None, deadline=None, 
 settings.register_profile("dev", deadline=None, print_blob=True)
 settings.register_profile("fuzz", deadline=None, print_blob=True)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "dev"))
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The container tier runs after everything else: on a clean machine its images take minutes to build, which
+    .ci/run does in the background meanwhile (its fixtures wait for the builder's lock)."""
+    items.sort(key=lambda item: item.get_closest_marker("container") is not None)  # stable: the rest keep their order

@@ -75,11 +75,12 @@ def test_offload_tiers_and_ddp_move_bytes_by_arithmetic():
 
 @pytest.mark.slow
 def test_a_7b_trace_fits_the_time_and_host_budget():
+    """An 8B model at zero3 over 8 ranks (FSDP2's wrapping and tracker, the slower path; every tier's time and
+    resident memory: python -m bench.memory_model, 9-19 s a tier)."""
     cfg = MODELS["llama-3.1-8b"]
-    for tier, ranks in (("fast", 1), ("zero3", 8)):
-        r = trace_step(cfg, tier=tier, world_size=ranks, micro_batch=1, seq_len=2048, loss=runner_loss)
-        assert r.seconds < 60
-        assert r.parts["parameters"] > 0 and r.parts["optimizer"] > 0
+    r = trace_step(cfg, tier="zero3", world_size=8, micro_batch=1, seq_len=2048, loss=runner_loss)
+    assert r.seconds < 60
+    assert r.parts["parameters"] > 0 and r.parts["optimizer"] > 0
 
 
 # --- the formula (jobspec/plan/memory.py) held to the trace on generated configs --------------------------------
