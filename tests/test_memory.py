@@ -62,10 +62,13 @@ def test_divisors() -> None:
 #         output layer's fp32 gradient, which the fused loss accumulates in forward, and its bf16 copy:
 #         50257*768*(4 + 2) = 231,584,256
 #   gathered (zero3, minimal)           2*38,597,376 weights + 2*38,597,376 gradient       = 154,389,504
-#                                       (the tied embedding lives in FSDP2's root unit: no second gather buffer)
+#                                       (the tied embedding lives in FSDP2's root unit: no second gather buffer;
+#                                       the step peaks forward at the loss); over 8 ranks also the last block's
+#                                       all-gather buffer, prefetched for backward: + 2*7,087,872 = 168,565,248
 #   zero2 tiers: every weight gathered in bf16 (2P) + the largest module's bf16 gradient  2P + 77,194,752
 #   overhead                            1 GiB + 5 % of everything else, integer division
 GPT2_ACT, GPT2_ACT16, GPT2_CKPT, GPT2_GATHER = 792_723_456, 528_482_304, 18_874_368, 154_389_504
+GPT2_GATHER8 = GPT2_GATHER + 2 * 7_087_872  # a block: 4*768*768 + 2*768*3072 + 9*768 + 3072
 GPT2_LOSS = 308_779_008 + 1024 * (10 * 768 + 16) + 231_584_256  # 548,243,968
 GPT2_LOSS16 = 308_779_008 + 1024 * (6 * 768 + 16)  # 313,513,984
 P = P_GPT2
@@ -80,8 +83,8 @@ GPT2_TABLE = [
     ("fast", 8, 4 * P, 4 * P, 8 * P, 4 * P, 2 * P, GPT2_ACT, GPT2_LOSS, 0),  # DDP's fp32 buckets: 4P
     ("zero2", 8, 4 * P // 8, 4 * P // 8, 8 * P // 8, 0, Z2W, GPT2_ACT16, GPT2_LOSS16, 0),
     ("zero2_offload", 8, 4 * P // 8, 4 * P // 8, 0, 0, Z2W, GPT2_CKPT, GPT2_LOSS16, 16 * P // 8),
-    ("zero3", 8, 4 * P // 8, 4 * P // 8, 8 * P // 8, 0, GPT2_GATHER, GPT2_CKPT, GPT2_LOSS16, 0),
-    ("minimal", 8, 0, 0, 0, 0, GPT2_GATHER, GPT2_CKPT, GPT2_LOSS16, 16 * P // 8),
+    ("zero3", 8, 4 * P // 8, 4 * P // 8, 8 * P // 8, 0, GPT2_GATHER8, GPT2_CKPT, GPT2_LOSS16, 0),
+    ("minimal", 8, 0, 0, 0, 0, GPT2_GATHER8, GPT2_CKPT, GPT2_LOSS16, 16 * P // 8),
 ]
 
 
@@ -192,18 +195,20 @@ def test_lora_states() -> None:
     assert off.optimizer == 0
     assert off.states == (2 * f + 4 * t) // 8 + 4 * t // 8 + 2 * (f + t) + head == 4_151_407_104 + head
     z3 = estimate(QWEN18, tier="zero3", seq_len=1024, micro_batch=1, world_size=8, lora=qkvo)
-    assert z3.states == (2 * f + 4 * t) // 8 + 4 * t // 8 + 8 * t // 8 + 2 * head  # the base sharded too
+    # the base sharded too: the head gathered twice (parameters, all-gather buffer) and the last block's all-gather
+    # buffer, prefetched for backward (a block: 2*2048*2048*2 + 3*2048*5504 + 2*2048 = 50,597,888 parameters)
+    assert z3.states == (2 * f + 4 * t) // 8 + 4 * t // 8 + 8 * t // 8 + 2 * head + 2 * 50_597_888
     mini = estimate(QWEN18, tier="minimal", seq_len=1024, micro_batch=1, world_size=8, lora=qkvo)
     assert mini.host == 16 * t // 8 + 2 * f // 8
 
 
 def test_lora_activations_and_loss() -> None:
     # LoRA on the attention (llama family, fast): the blocks 8*h + 4*q + 4*kv + 6*i, each fp32 adapter's 16-bit
-    # copy of its input 2*h (q and v: 4*h); q = kv = h here: 20*h + 6*i per layer and token; 4*h + 16 after the last
+    # copy of its input 2*h (q and v: 4*h); q = kv = h here: 20*h + 6*i per layer and token; 20*h + 16 after the last
     qv = LoraShape(8, ("q_proj", "v_proj"))
     e = estimate(QWEN18, tier="fast", seq_len=1024, micro_batch=1, world_size=1, lora=qv)
     assert e.activations == 24 * (20 * 2048 + 6 * 5504) * 1024
-    assert e.logits == 441 * 151936 * 6 + 1024 * (4 * 2048 + 16)  # the frozen head takes no gradient
+    assert e.logits == 441 * 151936 * 6 + 1024 * (20 * 2048 + 16)  # the frozen head takes no gradient
     # on the MLP too (fast): + 2*h each for k, gate and up, 2*q for o, 2*i for down: 28*h + 8*i; under FSDP2's 16-bit
     # adapters q, k and v save their one input once, gate and up theirs, o reads what SDPA keeps: 8+2+2 h + 4 q + 4 kv
     # + 6+2 i = 20*h + 8*i.

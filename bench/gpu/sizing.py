@@ -1,8 +1,9 @@
 """Sizing and the memory model's error, per preset and tier, through the runner's own setup path.
 
 For each (preset, tier) a real `Recipe` is set up at sequence `cfg.seq` with `micro_batch: auto` and a
-per-rank batch of `cfg.per_rank`: it probes the device, asks the memory model for a micro-batch (the
-guess) and checks it with real probe steps (`runner.sizing.plan.verify_micro_batch`, called by
+per-rank batch of `cfg.per_rank`: it probes the device, asks the memory model for a micro-batch and, on a GPU,
+the trace of its own step (`memory.trace: auto`, runner/sizing/traced.py) for the line it sizes from (the
+guess), and checks it with real probe steps (`runner.sizing.plan.verify_micro_batch`, called by
 `Recipe._verify_micro_batch`). The suite wraps that call, so it records the guess, every probe (micro-batch,
 outcome, seconds, peak allocated and reserved) and the seconds it took, and then runs the exhaustive search
 with the very same probe step (`try_step`, the runner's `oom_guard` with the plan's budget): every divisor of

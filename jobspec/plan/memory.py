@@ -100,10 +100,20 @@ LORA_ACT_BYTES: dict[tuple[str, bool], tuple[float, float, float, float]] = {
     ("gpt2", False): (12.0, 0.0, 0.0, 8.0),
 }
 LORA_INPUT_BYTES = 2
-# With checkpointing, the layer being recomputed in backward also holds the gradients through it: per token
-# and hidden unit, on top of its activations (traced, gpt2/llama, hidden 512-1024).
-RECOMPUTE_GRAD_BYTES = 22
-LORA_LOSS_HIDDEN_BYTES = 4  # after the last block with LoRA: the frozen norm, the 16-bit hidden states the loss keeps
+# With checkpointing, the layer being recomputed in backward also holds the gradients through it, per token:
+# (c_h, c_i) bytes per hidden and intermediate unit, by what trains (traced at zero3 on Llama-style, Phi-3 and GPT-2
+# blocks, hidden 768-1280, intermediate 2.7-4x: full fine-tuning 4i within 4 bytes a token; LoRA 14h + 6i, 14h + 4i
+# when it adapts the MLP too; it was 22h for all before 2026-11-26).
+RECOMPUTE_GRAD_BYTES: dict[str, tuple[float, float]] = {
+    "full": (0.0, 4.0),
+    "lora": (14.0, 6.0),
+    "lora_mlp": (14.0, 4.0),
+}
+MLP_TARGETS = frozenset({"gate_proj", "up_proj", "down_proj", "gate_up_proj", "c_fc", "c_proj", "mlp.c_proj"})
+# after the last block with LoRA, per token and hidden unit: the frozen final norm's saved tensors (16-bit input, fp32
+# intermediates), the 16-bit hidden states the loss keeps and the gradient it makes of them in forward (traced 20.0
+# at hidden 640-1536 with checkpointing, where it shows; it was 4 before 2026-11-26, 57 % under on the slope)
+LORA_LOSS_HIDDEN_BYTES = 20
 # LoRA in fp32 (no autocast): every saved tensor fp32; traced 1.44x the `fast` bytes per layer
 FP32_ACT_FACTOR = 1.44
 # Residual dropout (GPT-2's resid_pdrop, Phi-3's): a GPU's fused dropout keeps a 1-byte mask of each of a block's two
@@ -305,7 +315,8 @@ def _fsdp_peak(
     four moments an FSDP2 step peaks at (traced; bench/memory_model.py), `acts` the activations forward saves:
 
     - forward, at the loss: the output layer gathered (16-bit weights, and an untied head's all-gather buffer; a tied
-      embedding lives in the root unit), the fused loss's 16-bit gradient of it, the loss's hidden states and chunk;
+      embedding lives in the root unit), the fused loss's 16-bit gradient of it, the loss's hidden states and chunk,
+      and where forward reshards, the last block's all-gather buffer, prefetched for backward;
     - backward, at the output layer: the same gather and the head's gradient, reduce-scattered in fp32 (a tied
       embedding's stays 16-bit);
     - backward, at a block: the block gathered (weights and all-gather buffer), its gradient reduce-scattered in
@@ -326,8 +337,9 @@ def _fsdp_peak(
     gather_head = (half * head if reshard else 0) + (0 if tied else buffer * head)
     gather_block = (half * block if reshard else 0) + buffer * block
     head_grad = half * head if full else 0  # made by the fused loss in forward
+    prefetch = buffer * block if reshard else 0  # the last block's all-gather, issued for backward at the loss
     moments = (
-        (gather_head + head_grad, acts, loss_hidden + chunk),
+        (gather_head + head_grad + prefetch, acts, loss_hidden + chunk),
         (gather_head + (head_grad if tied else reduced * head + offloaded), acts, loss_hidden),
         (gather_block + reduced * block + (head_grad if tied else 0) - (half * head if tied and not reshard else 0),
          acts + recompute, 0),
@@ -409,7 +421,9 @@ def _activations(
 def _recompute(shape: ModelShape, tier: str, tokens: int, seq_len: int, attention: str, precision: str,
                lora: LoraShape | None) -> int:  # fmt: skip
     """Bytes of the layer that checkpointing recomputes in backward: its activations and the gradients through it."""
-    per_token = _layer_bytes(shape, tier, precision, lora) + RECOMPUTE_GRAD_BYTES * shape.hidden
+    kind = "full" if lora is None else "lora_mlp" if MLP_TARGETS & set(lora.targets) else "lora"
+    c_h, c_i = RECOMPUTE_GRAD_BYTES[kind]
+    per_token = _layer_bytes(shape, tier, precision, lora) + c_h * shape.hidden + c_i * shape.intermediate
     if attention == "eager":
         per_token += _eager_scores(shape, tier, precision) * shape.heads * seq_len
     return int(per_token * tokens)
