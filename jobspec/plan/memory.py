@@ -17,12 +17,13 @@ w the weights held, t the trainable ones, f = w - t the frozen ones (LoRA), N da
     zero3          (4t + 2f)/N    4t/N       8t/N       -            the module at the peak (below)
     minimal        host           host       host       -            as zero3
 
-    at the peak    FSDP2 tiers peak at one of three moments (`_fsdp_peak`): forward at the loss (the output
+    at the peak    FSDP2 tiers peak at one of four moments (`_fsdp_peak`): forward at the loss (the output
                    layer gathered, its 16-bit gradient the fused loss makes, one chunk of logits), backward
-                   at the output layer (its gradient reduce-scattered in fp32) or backward at a block (the
-                   block gathered, its fp32 gradient, the layer checkpointing recomputes); a gathered module
-                   is 2 bytes a parameter, twice over where forward reshards (zero3: the parameters and the
-                   all-gather buffer; a tied embedding has no buffer of its own)
+                   at the output layer (its gradient reduce-scattered in fp32), backward at a block (the
+                   block gathered, its fp32 gradient, the layer checkpointing recomputes) or the end of
+                   backward (the root's embedding and its gradients, no activations); a gathered module is 2
+                   bytes a parameter, twice over where forward reshards (zero3: the parameters and the
+                   all-gather buffer; none on one rank; a tied embedding has no buffer of its own)
     activations    per layer and token: ACT_BYTES[family, residual] (c_h * hidden + c_q * q width + c_kv *
                    kv width + c_i * intermediate), the residual stream fp32 under autocast (`fast`: fp32
                    parameters) and bf16 under FSDP2's mixed precision; with checkpointing each layer keeps
@@ -217,11 +218,6 @@ def _block_params(shape: ModelShape) -> int:
     return 2 * h * shape.q_width + 2 * h * shape.kv_width + 3 * h * i + 2 * h
 
 
-def _largest_module(shape: ModelShape) -> int:
-    """Params of the largest module gathered whole: a block, the token embedding, or the head."""
-    return max(_block_params(shape), shape.vocab * shape.hidden)  # an untied head is the size of the embedding
-
-
 @dataclass(frozen=True)
 class MemoryEstimate:
     """Bytes on one GPU (and on the host for offload tiers) at one micro-batch, term by term."""
@@ -341,12 +337,19 @@ def _fsdp_peak(
     moments = (
         (gather_head + head_grad + prefetch, acts, loss_hidden + chunk),
         (gather_head + (head_grad if tied else reduced * head + offloaded), acts, loss_hidden),
-        (gather_block + reduced * block + (head_grad if tied else 0) - (half * head if tied and not reshard else 0),
+        (gather_block + reduced * block + (head_grad if tied else 0) + _tied_root(tied, reshard, full, half * head),
          acts + recompute, 0),
         ((half * head if reshard and world_size > 1 else 0) + (head_grad + reduced * head + offloaded if full else 0),
          0, 0),
     )  # fmt: skip
     return tuple(int(x) for x in max(moments, key=sum))  # type: ignore[return-value]
+
+
+def _tied_root(tied: bool, reshard: bool, full: bool, embedding: int) -> int:
+    """What a tied embedding takes from the weights kept gathered (where forward does not reshard) while backward runs
+    through the blocks: fully trained, its root unit is resharded once the output layer's backward has run; a frozen
+    one (LoRA) is not."""
+    return -embedding if tied and full and not reshard else 0
 
 
 def residual_bytes(tier: str, precision: str, lora: LoraShape | None = None) -> int:

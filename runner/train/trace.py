@@ -21,7 +21,9 @@ What the trace cannot run and adds or moves by arithmetic (each one is a field o
   `peak` is the device part at the moment of the traced peak, not a peak of its own.
 - The trace runs on the CPU device: a CPU-only torch cannot run autograd on fake CUDA tensors. torch.autocast
   is then CPU autocast (bf16 matmuls, linear and attention in both; RMSNorm upcasts explicitly) and SDPA picks
-  the CPU flash kernel (saves out and a (b, h, s) fp32 logsumexp, as CUDA's flash kernel).
+  the CPU flash kernel (saves out and a (b, h, s) fp32 logsumexp, as CUDA's flash kernel). Where a GPU decides
+  otherwise, the trace takes the GPU's decision (`gpu_decisions`): CUDA autocast's fp32 ops (LayerNorm, softmax,
+  `pow`), attention dropout inside the SDPA kernel, 1-byte dropout masks.
 
 transformers takes FakeTensors for tracing (`is_tracing`): `find_packed_sequence_indices` would return a
 packed-sequence mask where eager returns None for the arange positions the runner's forward makes, which makes
