@@ -191,17 +191,28 @@ def size_for_tier(
     )  # fmt: skip
 
 
-def _measured_scale(spec: JobSpec, shape: ModelShape, tier: str, kw: dict[str, Any], notes: list[str]) -> float:
-    """The per-sample correction an earlier run in this run directory measured at `tier` on a GPU (the same
-    one `jobspec plan --from` applies; jobspec/plan/calibration.py), else 1."""
+def _measurement(spec: JobSpec, tier: str) -> calibration.Measured | None:
+    """What an earlier run in this run directory measured at `tier` on a GPU, if it did."""
     metrics = Path(spec.checkpoints.dir) / METRICS_FILE
     if not metrics.is_file():
-        return 1.0
+        return None
     try:
         measured = calibration.read_run(metrics.parent).get(tier)
     except JobspecError:
-        return 1.0
-    if measured is None or measured.device != "cuda":
+        return None
+    return measured if measured is not None and measured.device == "cuda" else None
+
+
+def measured_here(spec: JobSpec, tier: str) -> bool:
+    """Whether an earlier run in this run directory measured its GPU peak at `tier`: a measurement beats a trace."""
+    return _measurement(spec, tier) is not None
+
+
+def _measured_scale(spec: JobSpec, shape: ModelShape, tier: str, kw: dict[str, Any], notes: list[str]) -> float:
+    """The per-sample correction an earlier run in this run directory measured at `tier` on a GPU (the same
+    one `jobspec plan --from` applies; jobspec/plan/calibration.py), else 1."""
+    measured = _measurement(spec, tier)
+    if measured is None:
         return 1.0
     scale, line = calibration.sample_scale(shape, measured, **kw)
     if scale is None:

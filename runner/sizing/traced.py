@@ -8,7 +8,8 @@ unless the spec fixes the micro-batch) rank 0 traces the planned tier at two mic
 the two traces gives the bytes at any micro-batch: every rank sizes its micro-batch from rank 0's line, by the
 model's own budget rule (its fixed 1 GiB and 5 % allowance on top of the traced bytes, which leave them out), and
 the probe steps then verify it as they verify the model's. A trace that fails or runs out of time is logged and
-the model's plan kept.
+the model's plan kept; so is a tier this run directory measured on the GPU before (its measured peak corrects the
+model: runner/sizing/plan.py `_measured_scale`, and beats any trace).
 """
 
 from __future__ import annotations
@@ -59,6 +60,13 @@ def trace_line(
     return max(0, p1 - per_sample * m1), per_sample
 
 
+def skipped(plan: Plan, why: str, *, warn: bool = False) -> Plan:
+    """`plan` as the model made it, with the reason there is no trace in its log."""
+    note = f"trace: none ({why}); the model's micro-batch {plan.micro_batch} kept"
+    log.log(logging.WARNING if warn else logging.INFO, "plan: %s", note)
+    return dataclasses.replace(plan, reasons=(*plan.reasons, note))
+
+
 def _with_overhead(traced: int) -> int:
     """The model's allowance on top of traced bytes: OVERHEAD_FIXED + OVERHEAD_PERCENT of them."""
     return traced + memory.OVERHEAD_FIXED + traced * memory.OVERHEAD_PERCENT // 100
@@ -81,9 +89,7 @@ def from_trace(plan: Plan, spec: JobSpec, share: Share, *, is_main: bool) -> Pla
                  time.monotonic() - start)  # fmt: skip
     fixed, per_sample = (int(x) for x in share(line))
     if per_sample <= 0:
-        note = f"trace: none ({why or 'rank 0 could not trace'}); the model's micro-batch {plan.micro_batch} kept"
-        log.warning("plan: %s", note)
-        return dataclasses.replace(plan, reasons=(*plan.reasons, note))
+        return skipped(plan, why or "rank 0 could not trace", warn=True)
     top = 0
     while _with_overhead(fixed + per_sample * (top + 1)) <= plan.budget_bytes:
         top += 1

@@ -51,6 +51,7 @@ from runner.sizing.plan import (
     Plan,
     agree,
     initial_plan,
+    measured_here,
     model_shape,
     size_for_tier,
     verify_micro_batch,
@@ -285,7 +286,9 @@ class Recipe:
             plan = size_for_tier(spec, self.dev, self.host, world, tier, local_ranks=local, reasons=why)
         if plan is None:
             plan = initial_plan(spec, self.dev, self.host, world, local_ranks=local)
-            if traced.wanted(spec, self.dev.is_gpu):
+            if traced.wanted(spec, self.dev.is_gpu) and measured_here(spec, plan.tier):
+                plan = traced.skipped(plan, "this run directory measured the tier on the GPU before, which wins")
+            elif traced.wanted(spec, self.dev.is_gpu):
                 share = partial(self.ctrl.all_reduce, op="max")
                 plan = traced.from_trace(plan, spec, share, is_main=self.env.rank == 0)
         return agree(

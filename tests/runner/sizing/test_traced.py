@@ -94,3 +94,20 @@ def test_a_run_starts_from_the_trace(tmp_path):
     code, worker = train_in_process(spec)
     assert code == 0
     assert any("from the trace of tier fast" in r for r in worker.plan.reasons)
+
+
+def test_a_tier_measured_on_the_gpu_before_is_not_traced(tmp_path):
+    """An earlier run's measured peak in the run directory corrects the model (tests/test_calibration.py) and wins
+    over a trace: the recipe asks `measured_here` first."""
+    from runner.sizing.plan import measured_here
+    from tests.test_calibration import write_run
+
+    spec = _spec(tmp_path / "run", trace="on")
+    assert not measured_here(spec, "fast")
+    write_run(tmp_path / "run", tier="fast", micro_batch=4, peak=3 * GiB, step_s=1.0, device="cpu")
+    assert not measured_here(spec, "fast")  # a CPU run measures no device memory
+    write_run(tmp_path / "run", tier="fast", micro_batch=4, peak=3 * GiB, step_s=1.0)
+    assert measured_here(spec, "fast") and not measured_here(spec, "zero3")
+    plan = initial_plan(spec, GPU, HOST, 1)
+    kept = traced.skipped(plan, "this run directory measured the tier on the GPU before, which wins")
+    assert kept.micro_batch == plan.micro_batch and "trace: none (this run directory measured" in kept.reasons[-1]
