@@ -375,3 +375,55 @@ def test_a_restart_does_not_read_the_source_again_to_find_its_key_unless_it_chan
     stamp.unlink()
     stamp.symlink_to("/dev/zero")  # never a hang
     assert key() == changed
+
+
+def test_a_verified_entry_is_not_hashed_again_until_a_file_changes(tmp_path, monkeypatch):
+    """The first reader checks every byte and leaves the files' identities in the entry; later readers stat them
+    instead of hashing (a restart of every rank on a large cache); a file changed since is checked whole again."""
+    from runner.data import cache
+
+    source, spec, root = write_chats(tmp_path / "chats.jsonl", 50), DataSpec(max_seq_len=64), tmp_path / "cache"
+    encode_file(source, spec, ByteTokenizer(), cache_dir=root)
+    [entry] = [p for p in root.iterdir() if p.is_dir()]
+    hashed: list[int] = []
+    real = cache._sha256
+    monkeypatch.setattr(cache, "_sha256", lambda f, size: hashed.append(size) or real(f, size))
+    want = reference(source, spec, ByteTokenizer())
+    assert (entry / cache.VERIFIED).is_file()  # the writer read its entry back, checked whole
+    for _ in range(2):  # the next readers trust the stamp
+        hashed.clear()
+        same(encode_file(source, spec, ByteTokenizer(), cache_dir=root), want)
+        assert hashed == []
+    os.utime(entry / "flags.npy")  # a write of any kind moves ctime: the identity no longer matches
+    hashed.clear()
+    same(encode_file(source, spec, ByteTokenizer(), cache_dir=root), want)
+    assert len(hashed) == len(cache.ARRAYS)
+
+
+@pytest.mark.parametrize("damage", DAMAGE)
+def test_damage_after_a_verified_read_is_still_detected(tmp_path, caplog, damage):
+    source, spec, cache = write_chats(tmp_path / "chats.jsonl", 50), DataSpec(max_seq_len=64), tmp_path / "cache"
+    encode_file(source, spec, ByteTokenizer(), cache_dir=cache)
+    want = reference(source, spec, ByteTokenizer())
+    same(encode_file(source, spec, ByteTokenizer(), cache_dir=cache), want)  # verified, stamp written
+    [entry] = [p for p in cache.iterdir() if p.is_dir()]
+    DAMAGE[damage](entry)
+    tok = Counting(ByteTokenizer())
+    with caplog.at_level(logging.WARNING, logger="jobspec.runner"):
+        same(encode_file(source, spec, tok, cache_dir=cache), want)
+    assert tok.calls == 50 and "cache entry damaged, rebuilding it" in caplog.text
+
+
+def test_a_stamp_that_is_not_a_stamp_is_ignored(tmp_path):
+    from runner.data import cache
+
+    source, spec, root = write_chats(tmp_path / "chats.jsonl", 20), DataSpec(max_seq_len=64), tmp_path / "cache"
+    encode_file(source, spec, ByteTokenizer(), cache_dir=root)
+    [entry] = [p for p in root.iterdir() if p.is_dir()]
+    want = reference(source, spec, ByteTokenizer())
+    for forged in ('["not", "a", "dict"]', '{"identity": {}, "key": "x"}', "\xff{", "{" * 10_000):
+        (entry / cache.VERIFIED).write_text(forged, errors="surrogateescape")
+        same(encode_file(source, spec, ByteTokenizer(), cache_dir=root), want)
+    (entry / cache.VERIFIED).unlink()
+    (entry / cache.VERIFIED).symlink_to("/dev/zero")
+    same(encode_file(source, spec, ByteTokenizer(), cache_dir=root), want)
