@@ -13,13 +13,12 @@ Whether the parameters fit any memory tier of the hardware is the next check (jo
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 from jobspec.catalog.presets import ModelShape
 from jobspec.errors import ConfigError
-from jobspec.untrusted import read_bounded
+from jobspec.untrusted import json_loads, read_bounded
 
 CONFIG_MAX_BYTES = 4 * 1024**2  # a config.json is a few KB; one with a large label map, some hundred KB
 # Upper bounds with ample room over the largest open models (126-layer, 16k-wide Llama 3.1 405B; 262k-token
@@ -53,7 +52,7 @@ def read_config(model_dir: str | Path) -> dict[str, Any]:
     path = Path(model_dir) / "config.json"
     text = read_bounded(path, CONFIG_MAX_BYTES, what="model config", root=_repo_root(Path(model_dir)))
     try:
-        cfg = json.loads(text)
+        cfg = json_loads(text)
     except (ValueError, RecursionError) as err:  # RecursionError: nesting deeper than the parser's stack
         raise ConfigError(f"model config {path} is not valid JSON ({str(err)[:200]})") from None
     if not isinstance(cfg, dict):

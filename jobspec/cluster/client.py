@@ -30,6 +30,7 @@ from jobspec.cluster.resources import POD, Kind, kind_of
 from jobspec.cluster.retry import HttpStatus, RetryPolicy
 from jobspec.errors import ClusterError
 from jobspec.spec.credentials import REDACTED, redact
+from jobspec.untrusted import json_loads
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -194,7 +195,7 @@ class ClusterClient:
     def _json(self, op: Op, method: str, path: str, **kwargs: Any) -> dict[str, Any]:
         raw = self._send(op, method, path, **kwargs)
         try:
-            data = json.loads(raw)
+            data = json_loads(raw)
         except (ValueError, RecursionError):  # RecursionError: nested deeper than any object
             raise ClusterError(f"{op.describe()}: the API server answered with something that is not JSON") from None
         return data if isinstance(data, dict) else {}

@@ -7,12 +7,12 @@ Messages carry the server's own explanation but never a header or a credential.
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass, replace
 
 from jobspec.errors import ClusterError
 from jobspec.spec.credentials import redact
+from jobspec.untrusted import json_loads
 
 
 @dataclass(frozen=True)
@@ -119,7 +119,7 @@ def server_message(body: bytes | str | None) -> str:
     text = body[:MAX_BODY_CHARS]
     text = text.decode("utf-8", "replace") if isinstance(text, bytes) else text
     try:
-        status = json.loads(text)
+        status = json_loads(text)
     except (ValueError, RecursionError):  # RecursionError: nested deeper than any Status
         return _excerpt(text)
     if isinstance(status, dict) and isinstance(status.get("message"), str):

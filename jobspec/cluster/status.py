@@ -7,7 +7,6 @@ runner reports through the container's termination message (a JSON line written 
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -15,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 from jobspec.cluster.resources import JOB, POD
 from jobspec.contract import ANNOTATION_SPEC_HASH, KUEUE_QUEUE_LABEL
 from jobspec.spec.credentials import redact
+from jobspec.untrusted import json_loads
 
 if TYPE_CHECKING:  # the client module pulls in urllib3 and tenacity: only for commands that connect
     from jobspec.cluster.client import ClusterClient
@@ -112,7 +112,7 @@ def parse_report(text: str | None) -> Report | None:
         if not candidate.startswith("{"):
             continue
         try:
-            data = json.loads(candidate)
+            data = json_loads(candidate)
         except (ValueError, RecursionError):  # not JSON, an integer of 5,000 digits, nested 5,000 deep
             continue
         if isinstance(data, dict):
