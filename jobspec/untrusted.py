@@ -83,7 +83,8 @@ def json_loads(text: str | bytes, max_depth: int = MAX_JSON_DEPTH) -> Any:
     the parser sees it: the C parser's RecursionError at ~1000 levels leaves the interpreter at its recursion
     limit, where a finalizer that the garbage collector happens to run fails (an 'exception ignored' that a test
     harness counts against whatever test runs). The check is C-speed passes over the brackets outside strings:
-    each pass removes the innermost pairs, so depth d takes d passes (a 5 MB Kubernetes list: a few ms)."""
+    each pass removes the innermost pairs, so depth d takes d passes (a 5 MB Kubernetes list: +0.25 s over the
+    parse's 0.13 s on this 2-core machine)."""
     raw = text.encode("utf-8", "surrogatepass") if isinstance(text, str) else text
     shape = _JSON_STRING.sub(b"", raw).translate(None, _NOT_BRACKETS)
     for _ in range(max_depth + 1):

@@ -153,6 +153,11 @@ OVERHEAD_FIXED = 1024**3
 OVERHEAD_PERCENT = 5
 
 
+def overhead_bytes(body: int) -> int:
+    """The allowance on top of the bytes the model counts: OVERHEAD_FIXED + OVERHEAD_PERCENT of them."""
+    return OVERHEAD_FIXED + body * OVERHEAD_PERCENT // 100
+
+
 def loss_chunk_tokens(vocab: int) -> int:
     """Tokens per chunk of the chunked cross-entropy: one chunk's fp32 logits within LOSS_CHUNK_BYTES."""
     return max(1, LOSS_CHUNK_BYTES // (4 * max(1, vocab)))
@@ -502,7 +507,7 @@ def estimate(
     acts, logits = int(acts * sample_scale), int(logits * sample_scale)
     grads = st.gradients if grad_accum > 1 else max(0, st.gradients - acts - logits)
     states = st.weights + grads + st.optimizer + st.buckets + working
-    overhead = OVERHEAD_FIXED + (states + acts + logits) * OVERHEAD_PERCENT // 100
+    overhead = overhead_bytes(states + acts + logits)
     return MemoryEstimate(tier, micro_batch, ckpt, st.trainable, st.weights, grads, st.optimizer, st.buckets,
                           working, acts, logits, overhead, st.host)  # fmt: skip
 

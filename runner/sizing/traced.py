@@ -68,8 +68,8 @@ def skipped(plan: Plan, why: str, *, warn: bool = False) -> Plan:
 
 
 def _with_overhead(traced: int) -> int:
-    """The model's allowance on top of traced bytes: OVERHEAD_FIXED + OVERHEAD_PERCENT of them."""
-    return traced + memory.OVERHEAD_FIXED + traced * memory.OVERHEAD_PERCENT // 100
+    """Traced bytes with the model's allowance on top (memory.overhead_bytes)."""
+    return traced + memory.overhead_bytes(traced)
 
 
 def from_trace(plan: Plan, spec: JobSpec, share: Share, *, is_main: bool) -> Plan:

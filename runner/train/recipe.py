@@ -286,11 +286,12 @@ class Recipe:
             plan = size_for_tier(spec, self.dev, self.host, world, tier, local_ranks=local, reasons=why)
         if plan is None:
             plan = initial_plan(spec, self.dev, self.host, world, local_ranks=local)
-            if traced.wanted(spec, self.dev.is_gpu) and measured_here(spec, plan.tier):
-                plan = traced.skipped(plan, "this run directory measured the tier on the GPU before, which wins")
-            elif traced.wanted(spec, self.dev.is_gpu):
-                share = partial(self.ctrl.all_reduce, op="max")
-                plan = traced.from_trace(plan, spec, share, is_main=self.env.rank == 0)
+            if traced.wanted(spec, self.dev.is_gpu):
+                if measured_here(spec, plan.tier):
+                    plan = traced.skipped(plan, "this run directory measured the tier on the GPU before, which wins")
+                else:
+                    share = partial(self.ctrl.all_reduce, op="max")
+                    plan = traced.from_trace(plan, spec, share, is_main=self.env.rank == 0)
         return agree(
             apply_cap(plan, self.root),
             self.ctrl.reduce_min,
