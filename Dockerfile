@@ -19,8 +19,9 @@ ARG PIP_FIND_LINKS
 ARG PIP_NO_INDEX
 WORKDIR /src
 COPY . .
-# `offload`: torchao for zero2_offload (GPU only; the CPU image leaves it out)
-RUN sh images/jobspec-image.sh wheel /src /dist "runner offload data tracking"
+# `offload`: torchao for zero2_offload (GPU only; the CPU image leaves it out); `liger`: Liger Kernel for
+# training.loss_kernel: liger (its triton is the one CUDA torch brings)
+RUN sh images/jobspec-image.sh wheel /src /dist "runner offload liger data tracking"
 
 FROM ${BASE_IMAGE}
 ARG BASE_IMAGE

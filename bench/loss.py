@@ -3,6 +3,7 @@
     python bench/loss.py                                   # CPU: gpt2-small shape, 2 layers, mbs 4 x seq 512, fp32
     python bench/loss.py --precision bf16                  # bf16 autocast, fp32 weights (the runner's mixed precision)
     python bench/loss.py --device cuda --layers 12 --micro-batch 8 --seq 1024 --precision bf16   # on a GPU
+    python bench/loss.py --device cuda --precision bf16 --liger   # and each chunk by Liger Kernel's Triton kernel
 
 The same model (GPT-2, vocab 50257, hidden 768), weights and tokens on both sides. Peak: torch's MemTracker on
 the CPU (every tensor the step allocates, parameters included), the CUDA allocator's max_memory_allocated on a
@@ -67,6 +68,7 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=50257)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--chunk-mib", type=int, default=CHUNK_BYTES // MIB, help="fp32 logits a chunk, MiB")
+    ap.add_argument("--liger", action="store_true", help="a third side: training.loss_kernel liger (a GPU's)")
     args = ap.parse_args()
     from transformers import GPT2Config, GPT2LMHeadModel
 
@@ -97,6 +99,19 @@ def main() -> None:
         model.zero_grad(set_to_none=True)
 
     sides = {"full logits": old, "chunked": new}
+    if args.liger:  # the same head with Liger's kernel: the runner's chunks, 256 MiB of logits at the compute width
+        from runner import internals
+
+        internals.check_liger(device.type)
+
+        def kernel(name: str, step: Callable[[], None]) -> Callable[[], None]:
+            def run() -> None:
+                head.kernel, head.chunk = name, None if name == "liger" else chunk
+                step()
+
+            return run
+
+        sides = {"full logits": old, "chunked": kernel("chunked", new), "liger": kernel("liger", new)}
     for step in sides.values():
         step()  # warm-up
     peaks = {name: peak_bytes(step, model, device) for name, step in sides.items()}

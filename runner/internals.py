@@ -42,13 +42,23 @@ Each internal: what it is for; why no public API does it; what a run loses witho
   unpickle.py). DCP reads its metadata only with pickle.load, which runs any callable the file names. Required
   to resume or export a checkpoint.
 
+- Liger Kernel `liger_kernel.ops.cross_entropy.liger_cross_entropy_kernel` (a Triton JIT function) and
+  `liger_kernel.ops.fused_linear_cross_entropy.MAX_FUSED_SIZE`: `training.loss_kernel: liger`, one chunk's
+  cross-entropy and its gradient in one kernel, inside the runner's own chunked loss (runner/train/loss.py). Liger's
+  public functions take the whole loss (`LigerFusedLinearCrossEntropyFunction`, which returns a summed loss the
+  runner's per-token head cannot pass through FSDP2's output cast, or recomputes every chunk in backward for
+  per-token losses) or the whole logits (`LigerCrossEntropyFunction`, per-token losses in the logits' 16-bit
+  dtype, with three host syncs a call); the kernel is called as their forward calls it, with keywords checked
+  against its `arg_names`. Required for `liger` (`check_liger` stops the run with exit 2 before training).
+
 - transformers `PretrainedConfig._attn_implementation`: which attention kernel a built model runs (packed rows
   are flattened to one row for flash kernels: runner/model/packing.py). transformers sets it from
   `attn_implementation=` and keeps no public getter. Without it: "" (packed rows keep their shape).
 
 Checked on: torch 2.11 (the GPU machine) and 2.13, accelerate 1.15, torchao 0.13 and 0.18, transformers 4.56
-and 5.x (`_attn_implementation` only). peft: no private name is used. Gradient buckets use `torch.cat`/`split` (public),
-not `torch._utils._flatten_dense_tensors`.
+and 5.x (`_attn_implementation` only), liger-kernel 0.8.5 (under triton 3.9's interpreter, on CPU only so far).
+peft: no private name is used. Gradient buckets use `torch.cat`/`split` (public), not
+`torch._utils._flatten_dense_tensors`.
 
 The layer rule (`lint-imports`, pyproject.toml) lets only this module name these internals.
 """
@@ -68,7 +78,7 @@ from jobspec.errors import ConfigError
 
 log = logging.getLogger("jobspec.runner")
 
-CHECKED = {"torch": "2.11, 2.13", "accelerate": "1.15", "torchao": "0.13, 0.18"}
+CHECKED = {"torch": "2.11, 2.13", "accelerate": "1.15", "torchao": "0.13, 0.18", "liger-kernel": "0.8.5"}
 
 
 def _version(dist: str) -> str:
@@ -190,6 +200,72 @@ def reset_fsdp(model: nn.Module) -> bool:
         log.warning("cannot reset FSDP after the OOM (%s): the shrink happens by a restart", err)
         return False
     return True
+
+
+# --- Liger Kernel -----------------------------------------------------------------------------------------------
+
+# The kernel's arguments for one chunk, by name; a kernel that asks for one not here is refused by `check_liger`.
+# Counts and sums feed only reduction "mean": "none" leaves every row's loss and gradient unscaled.
+_LIGER_ARGS = frozenset((
+    "X_ptr", "X_stride", "Y_ptr", "Y_stride", "weight_ptr", "loss_ptr", "z_loss_ptr", "loss_stride",
+    "token_accuracy_ptr", "token_accuracy_stride", "predicted_tokens_ptr", "predicted_tokens_stride", "n_cols",
+    "n_non_ignore", "sum_non_ignore_weight", "weight_sum", "ignore_index", "lse_square_scale", "label_smoothing",
+    "reduction", "softcap", "RETURN_Z_LOSS", "RETURN_TOKEN_ACCURACY", "RETURN_PREDICTED_TOKENS", "BLOCK_SIZE",
+    "HAS_WEIGHT", "HAS_SOFTCAPPING", "HAS_GRADIENTS",
+))  # fmt: skip
+
+
+def _liger_kernel() -> tuple[Any, int]:
+    """(Liger's cross-entropy kernel, its largest block); ImportError without liger-kernel or Triton."""
+    from liger_kernel.ops import fused_linear_cross_entropy as flce
+    from liger_kernel.ops.cross_entropy import liger_cross_entropy_kernel
+
+    return liger_cross_entropy_kernel, int(flce.MAX_FUSED_SIZE)
+
+
+def check_liger(device_type: str) -> None:
+    """ConfigError (exit 2) unless Liger's kernel can run here: the package, Triton, a GPU (or Triton's interpreter,
+    TRITON_INTERPRET=1, which runs the kernel on CPU tensors: tests), a kernel whose arguments `liger_rows` knows."""
+    import os
+
+    asked = "training.loss_kernel liger"
+    try:
+        kernel, _ = _liger_kernel()
+    except ImportError as err:
+        raise ConfigError(f"{asked} cannot import Liger's kernel ({err}): pip install 'jobspec-k8s[liger]' in the "
+                          "image, or set training.loss_kernel: chunked") from None  # fmt: skip
+    if device_type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ConfigError(f"{asked} runs Triton kernels on a GPU, and this rank trains on {device_type}: "
+                          "set training.loss_kernel: chunked")  # fmt: skip
+    names = set(getattr(kernel, "arg_names", ()))
+    unknown = names - _LIGER_ARGS
+    if not names or unknown or not {"X_ptr", "Y_ptr", "loss_ptr", "n_cols", "ignore_index", "reduction"} <= names:
+        raise _missing("liger-kernel", f"the cross-entropy kernel's arguments as known ({sorted(unknown)} new)",
+                       asked)  # fmt: skip
+
+
+def liger_rows(logits: torch.Tensor, target: torch.Tensor, loss: torch.Tensor, ignore_index: int, grads: bool) -> None:
+    """Each row's cross-entropy of `logits` (n, V), contiguous, against `target` (n,) int64 into `loss` (n,) (rows at
+    `ignore_index` left as they are), by Liger Kernel's Triton kernel, one program a row; with `grads` the kernel
+    overwrites `logits` with the gradient of the rows' sum (softmax - onehot, computed in fp32; 0 at ignored rows).
+    On FakeTensors (the memory trace) nothing runs: the kernel allocates nothing, it writes in place."""
+    if is_fake(logits):
+        return
+    import triton
+
+    kernel, largest = _liger_kernel()
+    n, vocab = logits.shape
+    hip = torch.version.hip is not None
+    args = dict(
+        X_ptr=logits, X_stride=logits.stride(-2), Y_ptr=target, Y_stride=target.stride(-1), weight_ptr=None,
+        loss_ptr=loss, z_loss_ptr=None, loss_stride=loss.stride(-1), token_accuracy_ptr=None,
+        token_accuracy_stride=0, predicted_tokens_ptr=None, predicted_tokens_stride=0, n_cols=vocab,
+        n_non_ignore=1, sum_non_ignore_weight=1, weight_sum=0.0, ignore_index=ignore_index, lse_square_scale=0.0,
+        label_smoothing=0.0, reduction="none", softcap=None, RETURN_Z_LOSS=False, RETURN_TOKEN_ACCURACY=False,
+        RETURN_PREDICTED_TOKENS=False, BLOCK_SIZE=min(largest, triton.next_power_of_2(vocab)), HAS_WEIGHT=False,
+        HAS_SOFTCAPPING=False, HAS_GRADIENTS=grads,
+    )  # fmt: skip
+    kernel[(n,)](**{k: v for k, v in args.items() if k in kernel.arg_names}, num_warps=16 if hip else 32)
 
 
 # --- torchao ----------------------------------------------------------------------------------------------------

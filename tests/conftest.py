@@ -1,4 +1,4 @@
-"""Hypothesis profiles, and the container tier last.
+"""Hypothesis profiles, the container tier last, and Triton's interpreter on a machine without a GPU.
 
 Hypothesis profiles: CI is deterministic, a developer's run explores, `bench/fuzz.py` explores longer.
 
@@ -24,6 +24,13 @@ settings.register_profile("ci", derandomize=True, database=None, deadline=None, 
 settings.register_profile("dev", deadline=None, print_blob=True)
 settings.register_profile("fuzz", deadline=None, print_blob=True)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "dev"))
+
+
+# Triton decides at import whether its kernels compile for a GPU or run in its interpreter (TRITON_INTERPRET=1, on
+# CPU tensors), and torchao imports it at collection: without a GPU, the interpreter is the only way a Triton kernel
+# runs (tests/runner/train/test_loss_liger.py runs Liger Kernel's). A GPU machine (the gpu tier) compiles them.
+if not any(os.path.exists(dev) for dev in ("/dev/nvidia0", "/dev/nvidiactl", "/dev/kfd")):
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -5,7 +5,8 @@
 The device machine's python3 (CPython 3.12, x86-64 Linux, no network) has torch, accelerate, transformers,
 peft, numpy, pyyaml, nvidia-ml-py and pytest, but not jobspec's own dependencies: pydantic (with
 pydantic-core, annotated-types, typing-inspection and a recent typing-extensions), tenacity (the OOM
-ladder's relaunch policy) and torchao (`zero2_offload`'s optimizer; its wheel is CPython-ABI3). kubernetes
+ladder's relaunch policy), torchao (`zero2_offload`'s optimizer; its wheel is CPython-ABI3) and liger-kernel
+(`training.loss_kernel: liger`, pure Python; its Triton is the one the device's CUDA torch brings). kubernetes
 is left out: only `jobspec submit/status/...` import it, and the suite runs none of them. Versions are the
 ones installed here, so the device runs what the tests here ran with.
 The project itself needs no install there: the suite runs from the repository root with it on PYTHONPATH.
@@ -22,7 +23,7 @@ from pathlib import Path
 from bench.gpu.common import ROOT
 
 PACKAGES = ("pydantic", "pydantic-core", "annotated-types", "typing-inspection", "typing-extensions", "tenacity",
-            "torchao")  # torchao: zero2_offload's CPU-offload optimizer (the device has none)
+            "torchao", "liger-kernel")  # torchao: zero2_offload's optimizer; liger-kernel: training.loss_kernel liger
 PYTHON = "3.12"  # the device's python3 (the device tool's KINDS.md)
 PLATFORMS = (
     "manylinux_2_28_x86_64",

@@ -31,7 +31,9 @@ w the weights held, t the trainable ones, f = w - t the frozen ones (LoRA), N da
                    attention adds its scores, QK-norm its norms, packing its mask, dropout its masks
     logits         the chunked cross-entropy (runner/train/loss.py): the final hidden states it saves, the
                    labels and per-token log-sum-exp, and one chunk of logits at a time (LOSS_CHUNK_BYTES of
-                   fp32 logits, with their 16-bit copy and gradient): never the whole (tokens x vocab) tensor
+                   fp32 logits, with their 16-bit copy and gradient; `training.loss_kernel: liger`: LOSS_CHUNK_BYTES
+                   of logits at the compute width, which Liger's kernel turns into their gradient in place):
+                   never the whole (tokens x vocab) tensor
     overhead       CUDA/HIP context and workspaces (OVERHEAD_FIXED) + allocator fragmentation
                    (OVERHEAD_PERCENT of the rest)
 """
@@ -49,6 +51,7 @@ from jobspec.errors import ConfigError
 
 Attention = Literal["sdpa", "flash", "flash_attention_2", "eager"]
 Precision = Literal["bf16", "fp16", "fp32"]
+LossKernel = Literal["chunked", "liger"]
 
 # Trainable parameters are fp32 with AdamW's m and v (fp32): 4 + 4 (gradient) + 8. A frozen LoRA base is
 # held at the training width (2 bytes); its adapters are fp32.
@@ -141,10 +144,11 @@ PACKED_MASK_CHECKPOINTED_BYTES = 1.2
 LOSS_HIDDEN_BYTES: dict[tuple[str, int], int] = {("llama", 4): 14, ("llama", 2): 10, ("phi3", 4): 14, ("phi3", 2): 10,
                                                  ("gpt2", 4): 10, ("gpt2", 2): 6}  # fmt: skip
 # The chunked cross-entropy's working set: one chunk of fp32 logits is at most this many bytes, and its 16-bit logits
-# (or gradient) come with it: LOSS_CHUNK_FACTOR times the fp32 chunk (traced).
-# runner/train/loss.py sizes its chunks from the same constant.
+# (or gradient) come with it: LOSS_CHUNK_FACTOR times the fp32 chunk (traced). With Liger's kernel the chunk is its
+# logits at the compute width, which the kernel overwrites with their gradient: one chunk of LOSS_CHUNK_BYTES
+# (traced). runner/train/loss.py sizes its chunks with `loss_chunk_tokens`.
 LOSS_CHUNK_BYTES = 256 * 1024**2
-LOSS_CHUNK_FACTOR = 1.5
+LOSS_CHUNK_FACTOR = {"chunked": 1.5, "liger": 1.0}
 # Per token besides the hidden states: int64 label, fp32 log-sum-exp and per-token loss.
 LOSS_TOKEN_BYTES = 16
 # CUDA/HIP context (~0.3-0.6 GiB), cuBLAS/NCCL workspaces: a fixed 1 GiB; allocator fragmentation
@@ -158,9 +162,15 @@ def overhead_bytes(body: int) -> int:
     return OVERHEAD_FIXED + body * OVERHEAD_PERCENT // 100
 
 
-def loss_chunk_tokens(vocab: int) -> int:
-    """Tokens per chunk of the chunked cross-entropy: one chunk's fp32 logits within LOSS_CHUNK_BYTES."""
-    return max(1, LOSS_CHUNK_BYTES // (4 * max(1, vocab)))
+def loss_chunk_bytes(kernel: LossKernel, precision: str) -> int:
+    """Bytes of one logit in a chunk: the chunked loss works on fp32 logits, Liger's kernel on the compute width's."""
+    return 2 if kernel == "liger" and precision in ("bf16", "fp16") else 4
+
+
+def loss_chunk_tokens(vocab: int, kernel: LossKernel = "chunked", precision: str = "fp32") -> int:
+    """Tokens per chunk of the cross-entropy: one chunk's logits (fp32, or the compute width's for Liger's kernel)
+    within LOSS_CHUNK_BYTES."""
+    return max(1, LOSS_CHUNK_BYTES // (loss_chunk_bytes(kernel, precision) * max(1, vocab)))
 
 
 @dataclass(frozen=True)
@@ -311,6 +321,7 @@ def _fsdp_peak(
     loss_hidden: int,
     chunk: int,
     recompute: int,
+    kept: int = 0,
 ) -> tuple[int, int, int]:
     """(gathered weights and gradients beyond what `_states` keeps, activations, loss bytes) at the largest of the
     four moments an FSDP2 step peaks at (traced; bench/memory_model.py), `acts` the activations forward saves:
@@ -324,7 +335,8 @@ def _fsdp_peak(
       fp32, with activation checkpointing the block being recomputed; a tied embedding's 16-bit gradient (the
       embedding itself is no longer gathered);
     - the end of backward: the root unit's embedding gathered, its 16-bit gradient and the fp32 copy that is
-      reduce-scattered, the activations gone (the peak of a tied embedding too large for its few blocks).
+      reduce-scattered, the activations gone (the peak of a tied embedding too large for its few blocks); on one
+      rank the 16-bit weights forward kept gathered (`kept`, zero2's) are gone by then (traced; on more they stay).
 
     Without resharding after forward (zero2, zero2_offload) every weight is gathered already: only the buffers
     come on top. With LoRA the frozen base has no gradients; the adapters' are small and left out."""
@@ -332,9 +344,11 @@ def _fsdp_peak(
     tied, reshard, full = shape.tie_embeddings, tier in ("zero3", "minimal"), lora is None
     buffer = half if world_size > 1 else 0  # one rank gathers nothing: its 16-bit copy is the unsharded module
     reduced = GRAD_BYTES if full else 0  # a module's gradient, reduce-scattered in fp32
-    # `minimal` offloads the gradient shard the reduce-scatter gives: on the device until copied (a whole copy on one
-    # rank); the embedding's and an untied head's are the large ones
-    offloaded = GRAD_BYTES * head // world_size if full and tier == "minimal" else 0
+    # On one rank the reduce-scatter's output is a whole fp32 copy of the gradient beside its fp32 input (and, for
+    # `minimal`, on the device until copied to the host); on more ranks the 16-bit gradient is freed before the output
+    # shard (4/N bytes a parameter, no more than its 2) is made, so the input's moment is the larger one (traced).
+    # The embedding's and an untied head's are the large ones.
+    offloaded = GRAD_BYTES * head if full and world_size == 1 else 0
     gather_head = (half * head if reshard else 0) + (0 if tied else buffer * head)
     gather_block = (half * block if reshard else 0) + buffer * block
     head_grad = half * head if full else 0  # made by the fused loss in forward
@@ -344,8 +358,8 @@ def _fsdp_peak(
         (gather_head + (head_grad if tied else reduced * head + offloaded), acts, loss_hidden),
         (gather_block + reduced * block + (head_grad if tied else 0) + _tied_root(tied, reshard, full, half * head),
          acts + recompute, 0),
-        ((half * head if reshard and world_size > 1 else 0) + (head_grad + reduced * head + offloaded if full else 0),
-         0, 0),
+        ((half * head if reshard and world_size > 1 else 0) + (head_grad + reduced * head + offloaded if full else 0)
+         - (kept if world_size == 1 and not reshard else 0), 0, 0),
     )  # fmt: skip
     return tuple(int(x) for x in max(moments, key=sum))  # type: ignore[return-value]
 
@@ -437,7 +451,9 @@ def _recompute(shape: ModelShape, tier: str, tokens: int, seq_len: int, attentio
     return int(per_token * tokens)
 
 
-def _loss_parts(shape: ModelShape, tier: str, tokens: int, precision: str, lora: LoraShape | None) -> tuple[int, int]:
+def _loss_parts(
+    shape: ModelShape, tier: str, tokens: int, precision: str, lora: LoraShape | None, kernel: LossKernel = "chunked"
+) -> tuple[int, int]:
     """(kept, chunk) after the last block: the final norm, the hidden states the chunked cross-entropy keeps and
     per-token extras; one chunk's working set."""
     if tokens == 0:
@@ -446,13 +462,16 @@ def _loss_parts(shape: ModelShape, tier: str, tokens: int, precision: str, lora:
         hidden = LORA_LOSS_HIDDEN_BYTES * (2 if precision == "fp32" else 1)
     else:
         hidden = LOSS_HIDDEN_BYTES[(_family(shape), residual_bytes(tier, precision))]
-    chunk = min(tokens, loss_chunk_tokens(shape.vocab)) * shape.vocab * 4 * LOSS_CHUNK_FACTOR
+    per_logit = loss_chunk_bytes(kernel, precision) * LOSS_CHUNK_FACTOR[kernel]
+    chunk = min(tokens, loss_chunk_tokens(shape.vocab, kernel, precision)) * shape.vocab * per_logit
     return tokens * (hidden * shape.hidden + LOSS_TOKEN_BYTES), int(chunk)
 
 
-def _loss_bytes(shape: ModelShape, tier: str, tokens: int, precision: str, lora: LoraShape | None = None) -> int:
+def _loss_bytes(
+    shape: ModelShape, tier: str, tokens: int, precision: str, lora: LoraShape | None, kernel: LossKernel
+) -> int:
     """`fast`'s loss: its parts, and the fused loss's fp32 gradient of the output layer with autocast's copy."""
-    kept, chunk = _loss_parts(shape, tier, tokens, precision, lora)
+    kept, chunk = _loss_parts(shape, tier, tokens, precision, lora, kernel)
     head = 0
     if tokens and lora is None:
         head = shape.vocab * shape.hidden * (MASTER_BYTES + (0 if precision == "fp32" else HALF_BYTES))
@@ -473,6 +492,7 @@ def estimate(
     sample_scale: float = 1.0,
     grad_accum: int = 2,
     packed: bool = False,
+    loss_kernel: LossKernel = "chunked",
 ) -> MemoryEstimate:
     """Bytes one GPU needs to train `shape` at `tier` over `world_size` data-parallel ranks.
 
@@ -481,7 +501,8 @@ def estimate(
     When it accumulates (2 or more), the gradients of the earlier micro-batches are alive at the activations'
     peak; with one micro-batch a step they are not yet, and the step peaks at whichever is larger, the
     activations and loss or, after backward, the gradients: `gradients` is then only what they add beyond.
-    `packed`: rows of several records (`data.packing`), whose attention mask sdpa then holds whole."""
+    `packed`: rows of several records (`data.packing`), whose attention mask sdpa then holds whole.
+    `loss_kernel`: `training.loss_kernel`, which sizes the cross-entropy's chunk."""
     if seq_len < 1 or micro_batch < 0 or world_size < 1:
         raise ConfigError(
             f"seq_len {seq_len}, micro_batch {micro_batch}, world_size {world_size}: "
@@ -494,12 +515,12 @@ def estimate(
     recompute = _recompute(shape, tier, tokens, seq_len, attention, precision, lora) if ckpt else 0
     working = st.working
     if tier == "fast":
-        logits = _loss_bytes(shape, tier, tokens, precision, lora)
+        logits = _loss_bytes(shape, tier, tokens, precision, lora, loss_kernel)
         acts += max(0, recompute - logits)  # the recomputed layer, where it outgrows the loss's peak
     else:
-        kept, chunk = _loss_parts(shape, tier, tokens, precision, lora)
+        kept, chunk = _loss_parts(shape, tier, tokens, precision, lora, loss_kernel)
         gathered, acts, logits = _fsdp_peak(shape, tier, world_size, lora, acts=acts, loss_hidden=kept, chunk=chunk,
-                                            recompute=recompute)  # fmt: skip
+                                            recompute=recompute, kept=st.working)  # fmt: skip
         working += gathered
     if packed and attention == "sdpa":  # the block-diagonal mask, and each layer's saved copy of it
         per_pair = PACKED_MASK_CHECKPOINTED_BYTES if ckpt else shape.layers * PACKED_MASK_LAYER_BYTES[_family(shape)]
@@ -549,6 +570,7 @@ def plan_tier(
     sample_scale: float = 1.0,
     micro_batch: int | None = None,
     packed: bool = False,
+    loss_kernel: LossKernel = "chunked",
 ) -> TierPlan:
     """The largest micro-batch at `tier` that fits `utilization * gpu_bytes` and divides the per-rank batch,
     or, with `micro_batch` (the spec's fixed one), whether that one fits and by how much.
@@ -577,6 +599,7 @@ def plan_tier(
         precision=precision,
         sample_scale=sample_scale,
         packed=packed,
+        loss_kernel=loss_kernel,
     )
 
     def at(m: int) -> MemoryEstimate:  # at micro-batch m, accumulating unless m is the whole per-rank batch
@@ -630,6 +653,7 @@ def plan_all(
     sample_scale: dict[str, float] | None = None,
     micro_batch: int | None = None,
     packed: bool = False,
+    loss_kernel: LossKernel = "chunked",
 ) -> list[TierPlan]:
     """`plan_tier` for every tier, in TIERS order (cheapest first); `sample_scale`: measured corrections by tier;
     `micro_batch`: the spec's fixed micro-batch (each tier then says whether it fits)."""
@@ -649,6 +673,7 @@ def plan_all(
             sample_scale=(sample_scale or {}).get(t, 1.0),
             micro_batch=micro_batch,
             packed=packed,
+            loss_kernel=loss_kernel,
         )
         for t in TIERS
     ]

@@ -76,6 +76,7 @@ def estimate_kwargs(spec: JobSpec, world_size: int, precision: str) -> dict[str,
         "attention": spec.model.attention,
         "precision": precision,
         "packed": spec.data.packing,
+        "loss_kernel": spec.training.loss_kernel,
     }
 
 

@@ -511,6 +511,14 @@ class TrainingSpec(Section):
     eval_every: Annotated[int | None, Field(ge=1, description="Steps between evaluations; null: at the end.")] = None
     eval_batches: Annotated[int, Field(ge=1, description="Micro-batches per evaluation.")] = 8
     compile: Annotated[bool, Field(description="torch.compile the model.")] = False
+    loss_kernel: Annotated[
+        Literal["chunked", "liger"],
+        Field(
+            description="The cross-entropy from the hidden states, chunk by chunk (never the whole fp32 logits): "
+            "chunked = plain PyTorch, any device; liger = Liger Kernel's Triton kernel for each chunk (CUDA "
+            "image; needs liger-kernel and a GPU)."
+        ),
+    ] = "chunked"
 
     @model_validator(mode="after")
     def _schedule(self) -> "TrainingSpec":

@@ -81,6 +81,8 @@ class _Training(Protocol):
     def steps(self) -> int | None: ...
     @property
     def epochs(self) -> float | None: ...
+    @property
+    def loss_kernel(self) -> str: ...
 
 
 class _Image(Protocol):
@@ -338,9 +340,17 @@ def flash_attention_problems(spec: SpecView) -> list[Problem]:
     return []
 
 
+def liger_problems(spec: SpecView) -> list[Problem]:
+    """Liger Kernel's cross-entropy is a Triton kernel: a GPU's (the runner also checks the package is installed)."""
+    if spec.training.loss_kernel == "liger" and spec.hardware.vendor == "cpu":
+        return [("training.loss_kernel", "liger runs Triton kernels on a GPU and hardware.vendor is cpu",
+                 "use training.loss_kernel: chunked (the same loss in plain PyTorch), or a cuda vendor")]  # fmt: skip
+    return []
+
+
 _RULES: tuple[Callable[[SpecView], list[Problem]], ...] = (
     _batch, _image_vendor, _gpu_type, _preset_positions, _checkpoint_dir, _shm_size, _data_mount,
-    _scheduling_keys, _cpu_precision, flash_attention_problems, _source_names, _streaming_length,
+    _scheduling_keys, _cpu_precision, flash_attention_problems, liger_problems, _source_names, _streaming_length,
 )  # fmt: skip
 
 

@@ -27,6 +27,10 @@ RUNNER_EXTRA = "pip install 'jobspec-k8s[runner]'  (from a checkout: pip install
 DATA_EXTRA = "pip install 'jobspec-k8s[data]'"
 # What each kind of data source needs beyond the runner extra.
 DATA_PACKAGES = {"parquet": ("pyarrow",), "datasets": ("datasets",), "hub": ("datasets",)}
+LIGER_FIX = (
+    "pip install 'jobspec-k8s[liger]' in the image (the CUDA image carries it), or set training.loss_kernel: chunked "
+    "(the same loss in plain PyTorch)"
+)
 FLASH_ATTN_FIX = (
     "install it in the image (pip install flash-attn --no-build-isolation; on ROCm, AMD's ROCm/flash-attention "
     "build) or set model.attention: sdpa"
@@ -47,6 +51,8 @@ def check(spec: JobSpec) -> None:
     rules_from_env()  # bad JOBSPEC_FAULT_OOM text: ConfigError naming the variable
     tracking.check_packages(spec)
     check_attention(spec)
+    if spec.training.loss_kernel == "liger" and (find_spec("liger_kernel") is None or find_spec("triton") is None):
+        raise ConfigError(f"training.loss_kernel liger needs liger-kernel and triton, not installed here: {LIGER_FIX}")
     if spec.memory.tier == "zero2_offload" and spec.hardware.vendor != "cpu" and find_spec("torchao") is None:
         raise ConfigError(
             "memory.tier zero2_offload steps the optimizer on the host with torchao, which is not installed: "

@@ -46,18 +46,24 @@ from torch import nn
 from torch.autograd.function import once_differentiable
 from torch.distributed.fsdp import FSDPModule
 
-from jobspec.plan.memory import LOSS_CHUNK_BYTES
+from jobspec.plan.memory import LOSS_CHUNK_BYTES, LossKernel, loss_chunk_tokens
 from runner import internals
 from runner.data.dataset import IGNORE
 
 log = logging.getLogger("jobspec.runner")
 CHUNK_BYTES = LOSS_CHUNK_BYTES  # one chunk's fp32 logits; the memory model sizes the loss from the same constant
 PROBE = (64.0, 65.0, 66.0, 67.0)  # what the head returns in the install probe: exact in bf16, changed by any transform
+WIDTH = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 
 def chunk_tokens(vocab: int, budget: int = CHUNK_BYTES) -> int:
     """Tokens per chunk so that one chunk's fp32 logits stay within `budget` bytes."""
     return max(1, budget // (4 * vocab))
+
+
+def kernel_chunk_tokens(vocab: int, kernel: LossKernel, dtype: torch.dtype) -> int:
+    """Tokens per chunk for `kernel` computing in `dtype`, as the memory model sizes them (`loss_chunk_tokens`)."""
+    return loss_chunk_tokens(vocab, kernel, WIDTH.get(dtype, "fp32"))
 
 
 def compute_dtype(weight: torch.Tensor) -> torch.dtype:
@@ -102,14 +108,60 @@ def _chunk_grads(
     scale: torch.Tensor, chunk: int, grads: tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None],
     dtype: torch.dtype,
 ) -> None:  # fmt: skip
-    """The gradients of sum_i scale_i * loss_i, recomputing each chunk's logits: (softmax - onehot) * scale."""
+    """The gradients of sum_i scale_i * loss_i, recomputing each chunk's logits: (softmax - onehot) * scale.
+    `lse` None: Liger's kernel makes each chunk's (softmax - onehot) at the compute width."""
     for s in range(0, h.shape[0], chunk):
         hc = h[s : s + chunk]
+        if lse is None:
+            p = _logits(hc, w, b)
+            internals.liger_rows(p, target[s : s + chunk], torch.empty(p.shape[0], device=p.device), IGNORE, True)
+            _accumulate(p.mul_(scale[s : s + chunk, None].to(p.dtype)), hc, w, s, chunk, grads, dtype)
+            del p
+            continue
         p = _minus(_logits(hc, w, b), lse[s : s + chunk]).exp_()  # (n, V) fp32 softmax
         p.mul_(scale[s : s + chunk, None])
         p.scatter_add_(1, target[s : s + chunk, None], -scale[s : s + chunk, None])
         _accumulate(p, hc, w, s, chunk, grads, dtype)
         del p
+
+
+def _forward_plain(
+    h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, target: torch.Tensor, scale: torch.Tensor,
+    lse: torch.Tensor, loss: torch.Tensor, chunk: int,
+    grads: tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None] | None, dtype: torch.dtype,
+) -> None:  # fmt: skip
+    """Each chunk's loss and log-sum-exp into `loss` and `lse` (N,); with `grads`, (softmax - onehot) * scale added
+    to them while the chunk's fp32 logits exist."""
+    for s in range(0, h.shape[0], chunk):
+        hc, t = h[s : s + chunk], target[s : s + chunk, None]
+        logits = _logits(hc, w, b)
+        top = logits.amax(dim=-1).float()  # (n,)
+        x = _minus(logits, top)  # (n, V) fp32, the only large tensor; logsumexp in place:
+        del logits
+        picked = x.gather(1, t).squeeze(1)  # target logit - top
+        total = x.exp_().sum(dim=-1)  # x now holds exp(logit - top)
+        lse[s : s + chunk] = total.log().add_(top)
+        loss[s : s + chunk] = lse[s : s + chunk] - top - picked
+        if grads is not None:  # softmax - onehot from the same chunk, while it exists: the logits' matmul runs once
+            x.div_(total[:, None]).mul_(scale[s : s + chunk, None])
+            x.scatter_add_(1, t, -scale[s : s + chunk, None])
+            _accumulate(x, hc, w, s, chunk, grads, dtype)
+        del x
+
+
+def _forward_liger(
+    h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, labels: torch.Tensor, loss: torch.Tensor, chunk: int,
+    grads: tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None] | None, dtype: torch.dtype,
+) -> None:  # fmt: skip
+    """Each chunk's loss into `loss` (N,) by Liger's kernel; with `grads`, the (softmax - onehot) it leaves in the
+    chunk's logits (0 at IGNORE rows, which it skips) added to them."""
+    for s in range(0, h.shape[0], chunk):
+        hc = h[s : s + chunk]
+        logits = _logits(hc, w, b)
+        internals.liger_rows(logits, labels[s : s + chunk], loss[s : s + chunk], IGNORE, grads is not None)
+        if grads is not None:
+            _accumulate(logits, hc, w, s, chunk, grads, dtype)
+        del logits
 
 
 class LinearCrossEntropy(torch.autograd.Function):
@@ -121,36 +173,31 @@ class LinearCrossEntropy(torch.autograd.Function):
     incoming gradient that is the same for every token (what a summed or mean loss gives), and backward only
     scales them: the logits' matmul runs once, as in the plain path (Liger Kernel's fused linear cross-entropy
     does the same). An incoming gradient that differs between tokens is checked for (one comparison) and
-    recomputed chunk by chunk from the saved hidden states, as without `fused`."""
+    recomputed chunk by chunk from the saved hidden states, as without `fused`.
+
+    `kernel` "liger": each chunk's loss and (softmax - onehot) come from Liger Kernel's Triton kernel
+    (`internals.liger_rows`), which reads the chunk's logits at the compute width and overwrites them with their
+    gradient: no fp32 copy of the chunk, one pass over it instead of the eight tensor ops below."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, labels, chunk: int, dtype: torch.dtype, fused: bool = False):  # type: ignore[override]
+    def forward(ctx, hidden, weight, bias, labels, chunk: int, dtype: torch.dtype, fused: bool = False,  # type: ignore[override]
+                kernel: LossKernel = "chunked"):  # fmt: skip
         # hidden (..., H), weight (V, H), bias (V,) or None, labels (...) int64; N tokens
         with torch.autocast(hidden.device.type, enabled=False):  # the casts are explicit
             h = hidden.reshape(-1, hidden.shape[-1]).to(dtype)  # (N, H), saved at the compute width, as autocast would
             w, b = weight.to(dtype), None if bias is None else bias.to(dtype)
             valid = labels.reshape(-1) != IGNORE
             target = labels.reshape(-1).masked_fill(~valid, 0)
-            lse = torch.empty(h.shape[0], device=h.device, dtype=torch.float32)  # (N,)
+            liger = kernel == "liger"
+            lse = None if liger else torch.empty(h.shape[0], device=h.device, dtype=torch.float32)  # (N,)
             out = torch.empty(labels.shape, device=h.device, dtype=torch.float32)
             loss = out.view(-1)
             grads = _new_grads(ctx.needs_input_grad[:3], h, weight, hidden.dtype) if fused else (None, None, None)
             scale = valid.float()  # fused: each token's loss has gradient 1 (0 at IGNORE) until backward scales it
-            for s in range(0, h.shape[0], chunk):
-                hc, t = h[s : s + chunk], target[s : s + chunk, None]
-                logits = _logits(hc, w, b)
-                top = logits.amax(dim=-1).float()  # (n,)
-                x = _minus(logits, top)  # (n, V) fp32, the only large tensor; logsumexp in place:
-                del logits
-                picked = x.gather(1, t).squeeze(1)  # target logit - top
-                total = x.exp_().sum(dim=-1)  # x now holds exp(logit - top)
-                lse[s : s + chunk] = total.log().add_(top)
-                loss[s : s + chunk] = lse[s : s + chunk] - top - picked
-                if fused:  # softmax - onehot from the same chunk, while it exists: the logits' matmul runs once
-                    x.div_(total[:, None]).mul_(scale[s : s + chunk, None])
-                    x.scatter_add_(1, t, -scale[s : s + chunk, None])
-                    _accumulate(x, hc, w, s, chunk, grads, dtype)
-                del x
+            if liger:
+                _forward_liger(h, w, b, labels.reshape(-1).contiguous(), loss, chunk, grads if fused else None, dtype)
+            else:
+                _forward_plain(h, w, b, target, scale, lse, loss, chunk, grads if fused else None, dtype)
             loss.masked_fill_(~valid, 0.0)
             ctx.fused = grads if fused else None
         ctx.save_for_backward(h, weight, bias, target, valid, lse)
@@ -179,7 +226,7 @@ class LinearCrossEntropy(torch.autograd.Function):
             grad_b = grad_b.to(bias.dtype)
         if grad_h is not None:
             grad_h = grad_h.view(ctx.hidden_shape)
-        return grad_h, grad_w, grad_b, None, None, None, None
+        return grad_h, grad_w, grad_b, None, None, None, None, None
 
 
 def _new_grads(
@@ -201,15 +248,18 @@ def linear_cross_entropy(
     labels: torch.Tensor,
     *,
     chunk: int | None = None,
+    kernel: LossKernel = "chunked",
 ) -> torch.Tensor:
     """Per-token cross-entropy of `hidden @ weight.T + bias` against `labels` (IGNORE: 0), shaped like `labels`, fp32.
 
-    hidden (..., H), labels (...); `chunk`: tokens per chunk (default `chunk_tokens(vocab)`)."""
+    hidden (..., H), labels (...); `chunk`: tokens per chunk (default `kernel_chunk_tokens`); `kernel`: what computes
+    each chunk's softmax, loss and gradient (`LinearCrossEntropy`)."""
     if hidden.shape[:-1] != labels.shape:
         raise ValueError(f"hidden states {tuple(hidden.shape)} do not match labels {tuple(labels.shape)}")
-    n = max(1, chunk or chunk_tokens(weight.shape[0]))
+    dtype = compute_dtype(weight)
+    n = max(1, chunk or kernel_chunk_tokens(weight.shape[0], kernel, dtype))
     fused = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
-    return LinearCrossEntropy.apply(hidden, weight, bias, labels, n, compute_dtype(weight), fused)
+    return LinearCrossEntropy.apply(hidden, weight, bias, labels, n, dtype, fused, kernel)
 
 
 class ChunkedLossHead:
@@ -217,9 +267,10 @@ class ChunkedLossHead:
 
     Installed as the layer's instance `forward`; `remove()` gives the layer back its class's forward."""
 
-    def __init__(self, linear: nn.Linear, chunk: int | None = None):
+    def __init__(self, linear: nn.Linear, chunk: int | None = None, kernel: LossKernel = "chunked"):
         self.linear = linear
-        self.chunk = chunk  # tokens per chunk; None: chunk_tokens(vocab)
+        self.chunk = chunk  # tokens per chunk; None: kernel_chunk_tokens(vocab, kernel, compute dtype)
+        self.kernel = kernel
         self._labels: torch.Tensor | None = None
         self._probe: torch.Tensor | None = None
         linear.forward = self.forward  # shadows nn.Linear.forward on this instance only
@@ -243,7 +294,7 @@ class ChunkedLossHead:
             return self._probe.to(hidden.device, copy=True)
         # (B, T, 1, H) against (B, T, 1): the per-token loss comes out (B, T, 1), allocated so (not a view)
         h, y = hidden.unsqueeze(-2), labels.unsqueeze(-1)
-        return linear_cross_entropy(h, linear.weight, linear.bias, y, chunk=self.chunk)
+        return linear_cross_entropy(h, linear.weight, linear.bias, y, chunk=self.chunk, kernel=self.kernel)
 
     def remove(self) -> None:
         if self.linear.__dict__.get("forward") == self.forward:
@@ -273,11 +324,17 @@ class ChunkedLossHead:
 
 
 def install_chunked_loss(
-    model: nn.Module, *, run: nn.Module | None = None, device: torch.device | None = None, chunk: int | None = None
+    model: nn.Module,
+    *,
+    run: nn.Module | None = None,
+    device: torch.device | None = None,
+    chunk: int | None = None,
+    kernel: LossKernel = "chunked",
 ) -> ChunkedLossHead | None:
     """The chunked loss installed on `model`'s output layer (`model` unwrapped: HF or peft model), or None with a
     log line saying why the caller must keep the full logits. `run`: what to call for the probe forward (the
-    DDP/FSDP-prepared model; default `model`), on `device` (default: the layer's)."""
+    DDP/FSDP-prepared model; default `model`), on `device` (default: the layer's). `kernel` "liger": the caller has
+    checked that Liger's kernel runs here (`internals.check_liger`)."""
     get = getattr(model, "get_output_embeddings", None)
     layer = get() if callable(get) else None
     why = None
@@ -286,11 +343,12 @@ def install_chunked_loss(
     elif "forward" in vars(layer):
         why = "the output layer's forward is already replaced"
     if why is None:
-        head = ChunkedLossHead(layer, chunk)
+        head = ChunkedLossHead(layer, chunk, kernel)
         why = head.probe(run or model, device or layer.weight.device)
         if why is None:
-            log.info("loss: chunked cross-entropy from the hidden states (%d tokens a chunk at vocab %d)",
-                     chunk or chunk_tokens(layer.out_features), layer.out_features)  # fmt: skip
+            log.info("loss: chunked cross-entropy from the hidden states, %s (chunks of %d MiB of logits, vocab %d)",
+                     "Liger Kernel's Triton kernel" if kernel == "liger" else "plain PyTorch", CHUNK_BYTES >> 20,
+                     layer.out_features)  # fmt: skip
             return head
         head.remove()
     log.info("loss: full logits, not the chunked cross-entropy: %s", why)

@@ -177,6 +177,8 @@ class Recipe:
         checkpoint when the new tier cannot take it), the loader from that step, and the OOM guard."""
         spec, env = self.spec, self.env
         internals.check(self.plan.tier, env.world_size, self.device.type)  # before any work at this tier
+        if spec.training.loss_kernel == "liger":
+            internals.check_liger(self.device.type)
         if self.plan.tier != "fast":
             timeout_s = spec.scheduling.collective_timeout_seconds
             init_process_group(env, self.device, needed=True, timeout_s=timeout_s)  # FSDP: a group even alone
@@ -197,6 +199,7 @@ class Recipe:
             self.ctrl,
             self.stop,
             max_grad_norm=spec.training.max_grad_norm,
+            loss_kernel=spec.training.loss_kernel,
         )
         probe_faults = faults.probe_injector(self.model, rank=env.rank, tier=self.plan.tier)
         if (self.dev.is_gpu or probe_faults) and (meta is None or self.plan.to_dict() != meta["plan"]):

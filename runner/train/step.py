@@ -30,6 +30,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from jobspec.plan.memory import LossKernel
 from runner.data.dataset import IGNORE, Batch, SFTData, micro_batches
 from runner.data.loader import Prefetcher
 from runner.dist import Control
@@ -158,6 +159,7 @@ class Stepper:
         *,
         max_grad_norm: float | None,
         prefetch: Prefetcher | None = None,
+        loss_kernel: LossKernel = "chunked",
     ):
         self.accelerator, self.model, self.optimizer = accelerator, model, optimizer
         self.data, self.ctrl, self.stop = data, ctrl, stop
@@ -177,7 +179,9 @@ class Stepper:
         # FSDP over several ranks: agree before each of its collectives (runner/oom/fsdp.py); None: restart
         self.gate = fsdp.install(model, ctrl, self.rank) if self.sharded_ranks else None
         # the loss from the hidden states in chunks, inside the model's forward (runner/train/loss.py)
-        self.head = install_chunked_loss(accelerator.unwrap_model(model), run=model, device=self.device)
+        self.head = install_chunked_loss(
+            accelerator.unwrap_model(model), run=model, device=self.device, kernel=loss_kernel
+        )
 
     def check_stop(self) -> None:
         """Raise Preempted on every rank as soon as any rank has the flag (agreed by all-reduce MAX)."""

@@ -41,6 +41,7 @@ import logging
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 from unittest import mock
 
@@ -314,6 +315,7 @@ def trace_step(
     grad_accum: int = 2,
     packed: bool = False,
     gpu: bool = True,
+    loss_kernel: str = "chunked",
 ) -> TraceResult:
     """One rank's bytes at the peak of the runner's optimizer step at `tier` (see the module docstring).
 
@@ -327,6 +329,8 @@ def trace_step(
     `packed`: rows of two records each with their own position ids, as `data.packing` trains (see the docstring).
     `gpu`: autocast decides which ops run in fp32 as CUDA's (and ROCm's) autocast does, and attention dropout runs
     inside the SDPA kernel, as where the step will run (`gpu_decisions`); False: as on the CPU.
+    `loss_kernel`: `training.loss_kernel` for the default loss (Liger's kernel writes in place: on fakes it is the
+    one call skipped, `internals.liger_rows`).
     """
     tier_index(tier)  # raises for unknown names
     if precision not in DTYPE or micro_batch < 1 or seq_len < 1 or world_size < 1:
@@ -335,7 +339,7 @@ def trace_step(
             f"world_size {world_size}: need positive sizes"
         )
     start = time.perf_counter()
-    loss = loss or runner_loss
+    loss = loss or partial(runner_loss, kernel=loss_kernel)
     ckpt = CHECKPOINTING[TIERS[tier_index(tier)]] if checkpointing is None else checkpointing
     traced = TRACED_AS.get(tier, tier)
     fsdp = traced != "fast"
@@ -447,7 +451,7 @@ def largest_micro_batch(a: TraceResult, b: TraceResult, budget: int) -> int:
     return max(0, int((budget - fixed_bytes(a, b)) // slope)) if slope > 0 else 0
 
 
-def runner_loss(model: nn.Module, device: torch.device) -> Callable[[Batch], torch.Tensor]:
+def runner_loss(model: nn.Module, device: torch.device, kernel: str = "chunked") -> Callable[[Batch], torch.Tensor]:
     """The runner's own loss for a prepared model: `runner.train.step.summed_loss` (what Stepper.loss_sum calls)
     with the chunked-loss head installed as Stepper's constructor installs it (runner/train/loss.py). On fakes
     the head's install probe, which reads the values the model passes out, cannot run: it is taken as passing,
@@ -458,7 +462,7 @@ def runner_loss(model: nn.Module, device: torch.device) -> Callable[[Batch], tor
 
     fake = any(internals.is_fake(p) for p in model.parameters())
     with mock.patch.object(ChunkedLossHead, "probe", return_value=None) if fake else contextlib.nullcontext():
-        head = install_chunked_loss(model, run=model, device=device)
+        head = install_chunked_loss(model, run=model, device=device, kernel=kernel)  # type: ignore[arg-type]
 
     def loss_sum(batch: Batch) -> torch.Tensor:
         positions = None if batch.position_ids is None else batch.position_ids.to(device)
@@ -498,8 +502,8 @@ def trace_spec(spec: Any, tiers: list[tuple[str, int]], world_size: int, precisi
     out = []
     for tier, mbs in tiers:
         r = trace_step(model, tier=tier, world_size=world_size, micro_batch=mbs, seq_len=spec.data.max_seq_len,
-                       loss=runner_loss, precision=precision, lora=spec.model.lora, checkpointing=forced,
-                       attention=spec.model.attention, max_grad_norm=spec.training.max_grad_norm,
+                       loss_kernel=spec.training.loss_kernel, precision=precision, lora=spec.model.lora,
+                       checkpointing=forced, attention=spec.model.attention, max_grad_norm=spec.training.max_grad_norm,
                        grad_accum=2 if per_rank // mbs > 1 else 1, packed=spec.data.packing)  # fmt: skip
         out.append({"tier": tier, "micro_batch": mbs, "peak": r.peak, "parts": r.parts, "host": r.host,
                     "ddp_buckets": r.ddp_buckets, "seconds": round(r.seconds, 2), "notes": list(r.notes)})  # fmt: skip
