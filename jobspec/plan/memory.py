@@ -350,25 +350,35 @@ def _fsdp_peak(
     # The embedding's and an untied head's are the large ones.
     offloaded = GRAD_BYTES * head if full and world_size == 1 else 0
     gather_head = (half * head if reshard else 0) + (0 if tied else buffer * head)
-    gather_block = (half * block if reshard else 0) + buffer * block
+    gather_block = _block_gathers(head, block, kept, tied=tied, reshard=reshard, full=full, buffer=buffer)
     head_grad = half * head if full else 0  # made by the fused loss in forward
     prefetch = buffer * block if reshard else 0  # the last block's all-gather, issued for backward at the loss
     moments = (
         (gather_head + head_grad + prefetch, acts, loss_hidden + chunk),
         (gather_head + (head_grad if tied else reduced * head + offloaded), acts, loss_hidden),
-        (gather_block + reduced * block + (head_grad if tied else 0) + _tied_root(tied, reshard, full, half * head),
+        (gather_block + reduced * block + (head_grad if tied else 0),
          acts + recompute, 0),
         ((half * head if reshard and world_size > 1 else 0) + (head_grad + reduced * head + offloaded if full else 0)
-         - (kept if world_size == 1 and not reshard else 0), 0, 0),
+         + (reduced * block if world_size > 1 and tied else 0) - (kept if world_size == 1 and not reshard else 0), 0, 0),
     )  # fmt: skip
     return tuple(int(x) for x in max(moments, key=sum))  # type: ignore[return-value]
 
 
-def _tied_root(tied: bool, reshard: bool, full: bool, embedding: int) -> int:
-    """What a tied embedding takes from the weights kept gathered (where forward does not reshard) while backward runs
-    through the blocks: fully trained, its root unit is resharded once the output layer's backward has run; a frozen
-    one (LoRA) is not."""
-    return -embedding if tied and full and not reshard else 0
+def _block_gathers(head: int, block: int, kept: int, *, tied: bool, reshard: bool, full: bool, buffer: int) -> int:
+    """16-bit weights gathered at a block's backward beyond `kept` (what forward left gathered: zero2's), the larger
+    of the last block's (the first one run) and the first block's (traced):
+
+    - where forward reshards, each block is gathered again (its parameters and the all-gather buffer); at the first
+      block the root's embedding is all-gathered ahead into a buffer, for the embedding's backward;
+    - where it does not, nothing needs gathering until the root: an untied output layer has resharded after its own
+      backward, and so has a fully trained tied embedding's root (its gradient came from the output layer), which
+      the first block's backward then gathers ahead again; every other block reshards after its backward."""
+    if reshard:
+        return HALF_BYTES * block + buffer * max(block, head)
+    root_kept = not (tied and full)
+    last = -HALF_BYTES * head * ((not tied) + (not root_kept))
+    first = HALF_BYTES * block + (HALF_BYTES * head if root_kept else buffer * head) - kept
+    return max(last, first)
 
 
 def residual_bytes(tier: str, precision: str, lora: LoraShape | None = None) -> int:
