@@ -17,13 +17,15 @@ w the weights held, t the trainable ones, f = w - t the frozen ones (LoRA), N da
     zero3          (4t + 2f)/N    4t/N       8t/N       -            the module at the peak (below)
     minimal        host           host       host       -            as zero3
 
-    at the peak    FSDP2 tiers peak at one of four moments (`_fsdp_peak`): forward at the loss (the output
+    at the peak    FSDP2 tiers peak at one of five moments (`_fsdp_peak`): forward at the loss (the output
                    layer gathered, its 16-bit gradient the fused loss makes, one chunk of logits), backward
-                   at the output layer (its gradient reduce-scattered in fp32), backward at a block (the
-                   block gathered, its fp32 gradient, the layer checkpointing recomputes) or the end of
-                   backward (the root's embedding and its gradients, no activations); a gathered module is 2
-                   bytes a parameter, twice over where forward reshards (zero3: the parameters and the
-                   all-gather buffer; none on one rank; a tied embedding has no buffer of its own)
+                   at the output layer (its gradient reduce-scattered in fp32), backward at the last block
+                   (the block gathered, its fp32 gradient, the layer checkpointing recomputes, every saved
+                   activation) or at the first (one layer's activations left, the root's embedding gathered
+                   ahead), or the end of backward (the root's embedding and its gradients, no activations); a
+                   gathered module is 2 bytes a parameter, twice over where forward reshards (zero3: the
+                   parameters and the all-gather buffer; none on one rank; a tied embedding has no buffer of
+                   its own); zero2's kept weights reshard unit by unit after their backward
     activations    per layer and token: ACT_BYTES[family, residual] (c_h * hidden + c_q * q width + c_kv *
                    kv width + c_i * intermediate), the residual stream fp32 under autocast (`fast`: fp32
                    parameters) and bf16 under FSDP2's mixed precision; with checkpointing each layer keeps
@@ -324,16 +326,16 @@ def _fsdp_peak(
     kept: int = 0,
 ) -> tuple[int, int, int]:
     """(gathered weights and gradients beyond what `_states` keeps, activations, loss bytes) at the largest of the
-    four moments an FSDP2 step peaks at (traced; bench/memory_model.py), `acts` the activations forward saves:
+    five moments an FSDP2 step peaks at (traced; bench/memory_model.py), `acts` the activations forward saves:
 
     - forward, at the loss: the output layer gathered (16-bit weights, and an untied head's all-gather buffer; a tied
       embedding lives in the root unit), the fused loss's 16-bit gradient of it, the loss's hidden states and chunk,
       and where forward reshards, the last block's all-gather buffer, prefetched for backward;
     - backward, at the output layer: the same gather and the head's gradient, reduce-scattered in fp32 (a tied
       embedding's stays 16-bit);
-    - backward, at a block: the block gathered (weights and all-gather buffer), its gradient reduce-scattered in
-      fp32, with activation checkpointing the block being recomputed; a tied embedding's 16-bit gradient (the
-      embedding itself is no longer gathered);
+    - backward, at the last block (the first run, every activation saved) and at the first (one layer's left, the
+      root's embedding gathered ahead: `_block_gathers`): the block gathered, its gradient reduce-scattered in fp32,
+      with activation checkpointing the block being recomputed; a tied embedding's 16-bit gradient;
     - the end of backward: the root unit's embedding gathered, its 16-bit gradient and the fp32 copy that is
       reduce-scattered, the activations gone (the peak of a tied embedding too large for its few blocks); on one
       rank the 16-bit weights forward kept gathered (`kept`, zero2's) are gone by then (traced; on more they stay).
@@ -350,35 +352,44 @@ def _fsdp_peak(
     # The embedding's and an untied head's are the large ones.
     offloaded = GRAD_BYTES * head if full and world_size == 1 else 0
     gather_head = (half * head if reshard else 0) + (0 if tied else buffer * head)
-    gather_block = _block_gathers(head, block, kept, tied=tied, reshard=reshard, full=full, buffer=buffer)
     head_grad = half * head if full else 0  # made by the fused loss in forward
+    last, first = _block_gathers(head, block, kept, tied=tied, reshard=reshard, full=full, buffer=buffer)
+    block_grads = reduced * block + (head_grad if tied else 0)
     prefetch = buffer * block if reshard else 0  # the last block's all-gather, issued for backward at the loss
     moments = (
         (gather_head + head_grad + prefetch, acts, loss_hidden + chunk),
         (gather_head + (head_grad if tied else reduced * head + offloaded), acts, loss_hidden),
-        (gather_block + reduced * block + (head_grad if tied else 0),
-         acts + recompute, 0),
+        (last + block_grads, acts + recompute, 0),
+        (first + block_grads, acts // max(1, shape.layers) + recompute, 0),  # one layer's saved inputs left
         ((half * head if reshard and world_size > 1 else 0) + (head_grad + reduced * head + offloaded if full else 0)
-         + (reduced * block if world_size > 1 and tied else 0) - (kept if world_size == 1 and not reshard else 0), 0, 0),
+         + (reduced * block if world_size > 1 and tied else 0) - (0 if reshard else _end_kept(kept, half * head, world_size)),
+         0, 0),
     )  # fmt: skip
     return tuple(int(x) for x in max(moments, key=sum))  # type: ignore[return-value]
 
 
-def _block_gathers(head: int, block: int, kept: int, *, tied: bool, reshard: bool, full: bool, buffer: int) -> int:
-    """16-bit weights gathered at a block's backward beyond `kept` (what forward left gathered: zero2's), the larger
-    of the last block's (the first one run) and the first block's (traced):
+def _end_kept(kept: int, embedding: int, world_size: int) -> int:
+    """What zero2's kept weights have shed by the end of backward: every block resharded after its backward; on one
+    rank the root too (traced)."""
+    return kept if world_size == 1 else max(0, kept - embedding)
+
+
+def _block_gathers(
+    head: int, block: int, kept: int, *, tied: bool, reshard: bool, full: bool, buffer: int
+) -> tuple[int, int]:
+    """16-bit weights gathered beyond `kept` (what forward left gathered: zero2's) at the last block's backward (the
+    first one run, all activations saved) and at the first block's (the last one run, one layer's left), traced:
 
     - where forward reshards, each block is gathered again (its parameters and the all-gather buffer); at the first
       block the root's embedding is all-gathered ahead into a buffer, for the embedding's backward;
     - where it does not, nothing needs gathering until the root: an untied output layer has resharded after its own
       backward, and so has a fully trained tied embedding's root (its gradient came from the output layer), which
       the first block's backward then gathers ahead again; every other block reshards after its backward."""
-    if reshard:
-        return HALF_BYTES * block + buffer * max(block, head)
+    if reshard:  # the next block's all-gather is issued ahead; at the first block, the root's
+        return HALF_BYTES * block + buffer * block, HALF_BYTES * block + buffer * head
     root_kept = not (tied and full)
     last = -HALF_BYTES * head * ((not tied) + (not root_kept))
-    first = HALF_BYTES * block + (HALF_BYTES * head if root_kept else buffer * head) - kept
-    return max(last, first)
+    return last, HALF_BYTES * block + (HALF_BYTES * head if root_kept else buffer * head) - kept
 
 
 def residual_bytes(tier: str, precision: str, lora: LoraShape | None = None) -> int:
