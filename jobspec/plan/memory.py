@@ -355,15 +355,16 @@ def _fsdp_peak(
     head_grad = half * head if full else 0  # made by the fused loss in forward
     last, first = _block_gathers(head, block, kept, tied=tied, reshard=reshard, full=full, buffer=buffer)
     block_grads = reduced * block + (head_grad if tied else 0)
+    # the end: the root's embedding gathered again where forward reshards, a tied root's last block still reducing
+    end = (half * head if reshard and world_size > 1 else 0) + (reduced * block if world_size > 1 and tied else 0)
+    end -= 0 if reshard else _end_kept(kept, half * head, world_size)
     prefetch = buffer * block if reshard else 0  # the last block's all-gather, issued for backward at the loss
     moments = (
         (gather_head + head_grad + prefetch, acts, loss_hidden + chunk),
         (gather_head + (head_grad if tied else reduced * head + offloaded), acts, loss_hidden),
         (last + block_grads, acts + recompute, 0),
         (first + block_grads, acts // max(1, shape.layers) + recompute, 0),  # one layer's saved inputs left
-        ((half * head if reshard and world_size > 1 else 0) + (head_grad + reduced * head + offloaded if full else 0)
-         + (reduced * block if world_size > 1 and tied else 0) - (0 if reshard else _end_kept(kept, half * head, world_size)),
-         0, 0),
+        (end + (head_grad + reduced * head + offloaded if full else 0), 0, 0),
     )  # fmt: skip
     return tuple(int(x) for x in max(moments, key=sum))  # type: ignore[return-value]
 
