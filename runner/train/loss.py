@@ -28,6 +28,15 @@ why): an output layer that is not an `nn.Linear` running `nn.Linear.forward` (pe
 model that changes what its output layer returns (logit soft-capping or scaling). The latter is found by a
 probe: one 4-token forward without gradient, the same on every rank, in which the head returns known values.
 
+`training.loss_kernel: liger` keeps all of this and hands each chunk's softmax, loss and (softmax - onehot) to
+Liger Kernel's Triton kernel (`internals.liger_rows`), which works on the chunk's logits at the compute width and
+overwrites them with their gradient: one pass instead of eight tensor ops, no fp32 copy, so a chunk holds
+LOSS_CHUNK_BYTES of 16-bit logits (twice the tokens). Liger's own entry points were set aside: its fused linear
+cross-entropy returns one summed loss (the head must pass out per-token losses, which FSDP2 casts to its output
+dtype: a bf16 sum of a whole micro-batch would lose its low digits) or, per token, recomputes every chunk in
+backward; its cross-entropy takes whole logits. Checked equal to the plain path to 1e-5 in fp32 under Triton's
+interpreter on the CPU (tests/runner/train/test_loss_liger.py); not yet timed on a GPU.
+
 Measured (bench/loss.py, medians of 5, full logits vs chunked): with the gradients recomputed in backward, H100
 bf16 autocast, GPT-2 hidden 768, 12 layers, vocab 50257, 8 x 1024 tokens: peak 12.1 -> 7.4 GiB, step 65 -> 77 ms;
 2 layers, vocab 128256, 8 x 2048 tokens: 30.1 -> 3.7 GiB, 64 -> 98 ms (the logits' matmul once more). With the
