@@ -9,7 +9,8 @@ the two traces gives the bytes at any micro-batch: every rank sizes its micro-ba
 model's own budget rule (its fixed 1 GiB and 5 % allowance on top of the traced bytes, which leave them out), and
 the probe steps then verify it as they verify the model's. A trace that fails or runs out of time is logged and
 the model's plan kept; so is a tier this run directory measured on the GPU before (its measured peak corrects the
-model: runner/sizing/plan.py `_measured_scale`, and beats any trace).
+model: runner/sizing/plan.py `_measured_scale`, and beats any trace). Under `memory.tier: auto`, a tier the model
+chose but the trace fits no micro-batch of is left for the next one, traced in turn (`from_traces`).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from pathlib import Path
 
 import yaml
 
-from jobspec.catalog.tiers import divisors
+from jobspec.catalog.tiers import SHARD_ONLY, TIERS, divisors
 from jobspec.errors import JobspecError
 from jobspec.plan import memory
 from jobspec.plan.traced import TraceFailed, run_trace
@@ -75,13 +76,40 @@ def _with_overhead(traced: int) -> int:
 def from_trace(plan: Plan, spec: JobSpec, share: Share, *, is_main: bool) -> Plan:
     """`plan` at the largest micro-batch the traced line fits in its budget (a divisor of the per-rank batch), the
     same on every rank (rank 0 traces, `share` hands its line to all); `plan` as it was when the trace fails."""
+    return _traced(plan, spec, share, is_main=is_main, timeout_s=float(spec.memory.trace_seconds))[0]
+
+
+def from_traces(plan: Plan, spec: JobSpec, share: Share, *, is_main: bool, replan: Callable[[str], Plan]) -> Plan:
+    """`from_trace`, and under `memory.tier: auto` the next tier (`replan`: the model's plan there) whenever the
+    trace says not even micro-batch 1 fits the tier the model chose, within `memory.trace_seconds` in all: the
+    tier is then the trace's choice as well as the micro-batch. Every rank takes the same steps (each decision
+    comes from rank 0's shared line); the last tier traced, or the model's plan of it, when time or tiers run out."""
+    deadline = time.monotonic() + float(spec.memory.trace_seconds)
+    sized, top = _traced(plan, spec, share, is_main=is_main, timeout_s=float(spec.memory.trace_seconds))
+    alone = plan.world_size == 1  # sharding without offload saves nothing on one rank (the model's auto skips it)
+    later = [t for t in TIERS[TIERS.index(plan.tier) + 1 :] if not (alone and t in SHARD_ONLY)]
+    while spec.memory.tier == "auto" and top == 0 and later:
+        left = deadline - time.monotonic()
+        tier = later.pop(0)
+        nxt = replan(tier)
+        why = f"the trace of tier {sized.tier} fits no micro-batch: tier {tier}, by the model and then the trace"
+        nxt = dataclasses.replace(nxt, reasons=(*nxt.reasons, why))
+        log.info("plan: %s", why)
+        sized, top = _traced(nxt, spec, share, is_main=is_main, timeout_s=left)
+    return sized
+
+
+def _traced(plan: Plan, spec: JobSpec, share: Share, *, is_main: bool, timeout_s: float) -> tuple[Plan, int | None]:
+    """(`plan` sized from rank 0's traced line, the largest micro-batch the line fits: 0 for none), or (`plan` with
+    the reason, None) when rank 0 could not trace within `timeout_s`."""
     line, why = [0.0, 0.0], ""
     m1 = max(1, plan.micro_batch)
     if is_main:
         start = time.monotonic()
         try:
-            fixed, per_sample = trace_line(spec, plan.tier, plan.world_size, plan.precision, (m1, 2 * m1),
-                                           float(spec.memory.trace_seconds))  # fmt: skip
+            if timeout_s < 1:
+                raise TraceFailed(f"no time left of memory.trace_seconds {spec.memory.trace_seconds}")
+            fixed, per_sample = trace_line(spec, plan.tier, plan.world_size, plan.precision, (m1, 2 * m1), timeout_s)
             line = [float(fixed), float(per_sample)]
         except (TraceFailed, JobspecError, OSError) as err:
             why = str(err).splitlines()[0]
@@ -89,7 +117,7 @@ def from_trace(plan: Plan, spec: JobSpec, share: Share, *, is_main: bool) -> Pla
                  time.monotonic() - start)  # fmt: skip
     fixed, per_sample = (int(x) for x in share(line))
     if per_sample <= 0:
-        return skipped(plan, why or "rank 0 could not trace", warn=True)
+        return skipped(plan, why or "rank 0 could not trace", warn=True), None
     top = 0
     while _with_overhead(fixed + per_sample * (top + 1)) <= plan.budget_bytes:
         top += 1
@@ -108,4 +136,4 @@ def from_trace(plan: Plan, spec: JobSpec, share: Share, *, is_main: bool) -> Pla
         f"{gib(traced.per_sample_bytes)} per sample with the overhead (the model: {gib(plan.fixed_bytes)} + "
         f"{gib(plan.per_sample_bytes)}), {top} fit {gib(plan.budget_bytes)}{fits}"
     )
-    return with_micro_batch(traced, mbs, reason)
+    return with_micro_batch(traced, mbs, reason), top

@@ -294,7 +294,8 @@ class Recipe:
                     plan = traced.skipped(plan, "this run directory measured the tier on the GPU before, which wins")
                 else:
                     share = partial(self.ctrl.all_reduce, op="max")
-                    plan = traced.from_trace(plan, spec, share, is_main=self.env.rank == 0)
+                    plan = traced.from_traces(plan, spec, share, is_main=self.env.rank == 0, replan=lambda tier: (
+                        size_for_tier(spec, self.dev, self.host, world, tier, local_ranks=local)))  # fmt: skip
         return agree(
             apply_cap(plan, self.root),
             self.ctrl.reduce_min,

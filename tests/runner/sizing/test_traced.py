@@ -111,3 +111,46 @@ def test_a_tier_measured_on_the_gpu_before_is_not_traced(tmp_path):
     plan = initial_plan(spec, GPU, HOST, 1)
     kept = traced.skipped(plan, "this run directory measured the tier on the GPU before, which wins")
     assert kept.micro_batch == plan.micro_batch and "trace: none (this run directory measured" in kept.reasons[-1]
+
+
+def test_under_tier_auto_a_tier_the_trace_fits_nothing_of_passes_to_the_next(tmp_path, monkeypatch):
+    """The model chose `fast`; the trace of `fast` (faked here at `trace_line`, the subprocess's result) says not even
+    micro-batch 1 fits: the runner plans `zero2_offload` (zero2 saves nothing on one rank) and traces that."""
+    from runner.sizing.plan import size_for_tier
+
+    spec = _spec(tmp_path, trace="on", tier="auto")
+    plan = initial_plan(spec, GPU, HOST, 1)
+    assert plan.tier == "fast"
+    asked: list[str] = []
+
+    def line(spec, tier, world_size, precision, micro_batches, timeout_s):
+        asked.append(tier)
+        return (2 * GiB, 1024**2) if tier == "fast" else (GiB // 8, 1024**2)  # fast: the states alone overflow
+
+    monkeypatch.setattr(traced, "trace_line", line)
+    replan = lambda tier: size_for_tier(spec, GPU, HOST, 1, tier)  # noqa: E731
+    new = traced.from_traces(plan, spec, lambda x: list(x), is_main=True, replan=replan)
+    assert asked == ["fast", "zero2_offload"]
+    assert new.tier == "zero2_offload" and new.model_max_micro_batch > 0
+    assert any("the trace of tier fast fits no micro-batch: tier zero2_offload" in r for r in new.reasons)
+    assert any("from the trace of tier zero2_offload" in r for r in new.reasons)
+
+    fixed_tier = _spec(tmp_path, trace="on", tier="fast")  # a tier the spec names is kept: the probes decide
+    asked.clear()
+    kept = traced.from_traces(initial_plan(fixed_tier, GPU, HOST, 1), fixed_tier, lambda x: list(x), is_main=True,
+                              replan=replan)  # fmt: skip
+    assert asked == ["fast"] and kept.tier == "fast" and kept.model_max_micro_batch == 0
+
+
+def test_the_step_down_stops_when_the_trace_time_is_spent(tmp_path, monkeypatch):
+    spec = _spec(tmp_path, trace="on", tier="auto", trace_seconds=10)
+    plan = initial_plan(spec, GPU, HOST, 1)
+    clock = iter([0.0, 100.0, 100.0, 100.0])
+    monkeypatch.setattr(traced.time, "monotonic", lambda: next(clock, 100.0))
+    monkeypatch.setattr(traced, "trace_line", lambda *a: (2 * GiB, 1024**2))
+    from runner.sizing.plan import size_for_tier
+
+    new = traced.from_traces(plan, spec, lambda x: list(x), is_main=True,
+                             replan=lambda tier: size_for_tier(spec, GPU, HOST, 1, tier))  # fmt: skip
+    assert new.tier == "zero2_offload"  # planned by the model, not traced: no time was left
+    assert "trace: none (no time left of memory.trace_seconds 10)" in new.reasons[-1]
