@@ -182,13 +182,27 @@ def dockerfile_arg(dockerfile: Path, name: str) -> str:
     return match.group(1)
 
 
+DEFAULT_EXTRAS = "runner data tracking"  # images/jobspec-image.sh's, for a Dockerfile that names none
+
+
+def image_extras() -> list[str]:
+    """Every extra the built images install: each Dockerfile's `jobspec-image.sh wheel SRC DIST "EXTRAS"`."""
+    names: set[str] = set()
+    for _, dockerfile in IMAGES.values():
+        for line in dockerfile.read_text().splitlines():
+            if "jobspec-image.sh wheel" in line:
+                quoted = re.search(r'"([^"]*)"', line)
+                names.update((quoted.group(1) if quoted else DEFAULT_EXTRAS).split())
+    return sorted(names)
+
+
 def _project_requirements() -> tuple[list[str], list[str]]:
     import tomllib
 
     pyproject = tomllib.loads((REPO / "pyproject.toml").read_text())
     project = pyproject["project"]
     extras = project["optional-dependencies"]  # what images/jobspec-image.sh installs
-    runtime = [*project["dependencies"], *extras["runner"], *extras["offload"], *extras["data"], *extras["tracking"]]
+    runtime = [*project["dependencies"], *(req for name in image_extras() for req in extras[name])]
     return runtime, list(pyproject["build-system"]["requires"])
 
 
