@@ -337,8 +337,8 @@ def _fsdp_peak(
       root's embedding gathered ahead: `_block_gathers`): the block gathered, its gradient reduce-scattered in fp32,
       with activation checkpointing the block being recomputed; a tied embedding's 16-bit gradient;
     - the end of backward: the root unit's embedding gathered, its 16-bit gradient and the fp32 copy that is
-      reduce-scattered, the activations gone (the peak of a tied embedding too large for its few blocks); on one
-      rank the 16-bit weights forward kept gathered (`kept`, zero2's) are gone by then (traced; on more they stay).
+      reduce-scattered, the activations gone (the peak of a tied embedding too large for its few blocks); of the
+      16-bit weights forward kept gathered (`kept`, zero2's) only the root's are left by then, none on one rank.
 
     Without resharding after forward (zero2, zero2_offload) every weight is gathered already: only the buffers
     come on top. With LoRA the frozen base has no gradients; the adapters' are small and left out."""
