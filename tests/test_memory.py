@@ -195,9 +195,10 @@ def test_lora_states() -> None:
     assert off.optimizer == 0
     assert off.states == (2 * f + 4 * t) // 8 + 4 * t // 8 + 2 * (f + t) + head == 4_151_407_104 + head
     z3 = estimate(QWEN18, tier="zero3", seq_len=1024, micro_batch=1, world_size=8, lora=qkvo)
-    # the base sharded too: the head gathered twice (parameters, all-gather buffer) and the last block's all-gather
-    # buffer, prefetched for backward (a block: 2*2048*2048*2 + 3*2048*5504 + 2*2048 = 50,597,888 parameters)
-    assert z3.states == (2 * f + 4 * t) // 8 + 4 * t // 8 + 8 * t // 8 + 2 * head + 2 * 50_597_888
+    # the base sharded too: the head gathered twice (parameters, all-gather buffer); no block's all-gather is
+    # prefetched at the loss behind a frozen untied head (traced: 2,263,457,708 B; this model 2,261,058,304, -0.11 %;
+    # with the last block's buffer, 2*50,597,888 more, it was +4.4 %)
+    assert z3.states == (2 * f + 4 * t) // 8 + 4 * t // 8 + 8 * t // 8 + 2 * head
     mini = estimate(QWEN18, tier="minimal", seq_len=1024, micro_batch=1, world_size=8, lora=qkvo)
     assert mini.host == 16 * t // 8 + 2 * f // 8
 
