@@ -49,7 +49,7 @@ from numpy.lib import format as npy
 
 from jobspec.errors import ConfigError
 from jobspec.spec.models import DataSpec, JobSpec
-from jobspec.untrusted import open_regular, read_bounded
+from jobspec.untrusted import json_loads, open_regular, read_bounded
 from runner.data.files import open_data
 from runner.data.records import source_kind
 from runner.data.tokenizer import Tokenizer
@@ -255,7 +255,7 @@ def read_entry(entry: Path, key: CacheKey) -> Streams:
     checked = {"identity": seen, "key": key.digest, "vocab_size": key.vocab_size}
     verified = seen is not None and _read_record(entry / VERIFIED, entry) == checked
     try:
-        meta = json.loads(read_bounded(entry / META, MAX_META_BYTES, what="cache file", root=entry))
+        meta = json_loads(read_bounded(entry / META, MAX_META_BYTES, what="cache file", root=entry))
     except (ConfigError, ValueError) as err:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
         raise Damaged(f"{entry / META}: {err}") from None
     if not isinstance(meta, dict) or meta.get("format_version") != FORMAT_VERSION or meta.get("key") != key.digest:
@@ -293,7 +293,7 @@ def _identities(entry: Path, names: Sequence[str]) -> dict[str, list[int]] | Non
 def _read_record(path: Path, root: Path) -> object:
     """A small JSON record (a stamp) or None when there is none, or not a small regular file of JSON."""
     try:
-        return json.loads(read_bounded(path, 4096, what="cache stamp", root=root))
+        return json_loads(read_bounded(path, 4096, what="cache stamp", root=root))
     except (OSError, ValueError, ConfigError):
         return None
 

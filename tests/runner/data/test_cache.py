@@ -195,6 +195,7 @@ DAMAGE = {
     "fifo": _fifo,
     "missing file": lambda e: (e / "ids.npy").unlink(),
     "meta not json": lambda e: (e / "meta.json").write_bytes(b"\xff{"),
+    "meta nested past the parser": lambda e: (e / "meta.json").write_bytes(b"[" * 100_000),
     "bounds not rising": _bounds,
     "id past the vocabulary": _vocab,
 }
@@ -421,7 +422,8 @@ def test_a_stamp_that_is_not_a_stamp_is_ignored(tmp_path):
     encode_file(source, spec, ByteTokenizer(), cache_dir=root)
     [entry] = [p for p in root.iterdir() if p.is_dir()]
     want = reference(source, spec, ByteTokenizer())
-    for forged in ('["not", "a", "dict"]', '{"identity": {}, "key": "x"}', "\xff{", "{" * 10_000):
+    # the last two: past the 4 KB bound, and within it but nested deeper than json's C parser recurses
+    for forged in ('["not", "a", "dict"]', '{"identity": {}, "key": "x"}', "\xff{", "{" * 10_000, "[" * 3000):
         (entry / cache.VERIFIED).write_text(forged, errors="surrogateescape")
         same(encode_file(source, spec, ByteTokenizer(), cache_dir=root), want)
     (entry / cache.VERIFIED).unlink()
