@@ -10,7 +10,7 @@ model's own budget rule (its fixed 1 GiB and 5 % allowance on top of the traced 
 the probe steps then verify it as they verify the model's. A trace that fails or runs out of time is logged and
 the model's plan kept; so is a tier this run directory measured on the GPU before (its measured peak corrects the
 model: runner/sizing/plan.py `_measured_scale`, and beats any trace). Under `memory.tier: auto`, a tier the model
-chose but the trace fits no micro-batch of is left for the next one, traced in turn (`from_traces`).
+chose but the trace fits no micro-batch of is left for the next one, traced in turn.
 """
 
 from __future__ import annotations
@@ -73,17 +73,13 @@ def _with_overhead(traced: int) -> int:
     return traced + memory.overhead_bytes(traced)
 
 
-def from_trace(plan: Plan, spec: JobSpec, share: Share, *, is_main: bool) -> Plan:
-    """`plan` at the largest micro-batch the traced line fits in its budget (a divisor of the per-rank batch), the
-    same on every rank (rank 0 traces, `share` hands its line to all); `plan` as it was when the trace fails."""
-    return _traced(plan, spec, share, is_main=is_main, timeout_s=float(spec.memory.trace_seconds))[0]
-
-
 def from_traces(plan: Plan, spec: JobSpec, share: Share, *, is_main: bool, replan: Callable[[str], Plan]) -> Plan:
-    """`from_trace`, and under `memory.tier: auto` the next tier (`replan`: the model's plan there) whenever the
-    trace says not even micro-batch 1 fits the tier the model chose, within `memory.trace_seconds` in all: the
-    tier is then the trace's choice as well as the micro-batch. Every rank takes the same steps (each decision
-    comes from rank 0's shared line); the last tier traced, or the model's plan of it, when time or tiers run out."""
+    """`plan` at the largest micro-batch the traced line fits in its budget (a divisor of the per-rank batch), the
+    same on every rank (rank 0 traces, `share` hands its line to all); `plan` as it was when the trace fails. Under
+    `memory.tier: auto`, the next tier (`replan`: the model's plan there) whenever the trace says not even
+    micro-batch 1 fits the tier the model chose, within `memory.trace_seconds` in all: the tier is then the trace's
+    choice as well as the micro-batch. Every rank takes the same steps (each decision comes from rank 0's shared
+    line); the last tier traced, or the model's plan of it, when time or tiers run out."""
     deadline = time.monotonic() + float(spec.memory.trace_seconds)
     sized, top = _traced(plan, spec, share, is_main=is_main, timeout_s=float(spec.memory.trace_seconds))
     alone = plan.world_size == 1  # sharding without offload saves nothing on one rank (the model's auto skips it)

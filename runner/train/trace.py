@@ -52,6 +52,7 @@ from torch import nn
 from jobspec.catalog.presets import ModelShape
 from jobspec.catalog.tiers import CHECKPOINTING, TIERS, tier_index
 from jobspec.errors import ConfigError
+from jobspec.plan.memory import LossKernel
 from jobspec.spec.models import LoraSpec
 from runner import internals
 from runner.data.dataset import Batch
@@ -315,7 +316,7 @@ def trace_step(
     grad_accum: int = 2,
     packed: bool = False,
     gpu: bool = True,
-    loss_kernel: str = "chunked",
+    loss_kernel: LossKernel = "chunked",
 ) -> TraceResult:
     """One rank's bytes at the peak of the runner's optimizer step at `tier` (see the module docstring).
 
@@ -451,7 +452,9 @@ def largest_micro_batch(a: TraceResult, b: TraceResult, budget: int) -> int:
     return max(0, int((budget - fixed_bytes(a, b)) // slope)) if slope > 0 else 0
 
 
-def runner_loss(model: nn.Module, device: torch.device, kernel: str = "chunked") -> Callable[[Batch], torch.Tensor]:
+def runner_loss(
+    model: nn.Module, device: torch.device, kernel: LossKernel = "chunked"
+) -> Callable[[Batch], torch.Tensor]:
     """The runner's own loss for a prepared model: `runner.train.step.summed_loss` (what Stepper.loss_sum calls)
     with the chunked-loss head installed as Stepper's constructor installs it (runner/train/loss.py). On fakes
     the head's install probe, which reads the values the model passes out, cannot run: it is taken as passing,
@@ -462,7 +465,7 @@ def runner_loss(model: nn.Module, device: torch.device, kernel: str = "chunked")
 
     fake = any(internals.is_fake(p) for p in model.parameters())
     with mock.patch.object(ChunkedLossHead, "probe", return_value=None) if fake else contextlib.nullcontext():
-        head = install_chunked_loss(model, run=model, device=device, kernel=kernel)  # type: ignore[arg-type]
+        head = install_chunked_loss(model, run=model, device=device, kernel=kernel)
 
     def loss_sum(batch: Batch) -> torch.Tensor:
         positions = None if batch.position_ids is None else batch.position_ids.to(device)

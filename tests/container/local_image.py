@@ -182,17 +182,19 @@ def dockerfile_arg(dockerfile: Path, name: str) -> str:
     return match.group(1)
 
 
-DEFAULT_EXTRAS = "runner data tracking"  # images/jobspec-image.sh's, for a Dockerfile that names none
-
-
 def image_extras() -> list[str]:
-    """Every extra the built images install: each Dockerfile's `jobspec-image.sh wheel SRC DIST "EXTRAS"`."""
+    """Every extra the built images install: each Dockerfile's `jobspec-image.sh wheel SRC DIST "EXTRAS"`, or the
+    script's own default where a Dockerfile names none."""
+    script = (REPO / "images" / "jobspec-image.sh").read_text()
+    default = re.search(r"extras=\$\{3:-([^}]*)\}", script)
+    if default is None:
+        raise ValueError("images/jobspec-image.sh has no default extras (extras=${3:-...})")
     names: set[str] = set()
     for _, dockerfile in IMAGES.values():
         for line in dockerfile.read_text().splitlines():
             if "jobspec-image.sh wheel" in line:
                 quoted = re.search(r'"([^"]*)"', line)
-                names.update((quoted.group(1) if quoted else DEFAULT_EXTRAS).split())
+                names.update((quoted or default).group(1).split())
     return sorted(names)
 
 

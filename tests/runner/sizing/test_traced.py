@@ -28,6 +28,11 @@ def _spec(tmp_path, **memory_section):
                      memory={"tier": "fast", **memory_section})  # fmt: skip
 
 
+def from_trace(plan, spec, share, *, is_main):
+    """`from_traces` at the tier the spec names: it never steps to another."""
+    return traced.from_traces(plan, spec, share, is_main=is_main, replan=lambda tier: pytest.fail(f"replanned {tier}"))
+
+
 def test_only_where_it_is_wanted(tmp_path):
     auto, on, off = (_spec(tmp_path, trace=t) for t in ("auto", "on", "off"))
     assert traced.wanted(auto, on_gpu=True) and not traced.wanted(auto, on_gpu=False)
@@ -39,7 +44,7 @@ def test_only_where_it_is_wanted(tmp_path):
 def test_the_line_through_two_traces_sizes_the_micro_batch(tmp_path):
     spec = _spec(tmp_path, trace="on")
     plan = initial_plan(spec, GPU, HOST, 1)
-    new = traced.from_trace(plan, spec, lambda line: list(line), is_main=True)
+    new = from_trace(plan, spec, lambda line: list(line), is_main=True)
     # the process ran what the runner's trace runs in process, at the model's micro-batch and twice it
     m1 = plan.micro_batch
     low, high = (row["peak"] for row in trace_spec(spec, [(plan.tier, m1), (plan.tier, 2 * m1)], 1, plan.precision))
@@ -63,7 +68,7 @@ def test_a_failed_trace_keeps_the_models_plan(tmp_path, monkeypatch):
         raise TraceFailed("the trace took longer than 180 s", timed_out=True)
 
     monkeypatch.setattr(traced, "run_trace", slow)
-    kept = traced.from_trace(plan, spec, lambda line: list(line), is_main=True)
+    kept = from_trace(plan, spec, lambda line: list(line), is_main=True)
     assert (kept.micro_batch, kept.fixed_bytes, kept.per_sample_bytes) == (
         plan.micro_batch, plan.fixed_bytes, plan.per_sample_bytes)  # fmt: skip
     assert "trace: none (the trace took longer than 180 s)" in kept.reasons[-1]
@@ -79,9 +84,9 @@ def test_every_rank_sizes_from_rank_0s_line(tmp_path, monkeypatch):
         sent.append(list(line))
         return list(line)
 
-    rank0 = traced.from_trace(plan, spec, rank0_share, is_main=True)
+    rank0 = from_trace(plan, spec, rank0_share, is_main=True)
     monkeypatch.setattr(traced, "run_trace", pytest.fail)  # another rank never traces
-    rank1 = traced.from_trace(plan, spec, lambda line: [max(a, b) for a, b in zip(line, sent[0], strict=True)],
+    rank1 = from_trace(plan, spec, lambda line: [max(a, b) for a, b in zip(line, sent[0], strict=True)],
                               is_main=False)  # fmt: skip
     assert (rank1.micro_batch, rank1.fixed_bytes, rank1.per_sample_bytes) == (
         rank0.micro_batch, rank0.fixed_bytes, rank0.per_sample_bytes)  # fmt: skip
