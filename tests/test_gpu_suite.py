@@ -1,8 +1,11 @@
 """The GPU proof suite (bench/gpu) cannot rot between GPU sessions: its CPU smoke runs every part here.
 
 `python -m bench.gpu --smoke` trains the tiny preset for real (probe steps through JOBSPEC_FAULT_OOM's
-`probes` rule, an OOM squeeze by fault injection, runner vs plain loop, every one-rank tier) and must
-write the same JSON keys and Markdown sections as a GPU run, GPU-only figures null / "n/a (CPU)".
+`probes` rule, an OOM squeeze by fault injection, the trace of the runner's step, runner vs plain loop, every
+one-rank tier), each part in a process of its own as on the GPU, and must write the same JSON keys and
+Markdown sections as a GPU run, GPU-only figures null / "n/a (CPU)". Every spec the suite builds is built and
+validated here for the GPU's sizes too, and a part that overruns its budget is ended, marked, and followed by
+the next one.
 """
 
 from __future__ import annotations
@@ -15,9 +18,10 @@ from pathlib import Path
 
 import pytest
 
-from bench.gpu import calibrate, common, device, prepare, report
+from bench.gpu import calibrate, common, device, prepare, report, suite
 from jobspec.catalog.presets import PRESETS
 from jobspec.plan import memory
+from jobspec.spec.models import JobSpec
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -35,38 +39,49 @@ def smoke(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, str, float]:
     )
     wall = time.perf_counter() - t0
     assert proc.returncode == 0, proc.stderr[-3000:]
-    print(f"\n--smoke: {wall:.1f} s")
-    return json.loads((out / "gpu-suite-smoke.json").read_text()), (out / "gpu-suite-smoke.md").read_text(), wall
+    record = json.loads((out / "gpu-suite-smoke.json").read_text())
+    print(f"\n--smoke: {wall:.1f} s; per part {record['seconds']}")
+    return record, (out / "gpu-suite-smoke.md").read_text(), wall
 
 
 @pytest.mark.slow
 def test_smoke_writes_every_section_with_cpu_figures(smoke) -> None:
     record, md, wall = smoke
-    assert tuple(record) == report.KEYS and record["parts"] == list(report.PARTS)
+    assert tuple(record) == report.KEYS and record["parts"] == list(common.PART_ORDER) == list(report.PARTS)
     assert all(record[k] is not None for k in report.KEYS), [k for k in report.KEYS if record[k] is None]
     for title in report.SECTIONS.values():
         assert f"\n{title}\n" in md
     assert "n/a (CPU)" in md and "Not run in this call" not in md
     assert record["environment"]["driver"] is None and record["environment"]["peak_tflops"] is None
+    assert record["environment"]["device"].startswith("cpu") and record["environment"]["torch_threads"] == 1
+    budgets = common.Config.cpu_smoke().budgets
+    for part in common.PART_ORDER:  # each part in its own process, within its budget
+        assert record["status"][part]["status"] == "ok" and record["status"][part]["exit_code"] == 0, record["status"]
+        assert 0 < record["seconds"][part] < budgets[part]
     assert wall < 180, f"--smoke took {wall:.0f} s; it is meant to take under a minute"
 
     tests = record["gpu_tests"]  # pytest -m gpu collected the gpu tests and skipped them all here
     assert tests["exit_code"] == 0 and tests["total"] >= 3 and tests["skipped"] == tests["total"]
+    assert tests["files"][0] == "tests/runner/train/test_offload.py" and not tests["interrupted"]
 
 
 @pytest.mark.slow
-def test_smoke_sizing_runs_the_runners_probe_search(smoke) -> None:
+def test_smoke_memory_part_compares_formula_trace_and_the_runners_probe_search(smoke) -> None:
     record = smoke[0]
     sizing = {s["tier"]: s for s in record["sizing"]}
-    assert set(sizing) == {"fast", "zero2_offload", "minimal"}
+    assert set(sizing) == {"fast", "zero2_offload"}
     for s in sizing.values():  # JOBSPEC_FAULT_OOM="mbs>5,probes": the largest divisor of 24 that fits is 4
         assert s["status"] == "ok", s
         assert s["model_micro_batch"] == 24 and s["verified_micro_batch"] == 4 == s["exhaustive_micro_batch"]
         assert s["verify_probes"] <= s["probe_bound"] and s["verified_over_exhaustive"] == 1.0
         assert {p["micro_batch"] for p in s["probes"] if not p["ok"]} >= {6, 24}
+    assert {m["tier"] for m in record["memory_model"]} == {"fast", "zero2_offload"}
     for m in record["memory_model"]:
         assert m["predicted"]["total"] > m["predicted"]["states"] > 0
         assert m["measured"]["device_peak"] is None and m["error_device"] is None and m["measured"]["oom"] is None
+        # the trace of the runner's step at the same micro-batch: the formula is fitted to it
+        assert m["trace"]["peak"] > 0 and 0.5 < m["formula_over_trace"] < 2, m["trace"]
+        assert m["error_trace_allocated"] is None  # no allocator to measure on the CPU
     assert record["calibration"]["status"].startswith("no GPU measurements")
 
 
@@ -81,6 +96,12 @@ def test_smoke_recovery_throughput_tiers_soak(smoke) -> None:
     assert [(t["from"], t["to"]) for t in down["runs"][0]["tier_changes"]] == [("fast", "zero2_offload")]
     assert down["runs"][0]["final_tier"] == "zero2_offload" and down["runs"][0]["steps_done"] == 7
     assert "skipped" in rec["relaunch"]["runs"][0]
+    sweep = record["oom_anywhere"]  # bench/oom_anywhere.py where the checkout has it, else a recorded reason
+    if sweep["status"] == "ok":
+        assert isinstance(sweep["points"], int) and isinstance(sweep["recovered"], int) and sweep["matrix_md"]
+        assert sweep["budget_s"] <= common.Config.cpu_smoke().sweep_budget_s
+    else:
+        assert sweep == {"status": "not available in this checkout (no bench/oom_anywhere.py)"}
 
     tp = record["throughput"]
     assert tp["runner"]["median_tokens_per_s"] > 0 and tp["plain"]["median_tokens_per_s"] > 0
@@ -90,6 +111,101 @@ def test_smoke_recovery_throughput_tiers_soak(smoke) -> None:
     soak = record["soak"]
     assert soak["steps"] == soak["steps_asked"] == 20 and soak["runner_shrinks"] == 0
     assert soak["vram_pct_device"] is None and soak["allocator_ooms"] is None
+
+
+@pytest.mark.parametrize("sizes", ["gpu", "cpu_smoke"])
+def test_every_spec_the_suite_builds_is_valid(tmp_path, sizes) -> None:
+    """The H100 run of 2026-11-25 lost its throughput part to a spec the CPU smoke never built (the GPU's
+    target_utilization 0.45, below the field's floor 0.5): every spec, at the GPU's sizes too, is built here."""
+    cfg = getattr(common.Config, sizes)()
+    data = common.write_data(tmp_path / "data.jsonl", rows=4, seq=cfg.seq)
+    built = dict(suite.specs(cfg, tmp_path, data))
+    expected = {"recovery", "relaunch", "runner vs plain", "soak", *(f"tier speed {t}" for t in cfg.tiers),
+                *(f"memory {p} {t}" for p in cfg.memory_presets for t in cfg.memory_tiers)}  # fmt: skip
+    assert set(built) == expected and all(isinstance(s, JobSpec) for s in built.values())
+    for name, spec in built.items():
+        assert spec.hardware.vendor == ("cuda" if sizes == "gpu" else "cpu"), name
+        assert spec.model.preset in PRESETS, name
+    assert built["runner vs plain"].memory.target_utilization == 0.5  # the floor: the plain twin shares the GPU
+    if sizes == "gpu":
+        assert {s.model.preset for n, s in built.items() if n.startswith("memory")} == {"gpt2-small", "llama-1b"}
+
+
+def test_gpu_budgets_fit_one_call_and_scale() -> None:
+    cfg = common.Config.gpu()
+    assert tuple(cfg.budgets) == common.PART_ORDER
+    assert sum(cfg.budgets.values()) <= 8.5 * 60 and cfg.sweep_budget_s < cfg.budgets["recovery"]
+    half = cfg.scaled(250)
+    assert sum(half.budgets.values()) == pytest.approx(250, abs=0.5)
+    assert half.budgets["tests"] == pytest.approx(cfg.budgets["tests"] / 2, abs=0.1)
+    assert half.sweep_budget_s == pytest.approx(cfg.sweep_budget_s / 2, abs=0.1)
+    assert common.Config.from_dict(json.loads(json.dumps(cfg.to_dict()))) == cfg
+
+
+# A part's process as the suite starts it, with the part replaced: it writes one item, then the `tests` part
+# sleeps past its budget. The real `suite.child` runs around it (signal handler, status, record).
+FAKE_PART = """
+import sys, time
+from pathlib import Path
+from bench.gpu import suite
+
+def part(name, cfg, work, data, out, budget, save, record):
+    record["gpu_tests" if name == "tests" else "recovery"] = {"item": f"{name}: first item"}
+    save()
+    if name == "tests":
+        time.sleep(60)
+
+suite._part = part
+suite.device.device_environment = lambda cfg: {"device": "fake"}
+sys.exit(suite.child(sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3]), sys.argv[4], float(sys.argv[5])))
+"""
+
+
+def test_a_part_past_its_budget_ends_with_what_it_has_and_the_next_part_runs(tmp_path, monkeypatch) -> None:
+    import dataclasses
+
+    monkeypatch.setattr(suite, "GRACE_S", 1.5)
+    monkeypatch.setattr(suite, "MIN_PART_S", 1.0)
+    cfg = dataclasses.replace(common.Config.cpu_smoke(), threads=None,
+                              budgets={"tests": 5.0, "recovery": 20.0, "memory": 5.0, "throughput": 5.0})  # fmt: skip
+
+    def command(part: str, work: Path, out: Path, stem: str, deadline: float) -> list[str]:
+        return [sys.executable, "-c", FAKE_PART, part, str(work), str(out), stem, str(deadline)]
+
+    t0 = time.perf_counter()
+    record, code = suite.run(cfg, ["recovery", "tests"], tmp_path, "rec", command=command)
+    assert code == 0 and record["parts"] == ["tests", "recovery"]  # the suite's order, whatever was asked
+    assert record["status"]["tests"]["status"].startswith("overrun: ended at its budget")
+    assert record["gpu_tests"] == {"item": "tests: first item"}  # written before the overrun, kept
+    assert record["seconds"]["tests"] < 5.0 + 1
+    assert record["status"]["recovery"]["status"] == "ok" and record["recovery"] == {"item": "recovery: first item"}
+    assert record["environment"]["device"] == "fake" and record["sizing"] is None
+    assert json.loads((tmp_path / "rec.json").read_text()) == record
+    md = (tmp_path / "rec.md").read_text()
+    assert "| tests | overrun: ended at its budget" in md and "Not run in this call (part `memory`" in md
+    assert "(not rendered: KeyError" in md  # the fake's items have no figures: the JSON keeps them all the same
+    assert time.perf_counter() - t0 < 20
+
+
+def test_a_killed_part_is_marked_overrun_and_a_crashed_one_failed(tmp_path, monkeypatch) -> None:
+    import dataclasses
+
+    monkeypatch.setattr(suite, "GRACE_S", 1.0)
+    monkeypatch.setattr(suite, "MIN_PART_S", 1.0)
+    cfg = dataclasses.replace(common.Config.cpu_smoke(), budgets={"tests": 3.0, "recovery": 5.0})
+
+    def command(part: str, work: Path, out: Path, stem: str, deadline: float) -> list[str]:
+        # tests: ignores SIGUSR1 and sleeps (killed at its budget); recovery: dies at once
+        code = "import signal, time; signal.signal(signal.SIGUSR1, signal.SIG_IGN); time.sleep(30)" \
+            if part == "tests" else "raise SystemExit(3)"  # fmt: skip
+        return [sys.executable, "-c", code]
+
+    record, code = suite.run(cfg, ["tests", "recovery"], tmp_path, "rec", command=command)
+    assert code == 0
+    assert record["status"]["tests"]["status"] == "overrun: killed at its budget (3 s)"
+    assert record["seconds"]["tests"] < 3.0 + 1
+    assert record["status"]["recovery"]["status"].startswith("failed: exit 3")
+    assert record["gpu_tests"] is None and record["recovery"] is None
 
 
 def _probe(m: int, peak: float) -> dict:
@@ -149,7 +265,8 @@ def test_calibration_recovers_known_constants() -> None:
 def _record(**sections: object) -> dict:
     rec = dict.fromkeys(report.KEYS)
     env = {"date": "2026-01-01T00:00:00+00:00", "mode": "gpu", "device": "NVIDIA H100 80GB HBM3", "driver": "580"}
-    rec.update({"schema": 1, "environment": env, "config": {"device": "cuda"}, "parts": [], "seconds": {}, **sections})
+    rec.update({"schema": 2, "environment": env, "config": {"device": "cuda"}, "parts": [], "seconds": {},
+                "status": {}, **sections})  # fmt: skip
     return rec
 
 
@@ -174,12 +291,15 @@ def test_report_says_which_part_was_not_run_and_merge_joins_parts() -> None:
         "device_total": 80 * 2**30,
     }
     a = _record(parts=["throughput"], seconds={"throughput": 300}, soak=soak)
-    b = _record(parts=["sizing"], seconds={"sizing": 400}, calibration={"status": "no GPU measurements", "current": {}})
+    b = _record(parts=["memory"], seconds={"memory": 400}, calibration={"status": "no GPU measurements", "current": {}},
+                status={"memory": {"status": "overrun: killed at its budget (90 s)"}})  # fmt: skip
     md = report.markdown(a)
-    assert "Not run in this call (`--part sizing`)" in md and "Not run in this call (`--part tests`)" in md
+    assert "Not run in this call (part `memory`)" in md and "Not run in this call (part `tests`)" in md
     assert "88.0 % of the device" in md and "n/a (CPU)" not in md
+    assert "Not run in this call (part `memory`: overrun: killed" in report.markdown(b)
     merged = report.merge([a, b])
-    assert merged["parts"] == ["throughput", "sizing"] and merged["seconds"] == {"throughput": 300, "sizing": 400}
+    assert merged["parts"] == ["throughput", "memory"] and merged["seconds"] == {"throughput": 300, "memory": 400}
+    assert merged["status"] == {"memory": {"status": "overrun: killed at its budget (90 s)"}}
     assert merged["soak"] == soak and merged["calibration"]["status"] == "no GPU measurements"
     assert tuple(merged) == report.KEYS
 

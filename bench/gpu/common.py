@@ -1,6 +1,6 @@
 """What every part of the suite shares: its settings, the time budget, the data, specs and recipes, timers.
 
-Nothing here measures anything by itself; the parts (gputests, sizing, recovery, throughput) do.
+Nothing here measures anything by itself; the parts (gputests, oom, sizing, throughput) do.
 """
 
 from __future__ import annotations
@@ -19,29 +19,38 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[2]
 
 
+PART_ORDER = ("tests", "recovery", "memory", "throughput")  # the order one call runs them in
+
+
 @dataclass(frozen=True)
 class Config:
-    """The suite's sizes: `gpu()` for one GPU within ~9 minutes a part, `cpu_smoke()` for the CPU in under a minute."""
+    """The suite's sizes: `gpu()` for one GPU within one 9-minute call, `cpu_smoke()` for the CPU (CI)."""
 
     device: str  # "cuda" | "cpu"
     precision: str  # autocast precision of every run (bf16 on the GPU, fp32 on the CPU)
     seq: int  # tokens per row; every row is exactly this long
-    sizing_presets: tuple[str, ...]
-    tiers: tuple[str, ...]  # the tiers that fit one GPU (zero2 / zero3 save nothing on one rank)
-    per_rank: int  # per-rank batch the sizing searches the divisors of
-    sizing_fault: str | None  # JOBSPEC_FAULT_OOM for the sizing runs (smoke: "mbs>5,probes")
+    memory_presets: tuple[str, ...]  # formula vs trace vs measured: these presets ...
+    memory_tiers: tuple[str, ...]  # ... at these tiers
+    tiers: tuple[str, ...]  # tier speed: the tiers that fit one GPU (zero2 / zero3 save nothing on one rank)
+    per_rank: int  # per-rank batch the memory part sizes (the divisors of)
+    exhaustive: bool  # the memory part also searches every divisor from the largest down (verified == maximum)
+    sizing_fault: str | None  # JOBSPEC_FAULT_OOM for the memory part's runs (smoke: "mbs>5,probes")
     recovery_preset: str
     recovery_batch: int  # global batch = the spec's fixed micro-batch of the recovery runs
-    recovery_rounds: int
+    recovery_rounds: int  # rounds of shrink, step-down, relaunch (the sweep runs after the first)
+    sweep_points: int  # OOM-anywhere: points sampled (bench/oom_anywhere.py), within sweep_budget_s
+    sweep_seed: int
     throughput_preset: str
     throughput_batch: int  # global batch of runner vs plain (micro-batch auto, both models on the GPU)
     rounds: int  # paired, interleaved rounds of runner vs plain (after one warm-up round)
     round_steps: int  # optimizer steps per side per round
     tier_batch: int  # global batch of the tier-speed runs
     tier_steps: int  # measured steps per tier per round (after 2 warm-up steps)
+    tier_rounds: int  # rounds of tier speed (the tier order reversed in every other one)
     soak_batch: int
     soak_steps: int
-    budget_s: float  # no new item starts after this many seconds of a part
+    budgets: dict[str, float]  # wall seconds per part (PART_ORDER): the part ends at its budget
+    sweep_budget_s: float  # of the recovery part's budget, what the OOM-anywhere sweep may take
     smoke: bool = False
     threads: int | None = None  # torch CPU threads (smoke: 1, so a busy shared machine does not oversubscribe)
     peak_tflops: float | None = None  # override of the device's dense bf16 peak
@@ -52,22 +61,29 @@ class Config:
             device="cuda",
             precision="bf16",
             seq=1024,
-            sizing_presets=("gpt2-small", "gpt2-medium", "llama-1b"),
+            memory_presets=("gpt2-small", "llama-1b"),
+            memory_tiers=("fast", "zero2_offload"),
             tiers=("fast", "zero2_offload", "minimal"),
             per_rank=360,
+            exhaustive=False,  # verified == exhaustive in 13 of 13 H100 runs (records 2026-11-25): time for the trace
             sizing_fault=None,
             recovery_preset="gpt2-small",
             recovery_batch=32,
             recovery_rounds=3,
+            sweep_points=48,
+            sweep_seed=0,
             throughput_preset="gpt2-small",
             throughput_batch=32,
-            rounds=8,
-            round_steps=5,
+            rounds=6,
+            round_steps=4,
             tier_batch=64,
-            tier_steps=10,
+            tier_steps=6,
+            tier_rounds=1,
             soak_batch=120,
-            soak_steps=200,
-            budget_s=420.0,
+            soak_steps=30,
+            # 500 s in all (8 min 20 s): one call of at most 9 minutes with the wheels' install before it
+            budgets={"tests": 190.0, "recovery": 130.0, "memory": 90.0, "throughput": 90.0},
+            sweep_budget_s=45.0,
         )
 
     @classmethod
@@ -76,22 +92,28 @@ class Config:
             device="cpu",
             precision="fp32",
             seq=64,
-            sizing_presets=("tiny",),
+            memory_presets=("tiny",),
+            memory_tiers=("fast", "zero2_offload"),
             tiers=("fast", "zero2_offload", "minimal"),
             per_rank=24,
+            exhaustive=True,
             sizing_fault="mbs>5,probes",
             recovery_preset="tiny",
             recovery_batch=8,
             recovery_rounds=1,
+            sweep_points=2,
+            sweep_seed=0,
             throughput_preset="tiny",
             throughput_batch=16,
             rounds=3,
             round_steps=3,
             tier_batch=16,
             tier_steps=3,
+            tier_rounds=1,
             soak_batch=16,
             soak_steps=20,
-            budget_s=120.0,
+            budgets={"tests": 60.0, "recovery": 60.0, "memory": 60.0, "throughput": 60.0},
+            sweep_budget_s=6.0,  # the call into the sweep, not the sweep itself (bench/oom_anywhere.py), in CI
             smoke=True,
             threads=1,
         )
@@ -99,15 +121,35 @@ class Config:
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Config:
+        """The inverse of `to_dict` (JSON turns the tuples into lists)."""
+        return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in d.items()})
+
+    def scaled(self, total_s: float) -> Config:
+        """Every part's budget (and the sweep's) scaled so that they sum to `total_s`."""
+        import dataclasses
+
+        factor = total_s / sum(self.budgets.values())
+        return dataclasses.replace(
+            self,
+            budgets={k: round(v * factor, 1) for k, v in self.budgets.items()},
+            sweep_budget_s=round(self.sweep_budget_s * factor, 1),
+        )
+
 
 class Budget:
-    """Seconds left for one part; an item that would start after the budget is recorded as skipped."""
+    """Seconds left for one part; an item that would start after the budget is recorded as skipped. (The part's
+    process also ends at its budget, whatever it is doing: bench/gpu/suite.py.)"""
 
     def __init__(self, seconds: float):
         self.seconds, self.start = seconds, time.perf_counter()
 
     def elapsed(self) -> float:
         return time.perf_counter() - self.start
+
+    def left(self) -> float:
+        return self.seconds - self.elapsed()
 
     def spent(self) -> bool:
         return self.elapsed() >= self.seconds
@@ -167,7 +209,9 @@ def spec_for(
     utilization: float = 0.9,
     log_every: int = 10**6,
 ):  # -> JobSpec
-    """A spec for one in-process Recipe: no export, no periodic checkpoints, no eval until the end."""
+    """A spec for one in-process Recipe: no export, no periodic checkpoints, no eval until the end, and its
+    micro-batch from the formula and probe steps (`memory.trace: off`: the memory part traces on its own, and
+    the others would pay a trace in every setup). Validated here: a bad value fails before any training."""
     import yaml
 
     from jobspec.spec.loader import parse_spec
@@ -189,7 +233,7 @@ def spec_for(
                     "eval_batches": 1,
                 },
                 "hardware": {"vendor": cfg.device, "gpus": 1},
-                "memory": {"tier": tier, "target_utilization": utilization},
+                "memory": {"tier": tier, "target_utilization": utilization, "trace": "off"},
                 "checkpoints": {"dir": str(run_dir), "every_steps": 10**6, "keep": 1},
                 "output": {"export": False},
             }

@@ -84,8 +84,33 @@ def _commit() -> str | None:
     return out.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
 
 
-def environment(cfg: Config) -> dict[str, Any]:
-    """Device, driver, library versions and the date: the report's header."""
+def host_environment(cfg: Config) -> dict[str, Any]:
+    """The report's header as the suite's own process sees it, without importing torch (the parts' processes
+    fill in the device: `device_environment`). Every key is there from the start, unknown ones None."""
+    return {
+        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "mode": "smoke (CPU)" if cfg.smoke else "gpu",
+        "device": None,
+        "device_memory_bytes": None,
+        "capability": None,
+        "driver": None,
+        "cuda": None,
+        "torch": _version("torch"),
+        "transformers": _version("transformers"),
+        "accelerate": _version("accelerate"),
+        "python": platform.python_version(),
+        "cpus": os.cpu_count(),
+        "torch_threads": None,
+        "commit": _commit(),
+        "peak_tflops": None,
+        "peak_source": None,
+        "argv": sys.argv[1:],
+    }
+
+
+def device_environment(cfg: Config) -> dict[str, Any]:
+    """Device, driver and torch's own view, from inside a part's process (it imports torch, and on a GPU
+    initialises CUDA: never in the suite's own process, whose context would take memory from every part)."""
     import torch
 
     gpu = cfg.device == "cuda" and torch.cuda.is_available()
@@ -93,21 +118,13 @@ def environment(cfg: Config) -> dict[str, Any]:
     name = props.name if props else None
     peak, source = peak_tflops(cfg, name)
     return {
-        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        "mode": "smoke (CPU)" if cfg.smoke else "gpu",
         "device": name or f"cpu ({platform.processor() or platform.machine()})",
         "device_memory_bytes": int(props.total_memory) if props else None,
         "capability": f"sm_{props.major}{props.minor}" if props else None,
         "driver": _driver() if gpu else None,
         "cuda": torch.version.cuda if gpu else None,
         "torch": torch.__version__,
-        "transformers": _version("transformers"),
-        "accelerate": _version("accelerate"),
-        "python": platform.python_version(),
-        "cpus": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
-        "commit": _commit(),
         "peak_tflops": peak,
         "peak_source": source,
-        "argv": sys.argv[1:],
     }

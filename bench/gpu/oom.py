@@ -16,6 +16,10 @@ step K-1 is written, the squeeze is applied; from then on the runner is on its o
   relaunch   bench/recovery.py's fault-injected step-down with JOBSPEC_STEP_DOWN=restart (a new process at
              the next tier; tiny preset): the cost of the fallback path, for scale.
 
+  oom-anywhere  bench/oom_anywhere.py's sweep (an OOM raised at sampled allocating ops of a step, every point
+             expected to train on), `cfg.sweep_points` points within `cfg.sweep_budget_s`, after the first round of
+             the three above; recorded as not available where this checkout has no such module.
+
 Recovery = time of step K's metrics record - time of the first OOM (the first `oom_shrink` event's
 `oom_at`, else the tier failure's time). Steps lost = optimizer steps recorded twice in samples-rank0.jsonl
 (a finished step trained again); `same_samples`: step K after recovery trained on the ids the data order
@@ -106,21 +110,23 @@ def _gaps(train: list[dict[str, Any]], keep: Callable[[int], bool]) -> float | N
     return median(gaps)
 
 
+def recovery_spec(cfg: Config, run_dir: Path, data: Path):  # -> JobSpec
+    b = cfg.recovery_batch
+    return spec_for(cfg, run_dir, data, preset=cfg.recovery_preset, tier="fast", global_batch=b, micro_batch=b,
+                    steps=STEPS, log_every=1)  # fmt: skip
+
+
+def relaunch_spec(cfg: Config, run_dir: Path) -> dict[str, Any]:
+    """The spec bench/recovery.py's relaunch runs (as a dict: it writes the file itself)."""
+    from bench import recovery
+
+    return recovery.spec_dict(run_dir, micro_batch=1, steps=STEPS, vendor=cfg.device)
+
+
 def scenario(cfg: Config, work: Path, data: Path, kind: str, rnd: int) -> dict[str, Any]:
     """One squeezed run; every figure read back from metrics.jsonl, tier_state.json and the samples file."""
     run_dir = work / f"oom-{kind}-{rnd}"
-    b = cfg.recovery_batch
-    spec = spec_for(
-        cfg,
-        run_dir,
-        data,
-        preset=cfg.recovery_preset,
-        tier="fast",
-        global_batch=b,
-        micro_batch=b,
-        steps=STEPS,
-        log_every=1,
-    )
+    spec = recovery_spec(cfg, run_dir, data)
     squeeze, state = Squeeze(cfg.device == "cuda"), {"at": None}
     w0, c0 = time.perf_counter(), cpu_seconds()
     with environ(JOBSPEC_RECORD_SAMPLES="1", JOBSPEC_FAULT_OOM=None, JOBSPEC_STEP_DOWN=None):
@@ -218,21 +224,65 @@ def summarise(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
+SWEEP_MARGIN_S = 10.0  # of the part's budget, kept for the sweep's own record to be written
+
+
+def oom_anywhere(cfg: Config, work: Path, budget: Budget) -> dict[str, Any]:
+    """bench/oom_anywhere.py's `sweep`, within `cfg.sweep_budget_s` (and what the part has left); its figures,
+    or a status that says why there are none."""
+    try:
+        from bench import oom_anywhere as sweeper
+    except ImportError as err:
+        if err.name == "bench.oom_anywhere":
+            return {"status": "not available in this checkout (no bench/oom_anywhere.py)"}
+        return {"status": f"error: bench/oom_anywhere.py does not import: {type(err).__name__}: {err}"[:500]}
+    seconds = min(cfg.sweep_budget_s, budget.left() - SWEEP_MARGIN_S)
+    if seconds < 1:
+        return {"status": budget.skip_note()}
+    t0 = time.perf_counter()
+    try:
+        out = sweeper.sweep(work / "oom-anywhere", device=cfg.device, budget_s=seconds, points=cfg.sweep_points,
+                            seed=cfg.sweep_seed)  # fmt: skip
+    except Exception as err:
+        return {"status": f"error: {type(err).__name__}: {err}"[:500]}
+    return {
+        "status": "ok",
+        "points_asked": cfg.sweep_points,
+        "seed": cfg.sweep_seed,
+        "budget_s": round(seconds, 1),
+        "wall_s": round(time.perf_counter() - t0, 2),
+        "points": out.get("points"),
+        "recovered": out.get("recovered"),
+        "matrix_md": out.get("matrix_md"),
+        "rows": out.get("rows"),
+    }
+
+
 def run(cfg: Config, work: Path, data: Path, budget: Budget, save: Callable[[], None], record: dict[str, Any]) -> None:
+    """Round 0 of shrink, step-down and relaunch, then the OOM-anywhere sweep, then the other rounds."""
     runs: list[dict[str, Any]] = []
+    took: dict[str, float] = {}  # seconds each scenario's last round took: a round that cannot finish is not started
     record["recovery"] = []
     for rnd in range(cfg.recovery_rounds):  # interleaved: each round runs every scenario once
         for kind in ("shrink", "step-down", "relaunch"):
-            if budget.spent():
+            if budget.spent() or budget.left() < took.get(kind, 0.0):
                 runs.append({"scenario": kind, "round": rnd, "error": budget.skip_note()})
                 continue
             if kind == "relaunch" and cfg.smoke:  # two runner processes: most of a minute on 2 cores
                 runs.append({"scenario": kind, "round": rnd, "skipped": "--smoke (tests/runner cover it on CPU)"})
                 continue
+            t0 = time.perf_counter()
             try:
                 runs.append(relaunch(cfg, work, rnd) if kind == "relaunch" else scenario(cfg, work, data, kind, rnd))
             except (Exception, SystemExit) as err:  # bench/recovery.py exits on a failed run
                 runs.append({"scenario": kind, "round": rnd, "error": f"{type(err).__name__}: {err}"[:500]})
+            took[kind] = time.perf_counter() - t0
             record["recovery"] = summarise(runs)
             save()
+        if rnd == 0:
+            record["oom_anywhere"] = oom_anywhere(cfg, work, budget)
+            save()
     record["recovery"] = summarise(runs)
+    if record.get("oom_anywhere") is None:  # no round ran
+        record["oom_anywhere"] = {"status": budget.skip_note()}
+    save()

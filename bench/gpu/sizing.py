@@ -1,19 +1,22 @@
-"""Sizing and the memory model's error, per preset and tier, through the runner's own setup path.
+"""The memory part: formula vs trace vs `torch.cuda.max_memory_allocated`, per preset and tier, through the
+runner's own setup path.
 
 For each (preset, tier) a real `Recipe` is set up at sequence `cfg.seq` with `micro_batch: auto` and a
-per-rank batch of `cfg.per_rank`: it probes the device, asks the memory model for a micro-batch and, on a GPU,
-the trace of its own step (`memory.trace: auto`, runner/sizing/traced.py) for the line it sizes from (the
-guess), and checks it with real probe steps (`runner.sizing.plan.verify_micro_batch`, called by
-`Recipe._verify_micro_batch`). The suite wraps that call, so it records the guess, every probe (micro-batch,
-outcome, seconds, peak allocated and reserved) and the seconds it took, and then runs the exhaustive search
-with the very same probe step (`try_step`, the runner's `oom_guard` with the plan's budget): every divisor of
-the per-rank batch from the largest down until the first that fits. Nothing is assumed about memory being
-monotone: every larger divisor was tried and failed.
+per-rank batch of `cfg.per_rank`: it probes the device, asks the memory model (the formula, jobspec/plan/memory.py;
+`memory.trace: off`, the trace is run below on its own) for a micro-batch, and checks it with real probe steps
+(`runner.sizing.plan.verify_micro_batch`, called by `Recipe._verify_micro_batch`). The suite wraps that call, so
+it records the guess, every probe (micro-batch, outcome, seconds, peak allocated and reserved) and the seconds it
+took; with `cfg.exhaustive` it then runs the exhaustive search with the very same probe step (`try_step`, the
+runner's `oom_guard` with the plan's budget): every divisor of the per-rank batch from the largest down until the
+first that fits. Nothing is assumed about memory being monotone: every larger divisor was tried and failed.
 
 Then the memory: three real optimizer steps (`Stepper.train_step`, two micro-batches each, so the gradients of
 the first micro-batch are alive while the second one's activations are) at the verified micro-batch, and the
 peak allocated and reserved bytes against `jobspec.plan.memory.estimate` at that micro-batch. "Device" memory adds
 what the process holds outside the caching allocator (CUDA context, library handles): (total - free) - reserved.
+Last, per preset, the trace of the runner's step on FakeTensors (`python -m runner.train.trace`, a process of its
+own: runner/train/trace.py) at each tier's verified micro-batch, the same spec and precision: its device peak
+beside the formula's bytes and the measured peak allocated (the three columns of the report).
 """
 
 from __future__ import annotations
@@ -40,8 +43,8 @@ class _Observer:
     (for the calibration's straight line) probes at 1 and about half the maximum.
     Every probe is recorded: micro-batch, outcome, seconds, peak allocated and reserved, and what it was for."""
 
-    def __init__(self, per_rank: int):
-        self.per_rank = per_rank
+    def __init__(self, per_rank: int, exhaustive: bool = True):
+        self.per_rank, self.exhaustive = per_rank, exhaustive
         self.probes: list[dict[str, Any]] = []
         self.seen: dict[str, Any] = {}
         self.purpose = "verify"
@@ -76,9 +79,11 @@ class _Observer:
             verified = planning.verify_micro_batch(plan, timed, **kw)
         finally:
             self.seen.update(verify_s=time.perf_counter() - t0, verify_probes=len(self.probes))
-        self.purpose, t0 = "exhaustive", time.perf_counter()
-        best, steps = descending_search(self.per_rank, timed)
-        self.seen.update(exhaustive=best, exhaustive_probes=steps, exhaustive_s=time.perf_counter() - t0)
+        best = verified.micro_batch
+        if self.exhaustive:
+            self.purpose, t0 = "exhaustive", time.perf_counter()
+            best, steps = descending_search(self.per_rank, timed)
+            self.seen.update(exhaustive=best, exhaustive_probes=steps, exhaustive_s=time.perf_counter() - t0)
         self.purpose = "calibration"  # a line through >= 3 sizes, all probed with Adam's moments allocated
         for target in (1, best // 2):
             passed = {p["micro_batch"] for p in self.probes if p["ok"] and p["purpose"] != "verify"}
@@ -170,14 +175,17 @@ def _predicted(spec: Any, tier: str, mbs: int, precision: str, grad_accum: int =
     }
 
 
+def sizing_spec(cfg: Config, work: Path, data: Path, preset: str, tier: str):  # -> JobSpec
+    return spec_for(cfg, work / f"sizing-{preset}-{tier}", data, preset=preset, tier=tier, global_batch=cfg.per_rank)
+
+
 def size_one(cfg: Config, work: Path, data: Path, preset: str, tier: str) -> tuple[dict[str, Any], dict | None]:
     """(sizing entry, memory-model entry or None) for one preset at one tier."""
     import runner.train.recipe
     from runner.sizing.plan import NoFit
 
-    run_dir = work / f"sizing-{preset}-{tier}"
-    spec = spec_for(cfg, run_dir, data, preset=preset, tier=tier, global_batch=cfg.per_rank)
-    obs, real = _Observer(cfg.per_rank), runner.train.recipe.verify_micro_batch
+    spec = sizing_spec(cfg, work, data, preset, tier)
+    obs, real = _Observer(cfg.per_rank, cfg.exhaustive), runner.train.recipe.verify_micro_batch
     entry: dict[str, Any] = {
         "preset": preset,
         "tier": tier,
@@ -262,22 +270,92 @@ def _errors(mem: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def _trace_errors(mem: dict[str, Any]) -> dict[str, Any]:
+    """The trace against the formula (both bare: no overhead) and the measured peak allocated against the trace."""
+    p, m, t = mem["predicted"], mem["measured"], (mem.get("trace") or {}).get("peak")
+    formula = p["states"] + p["activations"] + p["logits"]
+    return {
+        "formula_over_trace": round(formula / t, 4) if t else None,
+        "error_trace_allocated": round(m["peak_allocated"] / t - 1, 4) if t and m.get("peak_allocated") else None,
+    }
+
+
+def start_trace(cfg: Config, work: Path, data: Path, mems: list[dict[str, Any]], timeout_s: float, pool: Any) -> Any:
+    """The trace of each memory run's tier at its micro-batch, one process for a preset's tiers, in a thread of
+    `pool` (the trace runs on the CPU: the next preset's GPU runs go on meanwhile); `finish_trace` takes it in."""
+    import yaml
+
+    from jobspec.plan.traced import run_trace
+
+    preset, precision = mems[0]["preset"], mems[0]["precision"]
+    spec = sizing_spec(cfg, work, data, preset, mems[0]["tier"])  # the tier and micro-batch come from the pairs
+    path = work / f"trace-{preset}.yaml"
+    path.write_text(yaml.safe_dump(spec.to_yaml_dict(), sort_keys=False))
+    pairs = [(m["tier"], m["micro_batch"]) for m in mems]
+
+    def timed() -> tuple[list[dict[str, Any]], float]:
+        t0 = time.perf_counter()
+        return run_trace(str(path), (), pairs, 1, precision, timeout_s), time.perf_counter() - t0
+
+    return pool.submit(timed)
+
+
+def finish_trace(mems: list[dict[str, Any]], future: Any, timeout_s: float) -> None:
+    """The trace's rows into `mems` (or why there are none)."""
+    import concurrent.futures
+
+    try:
+        rows, wall = future.result(timeout=max(0.1, timeout_s))
+    except concurrent.futures.TimeoutError:
+        rows, why = [], "not finished when the part's budget ran out"
+    except Exception as err:  # TraceFailed above all: the trace's own failure is a finding, the record says it
+        rows, why = [], f"{type(err).__name__}: {err}"[:500]
+    if not rows:
+        for m in mems:
+            m["trace"] = {"error": why}
+        return
+    for m, row in zip(mems, rows, strict=True):
+        m["trace"] = {k: row[k] for k in ("peak", "parts", "host", "seconds", "notes")}
+        m["trace"]["process_wall_s"] = round(wall, 2)
+        m.update(_trace_errors(m))
+
+
 def run(cfg: Config, work: Path, data: Path, budget: Budget, save: Callable[[], None], record: dict[str, Any]) -> None:
-    """Fill record["sizing"] and record["memory_model"], tier by tier (fast for every preset first)."""
+    """Fill record["sizing"] and record["memory_model"] preset by preset (its tiers on the device; then their
+    trace, on the CPU while the next preset runs), and record["calibration"] from them."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from bench.gpu.calibrate import calibrate
+
     record["sizing"], record["memory_model"] = [], []
-    for tier in cfg.tiers:
-        for preset in cfg.sizing_presets:
-            if budget.spent():
-                record["sizing"].append({"preset": preset, "tier": tier, "status": budget.skip_note()})
-                continue
-            try:
-                entry, mem = size_one(cfg, work, data, preset, tier)
-            except Exception as err:  # one failing configuration must not lose the others' figures
-                entry, mem = (
-                    {"preset": preset, "tier": tier, "status": f"error: {type(err).__name__}: {err}"[:500]},
-                    None,
-                )
-            record["sizing"].append(entry)
-            if mem is not None:
-                record["memory_model"].append(mem)
+    traces: list[tuple[list[dict[str, Any]], Any]] = []
+    pool = ThreadPoolExecutor(max_workers=len(cfg.memory_presets) or 1, thread_name_prefix="trace")
+    try:
+        for preset in cfg.memory_presets:
+            mems = []
+            for tier in cfg.memory_tiers:
+                if budget.spent():
+                    record["sizing"].append({"preset": preset, "tier": tier, "status": budget.skip_note()})
+                    continue
+                try:
+                    entry, mem = size_one(cfg, work, data, preset, tier)
+                except Exception as err:  # one failing configuration must not lose the others' figures
+                    entry, mem = (
+                        {"preset": preset, "tier": tier, "status": f"error: {type(err).__name__}: {err}"[:500]},
+                        None,
+                    )
+                record["sizing"].append(entry)
+                if mem is not None:
+                    mem["precision"] = entry["precision"]
+                    record["memory_model"].append(mem)
+                    mems.append(mem)
+                save()
+            if mems:
+                traces.append((mems, start_trace(cfg, work, data, mems, max(1.0, budget.left()), pool)))
+        for mems, future in traces:
+            finish_trace(mems, future, budget.left())
             save()
+    finally:
+        pool.shutdown(wait=False, cancel_futures=True)
+    record["calibration"] = calibrate(record)
+    save()

@@ -25,6 +25,10 @@ copies it back to the GPU on the side stream, so transfers overlap the CPU work.
   copies from the GPU parameters; torchao alone would write its stale copy back.
 - `minimal_size=0`: every parameter goes to the host (torchao keeps tensors under 4096 elements on the GPU
   with a second, GPU AdamW by default), so all optimizer state is in one place and the memory model exact.
+- Adam's moments are moved into pinned host memory, beside torchao's copies: torch's AdamW makes them with
+  `zeros_like` of the host copy, which is pageable (the H100 run of 2026-11-25 found them so), and a loaded or
+  reset state arrives pageable too. After a step that made or found pageable moments, each is copied once into
+  a pinned tensor of its own (`_pin_states`); the check runs again only after a load or a reset.
 
 Memory per rank, bytes per trainable parameter over N ranks: host 16/N (fp32 copy 4, gradient copy 4,
 exp_avg and exp_avg_sq 8, pinned); the GPU keeps FSDP2's fp32 shard and fp32 gradient shard, so only
@@ -34,7 +38,7 @@ streams); runner/train/engine.py `offload_optimizer` uses it only there.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, MutableMapping
+from collections.abc import Callable, Iterator, MutableMapping
 from typing import Any
 
 import torch
@@ -63,8 +67,9 @@ def cpu_offload_optimizer() -> type[torch.optim.Optimizer]:
 class HostState(MutableMapping):
     """GPU parameter -> its AdamW state (step, exp_avg, exp_avg_sq), which lives in the host optimizer."""
 
-    def __init__(self, parts: OffloadParts):
+    def __init__(self, parts: OffloadParts, changed: Callable[[], None] | None = None):
         self._parts = parts
+        self._changed = changed or (lambda: None)  # HostAdamW: pin what the next step finds
 
     def _where(self, p: torch.Tensor) -> tuple[dict, torch.Tensor]:
         return self._parts.optim_dict[p].state, self._parts.param_d2h_map[p]
@@ -78,6 +83,7 @@ class HostState(MutableMapping):
     def __setitem__(self, p: torch.Tensor, value: dict[str, Any]) -> None:
         state, host = self._where(p)
         state[host] = value
+        self._changed()
 
     def __delitem__(self, p: torch.Tensor) -> None:
         state, host = self._where(p)
@@ -92,6 +98,7 @@ class HostState(MutableMapping):
     def clear(self) -> None:  # Stepper.reset_optimizer: forget the probe steps' moments
         for opt in self._parts.optim_dict.values():
             opt.state.clear()
+        self._changed()
 
 
 class HostAdamW(torch.optim.Optimizer):
@@ -108,8 +115,9 @@ class HostAdamW(torch.optim.Optimizer):
         self.offload = offload_class(groups, torch.optim.AdamW, minimal_size=0)
         self.parts = offload_parts(self.offload)  # torchao's internals, or one clear error (runner/internals.py)
         self.host = self.parts.param_d2h_map  # GPU parameter -> host copy; its .grad is the host gradient
-        self.state = HostState(self.parts)  # type: ignore[assignment]  # Optimizer's is a defaultdict
+        self.state = HostState(self.parts, self._unpin)  # type: ignore[assignment]  # Optimizer's is a defaultdict
         self._stale_host = False  # set by load_state_dict: refresh the host copies before the next step
+        self._check_pinned = True  # until every parameter's moments are pinned (new, loaded or reset states)
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:
@@ -122,7 +130,29 @@ class HostAdamW(torch.optim.Optimizer):
             for p in group["params"]:
                 self.parts.optim_dict[p].param_groups[0].update(update)
         self._copy_grads()
-        return self.offload.step(closure)
+        loss = self.offload.step(closure)
+        self._pin_states()
+        return loss
+
+    def _unpin(self) -> None:
+        self._check_pinned = True
+
+    def _pin_states(self) -> None:
+        """Every moment tensor (exp_avg, exp_avg_sq) of the host optimizers into pinned memory, once: a pageable one
+        is copied into a pinned tensor that takes its place (the host optimizers read their state at every step).
+        Until every parameter has stepped, the next step looks again."""
+        if not self._check_pinned:
+            return
+        complete = True
+        for p, h in self.host.items():
+            state = self.parts.optim_dict[p].state.get(h)  # a defaultdict: look, do not create
+            if not state:
+                complete = False
+                continue
+            for key, value in state.items():
+                if torch.is_tensor(value) and value.dim() > 0 and not _local(value).is_pinned():
+                    state[key] = torch.empty_like(value, pin_memory=True).copy_(value)
+        self._check_pinned = not complete
 
     def _copy_grads(self) -> None:
         """Queue a host copy of every gradient as it is now (clipped), in parameter order: torchao's step
@@ -176,3 +206,9 @@ class HostAdamW(torch.optim.Optimizer):
                 state = {0: saved_state[key]} if key in saved_state else {}
                 opt.load_state_dict({"state": state, "param_groups": [{**own, "params": [0]}]})
         self._stale_host = True
+        self._check_pinned = True
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (FSDP2's host copies are DTensors), else the tensor."""
+    return t.to_local() if hasattr(t, "to_local") else t

@@ -2,7 +2,8 @@
 
 No GPU here. torchao's CPUOffloadOptimizer needs one only at a boundary, and `fake_cuda` fakes that and
 nothing else: torchao's device check, CUDA streams and events (every copy runs in order on the CPU here, so
-there is nothing to wait for) and pinned allocation (plain host memory; the requests are recorded). FSDP2
+there is nothing to wait for) and pinned allocation (plain host memory; the requests are recorded, and
+`Tensor.is_pinned` answers True for the tensors made by them and only for those). FSDP2
 over gloo, torchao's hooks, host copies and fused CPU AdamW, accelerate, the Stepper and DCP are the real ones.
 
 Bytes are counted on the tensors themselves (a DTensor by its local shard) around one optimizer step, by
@@ -34,7 +35,7 @@ from runner.train import engine
 from runner.train.offload import HostAdamW
 from tests.runner.train_helpers import records, tiny_spec, train_and_resume
 
-CPU, GPU = torch.device("cpu"), torch.device("cuda")
+CPU, GPU = torch.device("cpu"), torch.device("cuda")  # GPU: what engine.prepare is told on CPU (as_on_a_gpu)
 SEQ = 16
 LORA = {"lora": {"rank": 8, "targets": ["c_attn"]}}
 
@@ -63,13 +64,21 @@ def fake_cuda(monkeypatch) -> list[torch.Size]:
     import torchao.optim.cpu_offload as cpu_offload
 
     pinned: list[torch.Size] = []
+    held: list[torch.Tensor] = []  # what was asked pinned, kept alive: no other tensor can reuse its storage
     empty_like = torch.empty_like
 
     def unpinned(t, *args, pin_memory=False, **kwargs):
+        out = empty_like(t, *args, **kwargs)
         if pin_memory:
             pinned.append(t.shape)
-        return empty_like(t, *args, **kwargs)
+            held.append(local(out))
+        return out
 
+    def is_pinned(self: torch.Tensor, *args) -> bool:
+        ptr = self.untyped_storage().data_ptr()
+        return any(h.untyped_storage().data_ptr() == ptr for h in held)
+
+    monkeypatch.setattr(torch.Tensor, "is_pinned", is_pinned)
     monkeypatch.setattr(cpu_offload, "get_available_devices", lambda: ["cpu", "cuda"])
     monkeypatch.setattr(torch.cuda, "Stream", _Stream)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: _Stream())
@@ -113,9 +122,12 @@ def build(spec, tier: str):
     return engine.prepare(plan, spec, CPU, model, engine.make_optimizer(model, spec, CPU, tier))
 
 
+def local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t  # a DTensor: this rank's shard
+
+
 def tensor_bytes(t: torch.Tensor) -> int:
-    local = t.to_local() if hasattr(t, "to_local") else t  # a DTensor: this rank's shard
-    return local.numel() * local.element_size()
+    return local(t).numel() * local(t).element_size()
 
 
 def storage(t: torch.Tensor) -> int:
@@ -350,6 +362,40 @@ def test_a_resumed_zero2_offload_run_matches_an_uninterrupted_one(as_on_a_gpu, t
         assert torch.equal(v.full_tensor(), w.full_tensor()), k
 
 
+def assert_adam_state_pinned_on_the_host(model: nn.Module, inner: HostAdamW, device: torch.device) -> None:
+    """Parameters (and gradients, where there are) on `device`; Adam's moments of every trainable parameter, and
+    torchao's copies of parameters and gradients, in pinned host memory."""
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    assert trainable and all(local(p).device.type == device.type for p in model.parameters())
+    assert all(local(p.grad).device.type == device.type for p in trainable if p.grad is not None)
+    states = [v for s in inner.state.values() for v in s.values() if torch.is_tensor(v) and v.dim() > 0]
+    assert len(states) == 2 * len(trainable)  # exp_avg and exp_avg_sq
+    assert all(local(v).device.type == "cpu" for v in states)
+    assert all(local(v).is_pinned() for v in states), "Adam's moments are in pageable host memory"
+    assert all(local(h).is_pinned() and local(h.grad).is_pinned() for h in inner.host.values())
+
+
+def test_adam_state_of_zero2_offload_lies_in_pinned_host_memory(group, as_on_a_gpu, tmp_path):
+    """torch's AdamW makes its moments with zeros_like of torchao's pinned host copy, which gives pageable memory
+    (what the H100 found on 2026-11-25); a loaded state and one made again after a reset are pageable too."""
+    _, model, optimizer = built = build(tiny_spec(tmp_path, training={"precision": "bf16"}), "zero2_offload")
+    inner = optimizer.optimizer
+    train_steps(*built, steps=1, max_norm=1.0)
+    assert_adam_state_pinned_on_the_host(model, inner, CPU)
+    # a resume: the loaded tensors (clones here: pageable) become the state, and the next step pins them
+    saved = inner.state_dict()
+    pageable = {i: {k: v.clone() for k, v in s.items()} for i, s in saved["state"].items()}
+    inner.load_state_dict({"state": pageable, "param_groups": saved["param_groups"]})
+    assert not all(local(v).is_pinned() for s in inner.state.values() for k, v in s.items() if k != "step")
+    train_steps(*built, steps=1, max_norm=1.0)
+    assert_adam_state_pinned_on_the_host(model, inner, CPU)
+    # the probe steps' reset: new moments at the next step, pinned again
+    inner.state.clear()
+    train_steps(*built, steps=1, max_norm=1.0)
+    assert all(float(s["step"]) == 1.0 for s in inner.state.values())
+    assert_adam_state_pinned_on_the_host(model, inner, CPU)
+
+
 # --- on a GPU (pytest -m gpu on the device machine) -------------------------------------------------------
 
 
@@ -358,23 +404,28 @@ def test_a_resumed_zero2_offload_run_matches_an_uninterrupted_one(as_on_a_gpu, t
 def test_on_a_gpu_parameters_stay_on_the_device_and_adam_state_goes_to_pinned_host_memory(tmp_path):
     spec = tiny_spec(tmp_path, training={"precision": "bf16"}, hardware={"vendor": "cuda"},
                      memory={"tier": "zero2_offload"})  # fmt: skip
-    init_process_group(DistEnv(), GPU, needed=True)
+    # An indexed device, as the runner's engine.pick_device makes it (torch.device("cuda", local_rank)): NCCL's
+    # process group binds one device and torch refuses a `device_id` without an index (the H100's ValueError).
+    gpu = torch.device("cuda", torch.cuda.current_device())
+    torch.cuda.set_device(gpu)
+    init_process_group(DistEnv(), gpu, needed=True)
     try:
         model = build_model(spec, bos=257, eos=258, vocab=262, precision="bf16")
         plan = Plan("zero2_offload", 2, 1, 2, 1, False, "bf16", 0, False, SEQ, 0, 0)
         accelerator, model, optimizer = engine.prepare(
-            plan, spec, GPU, model, engine.make_optimizer(model, spec, GPU, "zero2_offload")
+            plan, spec, gpu, model, engine.make_optimizer(model, spec, gpu, "zero2_offload")
         )
         inner = optimizer.optimizer
         assert isinstance(inner, HostAdamW)
-        x = batch(0).to(GPU)
-        accelerator.backward(model(input_ids=x, labels=x).loss)
-        accelerator.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        assert all(p.device.type == "cuda" and p.grad.device.type == "cuda" for p in model.parameters())
-        states = [v for s in inner.state.values() for v in s.values() if torch.is_tensor(v) and v.dim() > 0]
-        assert states and all(v.to_local().device.type == "cpu" and v.to_local().is_pinned() for v in states)
-        assert all(h.to_local().is_pinned() and h.grad.to_local().is_pinned() for h in inner.host.values())
+        for step in range(2):  # the first step makes Adam's moments, the second steps with them
+            x = batch(step).to(gpu)
+            accelerator.backward(model(input_ids=x, labels=x).loss)
+            accelerator.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
+            assert_adam_state_pinned_on_the_host(model, inner, gpu)  # real pinned memory here, no fakes
+            optimizer.zero_grad(set_to_none=True)
+        assert all(float(s["step"]) == 2.0 for s in inner.state.values())
     finally:
         from accelerate.state import AcceleratorState, GradientState
 
