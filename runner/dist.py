@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -77,6 +80,25 @@ def collective_timeout_s(spec_s: float) -> float:
     return value
 
 
+_HOST = threading.local()
+
+
+@contextmanager
+def host_side() -> Iterator[None]:
+    """Marks control-plane work that lives in host memory whatever the device (the values below, the checkpoint's
+    manifest entries gathered over the gloo group): a GPU's allocator never sees it, so the OOM-anywhere injector
+    (runner/oom/anywhere.py) does not count it on a CPU run either, where the host is the training device."""
+    _HOST.depth = getattr(_HOST, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _HOST.depth -= 1
+
+
+def on_host_side() -> bool:
+    return getattr(_HOST, "depth", 0) > 0
+
+
 class Control:
     """CPU collectives over all ranks (float64 values: exact for integers below 2**53)."""
 
@@ -89,9 +111,10 @@ class Control:
     def all_reduce(self, values: list[float], op: str = "sum") -> list[float]:
         if self.world_size == 1:
             return list(values)
-        t = torch.tensor(values, dtype=torch.float64)
-        dist.all_reduce(t, op=_OPS[op], group=self.group)
-        return t.tolist()
+        with host_side():
+            t = torch.tensor(values, dtype=torch.float64)
+            dist.all_reduce(t, op=_OPS[op], group=self.group)
+            return t.tolist()
 
     def from_rank0(self, text: str) -> str:
         """Rank 0's `text` (hexadecimal digits, at most 64) on every rank: summed as float64 words of 32 bits each,
@@ -112,7 +135,17 @@ class Control:
 
     def barrier(self) -> None:
         if self.world_size > 1:
-            dist.barrier(group=self.group)
+            with host_side():
+                dist.barrier(group=self.group)
+
+    def all_gather_object(self, obj: object) -> list[object]:
+        """Every rank's `obj`, in rank order (pickled, over the gloo group)."""
+        if self.world_size == 1:
+            return [obj]
+        parts: list[object] = [None] * self.world_size
+        with host_side():
+            dist.all_gather_object(parts, obj, group=self.group)
+        return parts
 
 
 def destroy_process_group() -> None:

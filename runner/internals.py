@@ -27,10 +27,24 @@ Each internal: what it is for; why no public API does it; what a run loses witho
 - torch FSDP2 `_get_fsdp_state()._is_root`, `_state_ctx.all_states`, `FSDPParam._unsharded_param`,
   `unsharded_accumulated_grad`: after the public `reset_iter_state`, drop the gradients a partial backward
   left, which the redo's backward would add to. Without them the shrink restarts the workers.
+- torch FSDP2 iteration state, for torches without `reset_iter_state` (2.6-2.12): `_fsdp_common.TrainingState`, a
+  state's `_comm_ctx` (all-gather and reduce-scatter states, post-forward order), `_state_ctx.iter_forward_root`,
+  `_modules_to_run_forward`, `_training_state`, and a parameter group's pending all-gather and reduce events,
+  `_post_forward_indices`, `_to_sharded()`: `_reset_iter_state`, 2.13's reset done by hand, each attribute where this
+  torch has it. Without them an OOM inside FSDP2 restarts the workers.
 - torchao `CPUOffloadOptimizer.optim_dict`, `param_d2h_map`, `queue`, `stream`, `device`: `zero2_offload`'s
   `HostAdamW` (runner/train/offload.py) gives torch's optimizer layout and steps on clipped gradients;
   torchao exposes only `step`, `zero_grad` and `state_dict` in its own layout. Required for `zero2_offload`.
 
+- torch `_foreach_mul_`: gradient clipping's in-place scaling with a coefficient allocated ahead of the optimizer
+  step (runner/train/update.py), so that nothing in the step's mutating phase allocates. torch's public
+  `clip_grads_with_norm_` allocates its coefficient in the middle. Without it: a loop of `mul_`, one kernel a tensor.
+- torch `amp.grad_scaler._refresh_per_optimizer_state`, `GradScaler._per_optimizer_states`: fp16 only; forget that
+  a step given up after an OOM had unscaled its gradients (runner/train/update.py `Update.abandon`). GradScaler
+  resets that only in `update()`. Without it: the redone step's unscale raises.
+- torch `utils._python_dispatch.TorchDispatchMode` and `OpOverload._schema` (its returns' alias annotations):
+  which ATen ops allocate, for the OOM-anywhere injection (runner/oom/anywhere.py). Python reaches the mode and
+  an op's schema only through these. Tests and the sweep only; training never uses them.
 - torch `_subclasses.fake_tensor.FakeTensorMode`, `distributed._tools.mem_tracker.MemTracker` and
   `fsdp2_mem_tracker.FSDPMemTracker`, with MemTracker's `_update_peak_stats`, `_curr_mem_snap`, `_peak_mem`,
   `_peak_mem_snap` and `_param_to_grad_hook_handles`: the memory trace (runner/train/trace.py), the runner's
@@ -179,9 +193,10 @@ def fsdp_group_comms(group: Any) -> tuple[Any, Any]:
 
 
 def reset_fsdp(model: nn.Module) -> bool:
-    """After an exception inside FSDP2's forward or backward: `FSDPModule.reset_iter_state` (public), then drop
-    the gradients a partial backward left on the unsharded parameters, which it keeps and the redo's backward
-    would add to. True for models that are not FSDP2; False when this torch cannot (the caller restarts)."""
+    """After an exception inside FSDP2's forward or backward: `FSDPModule.reset_iter_state` (public since torch 2.13;
+    `_reset_iter_state` below on older ones), then drop the gradients a partial backward left on the unsharded
+    parameters, which it keeps and the redo's backward would add to. True for models that are not FSDP2; False when
+    this torch cannot (the caller restarts)."""
     from torch.distributed.fsdp import FSDPModule
 
     if not isinstance(model, FSDPModule):
@@ -190,7 +205,10 @@ def reset_fsdp(model: nn.Module) -> bool:
         state = model._get_fsdp_state()
         if state._is_root is None:  # the step failed before FSDP's lazy init: nothing to reset
             return True
-        model.reset_iter_state()
+        if hasattr(model, "reset_iter_state"):
+            model.reset_iter_state()
+        else:
+            _reset_iter_state(state)
         for st in state._state_ctx.all_states:
             for param in (p for group in st._fsdp_param_groups for p in group.fsdp_params):
                 if getattr(param, "_unsharded_param", None) is not None:
@@ -200,6 +218,99 @@ def reset_fsdp(model: nn.Module) -> bool:
         log.warning("cannot reset FSDP after the OOM (%s): the shrink happens by a restart", err)
         return False
     return True
+
+
+def _reset_iter_state(root: Any) -> None:
+    """torch 2.13's `FSDPState._reset_iter_state` for torch 2.6-2.12 (the GPU machine's 2.11 among them), where FSDP2
+    has no reset: every attribute it touches is reset where this torch has it. Without it an OOM inside FSDP2 left
+    its states mid-iteration and the shrink restarted the workers (the H100 record's step-down ending in exit 75)."""
+    from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
+
+    handle = getattr(root, "_device_handle", None)
+    stream = handle.current_stream() if handle is not None and hasattr(handle, "current_stream") else None
+
+    def wait(event: Any) -> None:
+        if event is not None and stream is not None:
+            stream.wait_event(event)
+
+    comm = root._comm_ctx
+    if (ag := getattr(comm, "all_gather_state", None)) is not None:
+        wait(getattr(ag, "event", None))
+        comm.all_gather_state = None
+    for rs in getattr(comm, "reduce_scatter_states", ()) or ():
+        wait(getattr(rs, "event", None))
+    if hasattr(comm, "reduce_scatter_states"):
+        comm.reduce_scatter_states.clear()
+    if (rs := getattr(comm, "reduce_scatter_state", None)) is not None:  # the single pending one of older torches
+        wait(getattr(rs, "event", None))
+        comm.reduce_scatter_state = None
+    for event in (getattr(comm, "_last_post_reduce_events", None) or {}).values():
+        wait(event)
+    if hasattr(comm, "_last_post_reduce_events"):
+        comm._last_post_reduce_events.clear()
+    if hasattr(comm, "post_forward_order"):
+        comm.post_forward_order.clear()
+    for st in root._state_ctx.all_states:
+        if hasattr(st, "_modules_to_run_forward"):
+            st._modules_to_run_forward.clear()
+        st._training_state = TrainingState.IDLE
+        for group in st._fsdp_param_groups:
+            if (result := getattr(group, "_all_gather_result", None)) is not None:
+                wait(getattr(result, "all_gather_event", None))
+                work = getattr(result, "all_gather_work", None)
+                if hasattr(work, "wait"):
+                    work.wait()
+                group._all_gather_result = None
+            for name in ("_post_reduce_event", "_reshard_after_forward_event"):
+                if getattr(group, name, None) is not None:
+                    wait(getattr(group, name))
+                    setattr(group, name, None)
+            if getattr(group, "_all_reduce_state", None) is not None:
+                wait(getattr(group._all_reduce_state, "event", None))
+                group._all_reduce_state = None
+            if hasattr(group, "_partial_reduce_output"):
+                group._partial_reduce_output = None
+            if hasattr(group, "_post_forward_indices"):
+                group._post_forward_indices.clear()
+            group._training_state = TrainingState.IDLE
+            group._to_sharded()
+    root._state_ctx.iter_forward_root = None
+    root._state_ctx.post_backward_final_callback_queued = False
+
+
+def foreach_mul_(tensors: list[torch.Tensor], scalar: torch.Tensor) -> None:
+    """`torch._foreach_mul_`: every tensor times a 0-d tensor, in place, in one kernel a device and dtype (what
+    `clip_grads_with_norm_` does, which would allocate the coefficient itself). For runner/train/update.py."""
+    torch._foreach_mul_(tensors, scalar)
+
+
+def reset_scaler(scaler: Any) -> None:
+    """Make a `torch.amp.GradScaler` forget this iteration's per-optimizer state (unscaled, found inf) after the
+    step that unscaled was given up: GradScaler resets it only in `update()`, which a dropped step never reaches,
+    and refuses a second `unscale_` until then. For runner/train/update.py (fp16 only)."""
+    from collections import defaultdict
+
+    from torch.amp.grad_scaler import _refresh_per_optimizer_state
+
+    scaler._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)
+
+
+def dispatch_mode() -> type:
+    """torch's `TorchDispatchMode` base class (every ATen op of a region passes through a subclass's handler)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    return TorchDispatchMode
+
+
+def allocates(op: Any) -> bool:
+    """Whether ATen `op` returns a fresh tensor (no alias annotation on a tensor result): what an allocator is asked
+    for. Views, in-place and `out=` ops alias an argument and allocate nothing; so do c10d's collectives, which
+    write into the tensors they are given though their schemas carry no alias annotation (the functional
+    collectives of `_c10d_functional` do allocate their results). For runner/oom/anywhere.py."""
+    if getattr(op, "namespace", "") == "c10d":
+        return False
+    returns = getattr(getattr(op, "_schema", None), "returns", ())
+    return any(r.alias_info is None and "Tensor" in str(r.type) for r in returns)
 
 
 # --- Liger Kernel -----------------------------------------------------------------------------------------------

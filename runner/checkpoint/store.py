@@ -18,8 +18,10 @@ Protocol: rank 0 checks the room on the volume and makes the temp dir; every ran
 (an existing intact step-<N> is kept, an incomplete or damaged one replaced), writes DONE, fsyncs the
 parent and prunes to the last `keep`. Each phase ends in an all-reduce of "did a write fail": a full,
 read-only or forbidden volume on any rank makes every rank raise StorageError (exit 74) after rank 0
-removed the temp dir. The last good checkpoint is never touched until a newer one is complete. LoRA
-runs store the adapters only.
+removed the temp dir; a device out-of-memory error on any rank (DCP stages and plans with allocations:
+`is_oom`, the caller's test) makes every rank raise CheckpointOOM the same way, and the caller decides
+(runner/train/recipe.py: release memory and write again, else skip a periodic checkpoint). The last good
+checkpoint is never touched until a newer one is complete. LoRA runs store the adapters only.
 
 Resume (`resume_point`): rank 0 verifies the newest complete checkpoint (`verify`: DONE, meta.json's
 step, the manifest's sizes and checksums, then the pickles it holds: `.metadata` through a restricted
@@ -67,6 +69,21 @@ _RNG = re.compile(r"^rng-\d+\.pt$")
 FORMAT = 2  # meta.json "format": 2 and later have a manifest.json (a missing one is damage, not age)
 _STEP = re.compile(r"^step-(\d+)$")
 T = TypeVar("T")
+
+
+class CheckpointOOM(Exception):
+    """Raised on every rank: a rank ran out of device memory while the checkpoint was written; its temp dir is gone
+    and the previous checkpoint untouched."""
+
+
+def _oom_in(exc: BaseException, is_oom: Callable[[BaseException], bool]) -> bool:
+    """`is_oom` of the error, or of any rank's error DCP wrapped in a CheckpointException (its `failures`)."""
+    if is_oom(exc):
+        return True
+    failures = getattr(exc, "failures", None)
+    return isinstance(failures, dict) and any(
+        isinstance(f, tuple) and f and isinstance(f[0], BaseException) and is_oom(f[0]) for f in failures.values()
+    )
 
 
 class DamagedCheckpoint(ConfigError):
@@ -286,9 +303,11 @@ def save(
     files: dict[str, bytes] | None = None,
     fence: Callable[[], None] = lambda: None,
     attempt: str = "",
+    is_oom: Callable[[BaseException], bool] = lambda _exc: False,
 ) -> Path:
     """Write checkpoint `step` (collective: every rank calls it); rank 0 adds `files` (name -> bytes) beside
-    meta.json. Returns step-<N>'s path; StorageError on every rank when the volume cannot take it.
+    meta.json. Returns step-<N>'s path; StorageError on every rank when the volume cannot take it, CheckpointOOM
+    on every rank when `is_oom` says a rank's error was the device running out of memory.
 
     `fence` runs on every rank before each phase, and on rank 0 right before the rename that publishes: it raises
     when this rank's gang has moved on without it (a rank frozen mid-save that wakes up later). `attempt` (the
@@ -297,7 +316,7 @@ def save(
     t0 = time.perf_counter()
     root = Path(root)
     tmp, final = root / f".tmp-step-{step}{'-' + attempt[:12] if attempt else ''}", root / f"step-{step}"
-    phase = _Phase(ctrl, rank, root, tmp, fence)
+    phase = _Phase(ctrl, rank, root, tmp, fence, is_oom)
     phase.need = phase.run(lambda: _prepare(root, tmp, expected_bytes(root, model, trainable_only)) if rank == 0 else 0)
     entries = phase.run(lambda: _write_rank_files(tmp, _state(model, optimizer, trainable_only), rank, ctrl))
     hashed = {name: e for part in _gather(ctrl, entries) for name, e in part.items()}
@@ -316,13 +335,16 @@ class _Phase:
     all-reduce is also the barrier between phases."""
 
     def __init__(
-        self, ctrl: Control, rank: int, root: Path, tmp: Path | None, fence: Callable[[], None] = lambda: None
+        self, ctrl: Control, rank: int, root: Path, tmp: Path | None, fence: Callable[[], None] = lambda: None,
+        is_oom: Callable[[BaseException], bool] = lambda _exc: False,
     ) -> None:
         self.ctrl, self.rank, self.root, self.tmp, self.fence = ctrl, rank, root, tmp, fence
+        self.is_oom = is_oom
         self.need: int | None = None  # the checkpoint's expected bytes, for a "no space left" message
 
     def run(self, part: Callable[[], T]) -> T:
         problem: str | OSError | None = None
+        oom = ""
         result = None
         self.fence()  # outside the agreement: a superseded rank leaves, the live ones never wait for it
         try:
@@ -330,12 +352,18 @@ class _Phase:
         except StorageError as err:  # the pre-check
             problem = str(err)
         except (Exception, CheckpointException) as exc:  # CheckpointException (DCP) is a BaseException
-            problem = storage.volume_error(exc, self.root)
-            if problem is None:
-                raise
-        if self.ctrl.any(problem is not None):
+            if _oom_in(exc, self.is_oom):
+                oom = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"[:300]
+            else:
+                problem = storage.volume_error(exc, self.root)
+                if problem is None:
+                    raise
+        failed, ran_out = self.ctrl.all_reduce([float(problem is not None), float(bool(oom))], "max")
+        if failed or ran_out:
             if self.rank == 0 and self.tmp is not None:
                 shutil.rmtree(self.tmp, ignore_errors=True)  # the partial checkpoint; the previous one stays
+            if ran_out and not failed:
+                raise CheckpointOOM(oom or "out of memory writing the checkpoint on another rank (see its log)")
             if isinstance(problem, OSError):  # described after the cleanup: the free space it reports is real
                 problem = storage.describe(problem, self.root, self.need)
             raise StorageError(problem or f"checkpoint write to {self.root} failed on another rank (see its log)")
@@ -363,11 +391,7 @@ def _write_rank_files(tmp: Path, state: dict[str, Any], rank: int, ctrl: Control
 
 
 def _gather(ctrl: Control, entries: dict[str, Any]) -> list[dict[str, Any]]:
-    if ctrl.world_size == 1:
-        return [entries]
-    parts: list[Any] = [None] * ctrl.world_size
-    dist.all_gather_object(parts, entries, group=ctrl.group)
-    return parts
+    return ctrl.all_gather_object(entries)  # type: ignore[return-value]
 
 
 def _finish(tmp: Path, final: Path, step: int, meta: dict[str, Any], files: dict[str, bytes],

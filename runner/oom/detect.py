@@ -200,14 +200,19 @@ def next_micro_batch(current: int, per_rank_batch: int, room: Headroom | None = 
     return max((d for d in smaller if d <= fits), default=smaller[0])
 
 
-def oom_guard(step: Callable[[int], Any], *, budget_bytes: int | None = None) -> Callable[[int], bool]:
+def oom_guard(
+    step: Callable[[int], Any], *, budget_bytes: int | None = None, reset: Callable[[], bool] = lambda: True
+) -> Callable[[int], bool]:
     """Turn a probe step into `try_step(mbs) -> bool` for the planner's probe steps (`verify_micro_batch`).
 
     `step(mbs)` runs forward, backward and optimizer.step() at the longest sequence length and zeroes
-    its gradients (set_to_none) before returning. An OOM (`is_oom`) gives False, with memory
+    its gradients (set_to_none) before returning; it may return False for an OOM it caught and agreed on with
+    the other ranks (`Stepper.probe_step`). An OOM (`is_oom`) gives False, with memory
     released after the except block (`guarded`). With `budget_bytes`, a step whose peak
     reserved memory exceeds it also counts as no fit, so the search respects
-    `memory.target_utilization` instead of filling the GPU to the last byte.
+    `memory.target_utilization` instead of filling the GPU to the last byte. `reset()` puts the model wrapper
+    back in order after an OOM inside its forward or backward (DDP's reducer, FSDP2's iteration state:
+    `runner.oom.shrink.reset_wrapper`), so the next probe starts clean.
     """
 
     def try_step(mbs: int) -> bool:
@@ -215,7 +220,10 @@ def oom_guard(step: Callable[[int], Any], *, budget_bytes: int | None = None) ->
         if on_gpu:
             torch.cuda.reset_peak_memory_stats()
         baseline = allocated_bytes()
-        if guarded(lambda: step(mbs)).oom:
+        outcome = guarded(lambda: step(mbs))
+        if outcome.oom or outcome.value is False:  # False: the step agreed on an OOM itself
+            if not reset():
+                log.warning("probe step at micro-batch %d: the model wrapper could not be reset after its OOM", mbs)
             release_memory(baseline)
             return False
         if not on_gpu or budget_bytes is None:

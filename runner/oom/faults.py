@@ -13,8 +13,17 @@ all of them to one global rank:
     backward   the rules fire mid-backward instead of before the forward: when the gradient reaches the
                output of the model's middle layer, after the forward and half the backward have run
                (and, on a sharded tier, after FSDP's gathers and reduce-scatters of the upper half)
+    op=N       the rules fire at the N-th allocating op of the region instead of before the forward: any op,
+               wherever an allocator can fail (forward, FSDP2's hooks and collective buffers, the loss,
+               backward, DDP's gradient exchange, clipping, the optimizer step), counted by a dispatch mode
+               (runner/oom/anywhere.py). A region that ends with fewer ops records how many it had.
+    during=R   the region `op=N` counts in: train (one attempt at a training step: its micro-steps, gradient
+               exchange, clipping and optimizer step; the default), eval (the evaluation after step K),
+               save (the checkpoint written after step K) or probe (the planner's K-th probe step; implies
+               probes). Needs op=N.
 
-Example: `JOBSPEC_FAULT_OOM="mbs>2,rank=1,backward"`. The error raised is a real `torch.OutOfMemoryError`,
+Example: `JOBSPEC_FAULT_OOM="mbs>2,rank=1,backward"`; `JOBSPEC_FAULT_OOM="step=3,op=41"` runs out of memory at
+the 41st allocating op of step 3, whatever that op is. The error raised is a real `torch.OutOfMemoryError`,
 from a forward pre-hook on the model (or a gradient hook on the middle layer's output), so it takes
 the same path as an allocator failure. Without
 `probes` it is installed after planning: the rules apply to training steps only. Steps
@@ -27,7 +36,8 @@ import json
 import logging
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -42,8 +52,11 @@ log = logging.getLogger("jobspec.runner")
 
 ENV_VAR = "JOBSPEC_FAULT_OOM"
 FIRED_FILE_TEMPLATE = "fault_oom_fired.rank{rank}.json"
-_RULE = re.compile(r"^\s*(?:(mbs)\s*>\s*(\d+)|(tier|step|rank)\s*=\s*([A-Za-z0-9_]+)|(probes|backward))\s*$")
-_SYNTAX = "rules are mbs>N, tier=NAME, step=K, rank=R, probes and backward, separated by commas"
+_RULE = re.compile(r"^\s*(?:(mbs)\s*>\s*(\d+)|(tier|step|rank|op|during)\s*=\s*([A-Za-z0-9_]+)|(probes|backward))\s*$")
+_SYNTAX = "rules are mbs>N, tier=NAME, step=K, rank=R, op=N, during=REGION, probes and backward, separated by commas"
+REGIONS = ("train", "eval", "save", "probe")  # where `op=N` counts (`during=`)
+# op=N: each region that fired ({"fired_at": N}) or ended before its N-th op ({"ops": how many it had})
+OPS_FILE_TEMPLATE = "fault_oom_ops.rank{rank}.jsonl"
 
 
 @dataclass(frozen=True)
@@ -56,6 +69,8 @@ class FaultRules:
     rank: int | None = None
     probes: bool = False  # also in the planner's probe steps
     backward: bool = False  # fire mid-backward (the middle layer's output gradient), not before the forward
+    op: int | None = None  # fire at the op-th allocating op of a region (runner/oom/anywhere.py), not before a forward
+    during: str = "train"  # the region `op` counts in (REGIONS)
 
     def reason(self, *, rank: int, tier: str, step: int, micro_batch: int, fired: frozenset[int] = frozenset()) -> str:
         """Why this forward must run out of memory; "" when no rule fires. `fired`: steps already used."""
@@ -76,6 +91,8 @@ def parse_rules(text: str | None) -> FaultRules | None:
         return None
     mbs: int | None = None
     rank: int | None = None
+    op: int | None = None
+    during: str | None = None
     tiers: set[str] = set()
     steps: set[int] = set()
     flags = {"probes": False, "backward": False}
@@ -96,21 +113,39 @@ def parse_rules(text: str | None) -> FaultRules | None:
             if value not in TIERS:
                 raise ConfigError(f"{ENV_VAR}={text!r}: unknown tier {value!r}; expected one of {', '.join(TIERS)}")
             tiers.add(value)
+        elif key == "during":
+            if value not in REGIONS:
+                raise ConfigError(f"{ENV_VAR}={text!r}: unknown region during={value!r}; expected one of "
+                                  f"{', '.join(REGIONS)}")  # fmt: skip
+            if during is not None:
+                raise ConfigError(f"{ENV_VAR}={text!r}: during=REGION is given twice; keep one")
+            during = value
         elif not value.isdigit():
             raise ConfigError(f"{ENV_VAR}={text!r}: {key}={value!r} needs a non-negative integer")
+        elif key in ("step", "op") and int(value) < 1:
+            where = "the `step` of metrics.jsonl" if key == "step" else "the first allocating op of the region"
+            raise ConfigError(f"{ENV_VAR}={text!r}: {key}=K counts from 1 ({where})")
         elif key == "step":
-            if int(value) < 1:
-                raise ConfigError(f"{ENV_VAR}={text!r}: step=K counts from 1 (the `step` of metrics.jsonl)")
             steps.add(int(value))
+        elif key == "op":
+            if op is not None:
+                raise ConfigError(f"{ENV_VAR}={text!r}: op=N is given twice; keep one")
+            op = int(value)
         elif rank is not None:
             raise ConfigError(f"{ENV_VAR}={text!r}: rank=R is given twice; keep one")
         else:
             rank = int(value)
     if mbs is None and not tiers and not steps:
         raise ConfigError(
-            f"{ENV_VAR}={text!r}: rank=R, probes or backward alone injects nothing; add mbs>N, tier=NAME or step=K"
+            f"{ENV_VAR}={text!r}: rank=R, probes, backward, op=N or during=REGION alone injects nothing; add mbs>N, "
+            "tier=NAME or step=K"
         )
-    return FaultRules(mbs, frozenset(tiers), frozenset(steps), rank, flags["probes"], flags["backward"])
+    if during is not None and op is None:
+        raise ConfigError(f"{ENV_VAR}={text!r}: during={during} needs op=N (the allocating op of the region to fail)")
+    if op is not None and flags["backward"]:
+        raise ConfigError(f"{ENV_VAR}={text!r}: op=N and backward are two ways to place the fault; keep one")
+    probes = flags["probes"] or during == "probe"
+    return FaultRules(mbs, frozenset(tiers), frozenset(steps), rank, probes, flags["backward"], op, during or "train")
 
 
 def rules_from_env(env: Mapping[str, str] | None = None) -> FaultRules | None:
@@ -144,6 +179,7 @@ class FaultInjector:
     handles: list[Any] = field(default_factory=list)  # the hooks, once installed
     pending: int | None = None  # `backward`: the micro-batch of the forward in flight
     per_sample_bytes: int = 0  # mbs>N: the memory model's bytes a sample, to word the OOM like the allocator
+    device_type: str = "cpu"  # op=N: the device whose allocations count (set by `install`)
 
     def __post_init__(self) -> None:
         path = self._fired_path()
@@ -196,9 +232,60 @@ class FaultInjector:
         tmp.write_text(json.dumps({"fired_steps": sorted(self.fired)}))
         os.replace(tmp, path)
 
+    def region(self, during: str, micro_batch: int = 0) -> AbstractContextManager[Any]:
+        """With `op=N`: the dispatch mode (runner/oom/anywhere.py) around one region (`during`, one of REGIONS) of
+        the current `step`, when a rule fires for it; a null context otherwise. The caller sets `step` first (the
+        step being trained; for eval and save, the step just finished; for probe, the probe's number)."""
+        rules = self.rules
+        if rules.op is None or rules.during != during or (rules.rank is not None and rules.rank != self.rank):
+            return nullcontext()
+        why = rules.reason(rank=self.rank, tier=self.tier, step=self.step, micro_batch=micro_batch,
+                           fired=frozenset(self.fired))  # fmt: skip
+        return self._op_region(why, during, micro_batch) if why else nullcontext()
+
+    @contextmanager
+    def _op_region(self, why: str, during: str, micro_batch: int) -> Iterator[None]:
+        from runner.oom.anywhere import OpFault
+
+        step, target = self.step, self.rules.op
+        assert target is not None
+
+        def fire() -> None:
+            if why.startswith("step="):
+                self.fired.add(step)
+                self._persist_fired()
+            self.injected += 1
+            self._record_ops({"during": during, "step": step, "tier": self.tier, "micro_batch": micro_batch,
+                              "fired_at": target})  # fmt: skip
+
+        def describe(n: int, op: str) -> str:
+            return (f"CUDA out of memory (injected by {ENV_VAR}: {why}, allocating op {n} ({op}) of the {during} "
+                    f"region; rank {self.rank}, tier {self.tier}, step {step}, micro-batch {micro_batch}).")
+
+        mode = OpFault(target, self.device_type, describe, fire)
+        with mode:
+            yield
+        if not mode.fired:  # the region had fewer ops: say how many (the sweep reads this to know a region's length)
+            self._record_ops({"during": during, "step": step, "tier": self.tier, "micro_batch": micro_batch,
+                              "ops": mode.ops})  # fmt: skip
+
+    def _record_ops(self, record: dict[str, Any]) -> None:
+        if self.run_dir is None:
+            return
+        path = Path(self.run_dir) / OPS_FILE_TEMPLATE.format(rank=self.rank)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+        with os.fdopen(fd, "a") as f:
+            f.write(json.dumps(record) + "\n")
+
     def install(self, model: torch.nn.Module) -> None:
         """Hook `check` in front of `model`'s forward (prepended: it fires before FSDP's gathers), or with the
-        `backward` rule, on the gradient of the middle layer's output (`_middle_layer`)."""
+        `backward` rule, on the gradient of the middle layer's output (`_middle_layer`). With `op=N` no hook: the
+        regions (`region`) count ops on the device `model`'s parameters live on."""
+        param = next(iter(model.parameters()), None)
+        self.device_type = param.device.type if param is not None else "cpu"
+        if self.rules.op is not None:
+            return
 
         def before_forward(_module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
             if self.rules.backward:
@@ -268,12 +355,17 @@ def _bytes(n: int) -> str:
     return f"{n} bytes"
 
 
-def probe_injector(model: torch.nn.Module, *, rank: int, tier: str) -> FaultInjector | None:
-    """An injector for the planner's probe steps when the rules say `probes` (removed after planning)."""
+def probe_injector(
+    model: torch.nn.Module, *, rank: int, tier: str, run_dir: Path | None = None
+) -> FaultInjector | None:
+    """An injector for the planner's probe steps when the rules say `probes` (removed after planning). With op=N
+    (during=probe) `step=K` is the K-th probe step of this build."""
     rules = rules_from_env()
     if rules is None or not rules.probes or (rules.rank is not None and rules.rank != rank):
         return None
-    injector = FaultInjector(rules, rank=rank, tier=tier)
+    if rules.op is not None and rules.during != "probe":
+        return None  # op=N counts in another region: the probes run clean
+    injector = FaultInjector(rules, rank=rank, tier=tier, run_dir=run_dir)
     injector.install(model)
     log.warning("fault injection in the planner's probe steps on rank %d: %s=%r", rank, ENV_VAR, os.environ[ENV_VAR])
     return injector

@@ -22,11 +22,11 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from jobspec.catalog.tiers import divisors
 from jobspec.contract import EXIT_OOM_LAST_TIER, EXIT_OOM_RETRY_TIER, TIER_STATE_FILE
@@ -39,31 +39,29 @@ from runner.oom.regrow import TRIES, Regrow
 from runner.sizing.plan import Plan, with_micro_batch
 
 log = logging.getLogger("jobspec.runner")
-BUCKET_BYTES = 25 * 1024**2  # DDP's default bucket size
 
 
 class StepOOM(Exception):
     """Raised on every rank: some rank ran out of memory in this step's forward/backward (weights intact).
-    `room`: the tightest of the ranks' allocator numbers (largest bytes per sample, least room), if any."""
+    `room`: the tightest of the ranks' allocator numbers (largest bytes per sample, least room), if any.
+    `update`: it was the optimizer step's preparation (runner/train/update.py), twice: weights intact, and a
+    smaller micro-batch would not help (activations are gone by then), so the next tier takes the step."""
 
-    def __init__(self, reason: str, rank: int, room: Headroom | None = None):
+    def __init__(self, reason: str, rank: int, room: Headroom | None = None, *, update: bool = False):
         super().__init__(reason)
-        self.reason, self.rank, self.room = reason, rank, room
+        self.reason, self.rank, self.room, self.update = reason, rank, room, update
 
 
 class OptimizerOOM(StepOOM):
-    """Raised on every rank: some rank ran out in clipping or optimizer.step(); its state may be half updated."""
+    """Raised on every rank: some rank ran out in the optimizer step and could not finish it alone (runner/train/
+    update.py); the ranks' weights may differ."""
 
 
 class RankOOM(StepOOM):
     """Raised on the rank that ran out only, on a sharded tier with several ranks, where the others may wait
-    in a collective this rank will not join: the gradient norm's all-reduce after an OOM in the optimizer
-    step, or FSDP's gathers when the pre-collective agreement is off (runner/oom/fsdp.py). No agreement
-    is attempted. The rank persists a micro-batch cap and exits 75; the supervisor restarts all ranks."""
-
-    def __init__(self, reason: str, rank: int, *, optimizer: bool = False):
-        super().__init__(reason, rank)
-        self.optimizer = optimizer
+    in a collective this rank will not join: FSDP's gathers when the pre-collective agreement is off
+    (runner/oom/fsdp.py). No agreement is attempted. The rank persists a micro-batch cap and exits 75; the
+    supervisor restarts all ranks."""
 
 
 class TierOOM(JobspecError):
@@ -94,32 +92,6 @@ def raise_agreed(flags: Sequence[float], oom: str, world_size: int, *, optimizer
     reason = oom or f"out of memory on rank {first}"
     room = Headroom(flags[3], -flags[4]) if len(flags) > 4 and flags[3] > 0 and -flags[4] < _NO_ROOM else None
     raise (OptimizerOOM if optimizer else StepOOM)(reason, first, room)
-
-
-def all_reduce_grads(params: Sequence[torch.nn.Parameter], world_size: int, group: Any = None) -> None:
-    """Average gradients over ranks, as DDP's reducer would (flattened buckets of BUCKET_BYTES).
-
-    A trainable parameter without a gradient gets zeros, so every rank sends the same buckets.
-    """
-    grads: list[torch.Tensor] = []
-    for p in params:
-        if p.requires_grad:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-            grads.append(p.grad)
-    bucket: list[torch.Tensor] = []
-    size = 0
-    for i, g in enumerate(grads):
-        bucket.append(g)
-        size += g.numel() * g.element_size()
-        last = i == len(grads) - 1
-        if last or size >= BUCKET_BYTES or grads[i + 1].dtype != g.dtype or grads[i + 1].device != g.device:
-            flat = torch.cat([g.reshape(-1) for g in bucket])  # one all-reduce per bucket, as DDP's reducer
-            dist.all_reduce(flat, group=group)
-            flat.div_(world_size)
-            for dst, src in zip(bucket, flat.split([g.numel() for g in bucket]), strict=True):
-                dst.copy_(src.view_as(dst))
-            bucket, size = [], 0
 
 
 @dataclass(frozen=True)
@@ -165,30 +137,34 @@ def run_step(
     zero_grad: Callable[[], None],
     reset: Callable[[], bool] = lambda: True,
     on_shrink: Callable[[Shrink], None] | None = None,
+    on_retry: Callable[[int, str, str], None] | None = None,
+    last_tier: bool = False,
 ) -> tuple[Any, Plan]:
     """`train_step(ids, micro_batch)` with in-process shrink; returns (its result, the plan it ran with).
 
     `step` is the 1-based number of the step being computed (for logs and metrics). `reset()` restores
     the wrapper's per-iteration state after the aborted step (`reset_wrapper`); False: it cannot, and the
-    shrink happens by a restart instead. Raises TierOOM when micro-batch 1 ran out, or when the optimizer
-    step did (weights possibly touched).
+    shrink happens by a restart instead. Raises TierOOM when micro-batch 1 ran out (at the `last_tier` the run may use,
+    twice: the second try comes after the cache is emptied, `on_retry(step, tier, reason)`), or when the optimizer
+    step did.
     """
+    retried = False
     rng = _rng()
     baseline = allocated_bytes()  # weights and optimizer state: what must stay once the failed step is freed
     while True:
         try:
             return train_step(ids, plan.micro_batch), plan
         except RankOOM as err:
-            nxt = None if err.optimizer else next_micro_batch(plan.micro_batch, plan.per_rank)
+            nxt = next_micro_batch(plan.micro_batch, plan.per_rank)
             where = f"step {step} on rank {err.rank} of a sharded tier"
             raise TierOOM(plan.tier, f"out of memory at micro-batch {plan.micro_batch}, {where}: {err.reason}",
                           weights_intact=False, cap=nxt, local=True) from None  # fmt: skip
         except OptimizerOOM as err:
             why, rank, room = err.reason, err.rank, None
-            intact = False
+            intact, update = False, True
         except StepOOM as err:
             why, rank, room = err.reason, err.rank, err.room
-            intact = True
+            intact, update = True, err.update
         # Out of the except block: the failed attempt's frames are gone; drop its gradients, then free.
         caught = time.time()
         zero_grad()
@@ -197,7 +173,22 @@ def run_step(
         if not intact:
             raise TierOOM(plan.tier, f"out of memory in the optimizer step {step} on rank {rank}: {why}",
                           weights_intact=False)  # fmt: skip
+        if update:  # the step's gradients were there; what ran out does not shrink with the micro-batch
+            raise TierOOM(plan.tier, f"out of memory preparing the optimizer step {step} on rank {rank}: {why}",
+                          weights_intact=True)  # fmt: skip
         nxt = next_micro_batch(plan.micro_batch, plan.per_rank, room)
+        if nxt is None and restored and not retried and last_tier:
+            # micro-batch 1 at the last tier the run may use: no shrink and no step-down left, only the end of the job.
+            # The caching allocator's free blocks went back to the device just now (release_memory); an OOM from
+            # fragmentation or another process's spike passes with that, so the step is tried once more, for the cost
+            # of one step, before the job is given up. At other tiers the step-down is the answer.
+            retried = True
+            log.warning("out of memory at micro-batch 1, step %d, rank %d (%s): trying the step once more at tier %s "
+                        "with the cache emptied", step, rank, why, plan.tier)  # fmt: skip
+            if on_retry is not None:
+                on_retry(step, plan.tier, why)
+            _set_rng(rng)
+            continue
         if nxt is None:
             raise TierOOM(plan.tier, f"out of memory at micro-batch 1, step {step}, rank {rank}: {why}",
                           weights_intact=True)  # fmt: skip
@@ -267,6 +258,7 @@ class RecipeGuard:
         self.injector = install_from_env(model, rank=env.rank, tier=recipe.plan.tier, run_dir=recipe.root)
         if self.injector is not None:
             self.injector.per_sample_bytes = recipe.plan.per_sample_bytes
+            recipe.stepper.faults = self.injector.region
         self.shrinks: list[Shrink] = []
         self.regrow = Regrow(recipe.spec.memory.regrow_after)
 
@@ -282,7 +274,8 @@ class RecipeGuard:
         result, r.plan = run_step(
             lambda ids, mbs: r.stepper.train_step(ids, mbs, r.lr(step)), r.step_ids(step), r.plan, step=step + 1,
             zero_grad=lambda: r.stepper.inner.zero_grad(set_to_none=True), reset=lambda: reset_wrapper(r.model),
-            on_shrink=self._shrunk,
+            on_shrink=self._shrunk, on_retry=self._retried,
+            last_tier=not r.spec.memory.fallback or ladder.next_tier(r.plan.tier, r.env.world_size) is None,
         )  # fmt: skip
         self.regrow.stepped(r.plan.micro_batch)
         return result
@@ -298,10 +291,23 @@ class RecipeGuard:
             r.metrics.write({"kind": "event", "event": "oom_regrow", "step": step, "tier": old.tier,
                              "from_micro_batch": old.micro_batch, "to_micro_batch": larger, "try": g.failed + 1})
 
+    def region(self, during: str, step: int) -> AbstractContextManager[Any]:
+        """The fault injector's region (`op=N` rules) for an evaluation or a checkpoint after `step` steps (the
+        stepper opens the evaluation's itself: `during` "eval" only sets the step)."""
+        if self.injector is None:
+            return nullcontext()
+        self.injector.step = step
+        return nullcontext() if during == "eval" else self.injector.region(during, self.recipe.plan.micro_batch)
+
     def close(self) -> None:
         """Take the fault injector's hook off the model (an in-process tier step-down builds a new one)."""
         if self.injector is not None:
             self.injector.remove()
+
+    def _retried(self, step: int, tier: str, reason: str) -> None:
+        if self.recipe.metrics is not None:
+            self.recipe.metrics.write({"kind": "event", "event": "oom_retry", "step": step, "tier": tier,
+                                       "micro_batch": 1, "reason": reason})  # fmt: skip
 
     def _shrunk(self, shrink: Shrink) -> None:
         self.shrinks.append(shrink)

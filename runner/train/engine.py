@@ -22,6 +22,7 @@ either would move nothing, so `minimal` trains as zero3 and `zero2_offload` as z
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any
 
 import torch
@@ -43,6 +44,19 @@ OPTIMIZER_OFFLOAD_TIERS = ("zero2_offload",)  # torchao: optimizer states and th
 OFFLOAD_TIERS = PARAM_OFFLOAD_TIERS + OPTIMIZER_OFFLOAD_TIERS
 RESHARD_TIERS = ("zero3", "minimal")
 BETAS = (0.9, 0.95)
+# accelerate's engine switches in the environment: its launcher sets them, a shell may have them, and accelerate sets
+# ACCELERATE_USE_FSDP itself whenever it is given an FSDP plugin, for the rest of the process and every process it
+# starts. Left there, the next `Accelerator` without a plugin (the `fast` tier after a sharded one in the same
+# process, or in a process started from it) builds FSDP1 around the model on a GPU, whose state an OOM mid-backward
+# leaves dirty: the H100's relaunch crash (bench/gpu/records/2026-11-25-h100, "Expects the handle training to be
+# IDLE"). transformers reads ACCELERATE_USE_FSDP too (meta-device loading). The plan decides the engine, so they are
+# removed before each Accelerator is built and after.
+ACCELERATE_SWITCHES = (
+    "ACCELERATE_USE_FSDP",
+    "ACCELERATE_USE_DEEPSPEED",
+    "ACCELERATE_USE_MEGATRON_LM",
+    "ACCELERATE_USE_PARALLELISM_CONFIG",
+)
 
 
 def pick_device(spec: JobSpec, local_rank: int, host: HostInfo) -> tuple[torch.device, DeviceInfo]:
@@ -60,15 +74,15 @@ def pick_device(spec: JobSpec, local_rank: int, host: HostInfo) -> tuple[torch.d
 
 
 def make_optimizer(model: nn.Module, spec: JobSpec, device: torch.device, tier: str) -> torch.optim.Optimizer:
-    """AdamW on the trainable parameters; weight decay on matrices only (not biases, norms); fused on GPU.
+    """AdamW on the trainable parameters; weight decay on matrices only (not biases, norms); fused, on every device.
 
-    For zero2_offload on a GPU this AdamW only carries the parameter groups: `prepare` hands them, once FSDP2
-    has sharded them, to `offload_optimizer`."""
-    # Offloaded tiers step the optimizer on the host: the fused CUDA kernel does not apply there
-    # (zero2_offload's host AdamWs are fused CPU ones, runner/train/offload.py).
-    fused = device.type == "cuda" and tier not in OFFLOAD_TIERS
+    The fused kernel (CUDA's, and the CPU's for `minimal`'s host parameters and CPU runs) updates a parameter group
+    in one op that allocates nothing, so an OOM cannot land half-way through the update (runner/train/update.py);
+    on the CPU it is also faster than torch's default loop (tiny preset: measured in bench/overhead.py). For
+    zero2_offload on a GPU this AdamW only carries the parameter groups: `prepare` hands them, once FSDP2 has
+    sharded them, to `offload_optimizer` (whose host AdamWs are fused CPU ones, runner/train/offload.py)."""
     groups = param_groups(model, spec.training.weight_decay)
-    return torch.optim.AdamW(groups, lr=spec.training.peak_lr, betas=BETAS, fused=fused or None)
+    return torch.optim.AdamW(groups, lr=spec.training.peak_lr, betas=BETAS, fused=True)
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
@@ -92,6 +106,16 @@ def offload_optimizer(optimizer: torch.optim.Optimizer, device: torch.device, ti
     from runner.train.offload import HostAdamW
 
     return HostAdamW(optimizer)
+
+
+def clear_switches(*, warn: bool) -> list[str]:
+    """Remove accelerate's engine switches (`ACCELERATE_SWITCHES`) from this process's environment; the ones that
+    were on. With `warn`, a user's setting is logged once: the tier decides the engine."""
+    on = [name for name in ACCELERATE_SWITCHES if os.environ.pop(name, "").strip().lower() in ("1", "true", "yes")]
+    if on and warn:
+        log.warning("ignoring %s from the environment: the memory tier decides the engine (FSDP2 or DDP)",
+                    ", ".join(on))  # fmt: skip
+    return on
 
 
 def fsdp_plugin(plan: Plan, model: nn.Module, device: torch.device) -> Any:
@@ -151,7 +175,12 @@ def prepare(
     if plan.checkpointing:
         enable_checkpointing(model, lora=spec.model.lora is not None)
     plugin = fsdp_plugin(plan, model, device)
-    accelerator = Accelerator(mixed_precision=MIXED[plan.precision], cpu=device.type == "cpu", fsdp_plugin=plugin)
+    clear_switches(warn=True)
+    # dynamo_backend "no": accelerate would take ACCELERATE_DYNAMO_BACKEND from the environment; `training.compile` is
+    # the spec's switch (below)
+    accelerator = Accelerator(mixed_precision=MIXED[plan.precision], cpu=device.type == "cpu", fsdp_plugin=plugin,
+                              dynamo_backend="no")  # fmt: skip
+    clear_switches(warn=False)
     if plugin is not None and accelerator.distributed_type != DistributedType.FSDP:
         # accelerate ignores the plugin on CPU (and on one GPU without LOCAL_RANK): see the module docstring.
         # Left so, it would take the model for DDP (a no_sync that syncs every micro-step, clipping that

@@ -18,6 +18,7 @@ import logging
 import os
 import time
 from collections.abc import Callable
+from contextlib import nullcontext
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -42,8 +43,8 @@ from runner.dist import Control, DistEnv, destroy_process_group, init_process_gr
 from runner.model.build import build_model
 from runner.model.packing import confine_packing
 from runner.oom import faults, ladder
-from runner.oom.detect import oom_guard, release_memory
-from runner.oom.shrink import RecipeGuard, TierOOM, apply_cap
+from runner.oom.detect import is_oom, oom_guard, release_memory
+from runner.oom.shrink import RecipeGuard, TierOOM, apply_cap, reset_wrapper
 from runner.output import tracking
 from runner.output.metrics import GpuUtil, Metrics, Progress, memory_bytes
 from runner.sizing import traced
@@ -58,8 +59,8 @@ from runner.sizing.plan import (
     with_micro_batch,
 )
 from runner.sizing.probe import describe, probe_host
-from runner.train import engine, handoff
-from runner.train.step import Preempted, Stepper, StepResult, StopFlag, get_lr
+from runner.train import engine, handoff, update
+from runner.train.step import EvalOOM, Preempted, Stepper, StepResult, StopFlag, get_lr
 
 log = logging.getLogger("jobspec.runner")
 
@@ -201,9 +202,9 @@ class Recipe:
             max_grad_norm=spec.training.max_grad_norm,
             loss_kernel=spec.training.loss_kernel,
         )
-        probe_faults = faults.probe_injector(self.model, rank=env.rank, tier=self.plan.tier)
+        probe_faults = faults.probe_injector(self.model, rank=env.rank, tier=self.plan.tier, run_dir=self.root)
         if (self.dev.is_gpu or probe_faults) and (meta is None or self.plan.to_dict() != meta["plan"]):
-            self._verify_micro_batch()  # a new plan: real probe steps check it
+            self._verify_micro_batch(probe_faults)  # a new plan: real probe steps check it
         if probe_faults is not None:
             probe_faults.remove()
         handed = kept is not None and self._give_state(kept)
@@ -221,6 +222,7 @@ class Recipe:
             )
             self.step = self.saved_step = int(meta["step"])
             log.info("resumed from %s: step %d of %d", resume, self.step, self.total_steps)
+        update.prime(self.stepper.inner, self.stepper.params)  # Adam's state now: the first step allocates none
         pin = self.plan.pin_memory and self.device.type == "cuda"  # workers collate the next steps meanwhile
         # A stream is tokenized ahead by its own thread, in this process: collating it is cheap, and no worker can
         # take it (runner/data/stream.py).
@@ -302,14 +304,25 @@ class Recipe:
             replan=lambda tier: size_for_tier(spec, self.dev, self.host, world, tier, local_ranks=local),
         )
 
-    def _verify_micro_batch(self) -> None:
+    def _verify_micro_batch(self, injector: faults.FaultInjector | None = None) -> None:
         """Real probe steps on the GPU (on CPU an OOM is the kernel's kill, not an exception: nothing to probe,
-        unless JOBSPEC_FAULT_OOM's `probes` injects them)."""
+        unless JOBSPEC_FAULT_OOM's `probes` injects them; `op=N,during=probe` counts the probe steps from 1)."""
         seq = min(self.plan.seq_len, -(-self.data.longest // PAD_MULTIPLE) * PAD_MULTIPLE)  # widest micro-batch
         cuda = self.device.type == "cuda"
         rng = torch.cuda.get_rng_state(self.device) if cuda else torch.get_rng_state()
-        try_step = oom_guard(lambda mbs: self.stepper.probe_step(mbs, seq), budget_bytes=self.plan.budget_bytes)
-        self.plan = verify_micro_batch(self.plan, try_step, reduce_min=self.ctrl.reduce_min)
+
+        def probe(mbs: int) -> bool:
+            if injector is not None:
+                injector.step += 1
+            return self.stepper.probe_step(mbs, seq)  # False: an OOM on some rank, agreed by all
+
+        if injector is not None:
+            self.stepper.faults = injector.region
+        try_step = oom_guard(probe, budget_bytes=self.plan.budget_bytes, reset=lambda: reset_wrapper(self.model))
+        try:
+            self.plan = verify_micro_batch(self.plan, try_step, reduce_min=self.ctrl.reduce_min)
+        finally:
+            self.stepper.faults = lambda _during, _mbs: nullcontext()
         self.stepper.reset_optimizer()
         if cuda:
             torch.cuda.set_rng_state(rng, self.device)
@@ -381,7 +394,9 @@ class Recipe:
                 if (t.eval_every and self.step % t.eval_every == 0) or self.step == self.total_steps:
                     self._evaluate(final=self.step == self.total_steps)
                 if self.step % ck.every_steps == 0 or self.step == self.total_steps:
-                    self._save()
+                    self._save(final=self.step == self.total_steps)
+            if self.step:
+                self._save(final=True)  # written above, unless a tier step-down interrupted the last step's save
         except Preempted:
             return self._preempted()
         self.status["reason"] = "done"
@@ -596,19 +611,45 @@ class Recipe:
         if not self.data.eval:
             return
         try:
-            loss, n = self.stepper.evaluate(self.eval_ids, self.plan.micro_batch)
+            with self.guard.region("eval", self.step):
+                loss, n = self.stepper.evaluate(self.eval_ids, self.plan.micro_batch)
         except Preempted:  # raised on every rank at the same agreed check
             if not final:
                 raise
             log.warning("stop requested during the final evaluation: skipped; writing the final checkpoint")
             return
+        except EvalOOM as err:  # agreed by every rank: the evaluation is skipped, training goes on
+            log.warning("evaluation at step %d skipped: %s", self.step, err)
+            self.metrics.write({"kind": "event", "event": "eval_skipped", "step": self.step, "reason": str(err)})
+            return
         self.eval_loss = loss
         self.fence()
         self.metrics.write({"kind": "eval", "step": self.step, "eval_loss": loss, "eval_tokens": n})
 
-    def _save(self) -> None:
+    def _save(self, *, final: bool = False) -> bool:
+        """Checkpoint the steps trained so far (collective); True when one was written (or already was). An OOM while
+        writing it (agreed by every rank, its temp dir removed: runner/checkpoint/store.py) is written again once with
+        the memory released; a second one skips a periodic checkpoint (training goes on, the previous checkpoint
+        stays, the next one comes at its interval), and for the `final` one hands the run to the tier ladder."""
         if self.saved_step == self.step:
-            return
+            return True
+        for attempt in (1, 2):
+            try:
+                self._write_checkpoint()
+                return True
+            except store.CheckpointOOM as err:
+                reason = str(err)
+            release_memory()
+            log.warning("checkpoint step %d: out of memory writing it (%s)%s", self.step, reason,
+                        "; writing it again" if attempt == 1 else "")  # fmt: skip
+        if final:
+            raise TierOOM(self.plan.tier, f"out of memory writing the final checkpoint step-{self.step}: {reason}",
+                          weights_intact=True)  # fmt: skip
+        if self.metrics is not None:
+            self.metrics.write({"kind": "event", "event": "checkpoint_skipped", "step": self.step, "reason": reason})
+        return False
+
+    def _write_checkpoint(self) -> None:
         self.fence()
         if self.lease is not None:
             self.lease.beat(force=True)  # still ours: a writer that lost its lease must not publish
@@ -624,20 +665,22 @@ class Recipe:
             "eval_loss": self.eval_loss,
             "lineage": self.lineage,
         }
-        store.save(
-            self.root,
-            self.step,
-            self.model,
-            self.optimizer,
-            meta,
-            rank=self.env.rank,
-            ctrl=self.ctrl,
-            keep=self.spec.checkpoints.keep,
-            trainable_only=self.spec.model.lora is not None,
-            files={store.SPEC: yaml.safe_dump(self.spec.to_yaml_dict(), sort_keys=False).encode()},
-            fence=self.fence,
-            attempt=self.attempt,
-        )
+        with self.guard.region("save", self.step):
+            store.save(
+                self.root,
+                self.step,
+                self.model,
+                self.optimizer,
+                meta,
+                rank=self.env.rank,
+                ctrl=self.ctrl,
+                keep=self.spec.checkpoints.keep,
+                trainable_only=self.spec.model.lora is not None,
+                files={store.SPEC: yaml.safe_dump(self.spec.to_yaml_dict(), sort_keys=False).encode()},
+                fence=self.fence,
+                attempt=self.attempt,
+                is_oom=is_oom,
+            )
         self.saved_step = self.step
 
     def _record_samples(self, ids: list[int]) -> None:

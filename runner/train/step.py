@@ -21,11 +21,11 @@ import logging
 import math
 import signal
 import traceback
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager, nullcontext
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -36,11 +36,13 @@ from runner.data.loader import Prefetcher
 from runner.dist import Control
 from runner.model.packing import packed_inputs
 from runner.oom import fsdp
-from runner.oom.detect import Guarded, Headroom, allocated_bytes, guarded, headroom
-from runner.oom.shrink import RankOOM, agreement, all_reduce_grads, raise_agreed
+from runner.oom.detect import Guarded, Headroom, allocated_bytes, guarded, headroom, release_memory
+from runner.oom.shrink import RankOOM, StepOOM, agreement, raise_agreed, reset_wrapper
 from runner.train.loss import ChunkedLossHead, install_chunked_loss
+from runner.train.update import APPLY_TRIES, PREPARE_TRIES, Update
 
 log = logging.getLogger("jobspec.runner")
+T = TypeVar("T")
 
 
 class Preempted(Exception):
@@ -70,6 +72,11 @@ def summed_loss(
         return per_token.float().sum()  # FSDP2 may have cast it to its output dtype: sum in fp32
     logits = model(input_ids=input_ids, **kwargs).logits
     return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE, reduction="sum")
+
+
+class EvalOOM(Exception):
+    """Every rank agreed: evaluation ran out of memory even one sample at a time. The evaluation is skipped; training
+    goes on (its memory is what the plan is for)."""
 
 
 class Stopped(BaseException):
@@ -178,23 +185,31 @@ class Stepper:
         self.sharded_ranks = self.world_size > 1 and not self.manual_sync  # FSDP over several ranks
         # FSDP over several ranks: agree before each of its collectives (runner/oom/fsdp.py); None: restart
         self.gate = fsdp.install(model, ctrl, self.rank) if self.sharded_ranks else None
+        # the end of a step (exchange, clipping, optimizer step) as a transaction (runner/train/update.py)
+        self.update = Update(self.inner, self.params, world_size=self.world_size, manual_sync=self.manual_sync,
+                             max_grad_norm=max_grad_norm, scaler=accelerator.scaler)  # fmt: skip
+        self.eval_micro_batch: int | None = None  # evaluation's micro-batch after an OOM in it (kept for later ones)
         # the loss from the hidden states in chunks, inside the model's forward (runner/train/loss.py)
         self.head = install_chunked_loss(
             accelerator.unwrap_model(model), run=model, device=self.device, kernel=loss_kernel
         )
+        # JOBSPEC_FAULT_OOM's op=N: the region ("train", "eval", "probe") and micro-batch -> the context that injects
+        # (runner/oom/faults.py `FaultInjector.region`); a null context when no fault is set
+        self.faults: Callable[[str, int], AbstractContextManager[Any]] = lambda _during, _mbs: nullcontext()
 
     def check_stop(self) -> None:
         """Raise Preempted on every rank as soon as any rank has the flag (agreed by all-reduce MAX)."""
         if self.ctrl.any(bool(self.stop)):
             raise Preempted
 
-    def agree(self, oom: str, *, stop: bool = True, optimizer: bool = False, room: Headroom | None = None) -> None:
+    def agree(self, oom: str, *, stop: bool = True, optimizer: bool = False, room: Headroom | None = None,
+              in_model: bool = True) -> None:  # fmt: skip
         """One all-reduce MAX over ranks of [stop flag, OOM flag, rank]: StepOOM (OptimizerOOM) on every rank
-        when any ran out, else Preempted on every rank when any has the stop flag (if `stop`)."""
-        if oom and self.sharded_ranks and (self.gate is None or optimizer):
-            # the others may wait in a collective this rank will not join (FSDP's without the gate, the
-            # gradient norm's all-reduce in clipping): do not start another one
-            raise RankOOM(oom, self.rank, optimizer=optimizer)
+        when any ran out, else Preempted on every rank when any has the stop flag (if `stop`). `in_model`: the OOM
+        came from the model's forward or backward, where other ranks may wait in one of FSDP's collectives."""
+        if oom and in_model and self.sharded_ranks and self.gate is None:
+            # the others may wait in an FSDP collective this rank will not join: do not start another one
+            raise RankOOM(oom, self.rank)
         mine = agreement(stop and bool(self.stop), oom, self.rank, self.world_size, room)
         flags = self.ctrl.all_reduce(mine, "max")
         raise_agreed(flags, oom, self.world_size, optimizer=optimizer)
@@ -218,6 +233,14 @@ class Stepper:
         Safe to call again with the same ids after an exception: gradients are cleared first. Raises
         StepOOM / OptimizerOOM on every rank when any rank ran out of memory (see the module docstring).
         """
+        try:
+            with self.faults("train", micro_batch):
+                return self._train_step(sample_ids, micro_batch, lr)
+        except BaseException:
+            self.update.abandon()  # the step is redone or handed over: fp16's scaler forgets its unscale
+            raise
+
+    def _train_step(self, sample_ids: Sequence[int], micro_batch: int, lr: float) -> StepResult:
         self.inner.zero_grad(set_to_none=True)
         baseline = allocated_bytes()  # what the step starts with: an OOM's numbers are read against it
         if self.prefetch is not None:
@@ -226,14 +249,14 @@ class Stepper:
             batches = [self.data.collate(ids) for ids in micro_batches(sample_ids, micro_batch)]
         targets, tokens = self.ctrl.all_reduce([sum(b.targets for b in batches), sum(b.tokens for b in batches)])
         scale = self.world_size / max(targets, 1.0)  # global per-token mean, undoing the ranks' gradient average
-        loss_sum = torch.zeros((), device=self.device)
+        losses: list[torch.Tensor] = []  # each micro-step's summed loss (detached), summed by the update
         seen: list[int] = []
         oom, room = "", None  # this rank's OOM in the previous micro-step, agreed on before the next one starts
         for i, batch in enumerate(batches):
             self.agree(oom, room=room)
             # FSDP reduce-scatters every micro-batch's gradients: skipping it (no_sync) would hold them unsharded
             # in fp32, 4 bytes a parameter on every rank, what the sharded tiers are chosen to avoid (the memory
-            # model counts sharded gradients). DDP accumulates locally and exchanges once (all_reduce_grads).
+            # model counts sharded gradients). DDP accumulates locally and exchanges once (runner/train/update.py).
             sync = self.world_size == 1 or self.sharded_ranks or (i == len(batches) - 1 and not self.manual_sync)
             with nullcontext() if sync else self.accelerator.no_sync(self.model):
                 out = self._micro_step(batch, scale)
@@ -242,25 +265,65 @@ class Stepper:
                 log.warning("rank %d: out of memory in micro-step %d of %d (%d samples): %s", self.rank, i + 1,
                             len(batches), len(batch.sample_ids), oom)  # fmt: skip
             else:
-                loss_sum += out.value
+                losses.append(out.value)
                 seen += batch.sample_ids
+        if not oom and self.manual_sync:  # the exchange's zero gradients and buffer: on this agreement too
+            oom = guarded(self.update.prepare_exchange).reason
         self.agree(oom, stop=False, room=room)  # the last micro-step's outcome, known to all before gradients move
         if self.manual_sync:
-            all_reduce_grads(self.params, self.world_size)
-        update = guarded(partial(self._update, lr))
-        self.agree(update.reason, stop=False, optimizer=True)  # a stop now would lose a finished step
+            self.update.exchange()
+        norm, loss_sum = self._update(losses, lr)
         self.inner.zero_grad(set_to_none=True)
-        return StepResult(loss_sum, int(targets), int(tokens), update.value, seen)
+        return StepResult(loss_sum, int(targets), int(tokens), norm, seen)
+
+    def _update(self, losses: Sequence[torch.Tensor], lr: float) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """Clip and step as a transaction (runner/train/update.py): `prepare` allocates and changes nothing, and every
+        rank agrees on it (again once after an OOM); `apply` changes and allocates nothing, a rank that fails in it
+        goes on from where it stopped, and every rank agrees on the outcome. Returns (grad norm, summed loss)."""
+        prepared = None
+        for attempt in range(1, PREPARE_TRIES + 1):
+            baseline = allocated_bytes()
+            out = guarded(partial(self.update.prepare, losses, self.device))
+            if not out.oom:
+                prepared = out.value
+            try:
+                self.agree(out.reason, stop=False, in_model=False)
+                break
+            except StepOOM as err:
+                if attempt == PREPARE_TRIES:
+                    why = f"out of memory before the optimizer step: {err.reason}"
+                    raise StepOOM(why, err.rank, update=True) from None
+                log.warning("rank %d: out of memory preparing the optimizer step (%s): again, with memory released",
+                            self.rank, err.reason)  # fmt: skip
+                prepared = None
+                release_memory(baseline)
+        assert prepared is not None
+        reason = ""
+        for attempt in range(1, APPLY_TRIES + 1):
+            applied = guarded(partial(self.update.apply, prepared, lr))
+            if not applied.oom:
+                reason = ""
+                break
+            reason = applied.reason
+            log.warning("rank %d: out of memory in the optimizer step (try %d of %d): %s", self.rank, attempt,
+                        APPLY_TRIES, reason)  # fmt: skip
+            release_memory()
+        self.agree(reason, stop=False, optimizer=True, in_model=False)  # a stop now would lose a finished step
+        return (applied.value if not reason else None), prepared.loss_sum
 
     def _micro_step(self, batch: Batch, scale: float) -> Guarded[torch.Tensor]:
-        """Forward and backward of one micro-batch; an OOM on this rank comes back as `oom=True`. With the
+        """Forward and backward of one micro-batch (`_gated`)."""
+        return self._gated(partial(self._accumulate, batch, scale))
+
+    def _gated(self, run: Callable[[], T]) -> Guarded[T]:
+        """`run` (a forward, or a forward and backward); an OOM on this rank comes back as `oom=True`. With the
         FSDP gate armed, another rank's OOM agreed before one of FSDP's collectives raises StepOOM here,
         at once: that agreement was this micro-step's (no other all-reduce follows)."""
         if self.gate is None:
-            return guarded(partial(self._accumulate, batch, scale))
+            return guarded(run)
         self.gate.armed = True
         try:
-            return guarded(partial(self._accumulate, batch, scale))
+            return guarded(run)
         except fsdp.PeerOOM as peer:
             flags = peer.flags
             traceback.clear_frames(peer.__traceback__)  # its frames hold the failed forward's tensors
@@ -276,55 +339,76 @@ class Stepper:
         self.accelerator.backward(ce * scale)
         return ce.detach()
 
-    def _update(self, lr: float) -> torch.Tensor | None:
-        norm = self.clip()
-        for group in self.inner.param_groups:
-            group["lr"] = lr
-        (self.optimizer if self.wrapped else self.inner).step()
-        return norm
-
-    def clip(self) -> torch.Tensor | None:
-        """Clip the gradient norm (after unscaling fp16 gradients); returns the norm before clipping."""
-        if self.max_grad_norm is None:
-            return None
-        if self.wrapped:
-            return self.accelerator.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
-        return torch.nn.utils.clip_grad_norm_(self.params, self.max_grad_norm)
-
     @torch.no_grad()
     def evaluate(self, sample_ids: Sequence[int], micro_batch: int) -> tuple[float, int]:
-        """(mean token loss, target tokens) over this rank's eval ids, reduced over ranks."""
-        self.model.eval()
-        total = torch.zeros((), device=self.device)
+        """(mean token loss, target tokens) over this rank's eval ids, reduced over ranks.
+
+        Under the same agreement as training: after every micro-batch every rank learns whether any ran out of
+        memory (the stop check's all-reduce carries it; on a sharded tier the FSDP gate is armed too), and then all
+        redo that micro-batch at half the size (kept for later evaluations). Raises EvalOOM on every rank when even
+        one sample at a time runs out."""
+        size = min(micro_batch, self.eval_micro_batch or micro_batch)
+        parts: list[torch.Tensor] = []
         targets = 0
+        pending = list(sample_ids)
+        self.model.eval()
         try:
-            for ids in micro_batches(sample_ids, micro_batch):
-                self.check_stop()
-                batch = self.data.collate(ids, split="eval")
-                total += self.loss_sum(batch)
-                targets += batch.targets
+            with self.faults("eval", micro_batch):
+                while pending:
+                    ids = pending[:size]
+                    try:
+                        out = self._gated(partial(self._eval_micro_step, ids))
+                        self.agree(out.reason)  # StepOOM on every rank when any ran out; Preempted on a stop
+                    except StepOOM as err:
+                        reason = err.reason
+                    else:
+                        parts.append(out.value[0])
+                        targets += out.value[1]
+                        pending = pending[size:]
+                        continue
+                    reset_wrapper(self.model)
+                    release_memory()
+                    if size == 1:
+                        raise EvalOOM(f"evaluation ran out of memory one sample at a time: {reason}")
+                    log.warning("evaluation: micro-batch %d -> %d after an OOM (%s)", size, size // 2, reason)
+                    size = self.eval_micro_batch = size // 2
         finally:
             self.model.train()
-        loss, n = self.ctrl.all_reduce([total.item(), targets])
+        loss, n = self.ctrl.all_reduce([sum(float(p) for p in parts), targets])
         return loss / max(n, 1.0), int(n)
 
-    def probe_step(self, micro_batch: int, seq_len: int) -> None:
-        """A full training step at (micro_batch, seq_len) on random tokens that changes nothing: lr 0, then
-        gradients dropped. For `runner.sizing.plan.verify_micro_batch`; call `reset_optimizer` afterwards."""
+    def _eval_micro_step(self, ids: Sequence[int]) -> tuple[torch.Tensor, int]:
+        batch = self.data.collate(ids, split="eval")
+        return self.loss_sum(batch), batch.targets
+
+    def probe_step(self, micro_batch: int, seq_len: int) -> bool:
+        """A full training step at (micro_batch, seq_len) on random tokens that changes nothing (lr 0, gradients
+        dropped), under the training step's agreements: False on every rank when any ran out of memory. For
+        `runner.sizing.plan.verify_micro_batch`; call `reset_optimizer` afterwards."""
         vocab = self.model_vocab()
         g = torch.Generator().manual_seed(micro_batch)
         x = torch.randint(0, vocab, (micro_batch, seq_len), generator=g)
         batch = Batch(x, x.clone(), micro_batch * seq_len, micro_batch * seq_len, ())
-        lrs = [group["lr"] for group in self.optimizer.param_groups]
+        lrs = [group["lr"] for group in self.inner.param_groups]
+        self.inner.zero_grad(set_to_none=True)
         try:
-            for group in self.optimizer.param_groups:
-                group["lr"] = 0.0  # AdamW with lr 0 leaves the weights bit-identical (decay factor 1 - 0)
-            self.accelerator.backward(self.loss_sum(batch) / batch.targets)
-            self.clip()
-            (self.optimizer if self.wrapped else self.inner).step()
+            with self.faults("probe", micro_batch):
+                out = self._micro_step(batch, 1.0 / batch.targets)
+                oom = out.reason
+                if not oom and self.manual_sync:
+                    oom = guarded(self.update.prepare_exchange).reason
+                self.agree(oom, stop=False)
+                if self.manual_sync:
+                    self.update.exchange()
+                self._update([out.value], 0.0)  # AdamW with lr 0 leaves the weights bit-identical (decay 1 - 0)
+            return True
+        except StepOOM as err:
+            log.info("probe step at micro-batch %d: out of memory (%s)", micro_batch, err.reason)
+            self.update.abandon()
+            return False
         finally:
             self.inner.zero_grad(set_to_none=True)
-            for group, lr in zip(self.optimizer.param_groups, lrs, strict=True):
+            for group, lr in zip(self.inner.param_groups, lrs, strict=True):
                 group["lr"] = lr
 
     def reset_optimizer(self) -> None:
