@@ -400,12 +400,36 @@ def matrix(rows: list[Point], lengths: dict[str, int]) -> str:
     return "\n".join(lines)
 
 
+def summary(rows: list[dict[str, Any]]) -> str:
+    """Markdown: regions x (tier, ranks), each cell `recovered/points` and the outcomes seen (the README's table)."""
+    short = {"shrink": "S", "retry": "R", "step-down": "D", "absorbed": "A", "eval-shrink": "E", "eval-skipped": "E0",
+             "save-again": "W", "save-skipped": "W0", "probe-smaller": "P", "failed": "F"}  # fmt: skip
+    cols: dict[str, None] = {}
+    cells: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for r in rows:
+        tier, ranks, *_rest = r["config"].split()
+        region = r["config"].split()[-1]
+        col = f"{tier} {ranks}"
+        cols.setdefault(col)
+        cells.setdefault((region, col), []).append(r)
+    lines = ["| region | " + " | ".join(cols) + " |", "| --- |" + " --- |" * len(cols)]
+    for region in REGIONS:
+        out = []
+        for col in cols:
+            got = cells.get((region, col), [])
+            kinds = "".join(sorted({short[r["outcome"]] for r in got if r["outcome"] in short}))
+            out.append(f"{sum(r['ok'] for r in got)}/{len(got)} {kinds}" if got else "-")
+        lines.append(f"| {region} | " + " | ".join(out) + " |")
+    return "\n".join(lines)
+
+
 def sweep(work: Path, *, device: str, budget_s: float, points: int, seed: int) -> dict[str, Any]:
     """The GPU suite's part (bench/gpu): one rank on `device`, every tier, full and LoRA, the five regions, a sample
     of `points` ops each, within `budget_s`."""
     logging.disable(logging.WARNING)
     try:
         cfgs = configs(list(TIERS), [1], list(REGIONS), ckpts=(False,))
+        random.Random(seed).shuffle(cfgs)  # a budget that ends the sweep early still leaves a spread of tiers, regions
         return sweep_configs(cfgs, work, points=points, seed=seed, budget_s=budget_s, device=device)
     finally:
         logging.disable(logging.NOTSET)
@@ -441,6 +465,9 @@ def main(argv: list[str] | None = None) -> int:
           f"({out['configs_skipped_by_budget']} configurations left out by the budget); largest weight difference from "
           f"the clean run {out['max_drift']:.2e} of a tensor's norm\n")  # fmt: skip
     print(out["matrix_md"])
+    print("\nBy region (recovered/points, outcomes: S shrink, R retry, D step-down, A absorbed, E eval shrink, "
+          "E0 eval skipped, W written again, W0 skipped, P probe chose smaller, F failed)\n")
+    print(summary(out["rows"]))
     if args.json:
         args.json.write_text(json.dumps({**out, "date": stamp}, indent=1))
     return 0 if out["recovered"] == out["points"] else 1

@@ -169,7 +169,11 @@ def scenario(cfg: Config, work: Path, data: Path, kind: str, rnd: int) -> dict[s
         "same_samples": bool(redone) and redone[-1]["ids"] == expected,
         "shrinks": [f"{e['from_micro_batch']}->{e['to_micro_batch']}" for e in shrinks],
         "oom_reasons": sorted({e["reason"][:120] for e in shrinks}),
-        "tier_changes": [{"from": e["from_tier"], "to": e["to_tier"], "seconds": e["seconds"]} for e in changes],
+        "tier_changes": [{"from": e["from_tier"], "to": e["to_tier"], "seconds": e["seconds"],
+                          **{k: v for k, v in e.items() if k.endswith("_s")}} for e in changes],  # where the time went
+        # each shrink's recovery, by part (runner/oom/shrink.py run_step): failed attempts, release, loader, redo
+        "recovered": [{k: v for k, v in e.items() if k.endswith("_s")} for e in rows
+                      if e.get("event") == "oom_recovered"],
         "final_tier": train[-1]["tier"] if train else None,
         "final_micro_batch": train[-1]["micro_batch"] if train else None,
         "steps_done": train[-1]["step"] if train else 0,

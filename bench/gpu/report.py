@@ -111,7 +111,15 @@ def _recovery(rs: list[dict[str, Any]], f: Fmt) -> list[str]:
         "wall s",
         "CPU s",
     ]
-    return table(head, rows) + [""] + [f"- squeeze: {n}" for n in notes] + [f"- {e}" for e in errors]
+    parts = []  # where each recovery's time went (the runner's oom_recovered and tier_change events)
+    for r in rs:
+        for run in r["runs"]:
+            for e in [*(run.get("recovered") or []), *(run.get("tier_changes") or [])]:
+                split = ", ".join(f"{k.removesuffix('_s')} {v}" for k, v in e.items() if k.endswith("_s"))
+                if split:
+                    parts.append(f"- {run['scenario']} round {run['round']}: {split} s")
+    return (table(head, rows) + [""] + [f"- squeeze: {n}" for n in notes] + [f"- {e}" for e in errors]
+            + (["", *parts] if parts else []))  # fmt: skip
 
 
 def _sizing(rs: list[dict[str, Any]], f: Fmt) -> list[str]:

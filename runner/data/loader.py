@@ -2,14 +2,18 @@
 
 A step's samples are a pure function of (seed, step), so the workers can collate the next steps while
 the GPU trains on this one. The plan sizes `num_workers` and `pin_memory` from the container's CPUs and
-memory (runner/sizing/hostmem.py). Item `step` of the loader is this rank's micro-batches of that step at the
-plan's micro-batch; when the loop asks for something else (an OOM shrink redoing a step with a smaller
-micro-batch), it collates in process and restarts the workers at the new micro-batch for later steps.
+memory (runner/sizing/hostmem.py). An item of the loader is (step, micro-batch): this rank's micro-batches of
+that step. The keys are drawn lazily, when the loader hands a step to a worker, with the micro-batch the loop
+uses at that moment; so when the loop asks for another micro-batch (an OOM shrink redoing a step smaller, a
+regrow), the steps already handed out at the old size are collated in process (a miss) and every later one
+comes from the workers at the new size, with no worker restarted. A restart cost more than the redone step
+itself: 0.11 s against 0.015 s steps on this CPU (tiny preset, 2 workers; bench/recovery.py).
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 
@@ -38,13 +42,28 @@ def _pinned(b: Batch) -> Batch:
 
 
 class _Steps(Dataset):
-    def __init__(self, data: SFTData, step_ids: Callable[[int], list[int]], micro_batch: int):
-        self.data, self.step_ids, self.micro_batch = data, step_ids, micro_batch
+    def __init__(self, data: SFTData, step_ids: Callable[[int], list[int]]):
+        self.data, self.step_ids = data, step_ids
 
-    def __getitem__(self, step: int) -> StepBatches:
+    def __getitem__(self, key: tuple[int, int]) -> StepBatches:
+        step, micro_batch = key
         ids = self.step_ids(step)
-        batches = tuple(self.data.collate(chunk) for chunk in micro_batches(ids, self.micro_batch))
-        return StepBatches(step, self.micro_batch, tuple(ids), batches)
+        batches = tuple(self.data.collate(chunk) for chunk in micro_batches(ids, micro_batch))
+        return StepBatches(step, micro_batch, tuple(ids), batches)
+
+
+class _Keys:
+    """The loader's sampler: (step, the loop's micro-batch when the step is handed to a worker)."""
+
+    def __init__(self, owner: Prefetcher, start: int, total: int):
+        self.owner, self.start, self.total = owner, start, total
+
+    def __iter__(self) -> Iterator[tuple[int, int]]:
+        for step in range(self.start, self.total):
+            yield step, self.owner.micro_batch
+
+    def __len__(self) -> int:
+        return max(0, self.total - self.start)
 
 
 def _as_is(item: StepBatches) -> StepBatches:  # module level: DataLoader workers may need to pickle it
@@ -69,6 +88,7 @@ class Prefetcher:
         self.num_workers, self.pin_memory = num_workers, pin_memory
         self.current: StepBatches | None = None
         self.misses = 0  # steps collated in process (tests and logs)
+        self.miss_seconds = 0.0  # time spent collating in process and restarting the workers (`take_miss_seconds`)
         self._it: Iterator[StepBatches] | None = None
         self._restart(start, micro_batch)
 
@@ -78,8 +98,8 @@ class Prefetcher:
             self._it = None
             return
         loader = DataLoader(
-            _Steps(self.data, self.step_ids, micro_batch),
-            sampler=range(start, self.total),
+            _Steps(self.data, self.step_ids),
+            sampler=_Keys(self, start, self.total),
             batch_size=None,
             collate_fn=_as_is,
             num_workers=self.num_workers,
@@ -103,8 +123,17 @@ class Prefetcher:
         if item is not None and item.ids == ids and item.micro_batch == micro_batch:
             return list(item.batches)
         self.misses += 1
-        if item is not None and item.ids == ids and micro_batch != self.micro_batch:
-            # A shrink: the workers are collating later steps at the old micro-batch; restart them.
-            log.info("data loader: micro-batch %d -> %d from step %d", self.micro_batch, micro_batch, item.step + 2)
-            self._restart(item.step + 1, micro_batch)
-        return [self.data.collate(chunk) for chunk in micro_batches(ids, micro_batch)]
+        t0 = time.perf_counter()
+        if micro_batch != self.micro_batch:
+            # A shrink (or a regrow): steps handed out from now on are collated at the new size; the ones the workers
+            # hold at the old size become misses, collated here.
+            log.info("data loader: micro-batch %d -> %d", self.micro_batch, micro_batch)
+            self.micro_batch = micro_batch
+        out = [self.data.collate(chunk) for chunk in micro_batches(ids, micro_batch)]
+        self.miss_seconds += time.perf_counter() - t0
+        return out
+
+    def take_miss_seconds(self) -> float:
+        """Seconds spent on misses since the last call (an OOM's recovery reports them)."""
+        seconds, self.miss_seconds = self.miss_seconds, 0.0
+        return seconds

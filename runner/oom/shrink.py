@@ -24,6 +24,7 @@ import time
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
@@ -139,6 +140,7 @@ def run_step(
     on_shrink: Callable[[Shrink], None] | None = None,
     on_retry: Callable[[int, str, str], None] | None = None,
     last_tier: bool = False,
+    on_recovered: Callable[[dict[str, float]], None] | None = None,
 ) -> tuple[Any, Plan]:
     """`train_step(ids, micro_batch)` with in-process shrink; returns (its result, the plan it ran with).
 
@@ -146,14 +148,21 @@ def run_step(
     the wrapper's per-iteration state after the aborted step (`reset_wrapper`); False: it cannot, and the
     shrink happens by a restart instead. Raises TierOOM when micro-batch 1 ran out (at the `last_tier` the run may use,
     twice: the second try comes after the cache is emptied, `on_retry(step, tier, reason)`), or when the optimizer
-    step did.
+    step did. After a step that ran out and then finished, `on_recovered` gets where the time went: `release_s`
+    (dropping the failed attempts' gradients, resetting the wrapper, freeing memory) and `attempts_s` (the failed
+    attempts themselves, up to each OOM), and `redo_s` (the attempt that finished, its loader misses included).
     """
     retried = False
     rng = _rng()
     baseline = allocated_bytes()  # weights and optimizer state: what must stay once the failed step is freed
+    timings = {"attempts_s": 0.0, "release_s": 0.0}
     while True:
+        started = time.perf_counter()
         try:
-            return train_step(ids, plan.micro_batch), plan
+            result = train_step(ids, plan.micro_batch)
+            if timings["release_s"] and on_recovered is not None:
+                on_recovered({**timings, "redo_s": time.perf_counter() - started})
+            return result, plan
         except RankOOM as err:
             nxt = next_micro_batch(plan.micro_batch, plan.per_rank)
             where = f"step {step} on rank {err.rank} of a sharded tier"
@@ -166,10 +175,12 @@ def run_step(
             why, rank, room = err.reason, err.rank, err.room
             intact, update = True, err.update
         # Out of the except block: the failed attempt's frames are gone; drop its gradients, then free.
-        caught = time.time()
+        caught, t0 = time.time(), time.perf_counter()
+        timings["attempts_s"] += t0 - started
         zero_grad()
         restored = reset()
         release_memory(baseline)
+        timings["release_s"] += time.perf_counter() - t0
         if not intact:
             raise TierOOM(plan.tier, f"out of memory in the optimizer step {step} on rank {rank}: {why}",
                           weights_intact=False)  # fmt: skip
@@ -274,7 +285,7 @@ class RecipeGuard:
         result, r.plan = run_step(
             lambda ids, mbs: r.stepper.train_step(ids, mbs, r.lr(step)), r.step_ids(step), r.plan, step=step + 1,
             zero_grad=lambda: r.stepper.inner.zero_grad(set_to_none=True), reset=lambda: reset_wrapper(r.model),
-            on_shrink=self._shrunk, on_retry=self._retried,
+            on_shrink=self._shrunk, on_retry=self._retried, on_recovered=partial(self._recovered, step + 1),
             last_tier=not r.spec.memory.fallback or ladder.next_tier(r.plan.tier, r.env.world_size) is None,
         )  # fmt: skip
         self.regrow.stepped(r.plan.micro_batch)
@@ -303,6 +314,15 @@ class RecipeGuard:
         """Take the fault injector's hook off the model (an in-process tier step-down builds a new one)."""
         if self.injector is not None:
             self.injector.remove()
+
+    def _recovered(self, step: int, timings: dict[str, float]) -> None:
+        """Where the time from the OOM to the end of the redone step went (`run_step`), with the loader's part."""
+        r = self.recipe
+        loader = r.stepper.prefetch.take_miss_seconds() if r.stepper.prefetch is not None else 0.0
+        parts = {k: round(v, 4) for k, v in {**timings, "loader_s": loader}.items()}
+        log.info("step %d recovered from its OOM: %s", step, ", ".join(f"{k} {v:.3f}" for k, v in parts.items()))
+        if r.metrics is not None:
+            r.metrics.write({"kind": "event", "event": "oom_recovered", "step": step, "tier": r.plan.tier, **parts})
 
     def _retried(self, step: int, tier: str, reason: str) -> None:
         if self.recipe.metrics is not None:

@@ -172,7 +172,8 @@ class Recipe:
         # is still that one (lease.check_holder), so a rank of an attempt the gang left behind writes nothing.
         self.attempt = self.ctrl.from_rank0(self.lease.holder if self.lease is not None else "")
 
-    def _build(self, resume: Path | None, meta: dict[str, Any] | None, kept: handoff.Handoff | None = None) -> None:
+    def _build(self, resume: Path | None, meta: dict[str, Any] | None, kept: handoff.Handoff | None = None, *,
+               verify: bool = True) -> None:  # fmt: skip
         """Model, optimizer, accelerator and stepper at `self.plan`, the state of `resume` (a checkpoint) or of
         `kept` (handed over in memory by an in-process tier step-down, which runs this again; the newest
         checkpoint when the new tier cannot take it), the loader from that step, and the OOM guard."""
@@ -203,7 +204,7 @@ class Recipe:
             loss_kernel=spec.training.loss_kernel,
         )
         probe_faults = faults.probe_injector(self.model, rank=env.rank, tier=self.plan.tier, run_dir=self.root)
-        if (self.dev.is_gpu or probe_faults) and (meta is None or self.plan.to_dict() != meta["plan"]):
+        if verify and (self.dev.is_gpu or probe_faults) and (meta is None or self.plan.to_dict() != meta["plan"]):
             self._verify_micro_batch(probe_faults)  # a new plan: real probe steps check it
         if probe_faults is not None:
             probe_faults.remove()
@@ -353,11 +354,11 @@ class Recipe:
             try:
                 return self._loop()
             except TierOOM as err:  # micro-batch 1 ran out: checkpoint, persist "tier X failed"
-                oom_at = time.time()
+                oom_at, t0 = time.time(), time.perf_counter()
                 code = self.guard.give_up(err)
                 if code != EXIT_OOM_RETRY_TIER or not self._can_step_down(err):
                     return code  # 76, or the relaunch fallback (75)
-                self._step_down(err, oom_at)
+                self._step_down(err, oom_at, give_up_s=time.perf_counter() - t0)
 
     def _loop(self) -> int:
         t, ck = self.spec.training, self.spec.checkpoints
@@ -438,24 +439,39 @@ class Recipe:
                 return False
         return True
 
-    def _step_down(self, err: TierOOM, oom_at: float) -> None:
+    def _step_down(self, err: TierOOM, oom_at: float, give_up_s: float = 0.0) -> None:
         """The next tier in this process: release everything, plan the tier, rebuild, and go on from the step
         the OOM interrupted, redone from the same samples. When the weights were intact (give_up has written
         them as a checkpoint, the fallback should this process die), the state is handed over in memory
         (runner/train/handoff.py); otherwise, or when the new tier cannot take it, it comes from the newest
-        checkpoint. `oom_at`: when the OOM reached `train` (unix time, for the event)."""
+        checkpoint. No probe steps: the planner's micro-batch for the new tier is tried by the step itself, and
+        the in-process shrink corrects it (probes cost several full steps at the longest rows, on a GPU most of a
+        step-down's time). `oom_at`: when the OOM reached `train` (unix time); `give_up_s`: the checkpoint and
+        tier state written before (both for the event, with where the rest of the time went)."""
         t0, old = time.perf_counter(), self.plan
         nxt = tiers.next_tier(err.tier, self.env.world_size)  # what give_up recorded, computed by every rank
         assert nxt is not None  # give_up returned 75: a next tier exists
+        parts = {"give_up_s": give_up_s}
+        mark = time.perf_counter()
+
+        def lap(name: str) -> None:
+            nonlocal mark
+            now = time.perf_counter()
+            parts[name], mark = now - mark, now
+
         kept = self._take_state(err)
+        lap("take_state_s")
         self._teardown()
+        lap("teardown_s")
         why = [f"tier {old.tier} -> {nxt} in process after an OOM at micro-batch 1: {err.reason}"]
         local = self.env.local_world_size
         plan = size_for_tier(self.spec, self.dev, self.host, self.env.world_size, nxt, local_ranks=local, reasons=why)
         self.plan = agree(apply_cap(plan, self.root), self.ctrl.reduce_min)
         resume = self._newest_checkpoint() if kept is None else None
+        lap("plan_s")
         with self.stop.immediate():  # give_up checkpointed the steps: a stop here loses none
-            self._build(resume, None, kept)
+            self._build(resume, None, kept, verify=False)
+        lap("build_s")
         del kept  # the host copies
         self.status.update(tier=self.plan.tier, step=self.step, reason="running")
         seconds = time.perf_counter() - t0
@@ -466,7 +482,7 @@ class Recipe:
         self.metrics.write({"kind": "event", "event": "tier_change", "step": self.step, "from_tier": old.tier,
                             "to_tier": self.plan.tier, "in_process": True, "seconds": round(seconds, 3),
                             "state": self.state_from if self.step else "none", "oom_at": round(oom_at, 3),
-                            "reason": err.reason})  # fmt: skip
+                            "reason": err.reason, **{k: round(v, 4) for k, v in parts.items()}})  # fmt: skip
         self._write_plan(resumed=self.step > 0)
 
     def _newest_checkpoint(self) -> Path | None:

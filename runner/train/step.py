@@ -173,9 +173,9 @@ class Stepper:
         self.max_grad_norm = max_grad_norm
         self.device = accelerator.device
         # accelerate's optimizer wrapper costs ~0.5 ms a step in package lookups (is_lomo_available,
-        # inspect.signature); only fp16 loss scaling and FSDP's DTensor-aware clipping need it.
+        # inspect.signature): the update steps the optimizer under it (fp16's scaler, clipping of DTensor shards and
+        # the step are runner/train/update.py's)
         self.inner = getattr(optimizer, "optimizer", optimizer)
-        self.wrapped = accelerator.scaler is not None or accelerator.is_fsdp2
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.prefetch = prefetch  # None: collate in process (probe steps, tests)
         self.world_size = ctrl.world_size
@@ -187,7 +187,7 @@ class Stepper:
         self.gate = fsdp.install(model, ctrl, self.rank) if self.sharded_ranks else None
         # the end of a step (exchange, clipping, optimizer step) as a transaction (runner/train/update.py)
         self.update = Update(self.inner, self.params, world_size=self.world_size, manual_sync=self.manual_sync,
-                             max_grad_norm=max_grad_norm, scaler=accelerator.scaler)  # fmt: skip
+                             max_grad_norm=max_grad_norm, scaler=accelerator.scaler, device=self.device)  # fmt: skip
         self.eval_micro_batch: int | None = None  # evaluation's micro-batch after an OOM in it (kept for later ones)
         # the loss from the hidden states in chunks, inside the model's forward (runner/train/loss.py)
         self.head = install_chunked_loss(

@@ -121,6 +121,18 @@ def runs(tensors: Sequence[torch.Tensor]) -> list[list[torch.Tensor]]:
     return out
 
 
+def _snapshot(states: list[dict[str, Any]]) -> list[tuple[dict[str, Any], torch.Tensor, int]]:
+    """A copy of every state's 0-d step counter: one stacked tensor a device (one kernel, not one per parameter)."""
+    by_device: dict[torch.device, list[dict[str, Any]]] = {}
+    for state in states:
+        by_device.setdefault(state["step"].device, []).append(state)
+    out = []
+    for group in by_device.values():
+        saved = torch.stack([state["step"] for state in group])
+        out += [(state, saved, row) for row, state in enumerate(group)]
+    return out
+
+
 def _local(t: torch.Tensor) -> torch.Tensor:
     """A DTensor's local shard (a view), or the tensor itself."""
     to_local = getattr(t, "to_local", None)
@@ -147,8 +159,9 @@ class Prepared:
 
     loss_sum: torch.Tensor
     norm: torch.Tensor | None = None  # this rank's norm (squared when it is summed over ranks), then the total
-    coef: torch.Tensor | None = None  # the clip coefficient's buffer
-    counters: list[tuple[dict[str, Any], torch.Tensor]] = field(default_factory=list)  # (state, copy of its step)
+    coef: dict[torch.device, torch.Tensor] | None = None  # the clip coefficient's buffer on each gradient device
+    # Adam's step counters as they were: (state, the stacked copy of its device's counters, its row in it)
+    counters: list[tuple[dict[str, Any], torch.Tensor, int]] = field(default_factory=list)
     progress: Progress = field(default_factory=Progress)
 
 
@@ -157,8 +170,9 @@ class Update:
     wrapper), `params` the trainable parameters, `scaler` accelerate's fp16 GradScaler or None."""
 
     def __init__(self, inner: Any, params: Sequence[torch.nn.Parameter], *, world_size: int, manual_sync: bool,
-                 max_grad_norm: float | None, scaler: Any = None):  # fmt: skip
+                 max_grad_norm: float | None, scaler: Any = None, device: torch.device | None = None):  # fmt: skip
         self.inner, self.params = inner, list(params)
+        self.device = device or (self.params[0].device if self.params else torch.device("cpu"))
         self.world_size, self.manual_sync = world_size, manual_sync
         self.max_grad_norm, self.scaler = max_grad_norm, scaler
         # DDP's exchange buffers by (dtype, device), allocated by the first `prepare_exchange` and kept
@@ -166,9 +180,7 @@ class Update:
         self.unscaled = False  # fp16: the scaler unscaled this step's gradients already
         # torch's optimizers step group by group; torchao's host optimizer (zero2_offload) steps every parameter
         # at once and keeps its own groups
-        self.by_group = isinstance(inner, torch.optim.Optimizer) and type(inner).step is not None and not hasattr(
-            inner, "offload"
-        )
+        self.by_group = isinstance(inner, torch.optim.Optimizer) and not hasattr(inner, "offload")
 
     # --- prepare: allocates, changes nothing -------------------------------------------------------------------
 
@@ -197,7 +209,7 @@ class Update:
             self.unscaled = True
         if self.max_grad_norm is not None:
             prepared.norm, prepared.coef = self._norm()
-        prepared.counters = [(s, s["step"].clone()) for s in self._states() if isinstance(s.get("step"), torch.Tensor)]
+        prepared.counters = _snapshot([s for s in self._states() if isinstance(s.get("step"), torch.Tensor)])
         return prepared
 
     def abandon(self) -> None:
@@ -215,17 +227,23 @@ class Update:
         """The gradients in exchange order (`runs`)."""
         return runs([p.grad for p in self.params if p.grad is not None])
 
-    def _norm(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(this rank's gradient norm, an empty clip coefficient), as torch's clip_grad_norm_ computes the norm: the
-        2-norm of the per-tensor 2-norms. A sharded model's local norm comes back squared, to be summed over ranks."""
+    def _norm(self) -> tuple[torch.Tensor, dict[torch.device, torch.Tensor]]:
+        """(this rank's gradient norm, an empty clip coefficient for each device gradients live on), as torch's
+        clip_grad_norm_ computes the norm: the 2-norm of the per-tensor 2-norms. A sharded model's local norm comes
+        back squared, to be summed over ranks, on the training device (`minimal` keeps its gradients on the host,
+        and NCCL sums device tensors only)."""
         grads = [_local(p.grad) for p in self.params if p.grad is not None]
         if not grads:
-            zero = torch.zeros((), device=self.params[0].device if self.params else "cpu")
-            return zero, torch.empty_like(zero)
+            zero = torch.zeros((), device=self.device)
+            return zero, {zero.device: torch.empty_like(zero)}
         total = torch.nn.utils.get_total_norm(grads, 2.0)  # what clip_grad_norm_ computes (torch >= 2.6)
         if self._sharded_ranks():
-            total = total.square()
-        return total, torch.empty_like(total)
+            total = total.square().to(self.device)
+        coefs = {total.device: torch.empty_like(total)}
+        for g in grads:
+            if g.device not in coefs:
+                coefs[g.device] = torch.empty((), dtype=total.dtype, device=g.device)
+        return total, coefs
 
     def _sharded_ranks(self) -> bool:
         return self.world_size > 1 and any(_sharded(p) for p in self.params)
@@ -266,11 +284,18 @@ class Update:
                 p.reduced = True
             if prepared.norm is not None and not p.clipped:
                 assert prepared.coef is not None and self.max_grad_norm is not None
-                coef = prepared.coef.copy_(prepared.norm).add_(1e-6).reciprocal_().mul_(self.max_grad_norm)
-                coef.clamp_(max=1.0)
-                grads = [_local(q.grad) for q in self.params if q.grad is not None]
-                if grads:
-                    internals.foreach_mul_(grads, coef)
+                coef = prepared.coef[prepared.norm.device].copy_(prepared.norm)
+                coef.add_(1e-6).reciprocal_().mul_(self.max_grad_norm).clamp_(max=1.0)
+                by_device: dict[torch.device, list[torch.Tensor]] = {}
+                for q in self.params:
+                    if q.grad is not None:
+                        g = _local(q.grad)
+                        by_device.setdefault(g.device, []).append(g)
+                for device, grads in by_device.items():
+                    here = prepared.coef[device]
+                    if here is not coef:
+                        here.copy_(coef)
+                    internals.foreach_mul_(grads, here)
                 p.clipped = True
             for group in self.inner.param_groups:
                 group["lr"] = lr
@@ -308,9 +333,9 @@ class Update:
         """Put back the step counters of the groups not stepped yet (a fused step counts before its kernel runs)."""
         done = {id(q) for g in self.inner.param_groups[: prepared.progress.stepped] for q in g["params"]}
         stepped = {id(self.inner.state[q]) for q in self.params if id(q) in done and q in self.inner.state}
-        for state, saved in prepared.counters:
+        for state, saved, row in prepared.counters:
             if id(state) not in stepped and isinstance(state.get("step"), torch.Tensor):
-                state["step"].copy_(saved)
+                state["step"].copy_(saved[row])
 
     def _norm_group(self) -> Any:
         for q in self.params:
