@@ -214,6 +214,11 @@ def _two_ranks(cfg: Config, run_dir: Path, fault: str | None) -> Run:
             errs.append(err)
             codes.append(p.returncode)
     except subprocess.TimeoutExpired:
+        for p in procs:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, 9)
+        for r, p in enumerate(procs):  # what each rank said before it was stopped
+            (run_dir / f"stderr-rank{r}.txt").write_text(p.communicate()[1] or "")
         return Run("hang", run_dir, {}, time.perf_counter() - t0)
     finally:
         for p in procs:

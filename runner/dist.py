@@ -10,10 +10,11 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
@@ -21,6 +22,7 @@ import torch.distributed as dist
 from jobspec.errors import ConfigError
 
 log = logging.getLogger("jobspec.runner")
+T = TypeVar("T")
 TIMEOUT_ENV = "JOBSPEC_DIST_TIMEOUT_S"
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 
@@ -99,6 +101,18 @@ def on_host_side() -> bool:
     return getattr(_HOST, "depth", 0) > 0
 
 
+def joined(collective: Callable[[], T], what: str = "collective") -> T:
+    """Issue `collective`, which the other ranks may have entered already: an out-of-memory error raised by the call
+    itself on this rank, before it joined, is retried once, so that this rank joins and nobody waits for it in vain
+    (the one that remains propagates; the collective timeout bounds the others' wait)."""
+    try:
+        return collective()
+    except torch.OutOfMemoryError as exc:
+        log.warning("out of memory issuing a %s (%s): issuing it again, the other ranks wait in it", what,
+                    str(exc).splitlines()[0][:200] if str(exc) else "")  # fmt: skip
+    return collective()
+
+
 class Control:
     """CPU collectives over all ranks (float64 values: exact for integers below 2**53)."""
 
@@ -113,7 +127,7 @@ class Control:
             return list(values)
         with host_side():
             t = torch.tensor(values, dtype=torch.float64)
-            dist.all_reduce(t, op=_OPS[op], group=self.group)
+            joined(lambda: dist.all_reduce(t, op=_OPS[op], group=self.group), "control all-reduce")
             return t.tolist()
 
     def from_rank0(self, text: str) -> str:

@@ -10,8 +10,12 @@
     relaunch.py  the supervisor's fallback: a new worker process at the next tier (exit 75)
     faults.py    `JOBSPEC_FAULT_OOM`: real `torch.OutOfMemoryError`s on chosen steps, tiers, micro-batches,
                  ranks, and in the planner's probe steps
+    anywhere.py  `op=N`: the dispatch mode that raises one before the N-th allocating op of a step, an
+                 evaluation, a checkpoint or a probe step, wherever that op is (bench/oom_anywhere.py sweeps it)
 
 The recipe (runner/train/recipe.py) steps down a tier in process (`Recipe._step_down`) when every rank agreed
-on the OOM, and leaves it to relaunch.py otherwise. The planner's probe search (runner/sizing/plan.py
-`verify_micro_batch`) is the same machinery before training starts.
+on the OOM, and leaves it to relaunch.py otherwise. The end of a step (clipping, the optimizer step) is
+runner/train/update.py's transaction; evaluation (runner/train/step.py `Stepper.evaluate`) and checkpoints
+(runner/checkpoint/store.py `CheckpointOOM`) agree on an OOM the same way. The planner's probe search
+(runner/sizing/plan.py `verify_micro_batch`) is the same machinery before training starts.
 """

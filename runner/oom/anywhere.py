@@ -10,7 +10,8 @@ allocate (`internals.allocates`: an op with a fresh, non-aliasing tensor result;
 ops allocate nothing) on the training device's type, and raises before the N-th one runs, as an allocator
 would. On a GPU only device allocations count (the host-side control values never fail there); on the CPU, the
 device, every allocating op counts but the control plane's (`runner.dist.host_side`: the values ranks agree on, the
-checkpoint's manifest entries), which lives in host memory on a GPU too.
+checkpoint's manifest entries; torch.distributed's object collectives, with which DCP plans over the gloo group),
+which lives in host memory on a GPU too.
 
 The sweep over every N of a region (bench/oom_anywhere.py) and the tests that sample it drive the recovery
 code through the same door as a real failure. A region that ends before its N-th op reports how many it had
@@ -21,6 +22,7 @@ Cost when unset: nothing (no mode is installed). When set: one Python call per o
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -39,6 +41,25 @@ def _first_tensor(values: Any) -> torch.Tensor | None:
             if found is not None:
                 return found
     return None
+
+
+# torch.distributed's object collectives (DCP plans and reduces with them over the control group): they pickle into
+# byte tensors on the group's device, the host for gloo, so a GPU's allocator never sees them
+_OBJECT_COLLECTIVES = frozenset(
+    ("all_gather_object", "gather_object", "broadcast_object_list", "scatter_object_list", "send_object_list",
+     "recv_object_list")
+)  # fmt: skip
+
+
+def _in_object_collective() -> bool:
+    frame = sys._getframe(2)
+    while frame is not None:
+        if frame.f_code.co_name in _OBJECT_COLLECTIVES and frame.f_globals.get("__name__", "").startswith(
+            "torch.distributed"
+        ):
+            return True
+        frame = frame.f_back
+    return False
 
 
 def _device_type(args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
@@ -67,7 +88,7 @@ class OpFault(internals.dispatch_mode()):  # type: ignore[misc]
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         if (not self.fired and internals.allocates(func) and _device_type(args, kwargs) == self.device_type
-                and not on_host_side()):  # fmt: skip
+                and not on_host_side() and not (self.device_type == "cpu" and _in_object_collective())):  # fmt: skip
             self.ops += 1
             if self.ops == self.target:
                 self.fired = True

@@ -18,7 +18,9 @@ into `StepOOM` by the loop) before entering the collective, nobody waits, and al
 What each agreement pairs with, by where the OOM happens:
 - in compute, or in the buffer allocation of a collective (before `__call__`): the others' next
   pre-collective agreement, or their end-of-micro-step one when no collective is left in the step;
-- in the copy-out after a collective: the same, since the collective itself was joined by all.
+- in the copy-out after a collective: the same, since the collective itself was joined by all;
+- raised by the collective call itself on one rank, after the agreement, while the others are in it: that
+  rank issues it once more with the memory released (`Gate.joined`), so it joins them.
 Not covered (the supervisor's restart stays the fallback, `RankOOM`): an OOM in clipping or the
 optimizer step (its all-reduce of the gradient norm goes through DTensor, not FSDP), a torch without
 this API, several parameter groups per module, and `JOBSPEC_FSDP_AGREE=0`, which turns it off.
@@ -31,6 +33,7 @@ from __future__ import annotations
 
 import logging
 import os
+import traceback
 from collections.abc import Sequence
 from typing import Any
 
@@ -39,6 +42,7 @@ from torch import nn
 
 from runner import internals
 from runner.dist import Control
+from runner.oom.detect import describe, is_oom, release_memory
 from runner.oom.shrink import agreement
 
 log = logging.getLogger("jobspec.runner")
@@ -61,6 +65,23 @@ class Gate:
         self.ctrl, self.rank = ctrl, rank
         self.armed = False
         self.agreements = 0  # pre-collective all-reduces so far (tests, benchmarks)
+
+    def joined(self, collective: Any) -> Any:
+        """Issue `collective`, which the other ranks have entered by now (they passed the same agreement): an OOM
+        raised by the call itself on this rank (before it joined: its buffers were allocated before the agreement)
+        is retried once with the memory released, so that this rank joins and nobody waits for it; the OOM that
+        remains after that propagates (the collective timeout bounds the others' wait)."""
+        try:
+            return collective()
+        except Exception as exc:
+            if not is_oom(exc):
+                raise
+            reason = describe(exc)
+            traceback.clear_frames(exc.__traceback__)
+        log.warning("rank %d: out of memory issuing an FSDP collective (%s): issuing it again, the others wait in it",
+                    self.rank, reason)  # fmt: skip
+        release_memory()
+        return collective()
 
     def check(self) -> None:
         if not self.armed:
@@ -116,7 +137,7 @@ def _wrappers(all_gather_base: type, reduce_scatter_base: type) -> tuple[type, t
         def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any,
                      async_op: bool = False) -> Any:  # fmt: skip
             self.gate.check()
-            return self.inner(output_tensor, input_tensor, group, async_op)
+            return self.gate.joined(lambda: self.inner(output_tensor, input_tensor, group, async_op))
 
     class AgreeingReduceScatter(reduce_scatter_base):  # type: ignore[misc, valid-type]
         def __init__(self, gate: Gate, inner: Any):
@@ -128,7 +149,7 @@ def _wrappers(all_gather_base: type, reduce_scatter_base: type) -> tuple[type, t
         def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any, op: Any,
                      async_op: bool = False) -> Any:  # fmt: skip
             self.gate.check()
-            return self.inner(output_tensor=output_tensor, input_tensor=input_tensor, group=group, op=op,
-                              async_op=async_op)  # fmt: skip
+            return self.gate.joined(lambda: self.inner(output_tensor=output_tensor, input_tensor=input_tensor,
+                                                       group=group, op=op, async_op=async_op))  # fmt: skip
 
     return AgreeingAllGather, AgreeingReduceScatter

@@ -2,6 +2,8 @@
 
     recipe.py   `Recipe(spec)`: `setup()`, `train()`, `cleanup()`; the in-process tier step-down
     step.py     one optimizer step, evaluation, the LR schedule, the stop flag
+    update.py   the end of a step as a transaction: exchange, clipping and the optimizer step, recoverable from
+                an OOM at any op on any rank
     loss.py     the chunked cross-entropy inside the output layer: the (tokens x vocab) fp32 logits never whole
     engine.py   accelerate for one plan: DDP for `fast`, FSDP2 for the other tiers, mixed precision
     offload.py  `zero2_offload`'s optimizer: Adam's states and step on the host (torchao)

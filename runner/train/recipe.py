@@ -43,8 +43,8 @@ from runner.dist import Control, DistEnv, destroy_process_group, init_process_gr
 from runner.model.build import build_model
 from runner.model.packing import confine_packing
 from runner.oom import faults, ladder
-from runner.oom.detect import is_oom, oom_guard, release_memory
-from runner.oom.shrink import RecipeGuard, TierOOM, apply_cap, reset_wrapper
+from runner.oom.detect import is_oom, next_micro_batch, oom_guard, release_memory
+from runner.oom.shrink import RankOOM, RecipeGuard, TierOOM, apply_cap, reset_wrapper
 from runner.output import tracking
 from runner.output.metrics import GpuUtil, Metrics, Progress, memory_bytes
 from runner.sizing import traced
@@ -634,6 +634,10 @@ class Recipe:
                 raise
             log.warning("stop requested during the final evaluation: skipped; writing the final checkpoint")
             return
+        except RankOOM as err:  # this rank alone, with no FSDP gate: restart every rank at a smaller micro-batch
+            cap = next_micro_batch(self.plan.micro_batch, self.plan.per_rank) or 1
+            raise TierOOM(self.plan.tier, f"out of memory in evaluation on rank {err.rank}: {err.reason}",
+                          weights_intact=False, cap=cap, local=True) from None  # fmt: skip
         except EvalOOM as err:  # agreed by every rank: the evaluation is skipped, training goes on
             log.warning("evaluation at step %d skipped: %s", self.step, err)
             self.metrics.write({"kind": "event", "event": "eval_skipped", "step": self.step, "reason": str(err)})

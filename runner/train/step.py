@@ -359,6 +359,8 @@ class Stepper:
                     try:
                         out = self._gated(partial(self._eval_micro_step, ids))
                         self.agree(out.reason)  # StepOOM on every rank when any ran out; Preempted on a stop
+                    except RankOOM:
+                        raise  # no agreement possible (no FSDP gate): the others may wait in a collective
                     except StepOOM as err:
                         reason = err.reason
                     else:

@@ -40,6 +40,7 @@ import torch
 import torch.distributed as dist
 
 from runner import internals
+from runner.dist import joined
 
 PREPARE_TRIES = 2  # `prepare` after an agreed OOM: once more, then the ladder
 APPLY_TRIES = 3  # `apply` on a rank that failed in it: twice more, alone, from where it stopped
@@ -256,13 +257,13 @@ class Update:
         assert self.buffers is not None
         for bucket in self._buckets():
             if len(bucket) == 1:
-                dist.all_reduce(bucket[0])
+                joined(lambda g=bucket[0]: dist.all_reduce(g), "gradient all-reduce")
                 bucket[0].div_(self.world_size)
                 continue
             n = sum(g.numel() for g in bucket)
             flat = self.buffers[(bucket[0].dtype, bucket[0].device)][:n]
             torch.cat([g.view(-1) for g in bucket], out=flat)
-            dist.all_reduce(flat)
+            joined(lambda flat=flat: dist.all_reduce(flat), "gradient all-reduce")
             flat.div_(self.world_size)
             offset = 0
             for g in bucket:
@@ -279,7 +280,8 @@ class Update:
         try:
             if prepared.norm is not None and not p.reduced:
                 if self._sharded_ranks():  # the one collective, before anything can fail
-                    dist.all_reduce(prepared.norm, group=self._norm_group())
+                    norm = prepared.norm
+                    joined(lambda: dist.all_reduce(norm, group=self._norm_group()), "gradient-norm all-reduce")
                     prepared.norm.sqrt_()
                 p.reduced = True
             if prepared.norm is not None and not p.clipped:

@@ -253,3 +253,56 @@ def test_sweep_cli_prints_the_matrix(tmp_path):
     assert out.returncode == 0, out.stderr[-2000:]
     assert "| zero2 x1 full ckpt:off save |" in out.stdout and "1 of 1 points recovered" in out.stdout
     assert Path(tmp_path / "m.json").exists()
+
+
+COLLECTIVE_SCRIPT = """
+import os, sys, torch, torch.distributed as dist
+calls = {"n": 0}
+name = os.environ["FLAKY"]
+if name == "all_gather":  # FSDP2's, by torch version
+    name = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
+real = getattr(dist, name)
+def flaky(*args, **kwargs):  # rank 1's 5th call fails in the call itself, after the agreement before it
+    calls["n"] += 1
+    if os.environ["RANK"] == "1" and calls["n"] == 5:
+        raise torch.OutOfMemoryError("CUDA out of memory (test: inside the collective call)")
+    return real(*args, **kwargs)
+setattr(dist, name, flaky)
+from jobspec.spec.loader import load_spec
+from runner.train.recipe import Recipe
+r = Recipe(load_spec(sys.argv[1]))
+r.setup()
+code = r.train()
+m = r.accelerator.unwrap_model(r.model)
+torch.save({k: getattr(v, "full_tensor", lambda v=v: v)().detach() for k, v in m.state_dict().items()}, sys.argv[2])
+r.cleanup()
+from runner.process.worker import _exit
+_exit(code if calls["n"] >= 5 else 99)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("tier", "collective"), [("zero3", "all_gather"), ("fast", "all_reduce")])
+def test_an_oom_raised_by_a_collective_call_on_one_rank_joins_the_others(tmp_path, tier, collective):
+    """Rank 1's collective call itself (FSDP2's all-gather; the all-reduce of DDP's exchange or of an agreement)
+    raises an OOM while rank 0 waits inside it: rank 1 issues it again and joins, nobody hangs, both end on the same
+    weights."""
+    from tests.runner.oom.test_oom_recovery import _free_port
+    from tests.runner.train_helpers import communicate_or_fail, tiny_spec_dict, write_spec
+
+    spec = write_spec(tmp_path / "s.yaml", tiny_spec_dict(tmp_path / "run", training={"micro_batch": 4, "steps": 3},
+                                                          memory={"tier": tier}))  # fmt: skip
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "WORLD_SIZE": "2",
+           "LOCAL_WORLD_SIZE": "2", "OMP_NUM_THREADS": "1", "FLAKY": collective}  # fmt: skip
+    procs = [subprocess.Popen([sys.executable, "-c", COLLECTIVE_SCRIPT, str(spec), str(tmp_path / f"w{r}.pt")],
+                              cwd=ROOT, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, stderr=subprocess.PIPE,
+                              text=True) for r in (0, 1)]  # fmt: skip
+    try:
+        errs = [communicate_or_fail(p, f"rank {r}", timeout=300)[1] for r, p in enumerate(procs)]
+    finally:
+        for p in procs:
+            p.kill()
+    assert [p.returncode for p in procs] == [EXIT_OK, EXIT_OK], errs[1][-3000:]
+    assert "out of memory issuing" in errs[1] and "issuing it again" in errs[1]
+    w0, w1 = (torch.load(tmp_path / f"w{r}.pt") for r in (0, 1))
+    assert all(torch.equal(w0[k], w1[k]) for k in w0)
