@@ -204,7 +204,9 @@ class Recipe:
             loss_kernel=spec.training.loss_kernel,
         )
         probe_faults = faults.probe_injector(self.model, rank=env.rank, tier=self.plan.tier, run_dir=self.root)
-        if verify and (self.dev.is_gpu or probe_faults) and (meta is None or self.plan.to_dict() != meta["plan"]):
+        # every rank probes when any does (a fault rule for one rank makes the CPU probe): the steps are collective
+        probing = self.dev.is_gpu or self.ctrl.any(probe_faults is not None)
+        if verify and probing and (meta is None or self.plan.to_dict() != meta["plan"]):
             self._verify_micro_batch(probe_faults)  # a new plan: real probe steps check it
         if probe_faults is not None:
             probe_faults.remove()

@@ -395,7 +395,10 @@ class Stepper:
         self.inner.zero_grad(set_to_none=True)
         try:
             with self.faults("probe", micro_batch):
-                out = self._micro_step(batch, 1.0 / batch.targets)
+                # DDP exchanges after the agreement, as in a training step (never inside a backward one rank may
+                # not finish)
+                with self.accelerator.no_sync(self.model) if self.manual_sync else nullcontext():
+                    out = self._micro_step(batch, 1.0 / batch.targets)
                 oom = out.reason
                 if not oom and self.manual_sync:
                     oom = guarded(self.update.prepare_exchange).reason
