@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import traceback
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -101,15 +102,21 @@ def on_host_side() -> bool:
     return getattr(_HOST, "depth", 0) > 0
 
 
-def joined(collective: Callable[[], T], what: str = "collective") -> T:
-    """Issue `collective`, which the other ranks may have entered already: an out-of-memory error raised by the call
-    itself on this rank, before it joined, is retried once, so that this rank joins and nobody waits for it in vain
-    (the one that remains propagates; the collective timeout bounds the others' wait)."""
+def joined(collective: Callable[[], T], what: str = "collective", *,
+           is_oom: Callable[[BaseException], bool] = lambda exc: isinstance(exc, torch.OutOfMemoryError),
+           release: Callable[[], None] = lambda: None) -> T:  # fmt: skip
+    """Issue `collective`, which the other ranks may have entered already: an out-of-memory error (`is_oom`) raised
+    by the call itself on this rank, before it joined, is retried once after `release()`, so that this rank joins and
+    nobody waits for it in vain (the one that remains propagates; the collective timeout bounds the others' wait)."""
     try:
         return collective()
-    except torch.OutOfMemoryError as exc:
-        log.warning("out of memory issuing a %s (%s): issuing it again, the other ranks wait in it", what,
-                    str(exc).splitlines()[0][:200] if str(exc) else "")  # fmt: skip
+    except Exception as exc:
+        if not is_oom(exc):
+            raise
+        reason = str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
+        traceback.clear_frames(exc.__traceback__)  # its frames may hold the failed call's tensors
+    log.warning("out of memory issuing a %s (%s): issuing it again, the other ranks wait in it", what, reason)
+    release()
     return collective()
 
 

@@ -319,7 +319,7 @@ def save(
     phase = _Phase(ctrl, rank, root, tmp, fence, is_oom)
     phase.need = phase.run(lambda: _prepare(root, tmp, expected_bytes(root, model, trainable_only)) if rank == 0 else 0)
     entries = phase.run(lambda: _write_rank_files(tmp, _state(model, optimizer, trainable_only), rank, ctrl))
-    hashed = {name: e for part in _gather(ctrl, entries) for name, e in part.items()}
+    hashed = {name: e for part in ctrl.all_gather_object(entries) for name, e in part.items()}
     if rank == 0:
         meta = {**meta, "step": step, "format": FORMAT}
         phase.run(lambda: _finish(tmp, final, step, meta, files or {}, hashed, keep, fence))
@@ -388,10 +388,6 @@ def _write_rank_files(tmp: Path, state: dict[str, Any], rank: int, ctrl: Control
     _write_durable(tmp / f"rng-{rank}.pt", rng.encode(rng_state()))
     mine = [p for p in tmp.iterdir() if p.name.startswith(f"__{rank}_") or p.name == f"rng-{rank}.pt"]
     return manifest.hash_files(mine)
-
-
-def _gather(ctrl: Control, entries: dict[str, Any]) -> list[dict[str, Any]]:
-    return ctrl.all_gather_object(entries)  # type: ignore[return-value]
 
 
 def _finish(tmp: Path, final: Path, step: int, meta: dict[str, Any], files: dict[str, bytes],

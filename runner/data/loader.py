@@ -88,7 +88,7 @@ class Prefetcher:
         self.num_workers, self.pin_memory = num_workers, pin_memory
         self.current: StepBatches | None = None
         self.misses = 0  # steps collated in process (tests and logs)
-        self.miss_seconds = 0.0  # time spent collating in process and restarting the workers (`take_miss_seconds`)
+        self.miss_seconds = 0.0  # time spent collating misses in process (`take_miss_seconds`)
         self._it: Iterator[StepBatches] | None = None
         self._restart(start, micro_batch)
 

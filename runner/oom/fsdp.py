@@ -21,9 +21,10 @@ What each agreement pairs with, by where the OOM happens:
 - in the copy-out after a collective: the same, since the collective itself was joined by all;
 - raised by the collective call itself on one rank, after the agreement, while the others are in it: that
   rank issues it once more with the memory released (`Gate.joined`), so it joins them.
-Not covered (the supervisor's restart stays the fallback, `RankOOM`): an OOM in clipping or the
-optimizer step (its all-reduce of the gradient norm goes through DTensor, not FSDP), a torch without
-this API, several parameter groups per module, and `JOBSPEC_FSDP_AGREE=0`, which turns it off.
+Clipping and the optimizer step need no gate: their one collective (the sharded gradient norm's all-reduce)
+runs after every rank agreed that nothing ran out (runner/train/update.py). Not covered (the supervisor's
+restart stays the fallback, `RankOOM`): a torch without this API, several parameter groups per module, and
+`JOBSPEC_FSDP_AGREE=0`, which turns it off.
 
 Cost: one small gloo all-reduce per FSDP collective of a training step (evaluation and the planner's
 probe steps do not agree: the gate is armed only inside `Stepper.train_step`).
@@ -33,7 +34,6 @@ from __future__ import annotations
 
 import logging
 import os
-import traceback
 from collections.abc import Sequence
 from typing import Any
 
@@ -41,8 +41,8 @@ import torch
 from torch import nn
 
 from runner import internals
-from runner.dist import Control
-from runner.oom.detect import describe, is_oom, release_memory
+from runner.dist import Control, joined
+from runner.oom.detect import is_oom, release_memory
 from runner.oom.shrink import agreement
 
 log = logging.getLogger("jobspec.runner")
@@ -68,20 +68,9 @@ class Gate:
 
     def joined(self, collective: Any) -> Any:
         """Issue `collective`, which the other ranks have entered by now (they passed the same agreement): an OOM
-        raised by the call itself on this rank (before it joined: its buffers were allocated before the agreement)
-        is retried once with the memory released, so that this rank joins and nobody waits for it; the OOM that
-        remains after that propagates (the collective timeout bounds the others' wait)."""
-        try:
-            return collective()
-        except Exception as exc:
-            if not is_oom(exc):
-                raise
-            reason = describe(exc)
-            traceback.clear_frames(exc.__traceback__)
-        log.warning("rank %d: out of memory issuing an FSDP collective (%s): issuing it again, the others wait in it",
-                    self.rank, reason)  # fmt: skip
-        release_memory()
-        return collective()
+        raised by the call itself on this rank (its buffers were allocated before the agreement) is retried once
+        with the memory released (`runner.dist.joined`), so that this rank joins and nobody waits for it."""
+        return joined(collective, f"FSDP collective on rank {self.rank}", is_oom=is_oom, release=release_memory)
 
     def check(self) -> None:
         if not self.armed:

@@ -648,17 +648,17 @@ class Recipe:
         self.fence()
         self.metrics.write({"kind": "eval", "step": self.step, "eval_loss": loss, "eval_tokens": n})
 
-    def _save(self, *, final: bool = False) -> bool:
-        """Checkpoint the steps trained so far (collective); True when one was written (or already was). An OOM while
-        writing it (agreed by every rank, its temp dir removed: runner/checkpoint/store.py) is written again once with
-        the memory released; a second one skips a periodic checkpoint (training goes on, the previous checkpoint
-        stays, the next one comes at its interval), and for the `final` one hands the run to the tier ladder."""
+    def _save(self, *, final: bool = False) -> None:
+        """Checkpoint the steps trained so far (collective). An OOM while writing it (agreed by every rank, its temp
+        dir removed: runner/checkpoint/store.py) is written again once with the memory released; a second one skips a
+        periodic checkpoint (training goes on, the previous checkpoint stays, the next one comes at its interval), and
+        for the `final` one hands the run to the tier ladder."""
         if self.saved_step == self.step:
-            return True
+            return
         for attempt in (1, 2):
             try:
                 self._write_checkpoint()
-                return True
+                return
             except store.CheckpointOOM as err:
                 reason = str(err)
             release_memory()
@@ -669,7 +669,6 @@ class Recipe:
                           weights_intact=True)  # fmt: skip
         if self.metrics is not None:
             self.metrics.write({"kind": "event", "event": "checkpoint_skipped", "step": self.step, "reason": reason})
-        return False
 
     def _write_checkpoint(self) -> None:
         self.fence()

@@ -197,11 +197,6 @@ class Stepper:
         # (runner/oom/faults.py `FaultInjector.region`); a null context when no fault is set
         self.faults: Callable[[str, int], AbstractContextManager[Any]] = lambda _during, _mbs: nullcontext()
 
-    def check_stop(self) -> None:
-        """Raise Preempted on every rank as soon as any rank has the flag (agreed by all-reduce MAX)."""
-        if self.ctrl.any(bool(self.stop)):
-            raise Preempted
-
     def agree(self, oom: str, *, stop: bool = True, optimizer: bool = False, room: Headroom | None = None,
               in_model: bool = True) -> None:  # fmt: skip
         """One all-reduce MAX over ranks of [stop flag, OOM flag, rank]: StepOOM (OptimizerOOM) on every rank
@@ -267,14 +262,20 @@ class Stepper:
             else:
                 losses.append(out.value)
                 seen += batch.sample_ids
+        norm, loss_sum = self._finish(oom, room, losses, lr)
+        self.inner.zero_grad(set_to_none=True)
+        return StepResult(loss_sum, int(targets), int(tokens), norm, seen)
+
+    def _finish(self, oom: str, room: Headroom | None, losses: Sequence[torch.Tensor],
+                lr: float) -> tuple[torch.Tensor | None, torch.Tensor]:  # fmt: skip
+        """After the last micro-step (whose OOM is `oom`): every rank agrees on it, DDP exchanges the gradients, then
+        the update (`_update`). Returns (grad norm, summed loss); StepOOM / OptimizerOOM on every rank."""
         if not oom and self.manual_sync:  # the exchange's zero gradients and buffer: on this agreement too
             oom = guarded(self.update.prepare_exchange).reason
         self.agree(oom, stop=False, room=room)  # the last micro-step's outcome, known to all before gradients move
         if self.manual_sync:
             self.update.exchange()
-        norm, loss_sum = self._update(losses, lr)
-        self.inner.zero_grad(set_to_none=True)
-        return StepResult(loss_sum, int(targets), int(tokens), norm, seen)
+        return self._update(losses, lr)
 
     def _update(self, losses: Sequence[torch.Tensor], lr: float) -> tuple[torch.Tensor | None, torch.Tensor]:
         """Clip and step as a transaction (runner/train/update.py): `prepare` allocates and changes nothing, and every
@@ -399,13 +400,7 @@ class Stepper:
                 # not finish)
                 with self.accelerator.no_sync(self.model) if self.manual_sync else nullcontext():
                     out = self._micro_step(batch, 1.0 / batch.targets)
-                oom = out.reason
-                if not oom and self.manual_sync:
-                    oom = guarded(self.update.prepare_exchange).reason
-                self.agree(oom, stop=False)
-                if self.manual_sync:
-                    self.update.exchange()
-                self._update([out.value], 0.0)  # AdamW with lr 0 leaves the weights bit-identical (decay 1 - 0)
+                self._finish(out.reason, None, [out.value], 0.0)  # AdamW at lr 0 leaves the weights bit-identical
             return True
         except StepOOM as err:
             log.info("probe step at micro-batch %d: out of memory (%s)", micro_batch, err.reason)
