@@ -14,19 +14,11 @@ from __future__ import annotations
 import json
 import os
 import re
-import stat
 from pathlib import Path
 from typing import Any, BinaryIO
 
 from jobspec.errors import ConfigError
-
-_KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISCHR, "a character device"),
-          (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))  # fmt: skip
-
-
-def kind(mode: int) -> str:
-    """What a file of `st_mode` is, in words ("a FIFO (named pipe)"); "a regular file" for one."""
-    return next((name for test, name in _KINDS if test(mode)), "a regular file" if stat.S_ISREG(mode) else "special")
+from jobspec.shared_dir import Unsafe, open_fd
 
 
 def inside(path: Path, root: Path, what: str) -> Path:
@@ -40,26 +32,27 @@ def inside(path: Path, root: Path, what: str) -> Path:
 def open_regular(path: str | Path, *, what: str = "file", limit: int | None = None,
                  root: str | Path | None = None) -> BinaryIO:  # fmt: skip
     """`path` opened for binary reading once it is known to be a regular file (of at most `limit` bytes,
-    resolving under `root` when given). The open never blocks: O_NONBLOCK makes a FIFO's open return."""
+    resolving under `root` when given). Opened by jobspec.shared_dir.open_fd: never blocking on a FIFO, checked on
+    the descriptor."""
     path = Path(path)
     if root is not None:
         inside(path, Path(root), what)
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+        fd = open_fd(path, os.O_RDONLY, follow=True)
     except FileNotFoundError:
         raise ConfigError(f"{what} {path} does not exist") from None
+    except Unsafe as err:
+        raise ConfigError(f"{what} {path} is {err.detail.removeprefix('is ')}: replace it with the file") from None
     except OSError as err:
         raise ConfigError(f"{what} {path} cannot be opened: {err.strerror or err}") from None
+    f = os.fdopen(fd, "rb")
     try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise ConfigError(f"{what} {path} is {kind(st.st_mode)}, not a regular file: replace it with the file")
-        if limit is not None and st.st_size > limit:
-            raise ConfigError(f"{what} {path} is {st.st_size:,} bytes, more than the {limit:,} allowed for it")
-        os.set_blocking(fd, True)
-        return os.fdopen(fd, "rb")
+        size = os.fstat(fd).st_size
+        if limit is not None and size > limit:
+            raise ConfigError(f"{what} {path} is {size:,} bytes, more than the {limit:,} allowed for it")
+        return f
     except BaseException:
-        os.close(fd)
+        f.close()
         raise
 
 

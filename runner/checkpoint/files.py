@@ -5,8 +5,9 @@ a name in a step directory by a symbolic link (to /dev/zero, or out of the direc
 a directory. Reading /dev/zero or a FIFO without a writer never ends; a link out reads what is not the
 checkpoint. So every read of a checkpoint file goes through `open_regular`: it opens without following a
 link in the last component (O_NOFOLLOW) and without waiting for a FIFO's writer (O_NONBLOCK), then asks
-the open file itself (fstat, no race with a rename) whether it is a regular file. `read_bytes` also
-refuses a file larger than its bound before reading a byte, and reads at most the size fstat gave.
+the open file itself (fstat, no race with a rename) whether it is a regular file: jobspec.shared_dir.open_fd, the
+project's one way to open a file in a shared directory. `read_bytes` also refuses a file larger than its bound
+before reading a byte, and reads at most the size fstat gave.
 
 `UnsafeFile` is an OSError, so callers that already treat an unreadable file as damage keep doing so;
 its message names the file and what it is instead.
@@ -14,38 +15,23 @@ its message names the file and what it is instead.
 
 from __future__ import annotations
 
-import errno
-import json
 import os
 import stat
 from pathlib import Path
 from typing import Any, BinaryIO
 
+from jobspec.shared_dir import Unsafe, kind, open_fd
+from jobspec.untrusted import json_loads
+
 _CHUNK = 64 * 2**20
-_KINDS = {
-    stat.S_IFLNK: "a symbolic link",
-    stat.S_IFIFO: "a FIFO (named pipe)",
-    stat.S_IFCHR: "a character device",
-    stat.S_IFBLK: "a block device",
-    stat.S_IFDIR: "a directory",
-    stat.S_IFSOCK: "a socket",
-}
 
 
-class UnsafeFile(OSError):
+class UnsafeFile(Unsafe):
     """A checkpoint file that is not a regular file of its own, or is larger than a reader may take."""
-
-    def __init__(self, path: Path, problem: str):
-        super().__init__(errno.EINVAL, f"{path.name} {problem}", str(path))
-        self.problem = f"{path.name} {problem}"
-
-    def __str__(self) -> str:
-        return self.problem
 
 
 def _not_regular(path: Path, mode: int) -> UnsafeFile:
-    kind = _KINDS.get(stat.S_IFMT(mode), "not a regular file")
-    return UnsafeFile(path, f"is {kind}, not a regular file (a checkpoint holds regular files only)")
+    return UnsafeFile(path, f"is {kind(mode)}, not a regular file (a checkpoint holds regular files only)")
 
 
 def plain_name(name: str) -> bool:
@@ -57,20 +43,9 @@ def open_regular(path: str | Path) -> BinaryIO:
     """`path` opened for reading, if it is a regular file (not reached through a link); UnsafeFile otherwise."""
     path = Path(path)
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    except OSError as err:
-        if err.errno == errno.ELOOP:  # O_NOFOLLOW's answer for a link
-            raise UnsafeFile(path, "is a symbolic link (a checkpoint holds regular files only)") from None
-        raise
-    try:
-        mode = os.fstat(fd).st_mode
-        if not stat.S_ISREG(mode):
-            raise _not_regular(path, mode)
-        os.set_blocking(fd, True)
-        return os.fdopen(fd, "rb", buffering=0)
-    except BaseException:
-        os.close(fd)
-        raise
+        return os.fdopen(open_fd(path, os.O_RDONLY), "rb", buffering=0)
+    except Unsafe as err:
+        raise UnsafeFile(path, f"{err.detail} (a checkpoint holds regular files only)") from None
 
 
 def size_of(f: BinaryIO) -> int:
@@ -102,10 +77,7 @@ def read_at_most(f: BinaryIO, n: int) -> bytes:
 def read_json(path: str | Path, limit: int, what: str = "JSON file") -> Any:
     """The JSON document in `path` (bounded as `read_bytes`); ValueError when it does not parse."""
     data = read_bytes(path, limit, what)
-    try:
-        return json.loads(data)
-    except RecursionError:  # json recurses per level: a deeply nested file is not ours
-        raise ValueError("nested too deeply") from None
+    return json_loads(data)  # ValueError when nested deeper than any file of ours
 
 
 def regular_sizes(directory: Path) -> dict[str, int]:

@@ -341,7 +341,7 @@ def test_a_manifest_cannot_make_verify_read_outside_or_without_end(ckpt, kind):
 
 def test_json_nested_too_deeply_is_unreadable_not_a_recursion_error(ckpt):
     (ckpt / "meta.json").write_text("[" * 100_000 + "]" * 100_000)
-    assert store.verify(ckpt) == "meta.json is unreadable (nested too deeply)"
+    assert store.verify(ckpt) == "meta.json is unreadable (JSON nested deeper than 512 levels)"
     (ckpt / "meta.json").write_text(json.dumps({"step": 4, "plan": "fast"}))
     rewrite_manifest(ckpt)
     assert store.verify(ckpt) == "meta.json is malformed (its plan or lineage is not a table)"
