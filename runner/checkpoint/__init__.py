@@ -2,7 +2,6 @@
 
     store.py     save and load (DCP, sharded when the model is), atomically, with a DONE marker
     manifest.py  every file's size and CRC-32, written at save and checked before a resume
-    signing.py   optional HMAC-SHA256 of the manifest (JOBSPEC_CHECKPOINT_KEY), so a forged one is refused
     unpickle.py  DCP's pickles read without running code: restricted `.metadata`, weights-only byte items
     rng.py       each rank's RNG state, read with weights_only and checked for shape
     torchzip.py  torch.save zips checked before torch.load inflates anything (stored entries only)

@@ -4,7 +4,8 @@ One source's `Streams` (runner/data/tokens.py) live in `<cache root>/<key>/` as 
 flags, bounds, trainable) and a meta.json that gives each array's dtype, length, byte size and sha256, and
 the key's parts in readable form. The key is a sha256 over everything that decides the tokens:
 
-- the source's bytes: a file's content; a `datasets` save_to_disk directory's files (names and contents). A hub
+- the source's bytes: a file's content (its sha256, and a sampled digest read at every start: `_digest_file`); a
+  `datasets` save_to_disk directory's files (names and contents). A hub
   dataset id names no fixed content (its revision moves, and is only resolved by downloading it): not cached,
   and the log says so; save it with `save_to_disk` and point the spec at the directory to cache it;
 - the tokenizer (`cache_identity()`: the byte tokenizer's name and version; a transformers tokenizer's
@@ -14,21 +15,29 @@ the key's parts in readable form. The key is a sha256 over everything that decid
 Packing is not in the key: rows are grouped from the cached records at load time (a pass over the lengths).
 The source's path is not in the key either: the same bytes elsewhere hit the same entry.
 
+Content binds the entry: meta.json carries the key's parts (the source's digests, the tokenizer's identity) and a
+reader uses an entry only when they are its own (a copy of another entry under this name is damaged); a digest
+stamp saves the hashing but cannot redirect a job to other data, since the sampled digest read from the file itself
+is in the key. With JOBSPEC_CHECKPOINT_KEY set (jobspec/signing.py), meta.json, the digest stamps and VERIFIED are
+signed with it and an unsigned or wrongly signed one is not used.
+
+The cache root is shared by the jobs that name it: every file written there goes through jobspec.shared_dir (no
+link followed, temporaries and entries created exclusively under random names, the lock opened as a regular file).
 Written once: the first process takes an exclusive `fcntl.flock` on `<key>.lock` in the cache root, checks
 again, tokenizes, writes a temp directory (each file fsynced), renames it into place and releases the lock;
 the others wait on the lock (at most LOCK_WAIT_S), then read. Read = checks, then `np.memmap`: every file a
 regular file inside the entry (opened once, checked on the descriptor), sizes, dtypes and sha256 as meta.json
 says, bounds from 0 rising to len(ids), ids inside the vocabulary (the checks that read every byte once per entry
-and file identity: `read_entry`). Any failure is logged as a warning naming the file and the entry is rebuilt: a
-cache is never trusted and never a reason to stop. Mapped read-only, the
-ids and flags are shared by every process on the node through the page cache: ~3 B a token resident once
-touched, not a private copy per rank.
+and file identity: `read_entry`; without a key, an unforgeable VERIFIED cannot be had, so it saves the sha256 pass
+only and the bounds and vocabulary checks run at every start). Any failure is logged as a warning naming the file
+and the entry is rebuilt: a cache is never trusted and never a reason to stop. Mapped read-only, the ids and flags
+are shared by every process on the node through the page cache: ~3 B a token resident once touched, not a private
+copy per rank.
 """
 
 from __future__ import annotations
 
 import contextlib
-import errno
 import fcntl
 import hashlib
 import json
@@ -47,6 +56,7 @@ from typing import BinaryIO
 import numpy as np
 from numpy.lib import format as npy
 
+from jobspec import shared_dir, signing
 from jobspec.errors import ConfigError
 from jobspec.spec.models import DataSpec, JobSpec
 from jobspec.untrusted import json_loads, open_regular, read_bounded
@@ -56,7 +66,7 @@ from runner.data.tokenizer import Tokenizer
 from runner.data.tokens import Streams
 
 log = logging.getLogger("jobspec.runner")
-FORMAT_VERSION = 1  # of this layout and of the key's parts: raise it when either changes
+FORMAT_VERSION = 2  # of this layout and of the key's parts: raise it when either changes
 ARRAYS = {"ids": ("uint16", "int32"), "flags": ("bool",), "bounds": ("int64",), "trainable": ("bool",)}
 META = "meta.json"
 VERIFIED = "verified.stamp"  # the files a reader checked whole, by identity (read_entry)
@@ -64,6 +74,7 @@ MAX_META_BYTES = 1 << 20  # a chat template and a few hashes: kilobytes
 LOCK_WAIT_S = 3 * 3600.0  # a process tokenizing a very large source; past this a waiting rank stops with an error
 READ_BLOCK = 1 << 20
 SHA256_HEX = re.compile(r"[0-9a-f]{64}")
+SAMPLE_BLOCKS, SAMPLE_BYTES = 16, 4096  # the blocks of a source read at every start (`_sampled`): 64 KiB
 USERINFO = re.compile(r"(?<=://)[^/@\s]+@")  # user:password@ in a URL-like source: never written down
 
 
@@ -71,6 +82,18 @@ def cache_root(spec: JobSpec) -> Path:
     """Where the job's tokenized data is cached: `data.cache_dir`, else `<checkpoints.dir>/data-cache` (the run
     directory's volume: kept across restarts, shared by the pods that share it)."""
     return Path(spec.data.cache_dir) if spec.data.cache_dir else Path(spec.checkpoints.dir) / "data-cache"
+
+
+def usable_root(spec: JobSpec) -> Path | None:
+    """`cache_root(spec)`, made when missing, if it is a directory of its own: the default `data-cache` may not be a
+    link (planted there, it would lead the cache's writes out of the volume; `data.cache_dir`, named by a person,
+    may). None (logged: the data is tokenized without a cache) otherwise."""
+    root = cache_root(spec)
+    try:
+        return shared_dir.directory(root, follow=spec.data.cache_dir is not None)
+    except OSError as err:
+        log.warning("data cache %s not usable (%s): tokenizing without it", root, err)
+        return None
 
 
 @dataclass(frozen=True)
@@ -109,7 +132,8 @@ def cache_key(
     parts = {
         "format_version": str(FORMAT_VERSION),
         "source_kind": kind,
-        "source_sha256": content,
+        "source_sha256": content[0],
+        "source_sample": content[1],
         **{f"tokenizer.{k}": v for k, v in sorted(tok.items())},
         "max_seq_len": str(spec.max_seq_len),
         "format": spec.format,
@@ -133,47 +157,70 @@ def tokenizer_identity(tokenizer: Tokenizer) -> tuple[dict[str, str] | None, str
         return None, str(err)
 
 
-def _digest_file(path: Path, field: str, stamps: Path | None = None) -> str:
-    """The sha256 of a data file. With `stamps`, a file whose identity and change times match the stamp written
-    when it was last hashed (device, inode, size, mtime and ctime: ctime is the kernel's, no `touch` can set it
-    back) is not read again: a restart of a job on a 50 GB source takes a stat, not minutes of reading."""
+def _digest_file(path: Path, field: str, stamps: Path | None = None) -> tuple[str, str]:
+    """(sha256, sampled digest) of a data file. The sampled digest (`_sampled`: the size and SAMPLE_BLOCKS blocks
+    spread over the file) is read every time and enters the cache key beside the sha256. With `stamps`, a file whose
+    identity and change times match the stamp written when it was last hashed (device, inode, size, mtime and ctime:
+    ctime is the kernel's, no `touch` can set it back) and whose sampled digest matches the stamp's is not read
+    again: a restart of a job on a 50 GB source takes a stat and 64 KiB, not minutes of reading. A stamp only saves
+    time: one that names another file's sha256 (forged, or copied) still yields this file's sampled digest, so the
+    key is no other data's; one that disagrees with the file is ignored and written again."""
     f, size = open_data(path, field)
     with f:
         st = os.fstat(f.fileno())
         identity = [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns]
         name = f"source-{hashlib.sha256(str(identity[:2]).encode()).hexdigest()[:32]}.stamp"  # a file, not an entry
         stamp = stamps / name if stamps else None
-        known = _read_stamp(stamp, identity) if stamp is not None else None
+        sample = _sampled(f, size)
+        known = _read_stamp(stamp, identity, sample) if stamp is not None else None
         if known is not None:
-            return known
+            return known, sample
         digest = _sha256(f, size)
     if stamp is not None:
-        _write_stamp(stamp, {"identity": identity, "sha256": digest})
-    return digest
+        _write_stamp(stamp, {"identity": identity, "sha256": digest, "sample": sample})
+    return digest, sample
 
 
-def _read_stamp(stamp: Path, identity: list[int]) -> str | None:
-    """The digest a stamp holds for a file of exactly this `identity`; None for any other (or a damaged) stamp."""
+def _sampled(f: BinaryIO, size: int) -> str:
+    """sha256 over the file's size and SAMPLE_BLOCKS blocks of SAMPLE_BYTES at evenly spread offsets (the whole
+    file when it is smaller): what binds a stamp and a cache key to this file's bytes without reading all of them."""
+    h = hashlib.sha256(str(size).encode())
+    span = SAMPLE_BLOCKS * SAMPLE_BYTES
+    offsets = [0] if size <= span else [i * (size - SAMPLE_BYTES) // (SAMPLE_BLOCKS - 1) for i in range(SAMPLE_BLOCKS)]
+    for offset in offsets:
+        f.seek(offset)
+        h.update(f.read(span if size <= span else SAMPLE_BYTES))
+    f.seek(0)
+    return h.hexdigest()
+
+
+def _read_stamp(stamp: Path, identity: list[int], sample: str) -> str | None:
+    """The digest a stamp holds for a file of exactly this `identity` and sampled digest (signed, when a key is
+    set); None for any other (or a damaged) stamp."""
     record = _read_record(stamp, stamp.parent)  # None: none yet, or not a small regular file of JSON: hash the file
     if not isinstance(record, dict):
         return None
     digest = record.get("sha256")
     if record.get("identity") != identity or not isinstance(digest, str) or not SHA256_HEX.fullmatch(digest):
         return None
+    if record.get("sample") != sample:
+        log.info("digest stamp %s disagrees with the file it names: hashing the file and writing it again", stamp)
+        return None
     return digest
 
 
 def _write_stamp(stamp: Path, record: dict) -> None:
+    """A stamp (signed when a key is set) written whole over `stamp` (jobspec.shared_dir: never through a link)."""
     try:
+        secret = signing.key()
+        record = signing.sign(record, secret) if secret is not None else record
         stamp.parent.mkdir(parents=True, exist_ok=True)
-        tmp = stamp.with_name(f".{stamp.name}.{os.getpid()}")
-        tmp.write_text(json.dumps(record))
-        os.replace(tmp, stamp)  # atomic: a reader sees a whole stamp or none
+        shared_dir.write_atomic(stamp, json.dumps(record).encode(), fsync=False)
     except OSError as err:  # a read-only or full cache volume: the next start hashes again
         log.debug("digest stamp %s not written: %s", stamp, err)
 
 
-def _digest_dir(root: Path, stamps: Path | None = None) -> str:
+def _digest_dir(root: Path, stamps: Path | None = None) -> tuple[str, str]:
     """Names and contents of the regular files of a datasets directory, in name order. Links and other files
     enter by their name and kind only (the reader refuses them anyway); `cache-*.arrow` files that a
     `Dataset.map` on the loaded set may leave there are not part of the data."""
@@ -188,8 +235,8 @@ def _digest_dir(root: Path, stamps: Path | None = None) -> str:
             if path.is_symlink() or not path.is_file():
                 h.update(b"not a regular file\0")
                 continue
-            h.update(_digest_file(path, "data file", stamps).encode("ascii"))
-    return h.hexdigest()
+            h.update("".join(_digest_file(path, "data file", stamps)).encode("ascii"))
+    return h.hexdigest(), "in source_sha256"  # each file's sampled digest is in the directory's sha256
 
 
 class Damaged(Exception):
@@ -253,6 +300,7 @@ def read_entry(entry: Path, key: CacheKey) -> Streams:
     names = [META, *(f"{name}.npy" for name in ARRAYS)]
     seen = _identities(entry, names)
     checked = {"identity": seen, "key": key.digest, "vocab_size": key.vocab_size}
+    secret = signing.key()
     verified = seen is not None and _read_record(entry / VERIFIED, entry) == checked
     try:
         meta = json_loads(read_bounded(entry / META, MAX_META_BYTES, what="cache file", root=entry))
@@ -260,18 +308,22 @@ def read_entry(entry: Path, key: CacheKey) -> Streams:
         raise Damaged(f"{entry / META}: {err}") from None
     if not isinstance(meta, dict) or meta.get("format_version") != FORMAT_VERSION or meta.get("key") != key.digest:
         raise Damaged(f"{entry / META}: not this format version and key")
+    if meta.get("parts") != key.parts:  # the entry names the source digest and tokenizer it holds the tokens of
+        raise Damaged(f"{entry / META}: made from other data or another tokenizer than its name says")
+    if secret is not None and (unsigned := signing.problem(meta, secret, META)):
+        raise Damaged(f"{entry / META}: {unsigned}")
     arrays = {name: _map(entry / f"{name}.npy", meta, allowed, hashed=not verified) for name, allowed in ARRAYS.items()}
     ids, flags, bounds, trainable = arrays["ids"], arrays["flags"], arrays["bounds"], arrays["trainable"]
     if len(bounds) < 2 or bounds[0] != 0 or bounds[-1] != len(ids):
         raise Damaged(f"{entry / 'bounds.npy'}: record bounds do not run from 0 to the {len(ids)} tokens")
     if len(flags) != len(ids) or len(trainable) != len(bounds) - 1:
         raise Damaged(f"{entry}: arrays of mismatched lengths (flags {len(flags)}, ids {len(ids)})")
-    if not verified:
+    if not (verified and secret is not None):  # an unsigned stamp may be forged: it saves the sha256 pass only
         if np.any(bounds[1:] < bounds[:-1]):
             raise Damaged(f"{entry / 'bounds.npy'}: record bounds do not rise from 0 to the {len(ids)} tokens")
         if len(ids) and (int(ids.max()) >= key.vocab_size or int(ids.min()) < 0):
             raise Damaged(f"{entry / 'ids.npy'}: token ids outside the vocabulary of {key.vocab_size}")
-        if seen is not None and _identities(entry, names) == seen:  # nothing changed while it was being checked
+        if not verified and seen is not None and _identities(entry, names) == seen:  # unchanged while checked
             _write_stamp(entry / VERIFIED, checked)
     return Streams(ids, flags, bounds, trainable)
 
@@ -291,11 +343,16 @@ def _identities(entry: Path, names: Sequence[str]) -> dict[str, list[int]] | Non
 
 
 def _read_record(path: Path, root: Path) -> object:
-    """A small JSON record (a stamp) or None when there is none, or not a small regular file of JSON."""
+    """A small JSON record (a stamp), without its signature; None when there is none, or not a small regular file of
+    JSON, or (a key set) not signed with the key."""
+    secret = signing.key()
     try:
-        return json_loads(read_bounded(path, 4096, what="cache stamp", root=root))
+        record = json_loads(read_bounded(path, 4096, what="cache stamp", root=root), max_depth=8)
     except (OSError, ValueError, ConfigError):
         return None
+    if secret is not None and (not isinstance(record, dict) or signing.problem(record, secret, path.name)):
+        return None
+    return {k: v for k, v in record.items() if k != signing.FIELD} if isinstance(record, dict) else record
 
 
 def _map(path: Path, meta: dict, allowed: tuple[str, ...], *, hashed: bool = True) -> np.ndarray:
@@ -348,20 +405,20 @@ def _sha256(f: BinaryIO, size: int) -> str:
 
 
 def _write(root: Path, entry: Path, key: CacheKey, streams: Streams) -> None:
-    """The entry written in a temp directory (each file fsynced), renamed into place; the lock is held."""
+    """The entry written in a temp directory (each file fsynced), renamed into place; the lock is held. Every file is
+    created exclusively in a directory made here with a random name (jobspec.shared_dir)."""
     for stale in root.glob(f".tmp-{key.digest}-*"):  # a writer that died: the lock says none is writing
-        shutil.rmtree(stale, ignore_errors=True)
-    tmp = root / f".tmp-{key.digest}-{socket.gethostname()}-{os.getpid()}"
-    tmp.mkdir()
+        shutil.rmtree(stale, ignore_errors=True)  # a link there is not followed (rmtree refuses one)
+    tmp = shared_dir.make_temp_dir(root, f".tmp-{key.digest}-")
     try:
         arrays = {}
         for name in ARRAYS:
             array = np.ascontiguousarray(getattr(streams, name))
-            with open(tmp / f"{name}.npy", "wb") as f:
+            with shared_dir.create(tmp / f"{name}.npy") as f:
                 np.save(f, array, allow_pickle=False)
                 f.flush()
                 os.fsync(f.fileno())
-            with open(tmp / f"{name}.npy", "rb") as f:
+            with open_regular(tmp / f"{name}.npy", what="cache file") as f:
                 size = os.fstat(f.fileno()).st_size
                 arrays[name] = {"dtype": str(array.dtype), "length": len(array), "bytes": size,
                                 "sha256": _sha256(f, size)}  # fmt: skip
@@ -369,41 +426,32 @@ def _write(root: Path, entry: Path, key: CacheKey, streams: Streams) -> None:
                 "records": len(streams), "tokens": len(streams.ids), "arrays": arrays,
                 "packing": "not in the key: rows are packed from these records when loaded",
                 "written": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}  # fmt: skip
-        with open(tmp / META, "w", encoding="utf-8") as f:
-            json.dump(meta, f, indent=1, sort_keys=True)
+        secret = signing.key()
+        meta = signing.sign(meta, secret) if secret is not None else meta
+        with shared_dir.create(tmp / META) as f:
+            f.write(json.dumps(meta, indent=1, sort_keys=True).encode())
             f.flush()
             os.fsync(f.fileno())
-        _fsync_dir(tmp)
-        if os.path.lexists(entry):  # a damaged entry: moved aside whole, then removed
-            aside = root / f".tmp-{key.digest}-damaged-{os.getpid()}"
-            os.rename(entry, aside)
+        shared_dir.fsync_dir(tmp)
+        if os.path.lexists(entry):  # a damaged entry (or a name planted there): moved aside whole, then removed
+            aside = root / f".tmp-{key.digest}-damaged-{shared_dir.temp_name('entry')[1:]}"
+            shared_dir.replace(entry, aside)
             if aside.is_dir() and not aside.is_symlink():
                 shutil.rmtree(aside, ignore_errors=True)
             else:
                 aside.unlink()
-        os.rename(tmp, entry)
-        _fsync_dir(root)
+        os.rename(tmp, entry)  # a directory renamed onto a free name: nothing there to follow
+        shared_dir.fsync_dir(root)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     log.info("data %s: cached %d records, %d tokens in %s", key.source, len(streams), len(streams.ids), entry)
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    except OSError as err:  # some network filesystems refuse fsync on a directory
-        if err.errno not in (errno.EINVAL, errno.ENOTSUP):
-            raise
-    finally:
-        os.close(fd)
-
-
 @contextlib.contextmanager
 def _locked(path: Path, wait_s: float) -> Iterator[None]:
     """An exclusive flock on `path` (created), waited for up to `wait_s` seconds; the holder's name is in it."""
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o644)
+    fd = shared_dir.open_lock(path)  # a link or a FIFO planted at the name is refused, never written through
     try:
         start, told = time.monotonic(), False
         while True:

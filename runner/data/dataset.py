@@ -37,7 +37,7 @@ import torch
 
 from jobspec.errors import ConfigError
 from jobspec.spec.models import DataSpec, JobSpec
-from runner.data.cache import cache_key, cache_root, cached_streams
+from runner.data.cache import cache_key, cached_streams, usable_root
 from runner.data.mix import ConcatRows, MixedOrder, source_names
 from runner.data.prepare import CHUNK_RECORDS, ChunkRenderer
 from runner.data.records import EVAL_SPLITS, TRAIN_SPLITS, read_records
@@ -327,7 +327,7 @@ def _rows(streams: Streams, which: np.ndarray, spec: DataSpec, what: str) -> Row
 def load_data(spec: JobSpec, tokenizer: Tokenizer) -> SFTData:
     """Train rows of every source (`data.sources`, or `data.path` as one) and eval rows: `data.eval_path`, or
     `eval_fraction` of each source held out by seed."""
-    d, cache = spec.data, cache_root(spec)
+    d, cache = spec.data, usable_root(spec)
     sources, several = d.train_sources(str(BUNDLED)), d.sources is not None and len(d.sources) > 1
     names, fraction = source_names(sources), 0.0 if d.eval_path else d.eval_fraction
     train_parts, eval_parts = [], []

@@ -24,7 +24,11 @@ settings and the seed): every INDEX_EVERY samples, where that sample's first rec
 the window) and, for .jsonl files, the byte offset and line of the window's start. A restart seeks to the last entry
 at or before its sample (a .jsonl by offset; other sources by reading and dropping records, never tokenizing them),
 reads that window and tokenizes from there: less than INDEX_EVERY samples again. The index is checked as it is used
-(the row found there has the length written): a stale or damaged one is logged and the stream replayed from the start.
+(the row found there has the length and the token digest written, and the entry names its own index): a stale,
+damaged or foreign one, or one that leads the reader anywhere it cannot read, is logged and the stream replayed from
+the start, never a stop. The cache root is shared: the index is appended through jobspec.shared_dir (never through a
+link), read within MAX_INDEX_BYTES with every number bounded, and, with JOBSPEC_CHECKPOINT_KEY set, each entry is
+signed (jobspec/signing.py) and an unsigned one ignored.
 """
 
 from __future__ import annotations
@@ -45,10 +49,11 @@ from typing import Any
 import numpy as np
 import torch
 
+from jobspec import shared_dir, signing
 from jobspec.errors import ConfigError
 from jobspec.spec.models import DataSpec, JobSpec
-from jobspec.untrusted import read_bounded
-from runner.data.cache import cache_root, tokenizer_identity
+from jobspec.untrusted import json_loads, read_bounded
+from runner.data.cache import tokenizer_identity, usable_root
 from runner.data.dataset import (
     BUNDLED,
     Batch,
@@ -81,8 +86,9 @@ INDEX_EVERY = 256  # samples of a source between two entries of its position ind
 AHEAD_STEPS = 4  # steps the reader thread tokenizes ahead of the loop
 KEEP_STEPS = 3  # steps the loop may ask again (an OOM redo asks the current one)
 HEAD_SAMPLES = 8  # samples of each source whose tokens fingerprint the data (runner/checkpoint/lineage.py)
-INDEX_VERSION = 1
+INDEX_VERSION = 2
 MAX_INDEX_BYTES = 256 << 20  # ~3M entries: a billion samples at INDEX_EVERY
+MAX_POSITION = 1 << 53  # any sample, pass, window, byte offset or line a real stream reaches
 _WINDOW = 0x57494E  # generator tag: "WIN"
 
 
@@ -114,22 +120,35 @@ class Position:
     offset: int | None
     line: int | None
     tokens: int = -1  # the sample's token count (the index's check), -1 unknown
+    digest: str = ""  # the sample's token ids' digest (`token_digest`: the index's check)
 
     def entry(self) -> dict[str, Any]:
         return {"c": self.sample, "e": self.epoch, "w": self.window, "q": self.place, "off": self.offset,
-                "line": self.line, "n": self.tokens}  # fmt: skip
+                "line": self.line, "n": self.tokens, "h": self.digest}  # fmt: skip
 
     @staticmethod
     def parse(entry: object) -> Position | None:
+        """The position an index entry holds; None for anything but an entry of this version within bounds."""
         if not isinstance(entry, dict):
             return None
         ints = [entry.get(k) for k in ("c", "e", "w", "q", "n")]
         opt = [entry.get(k) for k in ("off", "line")]
-        if not all(type(v) is int and v >= 0 for v in ints) or not all(v is None or (type(v) is int and v >= 0)
-                                                                         for v in opt):  # fmt: skip
+        digest = entry.get("h")
+        if not all(_bounded(v) for v in ints) or not all(v is None or _bounded(v) for v in opt):
+            return None
+        if not isinstance(digest, str) or len(digest) != 16 or not all(ch in "0123456789abcdef" for ch in digest):
             return None
         c, e, w, q, n = ints
-        return Position(c, e, w, q, opt[0], opt[1], n)  # type: ignore[arg-type]
+        return Position(c, e, w, q, opt[0], opt[1], n, digest)  # type: ignore[arg-type]
+
+
+def _bounded(value: object) -> bool:
+    return type(value) is int and 0 <= value < MAX_POSITION
+
+
+def token_digest(ids: np.ndarray) -> str:
+    """16 hex digits of the sha256 of a sample's token ids (as int64): what an index entry says its sample holds."""
+    return hashlib.sha256(np.ascontiguousarray(ids, dtype=np.int64).tobytes()).hexdigest()[:16]
 
 
 START = Position(0, 0, 0, 0, 0, 0)
@@ -145,33 +164,45 @@ class PositionIndex:
 
     def best(self, sample: int) -> Position | None:
         """The last entry at or before `sample`, None when there is none (or no index)."""
-        if self.path is None or not self.path.exists():
+        if self.path is None or not os.path.lexists(self.path):
             return None
         try:
             text = read_bounded(self.path, MAX_INDEX_BYTES, what="stream position index")
         except (ConfigError, OSError) as err:
             log.warning("data stream: position index %s not usable (%s): reading from the start", self.path, err)
             return None
-        found = None
+        found, secret, foreign = None, signing.key(), 0
         for line in text.splitlines():
             try:
-                pos = Position.parse(json.loads(line))
-            except ValueError:  # a torn last line, or junk
+                record = json_loads(line, max_depth=2)
+            except ValueError:  # a torn last line, junk, or nesting no entry has
                 continue
+            if not isinstance(record, dict) or record.get("i") != self.path.stem or (
+                    secret is not None and signing.problem(record, secret, self.path.name)):  # fmt: skip
+                foreign += 1  # another index's entry, or (a key set) one not signed with it
+                continue
+            pos = Position.parse(record)
             if pos is not None:
                 self.last = max(self.last, pos.sample)
                 if pos.sample <= sample and (found is None or pos.sample > found.sample):
                     found = pos
+        if foreign:
+            log.warning("data stream: position index %s: %d entries not its own (another index's, or unsigned) "
+                        "ignored", self.path, foreign)  # fmt: skip
         return found
 
     def add(self, pos: Position) -> None:
         if not self.write or pos.sample <= self.last:
             return
         self.last = pos.sample
+        assert self.path is not None
+        record = {**pos.entry(), "i": self.path.stem}
+        secret = signing.key()
+        record = signing.sign(record, secret) if secret is not None else record
         try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)  # type: ignore[union-attr]
-            with open(self.path, "a", encoding="utf-8") as f:  # type: ignore[arg-type]
-                f.write(json.dumps(pos.entry()) + "\n")
+            shared_dir.directory(self.path.parent)  # `stream` under the cache root: never a link
+            with shared_dir.open_append(self.path) as f:  # never through a link planted at the name
+                f.write(json.dumps(record) + "\n")
         except OSError as err:  # an index only saves time: never a reason to stop
             log.warning("data stream: cannot write the position index %s (%s); a restart reads from the start",
                         self.path, err)  # fmt: skip
@@ -305,22 +336,26 @@ class SourceStream:
         pos = self.index.best(start) if start > 0 else None
         if pos is not None and pos.sample > 0 and (pos.offset is not None) == (self.kind == "jsonl"):
             rows = self._rows(pos)
-            first = next(rows)
-            if len(first[1].ids) == pos.tokens:
+            try:
+                first = next(rows)
+                found = f"{len(first[1].ids)} tokens, digest {token_digest(first[1].ids)}"
+            except (ConfigError, ValueError, OSError, StopIteration) as err:  # an entry that leads nowhere readable
+                first, found = None, f"unreadable there: {str(err)[:300]}"
+            if first is not None and len(first[1].ids) == pos.tokens and token_digest(first[1].ids) == pos.digest:
                 log.info("data %s: stream resumed at sample %d from the index entry of sample %d (pass %d, window %d)",
                          self.source, start, pos.sample, pos.epoch, pos.window)  # fmt: skip
                 rows = itertools.chain([first], rows)
             else:
-                log.warning("data %s: the stream position index %s does not match the data (sample %d: %d tokens, "
-                            "the index says %d); replaying the stream from the start", self.source, self.index.path,
-                            pos.sample, len(first[1].ids), pos.tokens)  # fmt: skip
+                log.warning("data %s: the stream position index %s does not match the data (sample %d: %s; the "
+                            "index says %d tokens, digest %s); replaying the stream from the start", self.source,
+                            self.index.path, pos.sample, found, pos.tokens, pos.digest)  # fmt: skip
                 rows = None
         if rows is None:
             rows = self._rows(START if self.kind == "jsonl" else Position(0, 0, 0, 0, None, None))
         for where, sample in rows:
             if where.sample % INDEX_EVERY == 0:
                 self.index.add(Position(where.sample, where.epoch, where.window, where.place, where.offset,
-                                        where.line, len(sample.ids)))  # fmt: skip
+                                        where.line, len(sample.ids), token_digest(sample.ids)))  # fmt: skip
             if where.sample >= start:
                 yield sample
 
@@ -494,8 +529,10 @@ class StreamData(SFTData):
 def index_path(spec: JobSpec, source: str, field: str, tokenizer: Tokenizer, number: int) -> Path | None:
     """Where the position index of a source lives (module docstring); None when the tokenizer cannot name its state."""
     tok, why = tokenizer_identity(tokenizer)
-    if tok is None:
-        log.info("data %s: no stream position index (%s): a restart re-reads the stream from the start", source, why)
+    root = usable_root(spec)
+    if tok is None or root is None:
+        log.info("data %s: no stream position index (%s): a restart re-reads the stream from the start", source,
+                 why or "no usable cache directory")  # fmt: skip
         return None
     d = spec.data
     parts: dict[str, Any] = {"version": INDEX_VERSION, "source": str(Path(source).resolve()) if Path(source).exists()
@@ -507,7 +544,7 @@ def index_path(spec: JobSpec, source: str, field: str, tokenizer: Tokenizer, num
         st = os.stat(source)
         parts["stat"] = [st.st_size, st.st_mtime_ns]
     digest = hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:32]
-    return cache_root(spec) / "stream" / f"{digest}.jsonl"
+    return root / "stream" / f"{digest}.jsonl"
 
 
 def load_stream(spec: JobSpec, tokenizer: Tokenizer, rank: int = 0, world_size: int = 1,
@@ -526,7 +563,7 @@ def load_stream(spec: JobSpec, tokenizer: Tokenizer, rank: int = 0, world_size: 
     if len(sources) > 1:
         mix = MixedOrder([t.global_batch] * len(sources), [s.weight for s in sources], t.global_batch, t.seed)
     if d.eval_path:
-        held = encode_file(d.eval_path, d, tokenizer, "data.eval_path", EVAL_SPLITS, cache_dir=cache_root(spec))
+        held = encode_file(d.eval_path, d, tokenizer, "data.eval_path", EVAL_SPLITS, cache_dir=usable_root(spec))
         eval_rows: Any = _rows(held, np.arange(len(held)), d, "eval")
     else:
         eval_rows = []

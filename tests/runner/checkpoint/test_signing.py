@@ -9,9 +9,10 @@ import shutil
 
 import pytest
 
+from jobspec import signing
 from jobspec.contract import EXIT_CONFIG, EXIT_OK
 from jobspec.errors import ConfigError
-from runner.checkpoint import manifest, signing, store
+from runner.checkpoint import manifest, store
 from tests.runner.checkpoint.forge import rewrite_manifest
 from tests.runner.checkpoint.test_checkpoint import CTRL, save, small_model
 from tests.runner.train_helpers import records, tiny_spec, train_in_process

@@ -1,4 +1,8 @@
-"""An optional key that authenticates checkpoint manifests: HMAC-SHA256, from a Kubernetes Secret.
+"""An optional key that authenticates what jobs leave in shared directories: HMAC-SHA256, from a Kubernetes Secret.
+
+Signed with it: checkpoint manifests (below), and the data cache's entries, digest stamps and stream position
+indexes (runner/data/cache.py, runner/data/stream.py): a record signed here carries `hmac_sha256` over its
+canonical JSON.
 
 Without a key, manifest.json (runner/checkpoint/manifest.py) finds accidents: truncation, zeroed blocks,
 bit rot. Anyone who can write the volume can also rewrite it, so it cannot tell a swapped shard from
@@ -54,7 +58,7 @@ def sign(record: dict[str, Any], secret: bytes) -> dict[str, Any]:
 
 
 def problem(record: dict[str, Any], secret: bytes, name: str) -> str | None:
-    """Why the manifest `record` (file `name`) is not authenticated by `secret`, or None."""
+    """Why the record `record` (file `name`) is not authenticated by `secret`, or None."""
     mac = record.get(FIELD)
     if mac is None:
         return f"{name} is not signed, but {KEY_ENV} is set (written without the key, or forged)"
