@@ -6,7 +6,11 @@
 `acquire()` creates the file with O_CREAT|O_EXCL. The holder renews it (`beat()`: heartbeat time) at
 most every `interval` seconds from the training loop and before every checkpoint, by writing a new file
 and renaming it over the old one, after checking the lease is still its own; `release()` removes it at
-exit. Another run finds the file and stops with exit 2 naming the holder, unless the lease is stale:
+exit. Both writes go through jobspec.shared_dir (a link planted at the name is never written through; the
+temporary is created exclusively under a random name). The record is read back as untrusted: within MAX_BYTES,
+nesting bounded, and every field checked for type and range (`_clean`): a pid past PID_MAX, a time that is not a
+finite number of seconds within MAX_TIME, or text over MAX_TEXT is dropped as unreadable, never an OverflowError.
+Another run finds the file and stops with exit 2 naming the holder, unless the lease is stale:
 
   - its heartbeat is older than JOBSPEC_LEASE_TIMEOUT_S (default 600 s): the holder stopped renewing;
   - the holder ran in this kernel and PID namespace (same boot id and pid namespace) and that process is
@@ -29,6 +33,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import socket
 import time
@@ -37,6 +42,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from jobspec import shared_dir
 from jobspec.contract import EXIT_FAILED
 from jobspec.errors import ConfigError, JobspecError
 from runner.checkpoint import files
@@ -47,6 +53,11 @@ TIMEOUT_ENV = "JOBSPEC_LEASE_TIMEOUT_S"
 DEFAULT_TIMEOUT_S = 600.0
 MAX_BYTES = 2**16  # a lease record is ~300 bytes
 SETTLE_S = 1.0  # an unreadable lease this young may be one another run is writing right now
+PID_MAX = 1 << 22  # Linux's pid_max ceiling (4,194,304)
+MAX_TIME = 1e11  # seconds since the epoch: year 5138
+MAX_TEXT = 512  # characters of a host, job, boot id or pid namespace
+_TIMES, _PIDS = ("since", "heartbeat"), ("pid", "pid_start")
+_TEXTS = ("holder", "job", "host", "boot_id", "pid_ns")
 
 
 class LeaseHeld(ConfigError):
@@ -71,10 +82,7 @@ def check_holder(root: str | Path, holder: str, job: str) -> None:
     restarted without it) or LeaseLost (another job's run took it over). A rank frozen (SIGSTOP, a hung machine)
     while the gang was restarted finds here that the new attempt's rank 0 took the lease over, and writes nothing,
     whichever rank it is. One small bounded read: about 20 µs on a local disk."""
-    try:  # bounded, regular files only (a FIFO or a link to /dev/zero in its place is unreadable, not a hang)
-        current = files.read_json(Path(root) / LEASE_FILE, MAX_BYTES, "lease file")
-    except (OSError, ValueError):
-        current = None
+    current = read_record(Path(root) / LEASE_FILE)
     found = current.get("holder") if isinstance(current, dict) else None
     if found == holder:
         return
@@ -167,30 +175,13 @@ class Lease:
         return json.dumps(record, indent=1).encode()
 
     def _create(self) -> bool:
-        try:
-            fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        except FileExistsError:
-            return False
-        with os.fdopen(fd, "wb") as f:
-            f.write(self._record())
-            f.flush()
-            os.fsync(f.fileno())
-        return True
+        return shared_dir.create_exclusive(self.path, self._record())
 
     def _replace(self) -> None:
-        tmp = self.path.with_name(f".{LEASE_FILE}.{self.holder}")
-        with open(tmp, "wb") as f:
-            f.write(self._record())
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, self.path)  # atomic: a reader sees the old record or the new one
+        shared_dir.write_atomic(self.path, self._record())  # a reader sees the old record or the new one
 
     def _read(self) -> dict[str, Any] | None:
-        try:  # bounded, regular files only: a lease replaced by a FIFO or a link to /dev/zero is unreadable, not a hang
-            record = files.read_json(self.path, MAX_BYTES, "lease file")
-        except (OSError, ValueError):
-            return None
-        return record if isinstance(record, dict) else None
+        return read_record(self.path)
 
     def _read_settled(self) -> dict[str, Any] | None:
         """The holder's record; an unreadable one is read again after SETTLE_S (its writer may be mid-write)."""
@@ -212,6 +203,35 @@ class Lease:
             f"checkpoints.dir. If it is gone (its machine died), its lease expires in {max(self.timeout - age, 0):.0f} "
             f"s ({TIMEOUT_ENV}={self.timeout:.0f}); or delete {self.path} once you are sure"
         )
+
+
+def read_record(path: Path) -> dict[str, Any] | None:
+    """The lease record in `path`, its fields checked (`_clean`); None when there is none or it is unreadable: bounded,
+    regular files only (a FIFO or a link to /dev/zero in its place is unreadable, not a hang)."""
+    try:
+        record = files.read_json(path, MAX_BYTES, "lease file")
+    except (OSError, ValueError):
+        return None
+    return _clean(record)
+
+
+def _clean(record: object) -> dict[str, Any] | None:
+    """A lease record whose every known field has its type and range (module docstring), else None."""
+    if not isinstance(record, dict):
+        return None
+    for key in _TIMES:
+        value = record.get(key)
+        if value is not None and not (isinstance(value, int | float) and not isinstance(value, bool)
+                                      and math.isfinite(value) and 0 <= value <= MAX_TIME):  # fmt: skip
+            return None
+    for key in _PIDS:
+        value = record.get(key)
+        if value is not None and not (type(value) is int and 0 < value <= (PID_MAX if key == "pid" else 1 << 62)):
+            return None
+    if any(record.get(key) is not None and not (isinstance(record[key], str) and len(record[key]) <= MAX_TEXT)
+           for key in _TEXTS):  # fmt: skip
+        return None
+    return {key: record.get(key) for key in (*_TEXTS, *_TIMES, *_PIDS)}
 
 
 def stale_reason(holder: dict[str, Any], me: dict[str, Any], now: float, timeout: float) -> str | None:

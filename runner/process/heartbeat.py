@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable
@@ -52,6 +53,7 @@ from typing import Any, TypeVar
 
 import torch.distributed as dist
 
+from jobspec.untrusted import json_loads
 from runner.dist import DistEnv
 
 log = logging.getLogger("jobspec.runner")
@@ -63,6 +65,10 @@ WATCHED = 4  # ranks after this one on the ring that it watches
 MIN_INTERVAL_S, MAX_INTERVAL_S = 0.1, 2.0
 BEATS_PER_TIMEOUT = 6  # a live member beats about this often within one timeout (a late beat or two is no loss)
 ANNOUNCE_S = 0.5  # how long the watchdog waits for its announcement to reach the store before it acts
+ANNOUNCE_BYTES = 4096  # an announcement (a Loss as JSON) is ~120 bytes
+KINDS = ("silent", "store", "ended", "self")
+MAX_RANKS = 1 << 20
+MAX_SECONDS = 1e11  # silent_s, detected_at (seconds since the epoch: year 5138)
 
 
 class GangLost(RuntimeError):
@@ -89,6 +95,7 @@ class Loss:
             "store": f"rank {self.member} lost: the store it hosts has not answered for {silent}",
             "ended": f"rank {self.member} lost: its process ended without the others (its store closed)",
             "self": f"rank {self.member} stalled for {silent}: the gang has declared it lost and moved on",
+            "unreadable": "a member was announced lost, in an announcement that does not read as one",
         }.get(self.kind, f"rank {self.member} lost")
         return f"gang: {what} (detected by rank {self.by} at {at})"
 
@@ -97,7 +104,19 @@ class Loss:
 
     @classmethod
     def from_json(cls, text: str | bytes) -> Loss:
-        return cls(**json.loads(text))
+        """The loss announced in the store. Another process wrote it: within ANNOUNCE_BYTES, every field of its type
+        and range, or it is still a loss (something was announced) of kind "unreadable", never an exception."""
+        try:
+            record = json_loads(text, max_depth=2) if len(text) <= ANNOUNCE_BYTES else None
+        except ValueError:
+            record = None
+        fields = record if isinstance(record, dict) else {}
+        kind, member, by = fields.get("kind"), fields.get("member"), fields.get("by")
+        silent, at = fields.get("silent_s"), fields.get("detected_at")
+        if (kind in KINDS and all(type(v) is int and -1 <= v < MAX_RANKS for v in (member, by))
+                and all(type(v) in (int, float) and math.isfinite(v) and 0 <= v <= MAX_SECONDS for v in (silent, at))):
+            return cls(kind, member, float(silent), float(at), by)  # type: ignore[arg-type]
+        return cls("unreadable", -1, 0.0, time.time(), -1)
 
 
 def watched_ranks(rank: int, world_size: int) -> list[int]:
