@@ -69,8 +69,18 @@ Each internal: what it is for; why no public API does it; what a run loses witho
   are flattened to one row for flash kernels: runner/model/packing.py). transformers sets it from
   `attn_implementation=` and keeps no public getter. Without it: "" (packed rows keep their shape).
 
+- transformers `integrations.moe._grouped_mm` (module global): the experts' grouped matmul of mixture-of-experts
+  models (Mixtral, Qwen MoE, OLMoE, DeepSeek-V2, gpt-oss), replaced by `experts_matmul` (installed by
+  `install_experts_matmul`). transformers calls torch's grouped_mm whenever torch has it, and torch's CUDA kernel
+  (and its meta function, which FakeTensors run) takes bf16 only: a `fast` tier's fp32 master weights, fp16 or fp32
+  training would stop at the first MoE layer on a GPU, and the trace could not run them. `experts_matmul` runs the
+  matmul at autocast's width (as autocast runs every linear layer: bf16 through grouped_mm, fp16 through
+  transformers' own per-expert fallback op, which has a fake kernel) and, without autocast, at the weights' width.
+  transformers' `experts_implementation` names only whole forwards. Without it: such runs fail (required for MoE).
+
 Checked on: torch 2.11 (the GPU machine) and 2.13, accelerate 1.15, torchao 0.13 and 0.18, transformers 4.56
-and 5.x (`_attn_implementation` only), liger-kernel 0.8.5 (under triton 3.9's interpreter, on CPU only so far).
+and 5.x (`_attn_implementation` only), liger-kernel 0.8.5 (under triton 3.9's interpreter, on CPU only so far),
+transformers 5.24 (`integrations.moe`).
 peft: no private name is used. Gradient buckets use `torch.cat`/`split` (public), not
 `torch._utils._flatten_dense_tensors`.
 
@@ -92,7 +102,8 @@ from jobspec.errors import ConfigError
 
 log = logging.getLogger("jobspec.runner")
 
-CHECKED = {"torch": "2.11, 2.13", "accelerate": "1.15", "torchao": "0.13, 0.18", "liger-kernel": "0.8.5"}
+CHECKED = {"torch": "2.11, 2.13", "accelerate": "1.15", "torchao": "0.13, 0.18", "liger-kernel": "0.8.5",
+           "transformers": "5.24"}
 
 
 def _version(dist: str) -> str:
@@ -560,6 +571,35 @@ def check(tier: str, world_size: int, device_type: str) -> None:
         for more in rest:
             err = ConfigError(f"{err}; also {more.package} {_version(more.package)} lacks {more.names}")
         raise err
+
+
+# --- transformers: the experts' grouped matmul ---------------------------------------------------------------------
+
+
+def install_experts_matmul() -> None:
+    """transformers' MoE experts matmul replaced by `experts_matmul` (idempotent); ConfigError where this
+    transformers has no such function (a mixture-of-experts model cannot then be trained or traced here)."""
+    try:
+        from transformers.integrations import moe
+    except ImportError:
+        raise _missing("transformers", "integrations.moe", "training a mixture-of-experts model") from None
+    original = getattr(moe, "_grouped_mm", None)
+    if original is None or not hasattr(torch.ops, "transformers") or not callable(original):
+        raise _missing("transformers", "integrations.moe._grouped_mm", "training a mixture-of-experts model")
+    if getattr(original, "__wrapped_by_jobspec__", False):
+        return
+
+    def experts_matmul(input: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+        device = input.device.type
+        dtype = weight.dtype
+        if torch.is_autocast_enabled(device) and dtype == torch.float32:
+            dtype = torch.get_autocast_dtype(device)  # what autocast would run a linear layer at
+        if dtype == torch.bfloat16:
+            return original(input.to(dtype), weight.to(dtype), offs)
+        return torch.ops.transformers.grouped_mm_fallback(input.to(dtype), weight.to(dtype), offs=offs)
+
+    experts_matmul.__wrapped_by_jobspec__ = True  # type: ignore[attr-defined]
+    moe._grouped_mm = experts_matmul
 
 
 # --- torch: DCP checkpoint metadata -----------------------------------------------------------------------------

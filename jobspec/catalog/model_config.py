@@ -16,6 +16,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from jobspec.catalog.families import Family, family
 from jobspec.catalog.presets import ModelShape
 from jobspec.errors import ConfigError
 from jobspec.untrusted import json_loads, read_bounded
@@ -32,6 +33,10 @@ BOUNDS = {
     "intermediate": 1024**2,
     "max_positions": 64 * 1024**2,
     "head_dim": 4096,
+    "experts": 4096,
+    "top_k": 4096,
+    "expert_width": 1024**2,
+    "rank": 65_536,
 }
 _GPT2_KEYS = {"layers": "n_layer", "hidden": "n_embd", "heads": "n_head", "vocab": "vocab_size",
               "max_positions": "n_positions", "intermediate": "n_inner"}  # fmt: skip
@@ -40,10 +45,6 @@ _LLAMA_KEYS = {"layers": "num_hidden_layers", "hidden": "hidden_size", "heads": 
                "intermediate": "intermediate_size", "head_dim": "head_dim"}  # fmt: skip
 
 
-# Model types whose attention normalises the queries and keys (q_norm, k_norm): their activations hold more
-QK_NORM_TYPES = frozenset({"qwen3", "qwen3_moe", "gemma3", "gemma3_text", "olmo2"})
-# Model types with one projection for q, k and v and one for the MLP's gate and up (qkv_proj, gate_up_proj)
-FUSED_TYPES = frozenset({"phi3"})
 
 
 def read_config(model_dir: str | Path) -> dict[str, Any]:
@@ -70,26 +71,96 @@ def _repo_root(model_dir: Path) -> Path:
 
 
 def shape_from_config(cfg: dict[str, Any], where: str = "config.json") -> ModelShape:
-    """A transformers config (GPT-2 or Llama-style keys) as a checked ModelShape; ConfigError naming
-    `where`, the key and the fix otherwise."""
+    """A transformers config as a checked ModelShape of its family (jobspec/catalog/families.py); ConfigError naming
+    `where`, the key and the fix otherwise: a `model_type` outside the table among them. A dict without a
+    `model_type` (this project's tests and benches) is read as GPT-2 or Llama keys, whichever it has."""
     gpt2 = "n_embd" in cfg
-    keys = _GPT2_KEYS if gpt2 else _LLAMA_KEYS
+    fam = family(cfg.get("model_type", "gpt2" if gpt2 else "llama"), where)
+    keys = _GPT2_KEYS if fam.block == "gpt2" else _LLAMA_KEYS
     v: dict[str, Any] = _checked(
-        cfg, keys, ("layers", "hidden", "heads", "vocab", *(() if gpt2 else ("intermediate",))), where
+        cfg, keys, ("layers", "hidden", "heads", "vocab", *(() if fam.block == "gpt2" else ("intermediate",))), where
     )
-    if gpt2:
+    if fam.block == "gpt2":
         return ModelShape("gpt2", layers=v["layers"], hidden=v["hidden"], heads=v["heads"], vocab=v["vocab"],
                           max_positions=v["max_positions"] or 1024,
                           intermediate=v["intermediate"] or 4 * v["hidden"],
-                          residual_dropout=_dropout(cfg, "resid_pdrop", 0.1))  # fmt: skip
-    tie = cfg.get("tie_word_embeddings", False)  # transformers' Llama default
+                          residual_dropout=_dropout(cfg, "resid_pdrop", 0.1), model_type="gpt2")  # fmt: skip
+    tie = cfg.get("tie_word_embeddings", fam.tie_default)
+    mla = _mla(cfg, where) if fam.mla else None
+    head_dim = None if mla else v.get("head_dim")
     return ModelShape("llama", layers=v["layers"], hidden=v["hidden"], heads=v["heads"], kv_heads=v["kv_heads"],
                       vocab=v["vocab"], max_positions=v["max_positions"] or 2048, intermediate=v["intermediate"],
-                      tie_embeddings=tie if isinstance(tie, bool) else False,
-                      head_dim=v.get("head_dim") if v.get("head_dim") != v["hidden"] // v["heads"] else None,
-                      qk_norm=cfg.get("model_type") in QK_NORM_TYPES,
-                      fused_projections=cfg.get("model_type") in FUSED_TYPES,
-                      residual_dropout=_dropout(cfg, "resid_pdrop", 0.0))  # fmt: skip
+                      tie_embeddings=tie if isinstance(tie, bool) else fam.tie_default,
+                      head_dim=head_dim if head_dim != v["hidden"] // v["heads"] else None,
+                      qk_norm=fam.qk_norm, fused_projections=fam.block == "phi3",
+                      residual_dropout=_dropout(cfg, "resid_pdrop", 0.0), model_type=fam.name, mla=mla,
+                      logit_softcap=_positive(cfg, fam.softcap_key), logit_scale=_scale(cfg, fam),
+                      extra_norms=fam.extra_norms, **_experts(cfg, fam, v["layers"], v["intermediate"], where))  # fmt: skip
+
+
+def _positive(cfg: dict[str, Any], key: str | None) -> float | None:
+    """A positive finite number at `key`, or None (absent, null, 0: the feature is off)."""
+    value = cfg.get(key) if key else None
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value < 1e9
+    return float(value) if ok else None
+
+
+def _scale(cfg: dict[str, Any], fam: Family) -> float | None:
+    """The factor the family multiplies its logits by (Granite divides by `logits_scaling`); None for 1."""
+    value = _positive(cfg, fam.scale_key)
+    if value is None or value == 1.0:
+        return None
+    return 1.0 / value if fam.scale_divides else value
+
+
+def _experts(cfg: dict[str, Any], fam: Family, layers: int, intermediate: int, where: str) -> dict[str, Any]:
+    """The mixture-of-experts fields of ModelShape from the family's keys (none for a dense family)."""
+    keys = fam.experts
+    if keys is None:
+        return {}
+    count = next((k for k in keys.count if cfg.get(k) is not None), keys.count[0])
+    names = {"experts": count, "top_k": keys.top_k, "expert_width": keys.width}
+    v = _checked(cfg, names, tuple(names), where)
+    if v["top_k"] > v["experts"]:
+        raise ConfigError(f"{where}: {keys.top_k} {v['top_k']} is above {count} {v['experts']}: fix the file")
+    shared = 0
+    if keys.shared:
+        raw = cfg.get(keys.shared) or 0
+        if _bad_int(raw, BOUNDS["expert_width"]) and raw != 0:
+            raise ConfigError(f"{where}: {keys.shared}: {_bad_int(raw, BOUNDS['expert_width'])}: fix the file")
+        shared = raw * v["expert_width"] if keys.shared_is_count else raw
+    return {"experts": v["experts"], "experts_per_token": v["top_k"], "expert_intermediate": v["expert_width"],
+            "shared_intermediate": shared, "shared_gate": keys.shared_gate and shared > 0, "expert_bias": keys.bias,
+            "dense_layers": _dense_layers(cfg, keys.dense_first, keys.sparse_step, layers)}  # fmt: skip
+
+
+def _dense_layers(cfg: dict[str, Any], first: str | None, sparse_step: bool, layers: int) -> int:
+    """How many layers keep a dense MLP: DeepSeek's first k; Qwen's mlp_only_layers and the layers between its
+    decoder_sparse_step (layer i is MoE when (i + 1) % step == 0), as transformers builds them."""
+    if first:
+        k = cfg.get(first) or 0
+        return min(layers, k) if isinstance(k, int) and not isinstance(k, bool) and k > 0 else 0
+    if not sparse_step:
+        return 0
+    step = cfg.get("decoder_sparse_step", 1)
+    step = step if isinstance(step, int) and not isinstance(step, bool) and step > 0 else 1
+    only = cfg.get("mlp_only_layers") or []
+    only = {i for i in only if isinstance(i, int)} if isinstance(only, list) else set()
+    return sum(1 for i in range(layers) if i in only or (i + 1) % step)
+
+
+def _mla(cfg: dict[str, Any], where: str) -> tuple[int, int, int, int, int]:
+    """Multi-head latent attention's ranks and head widths (DeepSeek-V2): q_lora_rank may be null (no low-rank q)."""
+    names = {"kv_rank": "kv_lora_rank", "nope": "qk_nope_head_dim", "rope": "qk_rope_head_dim", "v": "v_head_dim"}
+    bounds = {"kv_rank": BOUNDS["rank"], "nope": BOUNDS["head_dim"], "rope": BOUNDS["head_dim"], "v": BOUNDS["head_dim"]}
+    problems = [f"{key}: {why}" for name, key in names.items()
+                if (why := _bad_int(cfg.get(key), bounds[name]) if cfg.get(key) is not None else "missing")]
+    q_rank = cfg.get("q_lora_rank") or 0
+    if q_rank and _bad_int(q_rank, BOUNDS["rank"]):
+        problems.append(f"q_lora_rank: {_bad_int(q_rank, BOUNDS['rank'])}")
+    if problems:
+        raise ConfigError(f"{where}: the model config cannot be built ({'; '.join(problems)}): fix the file")
+    return (q_rank, *(cfg[names[k]] for k in ("kv_rank", "nope", "rope", "v")))  # type: ignore[return-value]
 
 
 def _dropout(cfg: dict[str, Any], key: str, default: float) -> bool:
@@ -99,9 +170,9 @@ def _dropout(cfg: dict[str, Any], key: str, default: float) -> bool:
 
 
 def check_config(cfg: dict[str, Any], where: str) -> None:
-    """Every size key `cfg` has, under either naming, checked; none required (a family with other key names,
-    sized by the spec's `model.architecture`, builds as long as the keys it shares are sane)."""
-    _checked(cfg, _GPT2_KEYS if "n_embd" in cfg else _LLAMA_KEYS, (), where)
+    """A config the runner is about to build, checked as `jobspec plan` reads it: its family (the table), every size
+    key and the family's own (experts, latent attention)."""
+    shape_from_config(cfg, where)
 
 
 def _checked(cfg: dict[str, Any], keys: dict[str, str], required: tuple[str, ...], where: str) -> dict[str, int | None]:
@@ -144,7 +215,7 @@ def _bad_int(value: Any, bound: int) -> str | None:
 def _consistency(v: dict[str, int | None], keys: dict[str, str]) -> list[str]:
     """Head counts that split the width and each other (what the attention reshapes need)."""
     out = []
-    hidden, heads, kv = v["hidden"], v["heads"], v.get("kv_heads")
+    hidden, heads, kv = v.get("hidden"), v.get("heads"), v.get("kv_heads")
     if v.get("head_dim") is None and hidden and heads and hidden % heads:
         out.append(f"{keys['heads']} {heads} does not divide {keys['hidden']} {hidden} (and there is no head_dim)")
     if kv and heads and (kv > heads or heads % kv):

@@ -32,31 +32,96 @@ class ModelShape:
     # the same parameters, other activations and LoRA target names
     residual_dropout: bool = False  # dropout on each block's two residual branches (GPT-2's resid_pdrop, 0.1 in its
     # configs; the presets train without)
+    model_type: str = ""  # transformers' model_type (jobspec/catalog/families.py); "" for the presets' gpt2/llama
+    # Mixture-of-experts (0 experts: dense). A MoE layer holds a router (experts x hidden), `experts` SwiGLU experts
+    # of width `expert_intermediate` of which each token goes through `experts_per_token`, and shared experts of
+    # total width `shared_intermediate` that every token goes through; `dense_layers` of the layers keep a dense
+    # MLP of `intermediate` (DeepSeek's first layers, Qwen's mlp_only_layers).
+    experts: int = 0
+    experts_per_token: int = 0
+    expert_intermediate: int = 0
+    shared_intermediate: int = 0
+    shared_gate: bool = False  # Qwen2-MoE's sigmoid gate (hidden -> 1) on the shared expert
+    expert_bias: bool = False  # gpt-oss: biases on the router and the experts' projections
+    dense_layers: int = 0
+    # Multi-head latent attention (DeepSeek-V2): (q_lora_rank or 0, kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim,
+    # v_head_dim); None for the usual q, k, v and o projections
+    mla: tuple[int, int, int, int, int] | None = None
+    logit_softcap: float | None = None  # the final logits' cap * tanh(logits / cap) (Gemma 2)
+    logit_scale: float | None = None  # the final logits multiplied by this (Granite: 1 / logits_scaling)
+    extra_norms: int = 0  # norms a block has beyond its two (Gemma 2 and 3)
 
     @property
     def q_width(self) -> int:
         """Width of the attention's queries (and of its output projection's input): heads x head_dim."""
+        if self.mla:
+            return self.heads * (self.mla[2] + self.mla[3])
         return self.heads * (self.head_dim or self.hidden // self.heads)
 
     @property
     def kv_width(self) -> int:
         """Width of the keys and of the values (grouped-query attention: fewer heads than the queries)."""
+        if self.mla:  # keys and values are expanded per head from the latent
+            return self.heads * (self.mla[2] + self.mla[3] + self.mla[4]) // 2
         return (self.kv_heads or self.heads) * (self.head_dim or self.hidden // self.heads)
 
     @property
+    def moe(self) -> bool:
+        return self.experts > 0
+
+    @property
+    def moe_layers(self) -> int:
+        """Layers whose MLP is a mixture of experts."""
+        return self.layers - self.dense_layers if self.moe else 0
+
+    def attention_params(self) -> int:
+        """Parameters of one block's attention (q, k, v and o; or MLA's low-rank projections and their norms)."""
+        h = self.hidden
+        if self.mla:
+            q_rank, kv_rank, nope, rope, v = self.mla
+            qk = self.heads * (nope + rope)
+            q = h * q_rank + q_rank + q_rank * qk if q_rank else h * qk
+            return q + h * (kv_rank + rope) + kv_rank + kv_rank * self.heads * (nope + v) + self.heads * v * h
+        return 2 * h * self.q_width + 2 * h * self.kv_width
+
+    def dense_mlp_params(self) -> int:
+        return 3 * self.hidden * self.intermediate
+
+    def moe_mlp_params(self, active: bool = False) -> int:
+        """A MoE layer's MLP: router, experts (only the `experts_per_token` a token passes through when `active`),
+        shared experts."""
+        h, e = self.hidden, self.expert_intermediate
+        n = self.experts_per_token if active else self.experts
+        bias = (2 * e + h) if self.expert_bias else 0
+        router = self.experts * (h + (1 if self.expert_bias else 0))
+        return router + n * (3 * h * e + bias) + 3 * h * self.shared_intermediate + (h if self.shared_gate else 0)
+
+    def block_params(self, moe: bool) -> int:
+        """Parameters of one Llama-style block, dense or MoE (FSDP2 gathers a block whole)."""
+        norms = (2 + self.extra_norms) * self.hidden
+        mlp = self.moe_mlp_params() if moe else self.dense_mlp_params()
+        return self.attention_params() + mlp + norms
+
+    @property
     def params(self) -> int:
-        """Parameter count, exact for the transformers GPT-2 and Llama implementations."""
+        """Parameter count, exact for the transformers GPT-2, Llama and Mixtral implementations (biases and
+        per-head norms of other families left out: well under 0.1 %)."""
         h, i, v, n = self.hidden, self.intermediate, self.vocab, self.layers
         if self.family == "gpt2":
             # per block: qkv (3h^2+3h) + proj (h^2+h) + mlp (2hi+i+h) + 2 layernorms (4h)
             block = 4 * h * h + 2 * h * i + 9 * h + i
             embed = v * h + self.max_positions * h
             return embed + n * block + 2 * h  # + final layernorm
-        q, kv = self.q_width, self.kv_width
-        # per block: q,o (2*h*q) + k,v (2*h*kv) + gate/up/down (3hi) + 2 RMSNorms (2h)
-        block = 2 * h * q + 2 * h * kv + 3 * h * i + 2 * h
+        blocks = (n - self.moe_layers) * self.block_params(False) + self.moe_layers * self.block_params(True)
         embed = v * h * (1 if self.tie_embeddings else 2)
-        return embed + n * block + h
+        return embed + blocks + h
+
+    @property
+    def active_params(self) -> int:
+        """Parameters a token passes through: all of them for a dense model; the routed experts it is sent to."""
+        if not self.moe:
+            return self.params
+        return self.params - self.moe_layers * (self.moe_mlp_params() - self.moe_mlp_params(active=True))
 
 
 PRESETS: dict[str, ModelShape] = {

@@ -35,11 +35,12 @@ EFFICIENCY: dict[str, float] = {"fast": 0.40, "zero2": 0.38, "zero2_offload": 0.
 
 
 def matmul_params(shape: ModelShape) -> int:
-    """N: parameters that take part in a matmul per token (the embedding lookups do not)."""
+    """N: parameters that take part in a matmul per token (the embedding lookups do not; of a mixture of experts,
+    the experts a token is routed to: `ModelShape.active_params`)."""
     lookups = shape.max_positions * shape.hidden if shape.family == "gpt2" else 0  # GPT-2's position table
     if not shape.tie_embeddings:  # the input table is a lookup; the untied head is a matmul
         lookups += shape.vocab * shape.hidden
-    return shape.params - lookups
+    return shape.active_params - lookups
 
 
 @dataclass(frozen=True)

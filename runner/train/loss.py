@@ -25,8 +25,11 @@ patching the model's own forward is per architecture.
 Installed by `Stepper.__init__` (runner/train/step.py) on the prepared model: it replaces no module, so what
 DDP and FSDP2 wrapped stays as it was. Not installed (the caller keeps the full logits, and a log line says
 why): an output layer that is not an `nn.Linear` running `nn.Linear.forward` (peft-wrapped, quantised), or a
-model that changes what its output layer returns (logit soft-capping or scaling). The latter is found by a
+model that changes what its output layer returns in a way the family table does not name. That is found by a
 probe: one 4-token forward without gradient, the same on every rank, in which the head returns known values.
+What the table names (Gemma 2's final soft cap, Granite's logit scale: `logit_transform`) the head does itself, chunk
+by chunk (`LogitTransform`), with the model's own switched off in its config while the loss is computed; checked
+against the model's full logits through transformers' own transform to 1e-5 (tests/runner/train/test_loss.py).
 
 `training.loss_kernel: liger` keeps all of this and hands each chunk's softmax, loss and (softmax - onehot) to
 Liger Kernel's Triton kernel (`internals.liger_rows`), which works on the chunk's logits at the compute width and
@@ -49,12 +52,15 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
 from torch.autograd.function import once_differentiable
 from torch.distributed.fsdp import FSDPModule
 
+from jobspec.catalog.families import FAMILIES
 from jobspec.plan.memory import LOSS_CHUNK_BYTES, LossKernel, loss_chunk_tokens
 from runner import internals
 from runner.data.dataset import IGNORE
@@ -63,6 +69,41 @@ log = logging.getLogger("jobspec.runner")
 CHUNK_BYTES = LOSS_CHUNK_BYTES  # one chunk's fp32 logits; the memory model sizes the loss from the same constant
 PROBE = (64.0, 65.0, 66.0, 67.0)  # what the head returns in the install probe: exact in bf16, changed by any transform
 WIDTH = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
+@dataclass(frozen=True)
+class LogitTransform:
+    """What a model does to its output layer's logits before the loss, applied here to each chunk: times `scale`
+    (Granite: 1 / logits_scaling), then `cap * tanh(x / cap)` (Gemma 2's final soft cap). The gradient through it is
+    `scale` (times `1 - tanh^2` where capped), formed while the chunk exists. A capped chunk holds that derivative
+    beside its fp32 logits, so its tokens are halved (`tokens`): the chunk's bytes stay what the memory model counts."""
+
+    scale: float = 1.0
+    cap: float | None = None
+
+    def __bool__(self) -> bool:
+        return self.scale != 1.0 or self.cap is not None
+
+    def tokens(self, chunk: int, kernel: LossKernel) -> int:
+        """Tokens of a chunk that stays within the bytes of `chunk` untransformed ones: a capped chunk holds its
+        derivative too (half as many tokens; a quarter under Liger's kernel, whose chunk is otherwise 16-bit)."""
+        if self.cap is None:
+            return chunk
+        return max(1, chunk // (4 if kernel == "liger" else 2))
+
+    def apply(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | float]:
+        """(the transformed logits in fp32, their derivative: a tensor where capped, else the scale)."""
+        x = logits.float() if logits.dtype != torch.float32 else logits
+        if self.scale != 1.0:
+            x = x.mul_(self.scale)
+        if self.cap is None:
+            return x, self.scale
+        t = x.div_(self.cap).tanh_()
+        slope = torch.mul(t, t).neg_().add_(1.0).mul_(self.scale)
+        return t.mul_(self.cap), slope
+
+
+NO_TRANSFORM = LogitTransform()
 
 
 def chunk_tokens(vocab: int, budget: int = CHUNK_BYTES) -> int:
@@ -115,35 +156,46 @@ def _accumulate(
 def _chunk_grads(
     h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, target: torch.Tensor, lse: torch.Tensor,
     scale: torch.Tensor, chunk: int, grads: tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None],
-    dtype: torch.dtype,
+    dtype: torch.dtype, tf: LogitTransform = NO_TRANSFORM,
 ) -> None:  # fmt: skip
-    """The gradients of sum_i scale_i * loss_i, recomputing each chunk's logits: (softmax - onehot) * scale.
-    `lse` None: Liger's kernel makes each chunk's (softmax - onehot) at the compute width."""
+    """The gradients of sum_i scale_i * loss_i, recomputing each chunk's logits: (softmax - onehot) * scale (through
+    `tf`'s derivative). `lse` None: Liger's kernel makes each chunk's (softmax - onehot) at the compute width."""
     for s in range(0, h.shape[0], chunk):
         hc = h[s : s + chunk]
         if lse is None:
-            p = _logits(hc, w, b)
-            internals.liger_rows(p, target[s : s + chunk], torch.empty(p.shape[0], device=p.device), IGNORE, True)
+            p = _liger_chunk(_logits(hc, w, b), target[s : s + chunk], None, True, tf)
             _accumulate(p.mul_(scale[s : s + chunk, None].to(p.dtype)), hc, w, s, chunk, grads, dtype)
             del p
             continue
-        p = _minus(_logits(hc, w, b), lse[s : s + chunk]).exp_()  # (n, V) fp32 softmax
+        z, slope = tf.apply(_logits(hc, w, b)) if tf else (_logits(hc, w, b), 1.0)
+        p = _minus(z, lse[s : s + chunk]).exp_()  # (n, V) fp32 softmax
         p.mul_(scale[s : s + chunk, None])
         p.scatter_add_(1, target[s : s + chunk, None], -scale[s : s + chunk, None])
-        _accumulate(p, hc, w, s, chunk, grads, dtype)
-        del p
+        _accumulate(p.mul_(slope) if tf else p, hc, w, s, chunk, grads, dtype)
+        del p, z, slope
+
+
+def _liger_chunk(logits: torch.Tensor, target: torch.Tensor, loss: torch.Tensor | None, grads: bool,
+                 tf: LogitTransform) -> torch.Tensor:  # fmt: skip
+    """One chunk through Liger's kernel (`internals.liger_rows`), which leaves d loss / d logits in `logits`. With a
+    transform the kernel reads the transformed logits (fp32) and their gradient is taken back through it here (Liger's
+    own soft cap takes its cap as a kernel scalar, which Triton's interpreter cannot pass: one path for both)."""
+    z, slope = tf.apply(logits) if tf else (logits, 1.0)
+    internals.liger_rows(z, target, torch.empty(z.shape[0], device=z.device) if loss is None else loss, IGNORE, grads)
+    return z.mul_(slope) if grads and tf else z
 
 
 def _forward_plain(
     h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, target: torch.Tensor, scale: torch.Tensor,
     lse: torch.Tensor, loss: torch.Tensor, chunk: int,
     grads: tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None] | None, dtype: torch.dtype,
+    tf: LogitTransform = NO_TRANSFORM,
 ) -> None:  # fmt: skip
     """Each chunk's loss and log-sum-exp into `loss` and `lse` (N,); with `grads`, (softmax - onehot) * scale added
-    to them while the chunk's fp32 logits exist."""
+    to them while the chunk's fp32 logits exist (times `tf`'s derivative: the loss is of the transformed logits)."""
     for s in range(0, h.shape[0], chunk):
         hc, t = h[s : s + chunk], target[s : s + chunk, None]
-        logits = _logits(hc, w, b)
+        logits, slope = tf.apply(_logits(hc, w, b)) if tf else (_logits(hc, w, b), 1.0)
         top = logits.amax(dim=-1).float()  # (n,)
         x = _minus(logits, top)  # (n, V) fp32, the only large tensor; logsumexp in place:
         del logits
@@ -154,20 +206,20 @@ def _forward_plain(
         if grads is not None:  # softmax - onehot from the same chunk, while it exists: the logits' matmul runs once
             x.div_(total[:, None]).mul_(scale[s : s + chunk, None])
             x.scatter_add_(1, t, -scale[s : s + chunk, None])
-            _accumulate(x, hc, w, s, chunk, grads, dtype)
-        del x
+            _accumulate(x.mul_(slope) if tf else x, hc, w, s, chunk, grads, dtype)
+        del x, slope
 
 
 def _forward_liger(
     h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, labels: torch.Tensor, loss: torch.Tensor, chunk: int,
     grads: tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None] | None, dtype: torch.dtype,
+    tf: LogitTransform = NO_TRANSFORM,
 ) -> None:  # fmt: skip
     """Each chunk's loss into `loss` (N,) by Liger's kernel; with `grads`, the (softmax - onehot) it leaves in the
     chunk's logits (0 at IGNORE rows, which it skips) added to them."""
     for s in range(0, h.shape[0], chunk):
         hc = h[s : s + chunk]
-        logits = _logits(hc, w, b)
-        internals.liger_rows(logits, labels[s : s + chunk], loss[s : s + chunk], IGNORE, grads is not None)
+        logits = _liger_chunk(_logits(hc, w, b), labels[s : s + chunk], loss[s : s + chunk], grads is not None, tf)
         if grads is not None:
             _accumulate(logits, hc, w, s, chunk, grads, dtype)
         del logits
@@ -190,7 +242,7 @@ class LinearCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, labels, chunk: int, dtype: torch.dtype, fused: bool = False,  # type: ignore[override]
-                kernel: LossKernel = "chunked"):  # fmt: skip
+                kernel: LossKernel = "chunked", tf: LogitTransform = NO_TRANSFORM):  # fmt: skip
         # hidden (..., H), weight (V, H), bias (V,) or None, labels (...) int64; N tokens
         with torch.autocast(hidden.device.type, enabled=False):  # the casts are explicit
             h = hidden.reshape(-1, hidden.shape[-1]).to(dtype)  # (N, H), saved at the compute width, as autocast would
@@ -204,13 +256,15 @@ class LinearCrossEntropy(torch.autograd.Function):
             grads = _new_grads(ctx.needs_input_grad[:3], h, weight, hidden.dtype) if fused else (None, None, None)
             scale = valid.float()  # fused: each token's loss has gradient 1 (0 at IGNORE) until backward scales it
             if liger:
-                _forward_liger(h, w, b, labels.reshape(-1).contiguous(), loss, chunk, grads if fused else None, dtype)
+                _forward_liger(h, w, b, labels.reshape(-1).contiguous(), loss, chunk, grads if fused else None, dtype,
+                               tf)  # fmt: skip
             else:
-                _forward_plain(h, w, b, target, scale, lse, loss, chunk, grads if fused else None, dtype)
+                _forward_plain(h, w, b, target, scale, lse, loss, chunk, grads if fused else None, dtype, tf)
             loss.masked_fill_(~valid, 0.0)
             ctx.fused = grads if fused else None
         ctx.save_for_backward(h, weight, bias, target, valid, lse)
         ctx.chunk, ctx.dtype, ctx.hidden_shape, ctx.hidden_dtype = chunk, dtype, hidden.shape, hidden.dtype
+        ctx.tf = tf
         return out
 
     @staticmethod
@@ -230,12 +284,12 @@ class LinearCrossEntropy(torch.autograd.Function):
                 w, b = weight.to(ctx.dtype), None if bias is None else bias.to(ctx.dtype)
                 scale = flat.float() * valid  # (N,): d loss_i, 0 at IGNORE
                 grad_h, grad_w, grad_b = grads = _new_grads(ctx.needs_input_grad[:3], h, weight, ctx.hidden_dtype)
-                _chunk_grads(h, w, b, target, lse, scale, ctx.chunk, grads, ctx.dtype)
+                _chunk_grads(h, w, b, target, lse, scale, ctx.chunk, grads, ctx.dtype, ctx.tf)
         if grad_b is not None:
             grad_b = grad_b.to(bias.dtype)
         if grad_h is not None:
             grad_h = grad_h.view(ctx.hidden_shape)
-        return grad_h, grad_w, grad_b, None, None, None, None, None
+        return grad_h, grad_w, grad_b, None, None, None, None, None, None
 
 
 def _new_grads(
@@ -258,17 +312,20 @@ def linear_cross_entropy(
     *,
     chunk: int | None = None,
     kernel: LossKernel = "chunked",
+    transform: LogitTransform = NO_TRANSFORM,
 ) -> torch.Tensor:
-    """Per-token cross-entropy of `hidden @ weight.T + bias` against `labels` (IGNORE: 0), shaped like `labels`, fp32.
+    """Per-token cross-entropy of `transform(hidden @ weight.T + bias)` against `labels` (IGNORE: 0), shaped like
+    `labels`, fp32.
 
-    hidden (..., H), labels (...); `chunk`: tokens per chunk (default `kernel_chunk_tokens`); `kernel`: what computes
-    each chunk's softmax, loss and gradient (`LinearCrossEntropy`)."""
+    hidden (..., H), labels (...); `chunk`: tokens per chunk (default `kernel_chunk_tokens`; fewer for a soft cap:
+    `LogitTransform.tokens`); `kernel`: what computes each chunk's softmax, loss and gradient (`LinearCrossEntropy`)."""
     if hidden.shape[:-1] != labels.shape:
         raise ValueError(f"hidden states {tuple(hidden.shape)} do not match labels {tuple(labels.shape)}")
     dtype = compute_dtype(weight)
-    n = max(1, chunk or kernel_chunk_tokens(weight.shape[0], kernel, dtype))
+    n = chunk or kernel_chunk_tokens(weight.shape[0], kernel, dtype)
+    n = max(1, transform.tokens(n, kernel))
     fused = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
-    return LinearCrossEntropy.apply(hidden, weight, bias, labels, n, dtype, fused, kernel)
+    return LinearCrossEntropy.apply(hidden, weight, bias, labels, n, dtype, fused, kernel, transform)
 
 
 class ChunkedLossHead:
@@ -276,22 +333,32 @@ class ChunkedLossHead:
 
     Installed as the layer's instance `forward`; `remove()` gives the layer back its class's forward."""
 
-    def __init__(self, linear: nn.Linear, chunk: int | None = None, kernel: LossKernel = "chunked"):
+    def __init__(self, linear: nn.Linear, chunk: int | None = None, kernel: LossKernel = "chunked",
+                 transform: LogitTransform = NO_TRANSFORM, config: Any = None,
+                 off: dict[str, Any] | None = None):  # fmt: skip
         self.linear = linear
         self.chunk = chunk  # tokens per chunk; None: kernel_chunk_tokens(vocab, kernel, compute dtype)
         self.kernel = kernel
+        self.transform = transform  # what the model does to the logits, done here chunk by chunk
+        self._config, self._off = config, off or {}  # the config values that make the model do it, off meanwhile
         self._labels: torch.Tensor | None = None
         self._probe: torch.Tensor | None = None
         linear.forward = self.forward  # shadows nn.Linear.forward on this instance only
 
     @contextmanager
     def targets(self, labels: torch.Tensor) -> Iterator[None]:
-        """While open, the layer returns the loss of each token against `labels` (B, T) (shifted; IGNORE masked)."""
+        """While open, the layer returns the loss of each token against `labels` (B, T) (shifted; IGNORE masked), and
+        the model's own soft cap or logit scale is off (the head applies it to each chunk)."""
         self._labels = labels
+        kept = {key: getattr(self._config, key) for key in self._off}
+        for key, value in self._off.items():
+            setattr(self._config, key, value)
         try:
             yield
         finally:
             self._labels = None
+            for key, value in kept.items():
+                setattr(self._config, key, value)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         linear, labels = self.linear, self._labels
@@ -303,7 +370,8 @@ class ChunkedLossHead:
             return self._probe.to(hidden.device, copy=True)
         # (B, T, 1, H) against (B, T, 1): the per-token loss comes out (B, T, 1), allocated so (not a view)
         h, y = hidden.unsqueeze(-2), labels.unsqueeze(-1)
-        return linear_cross_entropy(h, linear.weight, linear.bias, y, chunk=self.chunk, kernel=self.kernel)
+        return linear_cross_entropy(h, linear.weight, linear.bias, y, chunk=self.chunk, kernel=self.kernel,
+                                    transform=self.transform)  # fmt: skip
 
     def remove(self) -> None:
         if self.linear.__dict__.get("forward") == self.forward:
@@ -332,6 +400,24 @@ class ChunkedLossHead:
         return None
 
 
+def logit_transform(model: nn.Module) -> tuple[LogitTransform, Any, dict[str, Any]]:
+    """(what `model`'s family does to its logits, its config, the config values that switch that off) from the family
+    table (jobspec/catalog/families.py: Gemma 2's `final_logit_softcapping`, Granite's `logits_scaling`)."""
+    config = getattr(model, "config", None)
+    fam = FAMILIES.get(getattr(config, "model_type", None) or "")
+    if fam is None:
+        return NO_TRANSFORM, config, {}
+    off: dict[str, Any] = {}
+    cap, scale = None, 1.0
+    value = getattr(config, fam.softcap_key, None) if fam.softcap_key else None
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
+        cap, off[fam.softcap_key] = float(value), None  # type: ignore[index]
+    value = getattr(config, fam.scale_key, None) if fam.scale_key else None
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0 and value != 1:
+        scale, off[fam.scale_key] = (1.0 / value if fam.scale_divides else float(value)), 1.0  # type: ignore[index]
+    return LogitTransform(scale, cap), config, off
+
+
 def install_chunked_loss(
     model: nn.Module,
     *,
@@ -352,12 +438,14 @@ def install_chunked_loss(
     elif "forward" in vars(layer):
         why = "the output layer's forward is already replaced"
     if why is None:
-        head = ChunkedLossHead(layer, chunk, kernel)
+        transform, config, off = logit_transform(model)
+        head = ChunkedLossHead(layer, chunk, kernel, transform, config, off)
         why = head.probe(run or model, device or layer.weight.device)
         if why is None:
-            log.info("loss: chunked cross-entropy from the hidden states, %s (chunks of %d MiB of logits, vocab %d)",
+            log.info("loss: chunked cross-entropy from the hidden states, %s (chunks of %d MiB of logits, vocab %d%s)",
                      "Liger Kernel's Triton kernel" if kernel == "liger" else "plain PyTorch", CHUNK_BYTES >> 20,
-                     layer.out_features)  # fmt: skip
+                     layer.out_features, f"; logits x {transform.scale:g}, soft cap {transform.cap}" if transform
+                     else "")  # fmt: skip
             return head
         head.remove()
     log.info("loss: full logits, not the chunked cross-entropy: %s", why)

@@ -34,6 +34,7 @@ from jobspec.plan.memory import LossKernel
 from runner.data.dataset import IGNORE, Batch, SFTData, micro_batches
 from runner.data.loader import Prefetcher
 from runner.dist import Control
+from runner.model.build import router_aux_coef
 from runner.model.packing import packed_inputs
 from runner.oom import fsdp
 from runner.oom.detect import Guarded, Headroom, allocated_bytes, guarded, headroom, release_memory
@@ -55,23 +56,33 @@ def summed_loss(
     input_ids: torch.Tensor,
     labels: torch.Tensor,
     position_ids: torch.Tensor | None = None,
+    router: list[torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Summed token cross-entropy of a micro-batch, in fp32: chunked inside the output layer when the `head` is
     installed (the fp32 logits never whole), else from the logits upcast ((B, T, V) fp32). The step's loss and the
     memory trace's (runner/train/trace.py) are this one function.
 
     `position_ids` (B, T): a packed batch, whose records restart at 0; given with no attention mask and no cache,
-    they make transformers confine attention to each record (runner/model/packing.py). None: as without packing."""
+    they make transformers confine attention to each record (runner/model/packing.py). None: as without packing.
+    `router`: a mixture-of-experts model's load-balancing loss, as transformers computes it from this forward's
+    router logits (`output_router_logits`), is appended to it (unweighted: `Stepper` weights it)."""
     kwargs: dict[str, Any] = {}
     if position_ids is not None:  # no cache either: transformers reads packed positions only without one
         input_ids, labels, kwargs["position_ids"] = packed_inputs(model, input_ids, labels, position_ids)
         kwargs["use_cache"] = False
+    if router is not None:
+        kwargs["output_router_logits"] = True
     if head is not None:
         with head.targets(labels):
-            per_token = model(input_ids=input_ids, **kwargs).logits  # (B, T, 1): each token's loss, 0 at IGNORE
-        return per_token.float().sum()  # FSDP2 may have cast it to its output dtype: sum in fp32
-    logits = model(input_ids=input_ids, **kwargs).logits
-    return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE, reduction="sum")
+            out = model(input_ids=input_ids, **kwargs)  # .logits (B, T, 1): each token's loss, 0 at IGNORE
+        summed = out.logits.float().sum()  # FSDP2 may have cast it to its output dtype: sum in fp32
+    else:
+        out = model(input_ids=input_ids, **kwargs)
+        summed = F.cross_entropy(out.logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE,
+                                 reduction="sum")  # fmt: skip
+    if router is not None and getattr(out, "aux_loss", None) is not None:
+        router.append(out.aux_loss.float())
+    return summed
 
 
 class EvalOOM(Exception):
@@ -189,6 +200,8 @@ class Stepper:
         self.update = Update(self.inner, self.params, world_size=self.world_size, manual_sync=self.manual_sync,
                              max_grad_norm=max_grad_norm, scaler=accelerator.scaler, device=self.device)  # fmt: skip
         self.eval_micro_batch: int | None = None  # evaluation's micro-batch after an OOM in it (kept for later ones)
+        # a mixture-of-experts model's load-balancing loss weight (None: none; runner/model/build.py)
+        self.router_aux_coef = router_aux_coef(accelerator.unwrap_model(model))
         # the loss from the hidden states in chunks, inside the model's forward (runner/train/loss.py)
         self.head = install_chunked_loss(
             accelerator.unwrap_model(model), run=model, device=self.device, kernel=loss_kernel
@@ -215,11 +228,11 @@ class Stepper:
         # Tensors the loader pinned copy asynchronously; pinning here would be one more host copy.
         return t.to(self.device, non_blocking=t.is_pinned())
 
-    def loss_sum(self, batch: Batch) -> torch.Tensor:
-        """Summed token cross-entropy of a micro-batch, in fp32 (`summed_loss`)."""
+    def loss_sum(self, batch: Batch, router: list[torch.Tensor] | None = None) -> torch.Tensor:
+        """Summed token cross-entropy of a micro-batch, in fp32 (`summed_loss`); `router`: see there."""
         positions = None if batch.position_ids is None else self._to_device(batch.position_ids)
         return summed_loss(
-            self.model, self.head, self._to_device(batch.input_ids), self._to_device(batch.labels), positions
+            self.model, self.head, self._to_device(batch.input_ids), self._to_device(batch.labels), positions, router
         )
 
     def train_step(self, sample_ids: Sequence[int], micro_batch: int, lr: float) -> StepResult:
@@ -254,7 +267,7 @@ class Stepper:
             # model counts sharded gradients). DDP accumulates locally and exchanges once (runner/train/update.py).
             sync = self.world_size == 1 or self.sharded_ranks or (i == len(batches) - 1 and not self.manual_sync)
             with nullcontext() if sync else self.accelerator.no_sync(self.model):
-                out = self._micro_step(batch, scale)
+                out = self._micro_step(batch, scale, 1.0 / len(batches))
             if out.oom:
                 oom, room = out.reason, headroom(out.info, baseline, len(batch.sample_ids))
                 log.warning("rank %d: out of memory in micro-step %d of %d (%d samples): %s", self.rank, i + 1,
@@ -312,9 +325,9 @@ class Stepper:
         self.agree(reason, stop=False, optimizer=True, in_model=False)  # a stop now would lose a finished step
         return (applied.value if not reason else None), prepared.loss_sum
 
-    def _micro_step(self, batch: Batch, scale: float) -> Guarded[torch.Tensor]:
-        """Forward and backward of one micro-batch (`_gated`)."""
-        return self._gated(partial(self._accumulate, batch, scale))
+    def _micro_step(self, batch: Batch, scale: float, share: float = 1.0) -> Guarded[torch.Tensor]:
+        """Forward and backward of one micro-batch (`_gated`); `share`: its part of the step's micro-batches."""
+        return self._gated(partial(self._accumulate, batch, scale, share))
 
     def _gated(self, run: Callable[[], T]) -> Guarded[T]:
         """`run` (a forward, or a forward and backward); an OOM on this rank comes back as `oom=True`. With the
@@ -335,9 +348,17 @@ class Stepper:
         raise_agreed(flags, "", self.world_size)
         raise AssertionError("an agreed PeerOOM always carries the OOM flag")  # pragma: no cover
 
-    def _accumulate(self, batch: Batch, scale: float) -> torch.Tensor:
-        ce = self.loss_sum(batch)
-        self.accelerator.backward(ce * scale)
+    def _accumulate(self, batch: Batch, scale: float, share: float) -> torch.Tensor:
+        """Backward of the micro-batch's part of the step's loss: its token cross-entropy over the step's targets
+        (`scale`) and, for a mixture-of-experts model, its router's load-balancing loss weighted as transformers
+        weighs it (`router_aux_loss_coef`) and averaged over the step's micro-batches (`share`) and, through the
+        gradients' average, its ranks. The returned loss is the cross-entropy alone (what metrics report)."""
+        router: list[torch.Tensor] | None = [] if self.router_aux_coef else None
+        ce = self.loss_sum(batch, router)
+        loss = ce * scale
+        if router:
+            loss = loss + router[0] * (self.router_aux_coef * share)
+        self.accelerator.backward(loss)
         return ce.detach()
 
     @torch.no_grad()

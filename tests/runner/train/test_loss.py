@@ -248,13 +248,54 @@ def test_a_lora_wrapped_output_layer_keeps_the_full_logits(caplog):
     assert "full logits" in caplog.text and "not a plain nn.Linear" in caplog.text
 
 
-def test_a_model_that_soft_caps_its_logits_keeps_the_full_logits(caplog):
-    """Gemma 2 soft-caps the logits after its output layer: the probe forward sees its output changed."""
-    from transformers import Gemma2Config, Gemma2ForCausalLM
+def _capped_or_scaled(kind: str):
+    """A 1-layer Gemma 2 (final soft cap 30) or Granite (logits / 16) with its own transform of the logits."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM, GraniteConfig, GraniteForCausalLM
 
-    cfg = Gemma2Config(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-                       num_key_value_heads=1, head_dim=16, final_logit_softcapping=30.0)  # fmt: skip
-    model = Gemma2ForCausalLM(cfg)
+    torch.manual_seed(0)
+    sizes = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                 num_key_value_heads=1)  # fmt: skip
+    if kind == "softcap":
+        return Gemma2ForCausalLM(Gemma2Config(**sizes, head_dim=16, final_logit_softcapping=30.0))
+    return GraniteForCausalLM(GraniteConfig(**sizes, logits_scaling=16.0))
+
+
+@pytest.mark.parametrize("kind", ["softcap", "scale"])
+def test_a_soft_capped_or_scaled_head_takes_the_chunked_loss_with_the_full_logits_gradients(kind, caplog):
+    """Gemma 2 soft-caps its logits and Granite divides them after the output layer: the head applies the family's
+    transform (jobspec/catalog/families.py) to each chunk, with the model's own off while it does; the loss and every
+    gradient equal the full logits through transformers' own transform, whose config is left as it was."""
+    model = _capped_or_scaled(kind)
+    x = torch.randint(0, 128, (2, 20))
+    labels = torch.roll(x, -1, dims=1)
+    labels[:, -1], labels[0, :4] = IGNORE, IGNORE
+    logits = model(input_ids=x).logits  # transformers' transform
+    ref = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE, reduction="sum")
+    ref.backward()
+    want = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    with caplog.at_level(logging.INFO, logger="jobspec.runner"):
+        head = install_chunked_loss(model, chunk=7)  # several chunks, the last one short
+    assert head is not None and head.transform, caplog.text
+    assert ("soft cap 30.0" if kind == "softcap" else "logits x 0.0625") in caplog.text
+    with head.targets(labels):
+        got = model(input_ids=x).logits.float().sum()
+    got.backward()
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, want[name], rtol=1e-4, atol=1e-6, msg=name)
+    key = "final_logit_softcapping" if kind == "softcap" else "logits_scaling"
+    assert getattr(model.config, key) in (30.0, 16.0)  # restored after the loss
+    torch.testing.assert_close(model(input_ids=x).logits, logits)  # plain forwards transform as before
+
+
+def test_a_transform_the_family_table_does_not_name_keeps_the_full_logits(caplog, monkeypatch):
+    """The install probe still guards what the table does not know: with Gemma 2 left out of it, the soft cap changes
+    what the head returns, and the model keeps its full logits."""
+    from jobspec.catalog import families
+
+    monkeypatch.delitem(families.FAMILIES, "gemma2")
+    model = _capped_or_scaled("softcap")
     with caplog.at_level(logging.INFO, logger="jobspec.runner"):
         assert install_chunked_loss(model) is None
     assert "changes what its output layer returns" in caplog.text

@@ -68,6 +68,35 @@ def test_liger_equals_the_chunked_loss_and_autograd_in_fp32(bias, chunk):
         torch.testing.assert_close(got, want, **FP32)
 
 
+@pytest.mark.parametrize(("scale", "cap"), [(1.0, 5.0), (0.25, None), (3.0, 2.0)])
+def test_both_kernels_apply_the_familys_logit_transform_as_autograd_does(scale, cap):
+    """A soft cap and a logit scale (LogitTransform) on each chunk, in both kernels, with a uniform incoming gradient
+    (gradients formed in forward) and a per-token one (recomputed chunk by chunk): equal to autograd through
+    `cap * tanh(scale * logits / cap)` on the whole logits."""
+    from runner.train.loss import LogitTransform
+
+    tf = LogitTransform(scale, cap)
+    g = torch.Generator().manual_seed(3)
+    hidden, weight = torch.randn(4, 7, 16, generator=g), torch.randn(300, 16, generator=g) * 2
+    labels = torch.randint(0, 300, (4, 7), generator=g)
+    labels[0, :2] = IGNORE
+    weights = torch.rand(4, 7, generator=g)
+    for per_token_weights in (None, weights):
+        h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+        z = F.linear(h, w) * scale
+        z = cap * torch.tanh(z / cap) if cap else z
+        ref = F.cross_entropy(z.flatten(0, 1), labels.flatten(), ignore_index=IGNORE, reduction="none").view(4, 7)
+        ref_loss = (ref * per_token_weights).sum() if per_token_weights is not None else ref.sum()
+        want = torch.autograd.grad(ref_loss, (h, w))
+        for kernel in ("chunked", "liger"):
+            h2, w2 = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+            got = linear_cross_entropy(h2, w2, None, labels, chunk=5, kernel=kernel, transform=tf)
+            loss = (got * per_token_weights).sum() if per_token_weights is not None else got.sum()
+            torch.testing.assert_close(got, ref.detach(), **FP32)
+            for a, b in zip(torch.autograd.grad(loss, (h2, w2)), want, strict=True):
+                torch.testing.assert_close(a, b, **FP32)
+
+
 def test_a_per_token_incoming_gradient_recomputes_through_the_kernel():
     g = torch.Generator().manual_seed(3)
     hidden, weight = torch.randn(10, 8, generator=g), torch.randn(50, 8, generator=g)

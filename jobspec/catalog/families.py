@@ -1,0 +1,128 @@
+"""The model families jobspec plans, traces and trains, by transformers' `model_type`: one table, read in this order.
+
+1. `Family`: what the plan, the trace and the runner need to know of a family beyond the numbers every config has
+   (jobspec/catalog/model_config.py reads those): the block the activation coefficients were traced on (Llama-style,
+   Phi-3's fused projections, GPT-2), QK-norm, the tie default, mixture-of-experts (`ExpertKeys`: where the config
+   keeps the routed experts, their width, the shared experts, the dense layers, the router's auxiliary loss),
+   multi-head latent attention, logit soft-capping and scaling, and the attention kernels transformers accepts.
+2. `FAMILIES`: the table. A `model_type` outside it is refused (`family`: ConfigError, exit 2, naming it and the
+   supported ones): a family the memory model was never checked on would be planned as dense Llama blocks, which is
+   how a 14 B mixture-of-experts model came to be planned as 1.9 B.
+3. `attention_for`: the kernel a family runs when the spec leaves `model.attention` at its default (Gemma 2 and
+   gpt-oss refuse sdpa in transformers: eager), and the refusal of one it does not accept.
+
+Every family here is trained shrunk to 2 layers on the CPU by tests/runner/model/test_families.py, full and LoRA,
+and exported; bench/families.py prints formula vs trace at each family's published shape. Pure Python: the
+submitter reads it without torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from jobspec.errors import ConfigError
+
+Block = Literal["gpt2", "llama", "phi3"]
+KERNELS = frozenset({"sdpa", "eager", "flash_attention_2"})
+
+
+@dataclass(frozen=True)
+class ExpertKeys:
+    """Where a mixture-of-experts config keeps its experts (transformers' key names differ by family)."""
+
+    count: tuple[str, ...]  # routed experts per MoE layer: the first of these keys the config has (transformers
+    # writes one name, the published config.json files may use another)
+    width: str  # one expert's MLP inner width
+    top_k: str = "num_experts_per_tok"
+    shared: str | None = None  # shared experts' total width (Qwen2-MoE), or their count (DeepSeek: x `width`)
+    shared_is_count: bool = False
+    shared_gate: bool = False  # a sigmoid gate (hidden -> 1) on the shared expert's output (Qwen2-MoE)
+    dense_first: str | None = None  # the first k layers keep a dense MLP (DeepSeek's first_k_dense_replace)
+    sparse_step: bool = False  # Qwen's decoder_sparse_step and mlp_only_layers pick the MoE layers
+    bias: bool = False  # biases on the router and on every expert's projections (gpt-oss)
+    aux_loss: bool = True  # transformers computes the router's load-balancing loss (`output_router_logits`)
+
+
+@dataclass(frozen=True)
+class Family:
+    """One `model_type`: what the plan, the trace and the runner need beyond the config's sizes."""
+
+    name: str  # transformers' model_type
+    label: str  # as people write it
+    block: Block = "llama"
+    qk_norm: bool = False  # an RMSNorm on each head's queries and keys
+    tie_default: bool = False  # tie_word_embeddings when the config leaves it out (the config class's default)
+    experts: ExpertKeys | None = None
+    mla: bool = False  # multi-head latent attention (DeepSeek-V2): low-rank k/v (kv_lora_rank), split rope dims
+    softcap_key: str | None = None  # config key of the final logits' soft cap: cap * tanh(logits / cap)
+    scale_key: str | None = None  # config key of a logit scale
+    scale_divides: bool = False  # Granite divides the logits by its `logits_scaling`
+    extra_norms: int = 0  # norms a block has beyond the usual two (Gemma 2 and 3: after attention and the MLP)
+    attentions: frozenset[str] = field(default=KERNELS)  # the kernels transformers builds the family with
+
+    @property
+    def moe(self) -> bool:
+        return self.experts is not None
+
+
+_QWEN_MOE = ExpertKeys(("num_experts", "num_local_experts"), "moe_intermediate_size", sparse_step=True)
+FAMILIES: dict[str, Family] = {
+    f.name: f
+    for f in (
+        Family("gpt2", "GPT-2", block="gpt2", tie_default=True),
+        Family("llama", "Llama"),
+        Family("mistral", "Mistral"),
+        Family("qwen2", "Qwen 2 / 2.5"),
+        Family("qwen3", "Qwen 3", qk_norm=True),
+        Family("smollm3", "SmolLM3", tie_default=True),
+        Family("olmo2", "OLMo 2", qk_norm=True),
+        Family("granite", "Granite", scale_key="logits_scaling", scale_divides=True),
+        Family("phi3", "Phi-3 / Phi-4", block="phi3"),
+        Family("gemma", "Gemma", tie_default=True),
+        Family("gemma2", "Gemma 2", tie_default=True, softcap_key="final_logit_softcapping", extra_norms=2,
+               attentions=frozenset({"eager", "flash_attention_2"})),  # fmt: skip
+        Family("gemma3_text", "Gemma 3 (text)", qk_norm=True, tie_default=True, softcap_key="final_logit_softcapping",
+               extra_norms=2),  # fmt: skip
+        Family("mixtral", "Mixtral", experts=ExpertKeys(("num_local_experts", "num_experts"), "intermediate_size")),
+        Family("qwen2_moe", "Qwen 1.5 / 2 MoE", experts=ExpertKeys(
+            ("num_experts", "num_local_experts"), "moe_intermediate_size", shared="shared_expert_intermediate_size", shared_gate=True,
+            sparse_step=True)),  # fmt: skip
+        Family("qwen3_moe", "Qwen 3 MoE", qk_norm=True, experts=_QWEN_MOE),
+        Family("olmoe", "OLMoE", qk_norm=True, experts=ExpertKeys(("num_experts", "num_local_experts"), "intermediate_size")),
+        Family("deepseek_v2", "DeepSeek-V2", mla=True, experts=ExpertKeys(
+            ("n_routed_experts", "num_local_experts"), "moe_intermediate_size", shared="n_shared_experts", shared_is_count=True,
+            dense_first="first_k_dense_replace", aux_loss=False)),  # fmt: skip
+        Family("gpt_oss", "gpt-oss", experts=ExpertKeys(("num_local_experts", "num_experts"), "intermediate_size", bias=True),
+               attentions=frozenset({"eager"})),  # fmt: skip
+    )
+}
+
+
+def supported() -> str:
+    """The supported model types, for messages."""
+    return ", ".join(sorted(FAMILIES))
+
+
+def family(model_type: object, where: str) -> Family:
+    """The family of `model_type`; ConfigError naming it, `where` it came from and the supported ones otherwise."""
+    if isinstance(model_type, str) and model_type in FAMILIES:
+        return FAMILIES[model_type]
+    shown = repr(model_type)[:60] if isinstance(model_type, str) else type(model_type).__name__
+    raise ConfigError(
+        f"{where}: model_type {shown} is not a family jobspec plans and trains (its memory plan would be a guess): "
+        f"supported: {supported()}. Use a model of one of these families, or ask for yours to be added"
+    )
+
+
+def attention_for(fam: Family, asked: str, explicit: bool) -> str:
+    """The attention kernel `fam` runs: `asked`, or where the spec left the default and the family refuses it, the
+    first kernel it accepts (eager). ConfigError when the spec asks for one the family does not accept."""
+    if asked in fam.attentions:
+        return asked
+    if not explicit:
+        return "eager" if "eager" in fam.attentions else sorted(fam.attentions)[0]
+    raise ConfigError(
+        f"model.attention {asked}: {fam.label} models ({fam.name}) accept {', '.join(sorted(fam.attentions))} "
+        f"(transformers refuses {asked} for them): set model.attention: eager"
+    )
