@@ -26,6 +26,8 @@ def check(shape: ModelShape, *, device_bytes: int, host_bytes: int | None, where
     and its offload within `host_bytes` of host memory per rank (None: not known, not checked).
     `estimate_kw`: memory.estimate's keywords apart from tier and micro-batch (world size, sequence, LoRA...)."""
     least: tuple[int, int, str] | None = None  # (device bytes, host bytes, tier) of the smallest device need
+    if estimate_kw.get("quantize") == "auto" and estimate_kw.get("lora") is not None:
+        estimate_kw = {**estimate_kw, "quantize": "nf4"}  # the least the base can take: what `auto` may use
     for tier in tier_names:
         est = memory.estimate(shape, tier=tier, micro_batch=0, **estimate_kw)
         if est.gpu_bytes <= device_bytes and (host_bytes is None or est.host <= host_bytes):

@@ -43,13 +43,14 @@ w the weights held, t the trainable ones, f = w - t the frozen ones (LoRA), N da
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from typing import Literal
 
 from jobspec.catalog.presets import ModelShape
 from jobspec.catalog.tiers import CHECKPOINTING, SHARD_ONLY, TIERS, divisors, tier_index
 from jobspec.errors import ConfigError
+from jobspec.plan.quantize import base_quantization, gathered_saving, quantized_params, quantized_saving
 
 Attention = Literal["sdpa", "flash", "flash_attention_2", "eager"]
 Precision = Literal["bf16", "fp16", "fp32"]
@@ -279,7 +280,9 @@ class _States:
     trainable: int
 
 
-def _states(shape: ModelShape, tier: str, world_size: int, lora: LoraShape | None) -> _States:
+def _states(
+    shape: ModelShape, tier: str, world_size: int, lora: LoraShape | None, quantize: str | None = None
+) -> _States:
     """The model states of `tier` on one GPU and on the host (per rank), as the table in the module docstring.
 
     zero2_offload is what runner/train/engine.py builds: FSDP2 (reshard_after_forward=False, 16-bit mixed
@@ -287,21 +290,23 @@ def _states(shape: ModelShape, tier: str, world_size: int, lora: LoraShape | Non
     shard and of its gradient and Adam's m and v on the host; FSDP2's own fp32 shard (the all-gather's
     source) and gradient shard stay on the GPU. tests/runner/train/test_offload.py counts these bytes on
     real tensors. Several ranks accumulating over micro-batches without gradient sync hold unsharded fp32
-    gradients (4t) until the last one, which this does not count.
+    gradients (4t) until the last one, which this does not count. `quantize` (LoRA): the blocks' linear layers of the
+    frozen base in 4 bits (jobspec/plan/quantize.py), held, sharded and gathered so.
     """
     t = trainable_params(shape, lora)
     w = shape.params + (t if lora else 0)  # weights held: base (frozen with LoRA) + adapters
     f, n = w - t, world_size
-    shards = (MASTER_BYTES * t + FROZEN_BYTES * f) // n
+    saved = quantized_saving(shape, quantize)  # bytes the 4-bit blocks save against 16 bits
+    shards = (MASTER_BYTES * t + FROZEN_BYTES * f - saved) // n
     grads, adam = GRAD_BYTES * t // n, ADAM_BYTES * t // n
     host_offload = HOST_TRAINABLE_BYTES * t // n
     if tier == "fast":
         buckets = DDP_BUCKET_BYTES * t if n > 1 else 0
-        weights = MASTER_BYTES * t + FROZEN_BYTES * f
+        weights = MASTER_BYTES * t + FROZEN_BYTES * f - saved
         return _States(weights, GRAD_BYTES * t, ADAM_BYTES * t, buckets, HALF_BYTES * t, 0, t)
     # FSDP2 tiers: what stays gathered the whole step (every weight in 16 bits where forward does not reshard);
     # the module gathered at the peak, and its gradient, depend on the moment (_fsdp_peak)
-    kept = HALF_BYTES * w if tier in ("zero2", "zero2_offload") else 0
+    kept = HALF_BYTES * w - gathered_saving(shape, quantize, n) if tier in ("zero2", "zero2_offload") else 0
     if tier == "zero2":
         return _States(shards, grads, adam, 0, kept, 0, t)
     if tier == "zero2_offload":
@@ -309,8 +314,10 @@ def _states(shape: ModelShape, tier: str, world_size: int, lora: LoraShape | Non
     if tier == "zero3":
         return _States(shards, grads, adam, 0, kept, 0, t)
     tier_index(tier)  # raises for unknown names
-    # minimal: shards, gradients and the optimizer on the host; the GPU keeps only the gathered modules
-    return _States(0, 0, 0, 0, kept, host_offload + FROZEN_BYTES * f // n, t)
+    # minimal: shards, gradients and the optimizer on the host; the GPU keeps only the gathered modules (and on one
+    # rank a 4-bit base's linear layers, which FSDP2 leaves alone there: runner/model/quantize.py)
+    whole = quantized_params(shape, quantize) * 2 - saved if n == 1 else 0
+    return _States(whole, 0, 0, 0, kept, host_offload + (FROZEN_BYTES * f - saved) // n - whole, t)
 
 
 def _fsdp_peak(
@@ -324,6 +331,7 @@ def _fsdp_peak(
     chunk: int,
     recompute: int,
     kept: int = 0,
+    quantize: str | None = None,
 ) -> tuple[int, int, int]:
     """(gathered weights and gradients beyond what `_states` keeps, activations, loss bytes) at the largest of the
     five moments an FSDP2 step peaks at (traced; bench/memory_model.py), `acts` the activations forward saves:
@@ -341,8 +349,10 @@ def _fsdp_peak(
       16-bit weights forward kept gathered (`kept`, zero2's) only the root's are left by then, none on one rank.
 
     Without resharding after forward (zero2, zero2_offload) every weight is gathered already: only the buffers
-    come on top. With LoRA the frozen base has no gradients; the adapters' are small and left out."""
-    head, block, half = shape.vocab * shape.hidden, _block_params(shape), HALF_BYTES
+    come on top. With LoRA the frozen base has no gradients; the adapters' are small and left out. A 4-bit base
+    (`quantize`) gathers its blocks' linear layers in 4 bits: `block` counts them at their 16-bit equivalent."""
+    head, half = shape.vocab * shape.hidden, HALF_BYTES
+    block = _block_params(shape) - gathered_saving(shape, quantize, world_size) // (HALF_BYTES * shape.layers)
     tied, reshard, full = shape.tie_embeddings, tier in ("zero3", "minimal"), lora is None
     buffer = half if world_size > 1 else 0  # one rank gathers nothing: its 16-bit copy is the unsharded module
     reduced = GRAD_BYTES if full else 0  # a module's gradient, reduce-scattered in fp32
@@ -518,6 +528,7 @@ def estimate(
     grad_accum: int = 2,
     packed: bool = False,
     loss_kernel: LossKernel = "chunked",
+    quantize: str | None = None,
 ) -> MemoryEstimate:
     """Bytes one GPU needs to train `shape` at `tier` over `world_size` data-parallel ranks.
 
@@ -527,14 +538,16 @@ def estimate(
     peak; with one micro-batch a step they are not yet, and the step peaks at whichever is larger, the
     activations and loss or, after backward, the gradients: `gradients` is then only what they add beyond.
     `packed`: rows of several records (`data.packing`), whose attention mask sdpa then holds whole.
-    `loss_kernel`: `training.loss_kernel`, which sizes the cross-entropy's chunk."""
+    `loss_kernel`: `training.loss_kernel`, which sizes the cross-entropy's chunk. `quantize`: the LoRA base's blocks
+    in 4 bits ("nf4"; "auto" is the 16-bit base here, `plan_tier` tries both)."""
     if seq_len < 1 or micro_batch < 0 or world_size < 1:
         raise ConfigError(
             f"seq_len {seq_len}, micro_batch {micro_batch}, world_size {world_size}: "
             "need seq_len >= 1, micro_batch >= 0, world_size >= 1"
         )
     ckpt = CHECKPOINTING[TIERS[tier_index(tier)]] if checkpointing is None else checkpointing
-    st = _states(shape, tier, world_size, lora)
+    quantize = base_quantization(quantize, lora)
+    st = _states(shape, tier, world_size, lora, quantize)
     tokens = seq_len * micro_batch
     acts = _activations(shape, tier, tokens, seq_len, ckpt, attention, precision, lora)
     recompute = _recompute(shape, tier, tokens, seq_len, attention, precision, lora) if ckpt else 0
@@ -545,7 +558,7 @@ def estimate(
     else:
         kept, chunk = _loss_parts(shape, tier, tokens, precision, lora, loss_kernel)
         gathered, acts, logits = _fsdp_peak(shape, tier, world_size, lora, acts=acts, loss_hidden=kept, chunk=chunk,
-                                            recompute=recompute, kept=st.working)  # fmt: skip
+                                            recompute=recompute, kept=st.working, quantize=quantize)  # fmt: skip
         working += gathered
     if packed and attention == "sdpa":  # the block-diagonal mask, and each layer's saved copy of it
         per_pair = PACKED_MASK_CHECKPOINTED_BYTES if ckpt else shape.layers * PACKED_MASK_LAYER_BYTES[_family(shape)]
@@ -572,6 +585,8 @@ class TierPlan:
     budget: int  # utilization * gpu_bytes
     estimate: MemoryEstimate  # at micro_batch (at 1 when nothing fits, to show the shortfall)
     fixed: bool = False  # micro_batch is the spec's `training.micro_batch`, not the model's choice
+    quantize: str | None = None  # the LoRA base's blocks in 4 bits ("nf4"), as planned; None: 16 bits
+    note: str = ""  # a choice made beyond the tier and micro-batch (`model.quantize: auto`), with its numbers
 
     @property
     def margin(self) -> int:
@@ -596,9 +611,13 @@ def plan_tier(
     micro_batch: int | None = None,
     packed: bool = False,
     loss_kernel: LossKernel = "chunked",
+    quantize: str | None = None,
 ) -> TierPlan:
     """The largest micro-batch at `tier` that fits `utilization * gpu_bytes` and divides the per-rank batch,
     or, with `micro_batch` (the spec's fixed one), whether that one fits and by how much.
+
+    `quantize` "auto" (`model.quantize: auto`, LoRA): the 16-bit base where it fits, else the 4-bit one where that
+    fits (`TierPlan.quantize` says which, and its reason why); "nf4": the 4-bit base.
 
     `gpu_bytes` is the memory one GPU gives the job: the card's total before submit, the probed free
     memory in the pod. The effective batch never changes: grad_accum * micro_batch * world_size ==
@@ -611,6 +630,13 @@ def plan_tier(
     per_rank = global_batch // world_size
     if micro_batch is not None and (micro_batch < 1 or per_rank % micro_batch):
         raise ConfigError(f"micro_batch {micro_batch} does not divide the per-rank batch {per_rank}")
+    if quantize == "auto" and lora is not None:
+        return _plan_auto_base(partial(plan_tier, shape, tier=tier, gpu_bytes=gpu_bytes, global_batch=global_batch,
+                                       world_size=world_size, seq_len=seq_len, utilization=utilization, lora=lora,
+                                       checkpointing=checkpointing, attention=attention, precision=precision,
+                                       sample_scale=sample_scale, micro_batch=micro_batch, packed=packed,
+                                       loss_kernel=loss_kernel))  # fmt: skip
+    quantize = base_quantization(quantize, lora)
     budget = int(utilization * gpu_bytes)
     est = partial(
         estimate,
@@ -625,6 +651,7 @@ def plan_tier(
         sample_scale=sample_scale,
         packed=packed,
         loss_kernel=loss_kernel,
+        quantize=quantize,
     )
 
     def at(m: int) -> MemoryEstimate:  # at micro-batch m, accumulating unless m is the whole per-rank batch
@@ -646,7 +673,8 @@ def plan_tier(
                 f"micro-batch {micro_batch} (spec) needs {need.gpu_bytes / gib:.1f} GiB, budget {budget / gib:.1f} "
                 f"GiB: {short:.1f} GiB short (largest that fits: {top})"
             )
-        return TierPlan(tier, useful, reason, fits, top, micro_batch, per_rank // micro_batch, budget, need, fixed=True)
+        return TierPlan(tier, useful, reason, fits, top, micro_batch, per_rank // micro_batch, budget, need, fixed=True,
+                        quantize=quantize)  # fmt: skip
     mbs = max((d for d in divisors(per_rank) if d <= top), default=0)
     if not mbs:
         reason = reason or f"needs {one.gpu_bytes / gib:.1f} GiB at micro-batch 1, budget {budget / gib:.1f} GiB"
@@ -660,7 +688,24 @@ def plan_tier(
         per_rank // mbs if mbs else 0,
         budget,
         at(mbs) if mbs else one,
+        quantize=quantize,
     )
+
+
+def _plan_auto_base(plan: Callable[..., TierPlan]) -> TierPlan:
+    """`model.quantize: auto` at one tier: the 16-bit base where it fits, else the 4-bit base where that fits (its
+    reason says so, with both figures); the 16-bit plan when neither fits."""
+    plain = plan(quantize=None)
+    if plain.fits:
+        return plain
+    four = plan(quantize="nf4")
+    if not four.fits:
+        return plain
+    gib = 1024**3
+    need, four_need = plain.estimate.gpu_bytes / gib, four.estimate.gpu_bytes / gib
+    why = (f"quantize auto -> nf4: the 16-bit base needs {need:.1f} GiB at micro-batch {max(1, plain.micro_batch)}, "
+           f"the 4-bit one {four_need:.1f} GiB at {four.micro_batch}")  # fmt: skip
+    return replace(four, note=why)
 
 
 def plan_all(
@@ -679,6 +724,7 @@ def plan_all(
     micro_batch: int | None = None,
     packed: bool = False,
     loss_kernel: LossKernel = "chunked",
+    quantize: str | None = None,
 ) -> list[TierPlan]:
     """`plan_tier` for every tier, in TIERS order (cheapest first); `sample_scale`: measured corrections by tier;
     `micro_batch`: the spec's fixed micro-batch (each tier then says whether it fits)."""
@@ -699,6 +745,7 @@ def plan_all(
             micro_batch=micro_batch,
             packed=packed,
             loss_kernel=loss_kernel,
+            quantize=quantize,
         )
         for t in TIERS
     ]

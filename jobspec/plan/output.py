@@ -35,7 +35,7 @@ def plan_table(report: PlanReport) -> str:
                 f"{t.mfu:.0%}" if t else "-",
                 throughput.format_duration(t.total_seconds) if t else "-",
                 *((f"{cost:,.2f}" if cost is not None else "-",) if priced else ()),
-                "  ".join(filter(None, (p.reason, mark))),
+                "  ".join(filter(None, (p.reason, f"{p.quantize} base" if p.quantize else "", mark))),
             )
         )
     lines = [head, "", *format_columns(rows)]
@@ -43,6 +43,7 @@ def plan_table(report: PlanReport) -> str:
         lines.append("\nnothing fits: use a larger GPU, more GPUs, a shorter data.max_seq_len, or LoRA")
     elif report.chosen is not report.runs and report.chosen is not None:
         lines.append(f"\ntier {report.chosen.tier} does not fit: memory.fallback steps down to {report.runs.tier}")
+    lines += [f"{p.tier}: {p.note}" for p in report.plans if p.note]  # `model.quantize: auto`'s choices
     budget = f"{spec.memory.target_utilization:.0%}"
     fixed = next((p for p in report.plans if p.fixed), None)
     if fixed is not None:

@@ -77,6 +77,7 @@ def estimate_kwargs(spec: JobSpec, world_size: int, precision: str) -> dict[str,
         "precision": precision,
         "packed": spec.data.packing,
         "loss_kernel": spec.training.loss_kernel,
+        "quantize": None if spec.model.quantize == "none" else spec.model.quantize,
     }
 
 
@@ -162,6 +163,8 @@ class PlanReport:
                     "grad_accum": p.grad_accum,
                     "checkpointing": p.estimate.checkpointing,
                     "note": p.reason,
+                    "quantize": p.quantize,
+                    "quantize_note": p.note or None,
                     **_traced_dict(self.traced.get(p.tier), p),
                     **_time_dict(self.times.get(p.tier)),
                     "cost": self.tier_cost(p.tier),

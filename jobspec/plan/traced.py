@@ -31,12 +31,15 @@ def trace_tiers(
             f"jobspec plan --trace runs the runner's training step on fake tensors and needs {', '.join(missing)}: "
             f"{install_hint('trace')}"
         )
-    pairs = [(p.tier, max(1, p.micro_batch)) for p in plans]
-    try:
-        rows = run_trace(spec_path, overrides, pairs, world_size, precision, TIMEOUT_S)
-    except TraceFailed as err:
-        why = f"{err}; plan without --trace" if err.timed_out else str(err)
-        raise ConfigError(f"jobspec plan --trace: {why}") from None
+    rows: list[dict[str, Any]] = []
+    for base in dict.fromkeys(p.quantize for p in plans):  # `model.quantize: auto`: each tier's base as planned
+        pairs = [(p.tier, max(1, p.micro_batch)) for p in plans if p.quantize == base]
+        held = [*overrides, f"model.quantize={base}"] if base else list(overrides)
+        try:
+            rows += run_trace(spec_path, held, pairs, world_size, precision, TIMEOUT_S)
+        except TraceFailed as err:
+            why = f"{err}; plan without --trace" if err.timed_out else str(err)
+            raise ConfigError(f"jobspec plan --trace: {why}") from None
     return {row["tier"]: row for row in rows}
 
 

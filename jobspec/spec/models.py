@@ -311,6 +311,14 @@ class ModelSpec(Section):
         ),
     ] = "sdpa"
     lora: Annotated[LoraSpec | None, Field(description="Train LoRA adapters instead of all weights.")] = None
+    quantize: Annotated[
+        Literal["none", "nf4", "auto"],
+        Field(
+            description="With `lora`: hold the frozen base's block linear layers in 4 bits (nf4: torchao's NF4, "
+            "QLoRA; 0.52 bytes a parameter against 2), or `auto`: 16 bits at each tier where they fit, else nf4. "
+            "The export writes the adapter for the 16-bit base (merged: into the dequantized base training saw)."
+        ),
+    ] = "none"
     revision: Annotated[
         WordStr | None,
         BeforeValidator(_revision),
@@ -339,6 +347,16 @@ class ModelSpec(Section):
     def _one_source(self) -> "ModelSpec":
         if (self.preset is None) == (self.path is None):
             raise ValueError("set exactly one of `model.preset` or `model.path`")
+        if self.quantize != "none" and self.lora is None:
+            raise ValueError(
+                f"`model.quantize: {self.quantize}` quantizes a frozen base, which only LoRA adapters train on: "
+                "add `model.lora` (e.g. {rank: 16, targets: [q_proj, v_proj]}) or remove `model.quantize`"
+            )
+        if self.quantize != "none" and self.preset and PRESETS[self.preset].family == "gpt2":
+            raise ValueError(
+                f"`model.quantize: {self.quantize}` needs linear projections and the preset {self.preset} is GPT-2 "
+                "(Conv1D): use a Llama-style preset (llama-tiny) or remove `model.quantize`"
+            )
         return self
 
 

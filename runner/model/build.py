@@ -103,12 +103,17 @@ def checked_config(path: str) -> object:
     return config
 
 
-def build_model(spec: JobSpec, *, bos: int, eos: int, vocab: int, precision: str = "fp32") -> nn.Module:
+def build_model(
+    spec: JobSpec, *, bos: int, eos: int, vocab: int, precision: str = "fp32", quantize: str | None = None,
+    shards: int = 1,
+) -> nn.Module:
     """The model on the CPU in fp32 (preset) or its stored dtype (path); the caller places it.
 
     With LoRA and 16-bit training (`precision`), a preset's frozen base is cast to that width first: it
     takes no gradient or optimizer step, so fp32 would only double its memory (the memory model counts
-    2 bytes a frozen parameter); peft keeps the adapters in fp32.
+    2 bytes a frozen parameter); peft keeps the adapters in fp32. `quantize` (the plan's, LoRA only): the base's block
+    linear layers in 4 bits before the adapters go on (runner/model/quantize.py), split into blocks that `shards`
+    FSDP2 ranks can share.
     """
     from transformers import AutoModelForCausalLM
 
@@ -136,6 +141,10 @@ def build_model(spec: JobSpec, *, bos: int, eos: int, vocab: int, precision: str
     model.config.use_cache = False  # no KV cache in training (and required with checkpointing)
     if m.lora and m.preset:
         frozen_base_width(model, precision)
+    if m.lora and quantize:
+        from runner.model.quantize import quantize_base
+
+        quantize_base(model, quantize, shards=shards, dtype=DTYPES[precision])
     if m.lora:
         model = apply_lora(model, m.lora)
     total = sum(p.numel() for p in model.parameters())

@@ -175,6 +175,17 @@ def _set_json(path: Path, **values: Any) -> None:
     path.write_text(json.dumps({**json.loads(path.read_text()), **values}, indent=2) + "\n")
 
 
+def as_trained(model: torch.nn.Module, plan: dict[str, Any]) -> None:
+    """The base the adapters trained on, for a merge: a run whose plan held it in 4 bits (`model.quantize`) saw the
+    dequantized NF4 weights, not the 16-bit ones, so the base goes through the same quantization (the same blocks
+    over the same ranks) and back before the adapters are merged in. The adapter export keeps the 16-bit base."""
+    from runner.model.quantize import round_trip
+
+    if plan.get("quantize"):
+        round_trip(model, str(plan["quantize"]), shards=int(plan.get("world_size") or 1),
+                   dtype=DTYPES.get(str(plan.get("precision"))))  # fmt: skip
+
+
 def _base_spec(spec: JobSpec) -> JobSpec:
     return spec.model_copy(update={"model": spec.model.model_copy(update={"lora": None})})
 
@@ -191,6 +202,7 @@ def write_export(spec: JobSpec, ckpt: Path, out: Path, *, final: Path, merge: bo
     hf_tokenizer = _hf_tokenizer(tokenizer)
     kind = "full" if spec.model.lora is None else "merged" if merge else "adapter"
     if kind == "merged":
+        as_trained(model, meta.get("plan") or {})
         model = model.merge_and_unload()
     if kind == "adapter":
         cfg = model.peft_config["default"]

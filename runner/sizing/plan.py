@@ -62,6 +62,7 @@ class Plan:
     micro_batch_fixed: bool = False  # set in the spec: never raised, only lowered when it does not fit
     probes: int = 0  # real probe steps run by verify_micro_batch
     reasons: tuple[str, ...] = field(default_factory=tuple)
+    quantize: str | None = None  # the LoRA base's blocks in 4 bits ("nf4": `model.quantize`), None: 16 bits
 
     def __post_init__(self) -> None:
         if self.tier not in tiers.TIERS or self.precision not in PRECISIONS:
@@ -140,6 +141,7 @@ def _micro_batch(asked: int | str, per_rank: int, tp: memory.TierPlan, per_sampl
 def _sized(shape: ModelShape, tier: str, kw: dict[str, Any], bkw: dict[str, Any]) -> tuple[memory.TierPlan, int, int]:
     """(tier plan, fixed bytes, bytes per sample) from the memory model."""
     tp = memory.plan_tier(shape, tier=tier, **kw, **bkw)
+    kw["quantize"] = tp.quantize  # `model.quantize: auto` decided at this tier
     # the line through micro-batch 0 and the model's largest: the loss's one chunk of logits makes the first
     # samples dearer than the later ones, so the slope of the first alone would understate what fits
     top = max(1, min(tp.max_micro_batch, bkw["global_batch"]))
@@ -165,6 +167,8 @@ def size_for_tier(
         kw["sample_scale"] = _measured_scale(spec, shape, tier, kw, notes)
     precision, why_precision = resolve_precision(spec.training.precision, device)
     tp, fixed, per_sample = _sized(shape, tier, kw, bkw)
+    if tp.note:
+        _note(notes, tp.note)
     free, where = gib(bkw["gpu_bytes"]), "free" if device.is_gpu else f"host / {local} ranks"
     budget = f"({gib(tp.budget)} budget [{bkw['utilization']:.2f} x {free} {where}] - {gib(fixed)} states+overhead)"
     wide = " (fp32: activations x2)" if precision == "fp32" else ""
@@ -187,7 +191,7 @@ def size_for_tier(
         pin_memory=loader.pin_memory, seq_len=spec.data.max_seq_len, estimated_bytes=estimated,
         budget_bytes=tp.budget, fixed_bytes=fixed, per_sample_bytes=per_sample,
         model_max_micro_batch=tp.max_micro_batch, micro_batch_fixed=isinstance(spec.training.micro_batch, int),
-        reasons=tuple(notes),
+        reasons=tuple(notes), quantize=tp.quantize,
     )  # fmt: skip
 
 

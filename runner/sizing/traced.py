@@ -46,13 +46,23 @@ def wanted(spec: JobSpec, on_gpu: bool) -> bool:
 
 
 def trace_line(
-    spec: JobSpec, tier: str, world_size: int, precision: str, micro_batches: tuple[int, int], timeout_s: float
+    spec: JobSpec,
+    tier: str,
+    world_size: int,
+    precision: str,
+    micro_batches: tuple[int, int],
+    timeout_s: float,
+    quantize: str | None = None,
 ) -> tuple[int, int]:
     """(bytes at micro-batch 0, bytes per sample) on the line through traces of `tier` at two micro-batches; the
-    spec as this process has it (overrides and a hub model's local snapshot included) goes to the trace as a file."""
+    spec as this process has it (overrides and a hub model's local snapshot included) goes to the trace as a file,
+    with the base the plan holds (`quantize`: `model.quantize: auto` decided per tier)."""
     with tempfile.TemporaryDirectory(prefix="jobspec-trace-") as tmp:
         path = Path(tmp) / "spec.yaml"
-        path.write_text(yaml.safe_dump(spec.to_yaml_dict(), sort_keys=False))
+        data = spec.to_yaml_dict()
+        if spec.model.lora is not None:
+            data["model"] = {**data["model"], "quantize": quantize or "none"}
+        path.write_text(yaml.safe_dump(data, sort_keys=False))
         rows = run_trace(str(path), (), [(tier, m) for m in micro_batches], world_size, precision, timeout_s)
     (m1, p1), (m2, p2) = sorted((int(r["micro_batch"]), int(r["peak"])) for r in rows)
     if m2 == m1 or p2 <= p1:
@@ -105,7 +115,8 @@ def _traced(plan: Plan, spec: JobSpec, share: Share, *, is_main: bool, timeout_s
         try:
             if timeout_s < 1:
                 raise TraceFailed(f"no time left of memory.trace_seconds {spec.memory.trace_seconds}")
-            fixed, per_sample = trace_line(spec, plan.tier, plan.world_size, plan.precision, (m1, 2 * m1), timeout_s)
+            fixed, per_sample = trace_line(spec, plan.tier, plan.world_size, plan.precision, (m1, 2 * m1), timeout_s,
+                                           plan.quantize)  # fmt: skip
             line = [float(fixed), float(per_sample)]
         except (TraceFailed, JobspecError, OSError) as err:
             why = str(err).splitlines()[0]

@@ -32,6 +32,7 @@ from jobspec.errors import ConfigError
 from jobspec.spec.models import JobSpec
 from runner import internals
 from runner.model.build import block_class_names
+from runner.model.quantize import unsharded_on_one_rank
 from runner.sizing.hostmem import HostInfo
 from runner.sizing.plan import Plan
 from runner.sizing.probe import DeviceInfo, probe_device
@@ -146,6 +147,7 @@ def sharding_plugin(tier: str, precision: str, model: nn.Module, *, offload: boo
         transformer_cls_names_to_wrap=block_class_names(model),
         state_dict_type="SHARDED_STATE_DICT",
         mixed_precision_policy=mp,
+        ignored_modules=unsharded_on_one_rank(model) or None,  # a 4-bit base on one rank (runner/model/quantize.py)
     )
 
 
@@ -186,7 +188,10 @@ def prepare(
         # Left so, it would take the model for DDP (a no_sync that syncs every micro-step, clipping that
         # ignores the DTensor shards).
         internals.force_fsdp(accelerator, plugin)
+    whole = unsharded_on_one_rank(model) if plugin is not None else []  # FSDP2 leaves them where they are
     model, optimizer = accelerator.prepare(model, optimizer)  # FSDP2 swaps the sharded parameters in
+    for module in whole:
+        module.to(device)
     inner = getattr(optimizer, "optimizer", optimizer)  # accelerate's AcceleratedOptimizer wrapper
     stepping = offload_optimizer(inner, device, plan.tier)
     if stepping is not inner:

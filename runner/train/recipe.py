@@ -190,6 +190,8 @@ class Recipe:
             eos=self.tokenizer.eos_id,
             vocab=self.tokenizer.vocab_size,
             precision=self.plan.precision,
+            quantize=self.plan.quantize,
+            shards=self.plan.world_size,
         )
         optimizer = engine.make_optimizer(model, spec, self.device, self.plan.tier)
         self.accelerator, self.model, self.optimizer = engine.prepare(self.plan, spec, self.device, model, optimizer)

@@ -53,10 +53,12 @@ from jobspec.catalog.presets import ModelShape
 from jobspec.catalog.tiers import CHECKPOINTING, TIERS, tier_index
 from jobspec.errors import ConfigError
 from jobspec.plan.memory import LossKernel
+from jobspec.plan.quantize import base_quantization
 from jobspec.spec.models import LoraSpec
 from runner import internals
 from runner.data.dataset import Batch
 from runner.model.build import apply_lora, frozen_base_width, preset_config
+from runner.model.quantize import parts_to_empty, quantize_base
 from runner.train import engine
 
 log = logging.getLogger("jobspec.runner")
@@ -132,8 +134,10 @@ def hf_config(model: ModelShape | dict[str, Any] | Any) -> Any:
     return cfg
 
 
-def _build(cfg: Any, *, lora: LoraSpec | None, precision: str, attention: str, meta: bool) -> nn.Module:
-    """The model as build_model makes it (fp32 weights; with LoRA a 16-bit frozen base and fp32 adapters)."""
+def _build(cfg: Any, *, lora: LoraSpec | None, precision: str, attention: str, meta: bool, quantize: str | None = None,
+           shards: int = 1) -> nn.Module:  # fmt: skip
+    """The model as build_model makes it (fp32 weights; with LoRA a 16-bit frozen base, 4-bit blocks with `quantize`,
+    and fp32 adapters)."""
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta") if meta else contextlib.nullcontext():
@@ -141,7 +145,11 @@ def _build(cfg: Any, *, lora: LoraSpec | None, precision: str, attention: str, m
     model.config.use_cache = False
     if lora is not None:
         frozen_base_width(model, precision)
+        if quantize:
+            quantize_base(model, quantize, shards=shards)
         model = apply_lora(model, lora)
+    elif quantize:
+        raise ConfigError(f"model.quantize {quantize}: a quantized base trains LoRA adapters only; add model.lora")
     return model
 
 
@@ -290,6 +298,7 @@ def _to_empty(model: nn.Module, device: torch.device) -> None:
     for name, p in model.named_parameters(remove_duplicate=False):
         names.setdefault(id(p), []).append(name)
     model.to_empty(device=device)
+    parts_to_empty(model, device)
     for first, *others in (n for n in names.values() if len(n) > 1):
         shared = model.get_parameter(first)
         for name in others:
@@ -317,6 +326,7 @@ def trace_step(
     packed: bool = False,
     gpu: bool = True,
     loss_kernel: LossKernel = "chunked",
+    quantize: str | None = None,
 ) -> TraceResult:
     """One rank's bytes at the peak of the runner's optimizer step at `tier` (see the module docstring).
 
@@ -332,6 +342,8 @@ def trace_step(
     inside the SDPA kernel, as where the step will run (`gpu_decisions`); False: as on the CPU.
     `loss_kernel`: `training.loss_kernel` for the default loss (Liger's kernel writes in place: on fakes it is the
     one call skipped, `internals.liger_rows`).
+    `quantize`: the frozen base's blocks in 4 bits ("nf4", with LoRA: runner/model/quantize.py), as the runner builds
+    it for a plan that quantizes.
     """
     tier_index(tier)  # raises for unknown names
     if precision not in DTYPE or micro_batch < 1 or seq_len < 1 or world_size < 1:
@@ -347,7 +359,8 @@ def trace_step(
     device = torch.device("cpu")
     torch.manual_seed(seed)
     cfg = hf_config(model)
-    net = _build(cfg, lora=lora, precision=precision, attention=attention, meta=fake)
+    net = _build(cfg, lora=lora, precision=precision, attention=attention, meta=fake, quantize=quantize,
+                 shards=world_size if fsdp else 1)
     params = sum(p.numel() for p in net.parameters())
     trainable = sum(p.numel() for p in net.parameters() if p.requires_grad)
     if ckpt:
@@ -498,7 +511,8 @@ def spec_model(spec: Any) -> ModelShape | Any:
 
 
 def trace_spec(spec: Any, tiers: list[tuple[str, int]], world_size: int, precision: str) -> list[dict[str, Any]]:
-    """`trace_step` for each (tier, micro-batch) pair, as JSON-ready dicts."""
+    """`trace_step` for each (tier, micro-batch) pair, as JSON-ready dicts. `model.quantize: auto` traces the 16-bit
+    base: a caller whose plan chose the 4-bit one passes the spec with `model.quantize: nf4`."""
     model = spec_model(spec)
     forced = {"on": True, "off": False}.get(spec.training.gradient_checkpointing)
     per_rank = spec.training.global_batch // world_size
@@ -507,7 +521,8 @@ def trace_spec(spec: Any, tiers: list[tuple[str, int]], world_size: int, precisi
         r = trace_step(model, tier=tier, world_size=world_size, micro_batch=mbs, seq_len=spec.data.max_seq_len,
                        loss_kernel=spec.training.loss_kernel, precision=precision, lora=spec.model.lora,
                        checkpointing=forced, attention=spec.model.attention, max_grad_norm=spec.training.max_grad_norm,
-                       grad_accum=2 if per_rank // mbs > 1 else 1, packed=spec.data.packing)  # fmt: skip
+                       grad_accum=2 if per_rank // mbs > 1 else 1, packed=spec.data.packing,
+                       quantize=base_quantization(spec.model.quantize, spec.model.lora))  # fmt: skip
         out.append({"tier": tier, "micro_batch": mbs, "peak": r.peak, "parts": r.parts, "host": r.host,
                     "ddp_buckets": r.ddp_buckets, "seconds": round(r.seconds, 2), "notes": list(r.notes)})  # fmt: skip
     return out
