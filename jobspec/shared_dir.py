@@ -16,7 +16,8 @@ are:
   new one; a link planted at the name is replaced, its target untouched);
 - **relative to a directory descriptor**: the temporary's create, write and rename happen in one directory opened
   once, so a directory swapped for a link between two of them changes nothing;
-- **appends and locks** (`open_append`, `open_lock`) open an existing regular file or create one, never a link.
+- **appends and locks** (`open_append`, `open_lock`) open an existing regular file of a single hard link or create
+  one, never a link.
 
 A refusal is `Unsafe`, an OSError (errno ELOOP or EINVAL) naming the file and what it is, so callers that treat an
 unwritable file as "not written, logged" or "damaged, skipped" keep doing so. The readers of `jobspec.untrusted` and
@@ -62,9 +63,11 @@ def kind(mode: int) -> str:
     return "a regular file" if stat.S_ISREG(mode) else _KINDS.get(stat.S_IFMT(mode), "not a regular file")
 
 
-def open_fd(path: str | Path, flags: int, *, follow: bool = False, dir_fd: int | None = None, mode: int = 0o644) -> int:
+def open_fd(path: str | Path, flags: int, *, follow: bool = False, dir_fd: int | None = None, mode: int = 0o644,
+            alone: bool = False) -> int:  # fmt: skip
     """os.open(`path`, `flags`) of a regular file: never blocking (a FIFO), never through a link unless `follow`,
-    checked on the descriptor; the descriptor is blocking again when returned. `Unsafe` for anything else."""
+    checked on the descriptor; the descriptor is blocking again when returned. `alone`: the file may have no other
+    hard link (one planted at the name would lead a write into a file elsewhere). `Unsafe` for anything else."""
     try:
         fd = os.open(path, flags | _BASE | (0 if follow else os.O_NOFOLLOW), mode, dir_fd=dir_fd)
     except OSError as err:
@@ -77,6 +80,8 @@ def open_fd(path: str | Path, flags: int, *, follow: bool = False, dir_fd: int |
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
             raise Unsafe(path, f"is {kind(st.st_mode)}, not a regular file")
+        if alone and st.st_nlink > 1:
+            raise Unsafe(path, f"has {st.st_nlink} hard links, not a file of its own")
         os.set_blocking(fd, True)
         return fd
     except BaseException:
@@ -91,13 +96,13 @@ def open_read(path: str | Path, *, follow: bool = False, buffering: int = -1) ->
 
 def open_append(path: str | Path, *, encoding: str = "utf-8") -> IO[str]:
     """`path` opened to append text lines (line-buffered), created when missing; never a link or a FIFO."""
-    fd = open_fd(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+    fd = open_fd(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, alone=True)
     return os.fdopen(fd, "a", buffering=1, encoding=encoding)
 
 
 def open_lock(path: str | Path) -> int:
     """A read-write descriptor of the lock file `path` (created when missing) for fcntl.flock; never a link."""
-    return open_fd(path, os.O_RDWR | os.O_CREAT)
+    return open_fd(path, os.O_RDWR | os.O_CREAT, alone=True)
 
 
 def create(path: str | Path, mode: int = 0o644) -> BinaryIO:

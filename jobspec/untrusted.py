@@ -30,15 +30,15 @@ def inside(path: Path, root: Path, what: str) -> Path:
 
 
 def open_regular(path: str | Path, *, what: str = "file", limit: int | None = None,
-                 root: str | Path | None = None) -> BinaryIO:  # fmt: skip
+                 root: str | Path | None = None, follow: bool = True) -> BinaryIO:  # fmt: skip
     """`path` opened for binary reading once it is known to be a regular file (of at most `limit` bytes,
-    resolving under `root` when given). Opened by jobspec.shared_dir.open_fd: never blocking on a FIFO, checked on
-    the descriptor."""
+    resolving under `root` when given; not through a link in its last component unless `follow`). Opened by
+    jobspec.shared_dir.open_fd: never blocking on a FIFO, checked on the descriptor."""
     path = Path(path)
     if root is not None:
         inside(path, Path(root), what)
     try:
-        fd = open_fd(path, os.O_RDONLY, follow=True)
+        fd = open_fd(path, os.O_RDONLY, follow=follow)
     except FileNotFoundError:
         raise ConfigError(f"{what} {path} does not exist") from None
     except Unsafe as err:
@@ -56,10 +56,11 @@ def open_regular(path: str | Path, *, what: str = "file", limit: int | None = No
         raise
 
 
-def read_bounded(path: str | Path, limit: int, *, what: str = "file", root: str | Path | None = None) -> bytes:
+def read_bounded(path: str | Path, limit: int, *, what: str = "file", root: str | Path | None = None,
+                 follow: bool = True) -> bytes:  # fmt: skip
     """The bytes of regular file `path`, at most `limit` of them (a file that grows while read is cut there and
     refused, not read on)."""
-    with open_regular(path, what=what, limit=limit, root=root) as f:
+    with open_regular(path, what=what, limit=limit, root=root, follow=follow) as f:
         data = f.read(limit + 1)
     if len(data) > limit:
         raise ConfigError(f"{what} {path} grew past the {limit:,} bytes allowed for it while it was read")

@@ -36,6 +36,7 @@ damage like any other. With JOBSPEC_CHECKPOINT_KEY set the manifest is signed (j
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -43,7 +44,7 @@ import re
 import shutil
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -51,9 +52,10 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
-from jobspec import signing
+from jobspec import shared_dir, signing
 from jobspec.errors import ConfigError
 from runner.checkpoint import files, manifest, rng, storage, unpickle
 from runner.checkpoint.rng import rng_state, set_rng_state
@@ -67,7 +69,9 @@ SPEC = "spec.yaml"
 DCP_METADATA = unpickle.METADATA
 META_MAX_BYTES = 16 * 2**20  # step, plan, lineage, loss: a few KB
 _RNG = re.compile(r"^rng-\d+\.pt$")
-FORMAT = 2  # meta.json "format": 2 and later have a manifest.json (a missing one is damage, not age)
+FORMAT = 3  # meta.json "format": 2 and later have a manifest.json (a missing one is damage, not age); 3 and later
+# hold their own step in the shards (STEP_ITEM): shards of another step under this one's manifest are damage
+STEP_ITEM = ("jobspec", "step")  # {"jobspec": {"step": N}} beside "model" and "optim": DCP's item "jobspec.step"
 _STEP = re.compile(r"^step-(\d+)$")
 T = TypeVar("T")
 
@@ -96,18 +100,33 @@ def is_step_dir(path: Path) -> bool:
 
 
 def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    shared_dir.fsync_dir(path)
 
 
 def _write_durable(path: Path, data: bytes) -> None:
-    with open(path, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
+    """`data` as the file `path`, fsynced: a temporary created exclusively, renamed over the name (a link planted
+    there is replaced, never written through: jobspec.shared_dir)."""
+    shared_dir.write_atomic(path, data)
+
+
+class _NoFollowFiles(FileSystem):
+    """DCP's file access for writing: every shard and `.metadata` (via its temporary) created exclusively, never
+    through a name someone else made in the temp dir (jobspec.shared_dir.create)."""
+
+    @contextlib.contextmanager
+    def create_stream(self, path: Any, mode: str) -> Iterator[Any]:
+        if mode != "wb":
+            raise ValueError(f"a checkpoint writer creates new files only, not {mode!r}")
+        with shared_dir.create(Path(path)) as f:
+            yield f
+
+
+class _Writer(dcp.FileSystemWriter):
+    """FileSystemWriter that creates its files through `_NoFollowFiles`."""
+
+    def __init__(self, path: Path) -> None:
+        super().__init__(path, sync_files=True)
+        self.fs = _NoFollowFiles()
 
 
 def _state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, trainable_only: bool) -> dict[str, Any]:
@@ -189,14 +208,15 @@ def verify(path: str | Path, *, full: bool = False) -> str | None:
         problem = manifest.check(path, step, required=required, full=full)
         if problem:
             return problem
-    return _pickles_problem(path)
+    return _pickles_problem(path, step, type(written_as) is int and written_as >= 3)
 
 
-def _pickles_problem(path: Path) -> str | None:
+def _pickles_problem(path: Path, step: int, holds_step: bool) -> str | None:
     """Why the pickles of checkpoint `path` cannot be read without trusting them: `.metadata` (restricted
     unpickler, checked against the shards), every item in the shards (a torch.save zip that inflates
     nothing; the non-tensor ones read with weights_only=True) and every rank's RNG state (weights_only,
-    checked for shape). The tensors' values are DCP's to read, with weights_only=True, at load."""
+    checked for shape). The tensors' values are DCP's to read, with weights_only=True, at load. Then the step the
+    shards say they hold (STEP_ITEM, `holds_step`: written since FORMAT 3) must be the directory's `step`."""
     try:
         metadata = unpickle.read_metadata(path)
     except FileNotFoundError:
@@ -207,13 +227,27 @@ def _pickles_problem(path: Path) -> str | None:
         return f"{DCP_METADATA} cannot be read ({err.strerror or err})"
     except ValueError as err:
         return str(err)
-    problem = unpickle.items_problem(path, metadata)
+    problem = unpickle.items_problem(path, metadata) or _step_problem(path, metadata, step, holds_step)
     if problem:
         return problem
     for name in sorted(n for n in os.listdir(path) if _RNG.match(n)):
         problem = rng.problem(path / name)
         if problem:
             return problem
+    return None
+
+
+def _step_problem(path: Path, metadata: Any, step: int, holds_step: bool) -> str | None:
+    """Why the shards of checkpoint `path` are not those of step `step` (their STEP_ITEM says another), or None."""
+    fqn = ".".join(STEP_ITEM)
+    try:
+        held = unpickle.read_bytes_item(path, metadata, fqn)
+    except KeyError:
+        return f"the shards do not say which step they hold ({META} says format 3 or later)" if holds_step else None
+    except (OSError, ValueError) as err:
+        return f"the shards' step cannot be read ({err})"
+    if type(held) is not int or held != step:
+        return f"the shards hold step {_short(held)}, not step {step} (shards of another checkpoint under this one)"
     return None
 
 
@@ -319,7 +353,8 @@ def save(
     tmp, final = root / f".tmp-step-{step}{'-' + attempt[:12] if attempt else ''}", root / f"step-{step}"
     phase = _Phase(ctrl, rank, root, tmp, fence, is_oom)
     phase.need = phase.run(lambda: _prepare(root, tmp, expected_bytes(root, model, trainable_only)) if rank == 0 else 0)
-    entries = phase.run(lambda: _write_rank_files(tmp, _state(model, optimizer, trainable_only), rank, ctrl))
+    state = {**_state(model, optimizer, trainable_only), STEP_ITEM[0]: {STEP_ITEM[1]: step}}
+    entries = phase.run(lambda: _write_rank_files(tmp, state, rank, ctrl))
     hashed = {name: e for part in ctrl.all_gather_object(entries) for name, e in part.items()}
     if rank == 0:
         meta = {**meta, "step": step, "format": FORMAT}
@@ -371,10 +406,18 @@ class _Phase:
         return result  # type: ignore[return-value]
 
 
+def _clear(path: Path) -> None:
+    """Remove what is at `path`: a directory's tree, or the name itself (a link is removed, never followed)."""
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    elif os.path.lexists(path):
+        path.unlink()
+
+
 def _prepare(root: Path, tmp: Path, need: int) -> int:
     """Rank 0: the temp dir, once the volume has room for `need` bytes (returned)."""
     root.mkdir(parents=True, exist_ok=True)
-    shutil.rmtree(tmp, ignore_errors=True)  # left by a writer that was killed
+    _clear(tmp)  # left by a writer that was killed (or a name planted there)
     storage.check_space(root, need)
     tmp.mkdir()
     return need
@@ -382,7 +425,7 @@ def _prepare(root: Path, tmp: Path, need: int) -> int:
 
 def _write_rank_files(tmp: Path, state: dict[str, Any], rank: int, ctrl: Control) -> dict[str, dict[str, Any]]:
     """This rank's DCP shards and RNG state, fsynced; returns their manifest entries (hashed while cached)."""
-    writer = dcp.FileSystemWriter(tmp, sync_files=True)
+    writer = _Writer(tmp)
     with warnings.catch_warnings():  # DCP warns that one process means one process
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         dcp.save(state, storage_writer=writer, process_group=ctrl.group, no_dist=not dist.is_initialized())
@@ -406,11 +449,11 @@ def _finish(tmp: Path, final: Path, step: int, meta: dict[str, Any], files: dict
 
 def _publish(tmp: Path, final: Path) -> None:
     """Rename the finished temp dir into place, then mark it complete."""
-    if final.exists():
+    if os.path.lexists(final):
         if verify(final) is None:  # this step is already saved (e.g. SIGTERM right after a periodic save)
             shutil.rmtree(tmp)
             return
-        shutil.rmtree(final)  # an incomplete or damaged step-<N> from an older attempt
+        _clear(final)  # an incomplete or damaged step-<N> from an older attempt, or a name planted there
     os.rename(tmp, final)
     fsync_dir(final.parent)
     _write_durable(final / DONE, b"")

@@ -298,6 +298,18 @@ def decode_bytes_item(data: bytes, fqn: str) -> Any:
     return value
 
 
+def read_bytes_item(directory: Path, metadata: md.Metadata, fqn: str) -> Any:
+    """The non-tensor item `fqn` stored in the shards of checkpoint `directory` (checked `metadata`), decoded as
+    `decode_bytes_item`; KeyError when the checkpoint holds no such item, OSError or ValueError: unreadable."""
+    if not isinstance(metadata.state_dict_metadata.get(fqn), md.BytesStorageMetadata):
+        raise KeyError(fqn)
+    info = next(i for index, i in (metadata.storage_data or {}).items() if index.fqn == fqn)
+    with files.open_regular(directory / info.relative_path) as f:
+        _check_item(f, fqn, info, md.BytesStorageMetadata)
+        f.seek(info.offset)
+        return decode_bytes_item(files.read_at_most(f, info.length), fqn)
+
+
 def items_problem(directory: Path, metadata: md.Metadata) -> str | None:
     """Why an item stored in the shards of checkpoint `directory` (checked `metadata`) cannot be read safely: its
     torch.save zip would inflate (torchzip.py: a few small reads each, tensors included), or a non-tensor item

@@ -42,8 +42,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from jobspec import shared_dir
 from jobspec.catalog.tiers import TIERS
 from jobspec.errors import ConfigError
+from jobspec.untrusted import json_loads, read_bounded
 
 if TYPE_CHECKING:  # torch is imported where an error is raised: the supervisor parses the rules without it
     import torch
@@ -183,10 +185,11 @@ class FaultInjector:
 
     def __post_init__(self) -> None:
         path = self._fired_path()
-        if path is not None and path.exists():
+        if path is not None and os.path.lexists(path):
             try:
-                self.fired |= {int(s) for s in json.loads(path.read_text())["fired_steps"]}
-            except (OSError, ValueError, KeyError, TypeError) as exc:
+                record = json_loads(read_bounded(path, 1 << 20, what="fault record", follow=False))
+                self.fired |= {int(s) for s in record["fired_steps"]}
+            except (OSError, ValueError, KeyError, TypeError, ConfigError) as exc:
                 log.warning("fault injection: ignoring unreadable %s (%s)", path, exc)
 
     def _fired_path(self) -> Path | None:
@@ -228,9 +231,7 @@ class FaultInjector:
         if path is None:
             return
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(json.dumps({"fired_steps": sorted(self.fired)}))
-        os.replace(tmp, path)
+        shared_dir.write_atomic(path, json.dumps({"fired_steps": sorted(self.fired)}).encode(), fsync=False)
 
     def region(self, during: str, micro_batch: int = 0) -> AbstractContextManager[Any]:
         """With `op=N`: the dispatch mode (runner/oom/anywhere.py) around one region (`during`, one of REGIONS) of
@@ -274,8 +275,7 @@ class FaultInjector:
             return
         path = Path(self.run_dir) / OPS_FILE_TEMPLATE.format(rank=self.rank)
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o644)
-        with os.fdopen(fd, "a") as f:
+        with shared_dir.open_append(path) as f:
             f.write(json.dumps(record) + "\n")
 
     def install(self, model: torch.nn.Module) -> None:

@@ -13,6 +13,7 @@ podFailurePolicy counts it and recreates the pods, and `current_tier` points the
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -23,12 +24,15 @@ from typing import Any
 
 from tenacity import RetryCallState, Retrying, retry_if_exception_type, stop_after_attempt, wait_fixed
 
+from jobspec import shared_dir
 from jobspec.catalog.tiers import TIERS, next_tier  # one ladder for the planner, `jobspec plan` and the runner
 from jobspec.contract import EXIT_OOM_LAST_TIER, EXIT_OOM_RETRY_TIER, TIER_STATE_FILE
 from jobspec.errors import ConfigError
+from jobspec.untrusted import json_loads, read_bounded
 
 log = logging.getLogger("jobspec.runner")
 STATE_VERSION = 1
+MAX_STATE_BYTES = 1 << 20  # a tier, a few failures and caps: hundreds of bytes
 MESSAGE_LIMIT = 4096  # Kubernetes keeps at most 4096 bytes of a termination message
 
 
@@ -61,14 +65,14 @@ def state_path(run_dir: str | Path) -> Path:
 def load_state(run_dir: str | Path) -> TierState | None:
     """The persisted state; None when there is none. A corrupt file is a ConfigError naming it."""
     path = state_path(run_dir)
-    if not path.exists():
+    if not os.path.lexists(path):
         return None
     try:
-        raw: dict[str, Any] = json.loads(path.read_text())
+        raw: dict[str, Any] = json_loads(read_bounded(path, MAX_STATE_BYTES, what="tier state", follow=False))
         failed = [TierFailure(str(f["tier"]), str(f["reason"]), float(f["at"])) for f in raw.get("failed", [])]
         caps = {str(t): int(m) for t, m in raw.get("caps", {}).items()}
         state = TierState(str(raw["tier"]), failed, int(raw.get("attempts", 0)), bool(raw.get("exhausted")), caps)
-    except (OSError, ValueError, KeyError, TypeError) as exc:
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
         raise ConfigError(f"{path}: unreadable tier state ({exc}); delete it to start from the spec's tier") from exc
     if state.tier not in TIERS:
         raise ConfigError(f"{path}: unknown tier {state.tier!r}; delete the file to start from the spec's tier")
@@ -79,20 +83,9 @@ def save_state(run_dir: str | Path, state: TierState) -> None:
     """Write atomically: a reader sees the old file or the new one, never half of one."""
     path = state_path(run_dir)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "w") as fh:
-        json.dump(asdict(state), fh, indent=2)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
-    try:  # make the rename itself durable (a no-op where directories cannot be opened)
-        fd = os.open(path.parent, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-    except OSError:
-        pass
+    shared_dir.write_atomic(path, json.dumps(asdict(state), indent=2).encode())  # never through a planted link
+    with contextlib.suppress(OSError):  # make the rename itself durable (a no-op where directories cannot be opened)
+        shared_dir.fsync_dir(path.parent)
 
 
 def tiers_left(tier: str, world_size: int = 1) -> int:

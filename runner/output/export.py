@@ -42,13 +42,14 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-from jobspec import __version__
+from jobspec import __version__, shared_dir
 from jobspec.contract import EXIT_OK
 from jobspec.errors import ConfigError, JobspecError
 from jobspec.spec import safe_yaml
 from jobspec.spec.hub import hub_origin
 from jobspec.spec.loader import parse_spec
 from jobspec.spec.models import JobSpec
+from jobspec.untrusted import json_loads, read_bounded
 from runner.checkpoint import files, store, unpickle
 
 log = logging.getLogger("jobspec.runner")
@@ -172,7 +173,10 @@ def _save_kwargs(spec: JobSpec) -> dict[str, Any]:
 
 
 def _set_json(path: Path, **values: Any) -> None:
-    path.write_text(json.dumps({**json.loads(path.read_text()), **values}, indent=2) + "\n")
+    """`values` set in the JSON file `path` of the export being written (read bounded, written whole: never through a
+    link, jobspec.shared_dir)."""
+    record = json_loads(read_bounded(path, 64 << 20, what="export file", follow=False))
+    shared_dir.write_atomic(path, (json.dumps({**record, **values}, indent=2) + "\n").encode(), fsync=False)
 
 
 def as_trained(model: torch.nn.Module, plan: dict[str, Any]) -> None:
@@ -245,8 +249,8 @@ def write_export(spec: JobSpec, ckpt: Path, out: Path, *, final: Path, merge: bo
         "dtype": dtype if dtype != "auto" else str(next(weights.parameters()).dtype).removeprefix("torch."),
         "exported_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
-    (out / PROVENANCE).write_text(json.dumps(record, indent=1) + "\n")
-    (out / "README.md").write_text(_card(record, kind))
+    shared_dir.write_atomic(out / PROVENANCE, (json.dumps(record, indent=1) + "\n").encode(), fsync=False)
+    shared_dir.write_atomic(out / "README.md", _card(record, kind).encode(), fsync=False)
     return record
 
 
@@ -311,9 +315,9 @@ def export(
             f"{out}: exists and is not a jobspec export; choose another --out (or output.dir) or remove it"
         )
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f".tmp-{out.name}"
-    shutil.rmtree(tmp, ignore_errors=True)  # left by an export that was killed
-    tmp.mkdir()
+    for stale in out.parent.glob(f".tmp-{out.name}-*"):  # left by an export that was killed (a link: not followed)
+        shutil.rmtree(stale, ignore_errors=True)
+    tmp = shared_dir.make_temp_dir(out.parent, f".tmp-{out.name}-")  # a fresh name: nothing planted in it
     try:
         record = write_export(spec, ckpt, tmp, final=out, merge=merge, dtype=dtype or spec.output.dtype)
         _publish(tmp, out)
@@ -327,13 +331,15 @@ def export(
 
 def _publish(tmp: Path, out: Path) -> None:
     """Rename `tmp` to `out`; a previous export at `out` is moved aside first and removed after."""
-    old = out.parent / f".old-{out.name}"
-    shutil.rmtree(old, ignore_errors=True)
-    if out.exists():
+    old = out.parent / f".old-{shared_dir.temp_name(out.name)}"  # a fresh name: a rename never lands on a link
+    if os.path.lexists(out):
         os.rename(out, old)
     os.rename(tmp, out)
     store.fsync_dir(out.parent)
-    shutil.rmtree(old, ignore_errors=True)
+    if old.is_dir() and not old.is_symlink():
+        shutil.rmtree(old, ignore_errors=True)
+    elif os.path.lexists(old):
+        old.unlink()
 
 
 def main(argv: list[str] | None = None) -> int:

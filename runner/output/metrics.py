@@ -19,6 +19,9 @@ from typing import Any
 
 import torch
 
+from jobspec import shared_dir
+from jobspec.errors import ConfigError
+
 log = logging.getLogger("jobspec.runner")
 GiB = 1024**3
 
@@ -67,8 +70,14 @@ class Metrics:
         self.file = None
         if enabled:
             path.parent.mkdir(parents=True, exist_ok=True)
-            # Held for the whole run; line-buffered so that every record lands even if the process dies.
-            self.file = open(path, "a", buffering=1, encoding="utf-8")  # noqa: SIM115
+            # Held for the whole run; line-buffered so that every record lands even if the process dies. The run
+            # directory is shared: never appended through a link planted at the name (jobspec.shared_dir).
+            try:
+                self.file = shared_dir.open_append(path)
+            except shared_dir.Unsafe as err:  # the same at every attempt: exit 2, naming the file
+                raise ConfigError(f"{path}: {err.detail}, refused (a run directory's metrics are a file of its own, "
+                                  "never written through a link): remove it, or give the run another checkpoints.dir"
+                                  ) from None  # fmt: skip
 
     def write(self, record: dict[str, Any]) -> None:
         if self.file is None:

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 import yaml
 
+from jobspec import shared_dir
 from jobspec.catalog import tiers
 from jobspec.contract import EXIT_OK, EXIT_OOM_RETRY_TIER, EXIT_PREEMPTED, METRICS_FILE, TIER_STATE_FILE
 from jobspec.errors import ConfigError
@@ -716,7 +717,7 @@ class Recipe:
             "ids": ids,
         }
         self.root.mkdir(parents=True, exist_ok=True)
-        with open(self.root / f"samples-rank{self.env.rank}.jsonl", "a") as f:
+        with shared_dir.open_append(self.root / f"samples-rank{self.env.rank}.jsonl") as f:  # never through a link
             f.write(json.dumps(rec) + "\n")
 
     # --- cleanup ----------------------------------------------------------------------------------------
