@@ -6,15 +6,21 @@ data never a name with a file suffix the data readers take. The renderer asks th
 (the paths are the pod's), so a relative local directory spelled like an id counts as one: it costs a
 cache volume that stays empty, never a wrong load. The runner asks the disk first (a local path wins, as in
 transformers and datasets) and only then treats the text as an id.
+
+At validate time every id is also checked against the hub's own rules (`hub_id_problems`: huggingface_hub's
+`validate_repo_id`, where it is installed: `org/..` or `a--b` has the shape above but no hub serves it, and the pod
+would fail with the retryable code), and the token is given once (`hub_token_problems`).
 """
 
 from __future__ import annotations
 
 import re
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from jobspec.spec.models import JobSpec
+
+TOKEN_ENV = "HF_TOKEN"  # what model.hub_token becomes in the pods (jobspec/render/hub.py)
 
 HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[\w.-]+)?")  # the data readers' own (runner/data/records.py)
 DATA_SUFFIXES = (".jsonl", ".ndjson", ".json", ".parquet")  # a file, never a dataset id
@@ -50,3 +56,33 @@ def hub_origin(path: str | None) -> tuple[str, str] | None:
         return None
     repo = found["org"] if found["name"] is None else f"{found['org']}/{found['name']}"
     return repo, found["commit"]
+
+
+def hub_id_problems(spec: Any) -> list[tuple[str, str, str | None]]:
+    """Every hub id of `spec` (`hub_sources`) that the hub's own rules refuse (huggingface_hub's validate_repo_id):
+    (field, why, fix). Without huggingface_hub (a submitter installed without it) none: the runner, which has it,
+    checks again at its preflight. The value is not echoed (a credential pasted there is reported elsewhere)."""
+    sources = hub_sources(spec)
+    if not sources:
+        return []
+    try:
+        from huggingface_hub.utils import HFValidationError, validate_repo_id
+    except ImportError:
+        return []
+    out: list[tuple[str, str, str | None]] = []
+    for field, repo in sources:
+        try:
+            validate_repo_id(repo)
+        except HFValidationError as err:
+            reason = str(err).split(": '", 1)[0].rstrip(".")
+            out.append((field, f"is not a Hugging Face repository id ({reason})",
+                        "give a hub id `org/name`, or a local path starting with / or ./"))  # fmt: skip
+    return out
+
+
+def hub_token_problems(spec: Any) -> list[tuple[str, str, str | None]]:
+    """`model.hub_token` and `env.HF_TOKEN` both set the pods' HF_TOKEN: one would be dropped without a word."""
+    if spec.model.hub_token is not None and TOKEN_ENV in spec.env:
+        return [("model.hub_token", f"is given twice, here and as env.{TOKEN_ENV}: both set the pods' {TOKEN_ENV}, "
+                 "and one would be dropped", f"keep one: remove env.{TOKEN_ENV} or model.hub_token")]  # fmt: skip
+    return []

@@ -16,7 +16,16 @@ import types
 import typing
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StringConstraints, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    StringConstraints,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 from pydantic_core import PydanticCustomError
 
 from jobspec.catalog import gpus as gpu_catalogue
@@ -112,6 +121,26 @@ def annotation_types(annotation: Any) -> list[Any]:
 class Section(BaseModel):
     # allow_inf_nan: `.inf` or an overflowing 1e999 is never a setting.
     model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=False, allow_inf_nan=False)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_bool_numbers(cls, value: Any, info: ValidationInfo) -> Any:
+        """Booleans are not numbers: pydantic's lax mode reads `true` as 1, and YAML 1.1 reads yes/no/on/off as
+        booleans, so `steps: true` trained 1 step and `global_batch: yes` was 1. A number field (or a list of them)
+        that admits no boolean refuses one."""
+        if isinstance(value, bool) or (isinstance(value, list) and any(isinstance(v, bool) for v in value)):
+            field = cls.model_fields.get(info.field_name or "")
+            if field is not None and _numbers_only(field.annotation):
+                raise ValueError("a boolean is not a number (YAML reads true/false/yes/no/on/off as booleans): "
+                                 "write the number")
+        return value
+
+
+def _numbers_only(annotation: Any) -> bool:
+    """Whether an annotation admits numbers (int or float, or lists of them) and no boolean."""
+    kinds = [k for t in annotation_types(annotation) for k in (annotation_types(typing.get_args(t)[0])
+             if typing.get_origin(t) is list and typing.get_args(t) else [t])]  # fmt: skip
+    return bool not in kinds and any(k in (int, float) for k in kinds)
 
 
 # distribution/reference's grammar, which kubelet and containerd parse: [host[:port]/]path[:tag][@digest].

@@ -21,6 +21,7 @@ from jobspec.catalog import gpus as gpu_catalogue
 from jobspec.catalog.presets import PRESETS
 from jobspec.catalog.tiers import divisors
 from jobspec.contract import SCRATCH_DIR, SHM_MOUNT, SPEC_MOUNT_DIR, WORKDIR
+from jobspec.spec.hub import hub_id_problems, hub_token_problems
 
 _LABEL_KEY = re.compile(r"^([a-z0-9]([-a-z0-9.]*[a-z0-9])?/)?[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$")
 _LABEL_VALUE = re.compile(r"^([A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?)?$")
@@ -351,6 +352,7 @@ def liger_problems(spec: SpecView) -> list[Problem]:
 _RULES: tuple[Callable[[SpecView], list[Problem]], ...] = (
     _batch, _image_vendor, _gpu_type, _preset_positions, _checkpoint_dir, _shm_size, _data_mount,
     _scheduling_keys, _cpu_precision, flash_attention_problems, liger_problems, _source_names, _streaming_length,
+    hub_id_problems, hub_token_problems,
 )  # fmt: skip
 
 
