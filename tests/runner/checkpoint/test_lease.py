@@ -220,3 +220,34 @@ def test_a_relaunch_after_a_tier_failure_takes_the_lease_back(tmp_path):
     assert result.stderr.count(f"lease {run / LEASE_FILE} taken") == 2 and "in use by another run" not in result.stderr
     assert [p["tier"] for p in records(run, "plan")] == ["fast", "zero2_offload"]
     assert not (run / LEASE_FILE).exists()
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [{"pid": 10**30}, {"pid": -1}, {"pid": 1.5}, {"pid": True}, {"pid_start": "x"}, {"heartbeat": 1e308},
+     {"heartbeat": -1e308}, {"since": 10**400}, {"heartbeat": "now"}, {"host": "h" * 100_000}, {"job": ["a"]},
+     {"boot_id": {"a": [1]}}],
+)  # fmt: skip
+def test_a_hostile_lease_record_is_unreadable_never_a_traceback(tmp_path, monkeypatch, fields):
+    """Numbers past any bound (a pid past pid_max, a time that overflows a datetime), wrong types and long texts: the
+    lease is unreadable, so it is taken over with a warning, and every rank's holder check reads it as held by no run
+    of this job; no OverflowError, ValueError or TypeError (exit 1, which the Job retries for ever)."""
+    monkeypatch.setattr(lease_mod, "SETTLE_S", 0.0)
+    root = tmp_path / "run"
+    record = _holder(root)
+    (root / LEASE_FILE).write_text(json.dumps({**record, **fields}))
+    assert lease_mod.read_record(root / LEASE_FILE) is None
+    with pytest.raises(lease_mod.Superseded):
+        lease_mod.check_holder(root, "mine", "runner-test")
+    mine = Lease(root, "runner-test", timeout=60)
+    mine.acquire()
+    assert json.loads((root / LEASE_FILE).read_text())["holder"] == mine.holder
+    mine.release()
+
+
+def test_a_lease_deeper_than_any_record_is_unreadable(tmp_path):
+    root = tmp_path / "run"
+    root.mkdir()
+    (root / LEASE_FILE).write_text("[" * 60_000 + "]" * 60_000)
+    assert lease_mod.read_record(root / LEASE_FILE) is None
+    assert "unknown holder" in lease_mod.describe(lease_mod.read_record(root / LEASE_FILE))

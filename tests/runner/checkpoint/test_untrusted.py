@@ -520,3 +520,22 @@ def test_enum_members_pickled_through_getattr_are_read_and_nothing_else_is():
         pickler.write(pickle.STOP)
         with pytest.raises(pickle.UnpicklingError):
             _Unpickler(buf.getvalue(), _allowed_globals()).load()
+
+
+def test_shards_of_an_older_step_under_a_newer_manifest_are_damage_and_skipped(tmp_path, ckpt, caplog):
+    """step-2's shards and .metadata copied into step-4 and the manifest rewritten to match (no key): the shards say
+    which step they hold, so step-4 is damaged and the resume takes step-2, as for any damaged step."""
+    older = ckpt.parent / "step-2"
+    for name in (store.DCP_METADATA, "__0_0.distcp"):
+        shutil.copyfile(older / name, ckpt / name)
+    rewrite_manifest(ckpt)
+    assert store.verify(ckpt) == "the shards hold step 2, not step 4 (shards of another checkpoint under this one)"
+    with caplog.at_level("WARNING", logger="jobspec.runner"):
+        assert store.newest_intact(ckpt.parent, quarantine=True) == older
+    assert "step-4 is damaged (the shards hold step 2" in caplog.text
+    meta = json.loads((older / "meta.json").read_text())
+    (older / "meta.json").write_text(json.dumps({**meta, "format": 3}))
+    metadata = unpickle.read_metadata(older)
+    assert store._step_problem(older, metadata, 2, holds_step=True) is None
+    del metadata.state_dict_metadata["jobspec.step"]  # a format-3 checkpoint whose shards hold no step
+    assert "do not say which step" in store._step_problem(older, metadata, 2, holds_step=True)

@@ -248,3 +248,20 @@ def test_bad_timeouts_are_spec_errors_naming_the_field(field, value):
     spec.setdefault("scheduling", {})[field] = value
     with pytest.raises(ConfigError, match=f"scheduling.{field}"):
         parse_spec(yaml.safe_dump(spec))
+
+
+@pytest.mark.parametrize(
+    "payload",
+    [b"", b"{}", b"[" * 5000 + b"]" * 5000, b'{"kind": "silent"}', b"x" * 100_000, b"\xff\xfe",
+     b'{"kind": "silent", "member": 1, "silent_s": 1e308, "detected_at": 1e300, "by": 0}',
+     b'{"kind": "silent", "member": ' + b"9" * 5000 + b', "silent_s": 1, "detected_at": 1, "by": 0}',
+     b'{"kind": "rm -rf", "member": 1, "silent_s": 1, "detected_at": 1, "by": 0}',
+     b'{"kind": "silent", "member": true, "silent_s": NaN, "detected_at": 1, "by": 0}'],
+)  # fmt: skip
+def test_an_announcement_that_does_not_read_is_still_a_loss_never_an_exception(payload):
+    """The store's `lost` key is written by another process: whatever it holds, reading it gives a Loss (something
+    was announced), worded without a traceback."""
+    loss = Loss.from_json(payload)
+    assert loss.kind == "unreadable" and "does not read as one" in loss.describe()
+    good = Loss("silent", 3, 12.5, 1.7e9, 0)
+    assert Loss.from_json(good.to_json()) == good
