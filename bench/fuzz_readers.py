@@ -9,6 +9,11 @@ Targets (each the project's own public reader, on a file in a temporary director
     metrics   jobspec.report.load_run + plan.calibration.read_run   a run directory's metrics.jsonl
     manifest  runner.checkpoint.manifest.check         a checkpoint's checksum manifest over real files
     config    jobspec.catalog.model_config             a model directory's config.json
+    cache     runner.data.dataset.encode_file          a data cache entry's meta.json and VERIFIED (shared cache dir)
+    stamp     runner.data.cache.cache_key              a source's digest stamp in the cache root
+    index     runner.data.stream.SourceStream.samples  a stream's position index, resumed from
+    lease     runner.checkpoint.lease                  lease.json: read, the ranks' holder check, acquire
+    heartbeat runner.process.heartbeat.Loss.from_json  a loss announced in the gang's store
 
 Inputs are mutations of valid seeds: byte flips and cuts, splices of hostile fragments (deep nesting, huge
 integers, NaN, long strings, control bytes, YAML aliases, wrong types), duplicated and truncated lines. A
@@ -20,11 +25,14 @@ to --out with their seed and case number, so `--seed S` replays a run exactly.
 from __future__ import annotations
 
 import argparse
+import atexit
 import contextlib
+import functools
 import io
 import json
 import logging
 import random
+import shutil
 import signal
 import tempfile
 import time
@@ -32,6 +40,7 @@ import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 HOSTILE: list[bytes] = [
     b"[" * 5000 + b"]" * 5000,
@@ -181,12 +190,144 @@ def _config_case(data: bytes, d: Path) -> None:
     shape_from_config(read_config(d))
 
 
+# --- the shared directory: a data cache, its stamps, a stream index, a lease, a heartbeat announcement -------------
+
+
+@functools.cache
+def _template() -> dict[str, Any]:
+    """One real cache entry, digest stamp and stream index, made once per process (the cases copy them): a source of
+    40 chats, its cache root, its entry and its stream's index."""
+    from jobspec.spec.models import DataSpec
+    from runner.data.cache import cache_key
+    from runner.data.dataset import encode_file
+    from runner.data.stream import PositionIndex, SourceStream
+    from runner.data.tokenizer import ByteTokenizer
+
+    root = Path(tempfile.mkdtemp(prefix="jobspec-fuzz-template-"))
+    atexit.register(shutil.rmtree, root, ignore_errors=True)
+    source = root / "d.jsonl"
+    source.write_text("".join(json.dumps({"prompt": f"q{i} " + "w" * (i % 7), "response": f"a{i}"}) + "\n"
+                              for i in range(40)))  # fmt: skip
+    spec, cache = DataSpec(max_seq_len=32), root / "cache"
+    encode_file(source, spec, ByteTokenizer(), cache_dir=cache)
+    encode_file(source, spec, ByteTokenizer(), cache_dir=cache)  # VERIFIED written by the second read
+    key = cache_key(source, spec, ByteTokenizer(), "data.path", ("train",), stamps=cache)
+    streamed = DataSpec(max_seq_len=32, streaming=True, shuffle_buffer=0, packing=False)
+    index = PositionIndex(root / "stream" / "fuzzindex.jsonl", write=True)
+    stream = SourceStream(str(source), "data.path", streamed, ByteTokenizer(), 7, 0, index)
+    samples = list(zip(range(25), stream.samples(0), strict=False))  # writes sample 0's entry
+    for n in (8, 16, 24):  # more entries than the runner's INDEX_EVERY (256) gives: more for the cases to forge
+        index.add(_position(n, samples[n][1]))
+    return {"root": root, "source": source, "spec": spec, "streamed": streamed, "cache": cache,
+            "entry": cache / key.digest, "stamp": next(cache.glob("source-*.stamp")), "index": index.path}  # fmt: skip
+
+
+def _position(n: int, sample: Any) -> Any:
+    """The index entry of sample `n` of an unpacked, unshuffled stream read from the start: record `n`, window 0."""
+    from runner.data.stream import Position, token_digest
+
+    return Position(n, 0, 0, n, 0, 0, len(sample.ids), token_digest(sample.ids))
+
+
+def _cache_seeds() -> list[bytes]:
+    entry = _template()["entry"]
+    return [(entry / "meta.json").read_bytes(), (entry / "verified.stamp").read_bytes()]
+
+
+def _cache_case(data: bytes, d: Path) -> None:
+    from runner.data.dataset import encode_file
+    from runner.data.tokenizer import ByteTokenizer
+
+    t = _template()
+    shutil.copytree(t["cache"], d / "cache", symlinks=True)
+    entry = d / "cache" / t["entry"].name
+    name = "meta.json" if data.lstrip()[:1] == b"{" and b'"arrays"' in data else "verified.stamp"
+    (entry / name).write_bytes(data)
+    encode_file(t["source"], t["spec"], ByteTokenizer(), cache_dir=d / "cache")
+
+
+def _stamp_seeds() -> list[bytes]:
+    return [_template()["stamp"].read_bytes()]
+
+
+def _stamp_case(data: bytes, d: Path) -> None:
+    from runner.data.cache import cache_key
+    from runner.data.tokenizer import ByteTokenizer
+
+    t = _template()
+    (d / t["stamp"].name).write_bytes(data)
+    cache_key(t["source"], t["spec"], ByteTokenizer(), "data.path", ("train",), stamps=d)
+
+
+def _index_seeds() -> list[bytes]:
+    return [_template()["index"].read_bytes()]
+
+
+def _index_case(data: bytes, d: Path) -> None:
+    from runner.data.stream import PositionIndex, SourceStream
+    from runner.data.tokenizer import ByteTokenizer
+
+    t = _template()
+    path = d / t["index"].name
+    path.write_bytes(data)
+    index = PositionIndex(path, write=False)
+    stream = SourceStream(str(t["source"]), "data.path", t["streamed"], ByteTokenizer(), 7, 0, index)
+    for _ in zip(range(2), stream.samples(20), strict=False):
+        pass
+
+
+def _lease_seeds() -> list[bytes]:
+    import os
+    import socket
+
+    record = {"holder": "a" * 32, "job": "fuzz", "host": socket.gethostname(), "pid": os.getpid(), "pid_start": 1,
+              "boot_id": "b", "pid_ns": "pid:[1]", "since": time.time() - 5, "heartbeat": time.time()}  # fmt: skip
+    return [json.dumps(record, indent=1).encode(), json.dumps({**record, "pid": 1, "host": "elsewhere"}).encode()]
+
+
+def _lease_case(data: bytes, d: Path) -> None:
+    from runner.checkpoint import lease
+
+    (d / lease.LEASE_FILE).write_bytes(data)
+    lease.describe(lease.read_record(d / lease.LEASE_FILE))
+    with contextlib.suppress(lease.Superseded, lease.LeaseLost):  # the ranks' answers to another holder
+        lease.check_holder(d, "b" * 32, "fuzz")
+    settle, lease.SETTLE_S = lease.SETTLE_S, 0.0  # an unreadable lease is read twice, a second apart: not here
+    try:
+        held = lease.Lease(d, "fuzz", timeout=60)
+        held.acquire()  # LeaseHeld (exit 2) for a live holder, else taken over
+        held.beat(force=True)
+        held.release()
+    finally:
+        lease.SETTLE_S = settle
+
+
+def _heartbeat_seeds() -> list[bytes]:
+    from runner.process.heartbeat import Loss
+
+    return [Loss("silent", 3, 12.5, time.time(), 0).to_json().encode(), Loss("self", 0, 61.0, 1.7e9, 0).to_json()
+            .encode()]  # fmt: skip
+
+
+def _heartbeat_case(data: bytes, d: Path) -> None:
+    from runner.process.heartbeat import Loss
+
+    loss = Loss.from_json(data)
+    if not isinstance(loss.describe(), str):
+        raise TypeError("Loss.describe did not return text")
+
+
 TARGETS: dict[str, tuple[Callable[[], list[bytes]], Callable[[bytes, Path], None]]] = {
     "spec": (_spec_seeds, _spec_case),
     "data": (_data_seeds, _data_case),
     "metrics": (_metrics_seeds, _metrics_case),
     "manifest": (_manifest_seeds, _manifest_case),
     "config": (_config_seeds, _config_case),
+    "cache": (_cache_seeds, _cache_case),
+    "stamp": (_stamp_seeds, _stamp_case),
+    "index": (_index_seeds, _index_case),
+    "lease": (_lease_seeds, _lease_case),
+    "heartbeat": (_heartbeat_seeds, _heartbeat_case),
 }
 
 
