@@ -12,6 +12,7 @@ import pytest
 
 from jobspec.cli import main
 from jobspec.report import TOKENS_LABEL, load_run
+from jobspec.report.page import write_report
 
 np = pytest.importorskip("numpy")
 mpimg = pytest.importorskip("matplotlib.image")
@@ -231,3 +232,20 @@ def test_report_on_a_real_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     assert "Micro-batch now | 4 x 2 (after OOM shrinks)" in md
     evals = records(run_dir, "eval")
     assert [e["step"] for e in evals] == [4, 8] and f"final {evals[-1]['eval_loss']:.4f} (step 8)" in md
+
+
+def test_links_planted_at_the_report_files_are_replaced_never_written_through(run_dir: Path, tmp_path: Path):
+    """The run directory is shared (jobspec.shared_dir): a link at report.html, report.md or a plot's name is
+    replaced by the file, its target keeps its bytes."""
+    out = run_dir / "report"
+    out.mkdir()
+    victims = {}
+    for name in ("report.html", "report.md", "loss.png"):
+        victim = tmp_path / f"victim-{name}"
+        victim.write_text(f"another job's {name}\n")
+        (out / name).symlink_to(victim)
+        victims[victim] = victim.read_bytes()
+    report = write_report(run_dir)
+    assert all(v.read_bytes() == data for v, data in victims.items())
+    assert not (out / "report.html").is_symlink() and (out / "report.html").read_text().startswith("<")
+    assert out / "report.md" in report.files

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import html
+import io
 import logging
 import statistics
 from collections.abc import Iterable
@@ -10,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from jobspec import install_hint
+from jobspec import install_hint, shared_dir
 from jobspec.contract import METRICS_FILE, TIER_STATE_FILE
 from jobspec.report.metrics import Record, lines
 from jobspec.report.run import Run, load_run
@@ -128,7 +129,9 @@ def draw(chart: Chart, marks: list[Marker], path: Path, mpl: tuple[Any, Any]) ->
     ax.set(title=chart.title, xlabel="optimizer step", ylabel=chart.ylabel)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    fig.savefig(path)
+    image = io.BytesIO()
+    fig.savefig(image, format=path.suffix.lstrip(".") or "png")
+    shared_dir.write_atomic(path, image.getvalue(), fsync=False)  # a run directory is shared: never through a link
 
 
 # --- the page ---------------------------------------------------------------------------------------
@@ -326,6 +329,6 @@ def write_report(run_dir: str | Path, out: str | Path | None = None) -> Report:
             drawn.append(chart)
     page = build_page(run, drawn, notes)
     md, page_html = out_dir / "report.md", out_dir / "report.html"
-    md.write_text(page.markdown(), encoding="utf-8")
-    page_html.write_text(page.to_html(), encoding="utf-8")
+    shared_dir.write_atomic(md, page.markdown().encode("utf-8"), fsync=False)
+    shared_dir.write_atomic(page_html, page.to_html().encode("utf-8"), fsync=False)
     return Report([md, page_html, *(out_dir / c.file for c in drawn)], notes, plots_missing=mpl is None)
