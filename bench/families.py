@@ -59,6 +59,11 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "phi-4": {**_DENSE, "model_type": "phi3", "hidden_size": 5120, "num_hidden_layers": 40, "num_attention_heads": 40,
               "num_key_value_heads": 10, "intermediate_size": 17920, "vocab_size": 100352,
               "max_position_embeddings": 16384, "pad_token_id": 100349},
+    "gpt2-124m": {"model_type": "gpt2", "n_embd": 768, "n_layer": 12, "n_head": 12, "vocab_size": 50257,
+                  "n_positions": 1024, "resid_pdrop": 0.1, "embd_pdrop": 0.1, "attn_pdrop": 0.1},
+    "gemma-2b": {"model_type": "gemma", "hidden_size": 2048, "num_hidden_layers": 18, "num_attention_heads": 8,
+                 "num_key_value_heads": 1, "head_dim": 256, "intermediate_size": 16384, "vocab_size": 256000,
+                 "max_position_embeddings": 8192, "tie_word_embeddings": True, "hidden_activation": "gelu_pytorch_tanh"},
     "gemma-2-2b": {"model_type": "gemma2", "hidden_size": 2304, "num_hidden_layers": 26, "num_attention_heads": 8,
                    "num_key_value_heads": 4, "head_dim": 256, "intermediate_size": 9216, "vocab_size": 256000,
                    "max_position_embeddings": 8192, "final_logit_softcapping": 30.0, "attn_logit_softcapping": 50.0,
@@ -103,6 +108,9 @@ def tiny(name: str, vocab: int = 512) -> dict[str, Any]:
     """`CONFIGS[name]` shrunk to 2 layers of width 64 (CPU training in seconds): the family's own keys, its experts
     (4, top 2), latent attention, soft cap and scale kept; head counts and widths scaled down."""
     cfg = dict(CONFIGS[name])
+    if cfg["model_type"] == "gpt2":
+        cfg.update(n_layer=2, n_embd=64, n_head=4, vocab_size=vocab, n_positions=512, bos_token_id=0, eos_token_id=1)
+        return cfg
     heads, kv = cfg["num_attention_heads"], cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
     small_heads = 4
     cfg.update(num_hidden_layers=2, hidden_size=64, num_attention_heads=small_heads,
@@ -122,8 +130,7 @@ def tiny(name: str, vocab: int = 512) -> dict[str, Any]:
         cfg.update(kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16)
     if cfg.get("sliding_window"):
         cfg["sliding_window"] = 32
-    if "pad_token_id" in cfg:
-        cfg["pad_token_id"] = vocab - 1
+    cfg["pad_token_id"] = vocab - 1  # some config classes default to an id of the full vocabulary
     cfg.update(bos_token_id=0, eos_token_id=1)
     return cfg
 

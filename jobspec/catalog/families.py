@@ -60,13 +60,22 @@ class Family:
     scale_divides: bool = False  # Granite divides the logits by its `logits_scaling`
     extra_norms: int = 0  # norms a block has beyond the usual two (Gemma 2 and 3: after attention and the MLP)
     attentions: frozenset[str] = field(default=KERNELS)  # the kernels transformers builds the family with
+    # Activation bytes a layer keeps per token beyond the block it is traced as, (per hidden unit, per unit of q
+    # width) by residual width (4: `fast`'s fp32 stream, 2: FSDP2's 16-bit one), traced at hidden 512-768: Gemma's
+    # scaled embedding and (1 + w) norms, Gemma 2 and 3's extra norms and pre-attention query scaling
+    act_extra: tuple[tuple[int, tuple[float, float]], ...] = ()
+    score_extra: float = 0.0  # eager attention's bytes per head and token pair beyond the softmax (Gemma 2's
+    # soft-capped scores keep their tanh)
+    window_mask: float = 0.0  # bytes per token pair a sliding-window layer keeps under sdpa when the sequence is
+    # longer than the window (its (b, 1, s, s) mask, 16-bit), times the share of such layers
 
     @property
     def moe(self) -> bool:
         return self.experts is not None
 
 
-_QWEN_MOE = ExpertKeys(("num_experts", "num_local_experts"), "moe_intermediate_size", sparse_step=True)
+_ROUTED = ("num_local_experts", "num_experts")  # transformers' name, and the alias a config.json may use
+_QWEN = ("num_experts", "num_local_experts")
 FAMILIES: dict[str, Family] = {
     f.name: f
     for f in (
@@ -79,24 +88,35 @@ FAMILIES: dict[str, Family] = {
         Family("olmo2", "OLMo 2", qk_norm=True),
         Family("granite", "Granite", scale_key="logits_scaling", scale_divides=True),
         Family("phi3", "Phi-3 / Phi-4", block="phi3"),
-        Family("gemma", "Gemma", tie_default=True),
-        Family("gemma2", "Gemma 2", tie_default=True, softcap_key="final_logit_softcapping", extra_norms=2,
-               attentions=frozenset({"eager", "flash_attention_2"})),  # fmt: skip
-        Family("gemma3_text", "Gemma 3 (text)", qk_norm=True, tie_default=True, softcap_key="final_logit_softcapping",
-               extra_norms=2),  # fmt: skip
-        Family("mixtral", "Mixtral", experts=ExpertKeys(("num_local_experts", "num_experts"), "intermediate_size")),
-        Family("qwen2_moe", "Qwen 1.5 / 2 MoE", experts=ExpertKeys(
-            ("num_experts", "num_local_experts"), "moe_intermediate_size", shared="shared_expert_intermediate_size", shared_gate=True,
-            sparse_step=True)),  # fmt: skip
-        Family("qwen3_moe", "Qwen 3 MoE", qk_norm=True, experts=_QWEN_MOE),
-        Family("olmoe", "OLMoE", qk_norm=True, experts=ExpertKeys(("num_experts", "num_local_experts"), "intermediate_size")),
-        Family("deepseek_v2", "DeepSeek-V2", mla=True, experts=ExpertKeys(
-            ("n_routed_experts", "num_local_experts"), "moe_intermediate_size", shared="n_shared_experts", shared_is_count=True,
-            dense_first="first_k_dense_replace", aux_loss=False)),  # fmt: skip
-        Family("gpt_oss", "gpt-oss", experts=ExpertKeys(("num_local_experts", "num_experts"), "intermediate_size", bias=True),
-               attentions=frozenset({"eager"})),  # fmt: skip
+        Family("gemma", "Gemma", tie_default=True, act_extra=((4, (1.0, 2.0)), (2, (5.0, 2.0)))),
+        Family(
+            "gemma2", "Gemma 2", tie_default=True, softcap_key="final_logit_softcapping", extra_norms=2,
+            attentions=frozenset({"eager", "flash_attention_2"}), act_extra=((4, (17.0, 10.0)), (2, (21.0, 10.0))),
+            score_extra=2.0,
+        ),
+        Family(
+            "gemma3_text", "Gemma 3 (text)", qk_norm=True, tie_default=True, softcap_key="final_logit_softcapping",
+            extra_norms=2, act_extra=((4, (17.0, 5.2)), (2, (21.0, 5.2))), window_mask=2.0 * 5 / 6,
+        ),
+        Family("mixtral", "Mixtral", experts=ExpertKeys(_ROUTED, "intermediate_size")),
+        Family(
+            "qwen2_moe", "Qwen 1.5 / 2 MoE",
+            experts=ExpertKeys(_QWEN, "moe_intermediate_size", shared="shared_expert_intermediate_size",
+                               shared_gate=True, sparse_step=True),
+        ),
+        Family("qwen3_moe", "Qwen 3 MoE", qk_norm=True,
+               experts=ExpertKeys(_QWEN, "moe_intermediate_size", sparse_step=True)),
+        Family("olmoe", "OLMoE", qk_norm=True, experts=ExpertKeys(_QWEN, "intermediate_size")),
+        Family(
+            "deepseek_v2", "DeepSeek-V2", mla=True,
+            experts=ExpertKeys(("n_routed_experts", "num_local_experts"), "moe_intermediate_size",
+                               shared="n_shared_experts", shared_is_count=True, dense_first="first_k_dense_replace",
+                               aux_loss=False),
+        ),
+        Family("gpt_oss", "gpt-oss", experts=ExpertKeys(_ROUTED, "intermediate_size", bias=True),
+               attentions=frozenset({"eager"})),
     )
-}
+}  # fmt: skip
 
 
 def supported() -> str:

@@ -95,7 +95,14 @@ def shape_from_config(cfg: dict[str, Any], where: str = "config.json") -> ModelS
                       qk_norm=fam.qk_norm, fused_projections=fam.block == "phi3",
                       residual_dropout=_dropout(cfg, "resid_pdrop", 0.0), model_type=fam.name, mla=mla,
                       logit_softcap=_positive(cfg, fam.softcap_key), logit_scale=_scale(cfg, fam),
-                      extra_norms=fam.extra_norms, **_experts(cfg, fam, v["layers"], v["intermediate"], where))  # fmt: skip
+                      extra_norms=fam.extra_norms, sliding_window=_window(cfg) if fam.window_mask else None,
+                      **_experts(cfg, fam, v["layers"], v["intermediate"], where))  # fmt: skip
+
+
+def _window(cfg: dict[str, Any]) -> int | None:
+    """The config's sliding window in tokens, or None (absent, null or not a positive integer)."""
+    value = cfg.get("sliding_window")
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
 
 
 def _positive(cfg: dict[str, Any], key: str | None) -> float | None:
@@ -152,7 +159,8 @@ def _dense_layers(cfg: dict[str, Any], first: str | None, sparse_step: bool, lay
 def _mla(cfg: dict[str, Any], where: str) -> tuple[int, int, int, int, int]:
     """Multi-head latent attention's ranks and head widths (DeepSeek-V2): q_lora_rank may be null (no low-rank q)."""
     names = {"kv_rank": "kv_lora_rank", "nope": "qk_nope_head_dim", "rope": "qk_rope_head_dim", "v": "v_head_dim"}
-    bounds = {"kv_rank": BOUNDS["rank"], "nope": BOUNDS["head_dim"], "rope": BOUNDS["head_dim"], "v": BOUNDS["head_dim"]}
+    bounds = {"kv_rank": BOUNDS["rank"], "nope": BOUNDS["head_dim"], "rope": BOUNDS["head_dim"],
+              "v": BOUNDS["head_dim"]}  # fmt: skip
     problems = [f"{key}: {why}" for name, key in names.items()
                 if (why := _bad_int(cfg.get(key), bounds[name]) if cfg.get(key) is not None else "missing")]
     q_rank = cfg.get("q_lora_rank") or 0

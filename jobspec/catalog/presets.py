@@ -50,6 +50,7 @@ class ModelShape:
     logit_softcap: float | None = None  # the final logits' cap * tanh(logits / cap) (Gemma 2)
     logit_scale: float | None = None  # the final logits multiplied by this (Granite: 1 / logits_scaling)
     extra_norms: int = 0  # norms a block has beyond its two (Gemma 2 and 3)
+    sliding_window: int | None = None  # tokens a sliding-window layer attends to (Gemma 3), None: all
 
     @property
     def q_width(self) -> int:

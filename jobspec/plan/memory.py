@@ -47,6 +47,7 @@ from dataclasses import dataclass, replace
 from functools import partial
 from typing import Literal
 
+from jobspec.catalog.families import FAMILIES
 from jobspec.catalog.presets import ModelShape
 from jobspec.catalog.tiers import CHECKPOINTING, SHARD_ONLY, TIERS, divisors, tier_index
 from jobspec.errors import ConfigError
@@ -86,6 +87,11 @@ ACT_BYTES: dict[tuple[str, int], tuple[float, float, float, float]] = {
     ("gpt2", 4): (20.0, 0.0, 0.0, 16.0),
     ("gpt2", 2): (16.0, 0.0, 0.0, 10.0),
 }
+# A mixture-of-experts layer, per token and each expert it is routed to: (c_h, c_i) bytes per hidden and expert
+# intermediate unit (the token's gathered input, the experts' gate/up output, activation and product, the weighted
+# output), on top of the layer's attention and shared experts (traced on Mixtral-shaped layers, hidden 512-768, expert
+# width 1024-2048, 8-16 experts, top-2 and top-4, `fast`: 8 a unit of expert width, 3-5 a hidden unit)
+MOE_ROUTED_BYTES = (4.0, 8.0)
 # fp32 training (no autocast, no 16-bit copies), every tier
 FP32_ACT_BYTES: dict[str, tuple[float, float, float, float]] = {
     "llama": (24.0, 8.0, 8.0, 16.0),
@@ -184,9 +190,11 @@ class LoraShape:
     targets: tuple[str, ...]
 
 
-def _lora_modules(shape: ModelShape) -> dict[str, list[tuple[str, int, int, str]]]:
-    """Target name -> (module, in, out features, the tensor it reads) of the linear layers it matches in one block.
-    Modules that read one tensor (q, k and v read the attention's normed input) name the same one."""
+def _lora_modules(shape: ModelShape, moe: bool = False) -> dict[str, list[tuple[str, int, int, str]]]:
+    """Target name -> (module, in, out features, the tensor it reads) of the linear layers it matches in one block
+    (`moe`: a mixture-of-experts block, whose MLP projections are only its shared experts'; the routed experts are
+    3-D parameters, not linear layers). Modules that read one tensor (q, k and v read the attention's normed input)
+    name the same one."""
     h, i = shape.hidden, shape.intermediate
     if shape.family == "gpt2":  # Conv1D layers; `c_proj` is the suffix of both projections
         attn, mlp = ("attn.c_proj", h, h, "attn_out"), ("mlp.c_proj", i, h, "mlp_act")
@@ -198,20 +206,30 @@ def _lora_modules(shape: ModelShape) -> dict[str, list[tuple[str, int, int, str]
             "mlp.c_proj": [mlp],
         }
     q, kv = shape.q_width, shape.kv_width  # heads x head_dim, and the grouped-query k/v width
+    if moe:
+        i = shape.shared_intermediate
     if shape.fused_projections:  # Phi-3: one projection for q, k and v, one for the MLP's gate and up
         shapes = {"qkv_proj": (h, q + 2 * kv, "attn_in"), "o_proj": (q, h, "attn_out"),
                   "gate_up_proj": (h, 2 * i, "mlp_in"), "down_proj": (i, h, "mlp_act")}  # fmt: skip
+    elif shape.mla:  # DeepSeek-V2's latent attention: q (or its low-rank pair), the k/v latent and its expansion
+        q_rank, kv_rank, nope, rope, v = shape.mla
+        attn = {"q_a_proj": (h, q_rank, "attn_in"), "q_b_proj": (q_rank, q, "q_latent")} if q_rank else {
+            "q_proj": (h, q, "attn_in")}  # fmt: skip
+        shapes = {**attn, "kv_a_proj_with_mqa": (h, kv_rank + rope, "attn_in"),
+                  "kv_b_proj": (kv_rank, shape.heads * (nope + v), "kv_latent"),
+                  "o_proj": (shape.heads * v, h, "attn_out"), "gate_proj": (h, i, "mlp_in"),
+                  "up_proj": (h, i, "mlp_in"), "down_proj": (i, h, "mlp_act")}  # fmt: skip
     else:
         shapes = {"q_proj": (h, q, "attn_in"), "k_proj": (h, kv, "attn_in"), "v_proj": (h, kv, "attn_in"),
                   "o_proj": (q, h, "attn_out"), "gate_proj": (h, i, "mlp_in"), "up_proj": (h, i, "mlp_in"),
                   "down_proj": (i, h, "mlp_act")}  # fmt: skip
-    return {name: [(name, fin, fout, reads)] for name, (fin, fout, reads) in shapes.items()}
+    return {name: [(name, fin, fout, reads)] if fin and fout else [] for name, (fin, fout, reads) in shapes.items()}
 
 
-def _lora_targets(shape: ModelShape, lora: LoraShape) -> set[tuple[str, int, int, str]]:
-    """The modules of one block that `lora` adapts (a set: `c_proj` + `mlp.c_proj` count once); ConfigError naming
-    the targets this family has when one is unknown."""
-    table = _lora_modules(shape)
+def _lora_targets(shape: ModelShape, lora: LoraShape, moe: bool = False) -> set[tuple[str, int, int, str]]:
+    """The modules of one block (a MoE block with `moe`) that `lora` adapts (a set: `c_proj` + `mlp.c_proj` count
+    once); ConfigError naming the targets this family has when one is unknown."""
+    table = _lora_modules(shape, moe)
     unknown = [t for t in lora.targets if t not in table]
     if unknown or not lora.targets or lora.rank < 1:
         raise ConfigError(
@@ -221,11 +239,18 @@ def _lora_targets(shape: ModelShape, lora: LoraShape) -> set[tuple[str, int, int
     return {m for t in lora.targets for m in table[t]}
 
 
+def _per_layer(shape: ModelShape, value: Callable[[bool], float]) -> float:
+    """`value(moe)` summed over the layers: the dense ones and the mixture-of-experts ones."""
+    dense = shape.layers - shape.moe_layers
+    return dense * (value(False) if dense else 0) + shape.moe_layers * (value(True) if shape.moe_layers else 0)
+
+
 def trainable_params(shape: ModelShape, lora: LoraShape | None) -> int:
     """Trainable parameters: all of them, or sum over layers and target modules of r*(in+out)."""
     if lora is None:
         return shape.params
-    return shape.layers * sum(lora.rank * (fin + fout) for _, fin, fout, _ in _lora_targets(shape, lora))
+    return int(_per_layer(shape, lambda moe: sum(lora.rank * (fin + fout) for _, fin, fout, _ in
+                                                 _lora_targets(shape, lora, moe))))  # fmt: skip
 
 
 def _block_params(shape: ModelShape) -> int:
@@ -233,7 +258,7 @@ def _block_params(shape: ModelShape) -> int:
     h, i = shape.hidden, shape.intermediate
     if shape.family == "gpt2":
         return 4 * h * h + 2 * h * i + 9 * h + i
-    return 2 * h * shape.q_width + 2 * h * shape.kv_width + 3 * h * i + 2 * h
+    return shape.block_params(shape.moe)  # a MoE block holds every one of its experts
 
 
 @dataclass(frozen=True)
@@ -424,15 +449,32 @@ def _family(shape: ModelShape) -> str:
 
 
 def _layer_bytes(shape: ModelShape, tier: str, precision: str, lora: LoraShape | None) -> float:
-    """Activation bytes one layer saves per token (sdpa), from the traced coefficients."""
-    widths = (shape.hidden, shape.q_width, shape.kv_width, shape.intermediate)
+    """Activation bytes one layer saves per token (sdpa), from the traced coefficients: the mean over the layers of a
+    mixture-of-experts model, whose MoE layers have their experts' instead of a dense MLP's."""
+    if not shape.moe:
+        return _kind_bytes(shape, tier, precision, lora, moe=False)
+    return _per_layer(shape, lambda moe: _kind_bytes(shape, tier, precision, lora, moe)) / shape.layers
+
+
+def _kind_bytes(shape: ModelShape, tier: str, precision: str, lora: LoraShape | None, moe: bool) -> float:
+    """`_layer_bytes` of a dense layer, or of a MoE layer (`moe`): the dense coefficients with the shared experts'
+    width for the MLP's, and per routed token MOE_ROUTED_BYTES (the gathered input, the experts' projections)."""
+    mlp = shape.shared_intermediate if moe else shape.intermediate
+    widths = (shape.hidden, shape.q_width, shape.kv_width, mlp)
     family = _family(shape)
     masks = 2 * DROPOUT_MASK_BYTES * shape.hidden if shape.residual_dropout else 0
+    if moe:  # the routed experts
+        c_h, c_i = MOE_ROUTED_BYTES
+        masks += shape.experts_per_token * (c_h * shape.hidden + c_i * shape.expert_intermediate)
+    fam = FAMILIES.get(shape.model_type)
+    extra = dict(fam.act_extra).get(residual_bytes(tier, precision, lora)) if fam else None
+    if extra:  # what the family's blocks keep beyond the block they are traced as
+        masks += extra[0] * shape.hidden + extra[1] * shape.q_width
     if lora is None:
         coef = FP32_ACT_BYTES[family] if precision == "fp32" else ACT_BYTES[(family, residual_bytes(tier, precision))]
         return sum(c * w for c, w in zip(coef, widths, strict=True)) + masks
     per_token = sum(c * w for c, w in zip(LORA_ACT_BYTES[(family, tier == "fast")], widths, strict=True)) + masks
-    modules = _lora_targets(shape, lora)
+    modules = _lora_targets(shape, lora, moe)
     if tier == "fast" and precision != "fp32":  # autocast: every fp32 adapter saves a 16-bit copy of its input
         per_token += sum(LORA_INPUT_BYTES * fin for _, fin, _, _ in modules)
     else:  # 16-bit adapters save the tensor they read, once however many read it
@@ -443,8 +485,23 @@ def _layer_bytes(shape: ModelShape, tier: str, precision: str, lora: LoraShape |
     return per_token * FP32_ACT_FACTOR if precision == "fp32" else per_token
 
 
+def _window_mask(shape: ModelShape, attention: str, seq_len: int) -> float:
+    """Bytes per token pair a layer keeps on average for its sliding-window mask under sdpa (Gemma 3's local layers,
+    when the sequence is longer than the window; traced 2 bytes a pair)."""
+    fam = FAMILIES.get(shape.model_type)
+    window = shape.sliding_window
+    if fam is None or attention != "sdpa" or window is None or seq_len <= window:
+        return 0.0
+    return fam.window_mask
+
+
 def _eager_scores(shape: ModelShape, tier: str, precision: str) -> float:
-    """Bytes eager attention keeps per head and token pair."""
+    """Bytes eager attention keeps per head and token pair (and what the family's own scores keep beyond it)."""
+    fam = FAMILIES.get(shape.model_type)
+    return _softmax_scores(shape, tier, precision) + (fam.score_extra if fam else 0.0)
+
+
+def _softmax_scores(shape: ModelShape, tier: str, precision: str) -> float:
     if precision == "fp32":
         return 2 * EAGER_SCORE_BYTES_16 if shape.family == "gpt2" and tier != "fast" else 2 * EAGER_SCORE_BYTES
     return EAGER_SCORE_BYTES_16 if shape.family == "gpt2" and tier != "fast" else EAGER_SCORE_BYTES
@@ -467,6 +524,7 @@ def _activations(
         per_token += _eager_scores(shape, tier, precision) * shape.heads * seq_len
     elif attention not in ("sdpa", "flash", "flash_attention_2"):
         raise ConfigError(f"unknown attention {attention!r}; expected sdpa, flash or eager")
+    per_token += _window_mask(shape, attention, seq_len) * seq_len
     if checkpointing:
         # each layer keeps its input; backward recomputes one layer at a time, which holds that layer's activations
         # and the gradients flowing through it. The step peaks there or at the loss (after the last block),

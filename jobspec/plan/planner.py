@@ -14,6 +14,7 @@ from typing import Any
 
 from jobspec.catalog import gpus as gpu_catalogue
 from jobspec.catalog import tiers
+from jobspec.catalog.families import FAMILIES, attention_for
 from jobspec.catalog.model_config import read_config, shape_from_config
 from jobspec.catalog.presets import PRESETS, ModelShape
 from jobspec.errors import ConfigError
@@ -52,6 +53,29 @@ def model_shape(spec: JobSpec) -> ModelShape:
     return shape_from_config(read_config(config.parent), where=str(config))
 
 
+def model_attention(spec: JobSpec) -> str:
+    """The attention kernel the model runs: `model.attention`, or, where the spec leaves it at its default and the
+    model's family refuses sdpa (Gemma 2, gpt-oss: jobspec/catalog/families.py), eager. ConfigError (exit 2) when
+    the spec names a kernel the family refuses. A hub model whose config is not local keeps the spec's kernel."""
+    model = spec.model
+    model_type = ""
+    if model.preset is None and model.architecture is None and (Path(model.path or "") / "config.json").is_file():
+        model_type = model_shape(spec).model_type
+    fam = FAMILIES.get(model_type)
+    if fam is None:
+        return model.attention
+    return attention_for(fam, model.attention, explicit="attention" in model.model_fields_set)
+
+
+def check_model(spec: JobSpec) -> None:
+    """What `jobspec validate` can say of a local model before anything runs: its config.json's family and sizes
+    (jobspec/catalog/model_config.py) and whether the family takes the spec's attention kernel."""
+    model = spec.model
+    if model.path and model.architecture is None and (Path(model.path) / "config.json").is_file():
+        model_shape(spec)
+    model_attention(spec)
+
+
 def model_label(spec: JobSpec) -> str:
     """The model as a user named it, for messages: `model.preset X` or `model.path Y`."""
     return f"model.preset {spec.model.preset}" if spec.model.preset else f"model.path {spec.model.path}"
@@ -73,7 +97,7 @@ def estimate_kwargs(spec: JobSpec, world_size: int, precision: str) -> dict[str,
         "seq_len": spec.data.max_seq_len,
         "lora": lora_shape(spec),
         "checkpointing": forced,
-        "attention": spec.model.attention,
+        "attention": model_attention(spec),
         "precision": precision,
         "packed": spec.data.packing,
         "loss_kernel": spec.training.loss_kernel,

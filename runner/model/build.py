@@ -14,10 +14,13 @@ from importlib.util import find_spec
 import torch
 from torch import nn
 
+from jobspec.catalog.families import FAMILIES
 from jobspec.catalog.model_config import check_config
 from jobspec.catalog.presets import PRESETS, ModelShape
 from jobspec.errors import ConfigError
+from jobspec.plan.planner import model_attention
 from jobspec.spec.models import JobSpec, LoraSpec
+from runner import internals
 
 log = logging.getLogger("jobspec.runner")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "auto": "auto"}
@@ -58,6 +61,31 @@ def preset_config(shape: ModelShape, bos: int, eos: int) -> object:
             **({"head_dim": shape.head_dim} if shape.head_dim else {}),  # a shape read from a config that names it
         )
     return cfg
+
+
+def ready_for_training(model: nn.Module) -> nn.Module:
+    """What every built model needs before training, the trace's included: no KV cache (and none with checkpointing);
+    for a mixture-of-experts model, the experts' matmul at autocast's width (runner/internals.py
+    `install_experts_matmul`: torch's grouped matmul takes bf16 only on a GPU)."""
+    model.config.use_cache = False
+    if router_aux_coef(model) is not None or _has_experts(model):
+        internals.install_experts_matmul()
+    return model
+
+
+def _has_experts(model: nn.Module) -> bool:
+    return any(type(m).__name__.endswith("Experts") for m in model.modules())
+
+
+def router_aux_coef(model: nn.Module) -> float | None:
+    """The weight of the router's load-balancing loss that transformers adds for this model (`router_aux_loss_coef`
+    where it computes one: jobspec/catalog/families.py), or None (a dense model, DeepSeek-V2, a coefficient of 0)."""
+    config = getattr(model, "config", None)
+    fam = FAMILIES.get(getattr(config, "model_type", ""))
+    coef = getattr(config, "router_aux_loss_coef", None)
+    if fam is None or fam.experts is None or not fam.experts.aux_loss or not isinstance(coef, (int, float)):
+        return None
+    return float(coef) if coef > 0 else None
 
 
 def frozen_base_width(model: nn.Module, precision: str) -> nn.Module:
@@ -118,16 +146,17 @@ def build_model(
     from transformers import AutoModelForCausalLM
 
     m = spec.model
-    check_attention(m.attention)
+    attention = model_attention(spec)  # the family's kernel where the spec left the default (Gemma 2: eager)
+    check_attention(attention)
     torch.manual_seed(spec.training.seed)  # the same initial weights on every rank and every restart
     if m.preset:
         cfg = preset_config(PRESETS[m.preset], bos, eos)
-        model = AutoModelForCausalLM.from_config(cfg, attn_implementation=m.attention)
+        model = AutoModelForCausalLM.from_config(cfg, attn_implementation=attention)
     else:
         config = checked_config(m.path)
         try:
             model = AutoModelForCausalLM.from_pretrained(
-                m.path, config=config, dtype=DTYPES[m.dtype], attn_implementation=m.attention
+                m.path, config=config, dtype=DTYPES[m.dtype], attn_implementation=attention
             )
         except (OSError, ValueError) as err:
             raise ConfigError(f"model.path {m.path!r}: cannot load the model ({err})") from None
@@ -138,7 +167,7 @@ def build_model(
                 vocab,
             )
             model.resize_token_embeddings(vocab)
-    model.config.use_cache = False  # no KV cache in training (and required with checkpointing)
+    ready_for_training(model)
     if m.lora and m.preset:
         frozen_base_width(model, precision)
     if m.lora and quantize:
@@ -154,7 +183,7 @@ def build_model(
         m.preset or m.path,
         total / 1e6,
         trainable / 1e6,
-        m.attention,
+        attention,
     )
     return model
 

@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from jobspec.catalog.presets import PRESETS
+from jobspec.plan.planner import model_attention
 from jobspec.spec.models import JobSpec
 from runner import internals
 from runner.model.build import checked_config, preset_config
@@ -164,7 +165,7 @@ def confine_packing(spec: JobSpec, device: torch.device, any_rank: Callable[[boo
     and attention on `device`. `any_rank`: whether any rank failed (every rank must pack alike)."""
     if not spec.data.packing:
         return spec
-    attention = spec.model.attention
+    attention = model_attention(spec)
     try:
         result: PackingCheck | None = check_packing(model_config(spec), attention, device)
         why = result.problem if result else None

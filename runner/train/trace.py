@@ -53,11 +53,12 @@ from jobspec.catalog.presets import ModelShape
 from jobspec.catalog.tiers import CHECKPOINTING, TIERS, tier_index
 from jobspec.errors import ConfigError
 from jobspec.plan.memory import LossKernel
+from jobspec.plan.planner import model_attention
 from jobspec.plan.quantize import base_quantization
 from jobspec.spec.models import LoraSpec
 from runner import internals
 from runner.data.dataset import Batch
-from runner.model.build import apply_lora, frozen_base_width, preset_config
+from runner.model.build import apply_lora, frozen_base_width, preset_config, ready_for_training, router_aux_coef
 from runner.model.quantize import parts_to_empty, quantize_base
 from runner.train import engine
 
@@ -142,7 +143,7 @@ def _build(cfg: Any, *, lora: LoraSpec | None, precision: str, attention: str, m
 
     with torch.device("meta") if meta else contextlib.nullcontext():
         model = AutoModelForCausalLM.from_config(cfg, attn_implementation=attention)
-    model.config.use_cache = False
+    ready_for_training(model)
     if lora is not None:
         frozen_base_width(model, precision)
         if quantize:
@@ -480,9 +481,13 @@ def runner_loss(
     with mock.patch.object(ChunkedLossHead, "probe", return_value=None) if fake else contextlib.nullcontext():
         head = install_chunked_loss(model, run=model, device=device, kernel=kernel)
 
+    coef = router_aux_coef(model)  # a mixture-of-experts model's load-balancing loss, as Stepper adds it
+
     def loss_sum(batch: Batch) -> torch.Tensor:
         positions = None if batch.position_ids is None else batch.position_ids.to(device)
-        return summed_loss(model, head, batch.input_ids.to(device), batch.labels.to(device), positions)
+        router: list[torch.Tensor] | None = [] if coef else None
+        ce = summed_loss(model, head, batch.input_ids.to(device), batch.labels.to(device), positions, router)
+        return ce + router[0] * (coef * batch.targets) if router else ce  # the caller scales by 1 / targets
 
     return loss_sum
 
@@ -520,7 +525,7 @@ def trace_spec(spec: Any, tiers: list[tuple[str, int]], world_size: int, precisi
     for tier, mbs in tiers:
         r = trace_step(model, tier=tier, world_size=world_size, micro_batch=mbs, seq_len=spec.data.max_seq_len,
                        loss_kernel=spec.training.loss_kernel, precision=precision, lora=spec.model.lora,
-                       checkpointing=forced, attention=spec.model.attention, max_grad_norm=spec.training.max_grad_norm,
+                       checkpointing=forced, attention=model_attention(spec), max_grad_norm=spec.training.max_grad_norm,
                        grad_accum=2 if per_rank // mbs > 1 else 1, packed=spec.data.packing,
                        quantize=base_quantization(spec.model.quantize, spec.model.lora))  # fmt: skip
         out.append({"tier": tier, "micro_batch": mbs, "peak": r.peak, "parts": r.parts, "host": r.host,
