@@ -36,7 +36,6 @@ damage like any other. With JOBSPEC_CHECKPOINT_KEY set the manifest is signed (j
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
@@ -44,7 +43,7 @@ import re
 import shutil
 import time
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -52,7 +51,6 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from jobspec import shared_dir, signing
@@ -107,26 +105,6 @@ def _write_durable(path: Path, data: bytes) -> None:
     """`data` as the file `path`, fsynced: a temporary created exclusively, renamed over the name (a link planted
     there is replaced, never written through: jobspec.shared_dir)."""
     shared_dir.write_atomic(path, data)
-
-
-class _NoFollowFiles(FileSystem):
-    """DCP's file access for writing: every shard and `.metadata` (via its temporary) created exclusively, never
-    through a name someone else made in the temp dir (jobspec.shared_dir.create)."""
-
-    @contextlib.contextmanager
-    def create_stream(self, path: Any, mode: str) -> Iterator[Any]:
-        if mode != "wb":
-            raise ValueError(f"a checkpoint writer creates new files only, not {mode!r}")
-        with shared_dir.create(Path(path)) as f:
-            yield f
-
-
-class _Writer(dcp.FileSystemWriter):
-    """FileSystemWriter that creates its files through `_NoFollowFiles`."""
-
-    def __init__(self, path: Path) -> None:
-        super().__init__(path, sync_files=True)
-        self.fs = _NoFollowFiles()
 
 
 def _state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, trainable_only: bool) -> dict[str, Any]:
@@ -425,7 +403,7 @@ def _prepare(root: Path, tmp: Path, need: int) -> int:
 
 def _write_rank_files(tmp: Path, state: dict[str, Any], rank: int, ctrl: Control) -> dict[str, dict[str, Any]]:
     """This rank's DCP shards and RNG state, fsynced; returns their manifest entries (hashed while cached)."""
-    writer = _Writer(tmp)
+    writer = unpickle.SafeWriter(tmp)  # shards created exclusively, never through a planted link
     with warnings.catch_warnings():  # DCP warns that one process means one process
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         dcp.save(state, storage_writer=writer, process_group=ctrl.group, no_dist=not dist.is_initialized())

@@ -37,6 +37,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import metadata as md
 from torch.distributed.checkpoint.filesystem import FileSystem
 
+from jobspec import shared_dir
 from runner import internals
 from runner.checkpoint import files, torchzip
 
@@ -357,13 +358,15 @@ class SafeLoadPlanner(dcp.DefaultLoadPlanner):
 
 
 class _RegularFiles(FileSystem):
-    """FileSystemReader's file access, reading regular files only (files.open_regular)."""
+    """DCP's file access in a shared volume: reading regular files only (files.open_regular), writing new files only,
+    created exclusively, never through a name someone else made (jobspec.shared_dir.create): the shards and
+    `.metadata`'s temporary, which DCP renames into place."""
 
     @contextmanager
     def create_stream(self, path: Any, mode: str) -> Iterator[Any]:
-        if mode != "rb":
-            raise ValueError(f"a checkpoint reader opens files for reading only, not {mode!r}")
-        with files.open_regular(Path(path)) as f:
+        if mode not in ("rb", "wb"):
+            raise ValueError(f"a checkpoint is read whole or written new, never opened {mode!r}")
+        with files.open_regular(Path(path)) if mode == "rb" else shared_dir.create(Path(path)) as f:
             yield f
 
 
@@ -381,6 +384,16 @@ class SafeReader(dcp.FileSystemReader):
     def read_metadata(self) -> md.Metadata:  # type: ignore[override]  # no **kwargs: DCP then never asks per rank
         self.metadata.storage_meta = md.StorageMeta(load_id=getattr(self, "load_id", None))
         return self.metadata
+
+
+class SafeWriter(dcp.FileSystemWriter):
+    """FileSystemWriter (fsynced) creating its files through `_RegularFiles`: exclusively, never through a link."""
+
+    def __init__(self, path: str | Path):
+        super().__init__(path, sync_files=True)
+        if not isinstance(getattr(self, "fs", None), FileSystem):
+            raise RuntimeError("torch's FileSystemWriter keeps no `fs`: runner/checkpoint/unpickle.py needs updating")
+        self.fs = _RegularFiles()
 
 
 def reader(path: str | Path) -> SafeReader:

@@ -62,6 +62,13 @@ def test_a_forged_or_foreign_entry_replays_the_stream(indexed, caplog, change, l
     assert logged in _resumed(spec, want, caplog)
 
 
+def test_a_stale_index_is_noticed_and_the_stream_replayed(indexed, caplog):
+    spec, want, index, entries = indexed
+    stale = {**entries[1], "n": entries[1]["n"] + 1}  # the row there no longer has this length
+    index.write_text("\n".join([json.dumps(entries[0]), json.dumps(stale), "{torn"]) + "\n")
+    assert "does not match the data" in _resumed(spec, want, caplog)
+
+
 @pytest.mark.parametrize(
     "junk",
     ["[" * 100_000 + "]" * 100_000, '{"c":' * 5000 + "1" + "}" * 5000, '{"c": ' + "9" * 5000 + "}",
