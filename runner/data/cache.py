@@ -347,7 +347,7 @@ def _read_record(path: Path, root: Path) -> object:
     JSON, or (a key set) not signed with the key."""
     secret = signing.key()
     try:
-        record = json_loads(read_bounded(path, 4096, what="cache stamp", root=root), max_depth=8)
+        record = json_loads(read_bounded(path, 4096, what="cache stamp", root=root, follow=False), max_depth=8)
     except (OSError, ValueError, ConfigError):
         return None
     if secret is not None and (not isinstance(record, dict) or signing.problem(record, secret, path.name)):

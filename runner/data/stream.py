@@ -167,7 +167,7 @@ class PositionIndex:
         if self.path is None or not os.path.lexists(self.path):
             return None
         try:
-            text = read_bounded(self.path, MAX_INDEX_BYTES, what="stream position index")
+            text = read_bounded(self.path, MAX_INDEX_BYTES, what="stream position index", follow=False)
         except (ConfigError, OSError) as err:
             log.warning("data stream: position index %s not usable (%s): reading from the start", self.path, err)
             return None
