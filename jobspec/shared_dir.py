@@ -75,6 +75,8 @@ def open_fd(path: str | Path, flags: int, *, follow: bool = False, dir_fd: int |
             raise Unsafe(path, "is a symbolic link", errno.ELOOP) from None
         if err.errno == errno.EISDIR:
             raise Unsafe(path, "is a directory, not a regular file") from None
+        if err.errno == errno.ENXIO:  # a non-blocking open for writing of a FIFO without a reader
+            raise Unsafe(path, "is a FIFO (named pipe), not a regular file") from None
         raise
     try:
         st = os.fstat(fd)
