@@ -98,3 +98,25 @@ def test_plan_prints_the_4_bit_choice_of_auto(tmp_path: Path) -> None:
 def test_the_memory_model_refuses_a_4_bit_base_without_lora() -> None:
     with pytest.raises(ConfigError, match=r"add model\.lora"):
         memory.estimate(LLAMA_8B, tier="fast", seq_len=128, micro_batch=1, world_size=1, quantize="nf4")
+
+
+def test_plan_trace_traces_each_tier_with_the_base_its_plan_holds(tmp_path: Path) -> None:
+    """`quantize: auto` may hold the base in 4 bits at some tiers only: each is traced with that base."""
+    from unittest import mock
+
+    from jobspec.plan import traced
+
+    kw = dict(gpu_bytes=16 * GIB, global_batch=16, world_size=1, seq_len=2048, lora=LORA)
+    plans = memory.plan_all(LLAMA_8B, quantize="auto", **kw)
+    calls: list[tuple[list[str], list[str]]] = []
+
+    def run_trace(spec_path, overrides, pairs, world_size, precision, timeout_s):
+        calls.append((list(overrides), [tier for tier, _ in pairs]))
+        return [{"tier": tier, "micro_batch": mbs, "peak": 1} for tier, mbs in pairs]
+
+    with mock.patch.object(traced, "run_trace", run_trace), mock.patch.object(traced, "find_spec", return_value=1):
+        rows = traced.trace_tiers("spec.yaml", ["data.max_seq_len=2048"], plans, 1, "bf16")
+    four = [p.tier for p in plans if p.quantize == "nf4"]
+    assert four and set(rows) == {p.tier for p in plans}
+    assert (["data.max_seq_len=2048", "model.quantize=nf4"], four) in calls
+    assert (["data.max_seq_len=2048"], [p.tier for p in plans if p.quantize is None]) in calls

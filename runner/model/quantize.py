@@ -23,7 +23,8 @@ a machine shared with other jobs. What decided it: torchao's NF4Tensor implement
 recipes run so) and zero2, zero3 and minimal hold 0.516/N bytes a base parameter per rank; bitsandbytes' Params4bit
 does not survive `fully_shard` (accelerate 1.15 then leaves such parameters out of sharding: every rank keeps the whole
 base). And the memory trace (runner/train/trace.py) runs the step on FakeTensors: the NF4Tensor is a traceable wrapper
-subclass of plain tensors and runs there; Params4bit cannot be made on one. torchao is also the `offload` extra's
+subclass of plain tensors and runs there; building a Linear4bit under FakeTensorMode failed (Params4bit wraps an
+existing tensor's storage). torchao is also the `offload` extra's
 already (zero2_offload's optimizer): no new dependency.
 
 One rank: torch 2.13's FSDP2 shortcut for a one-rank group copies a parameter's first all-gather input only, which
@@ -37,8 +38,9 @@ small for 256 (a 2-layer test model, a narrow k/v projection) takes the largest 
 changes a layer's bytes by under 0.1 %. A layer whose size is not a multiple of 64 values a rank cannot be
 quantized: ConfigError naming it.
 
-int8 is not offered: torchao's int8 weight-only tensor has no FSDP2 all-gather hooks, and it would save 1 byte a
-parameter where NF4 saves 1.48.
+int8 is not offered: torchao 0.18's int8 weight-only tensor (quantization/quantize_/workflows/int8) has no FSDP2
+all-gather hooks (only its prototype int8 training tensors do), so it would be gathered as 16 bits or not sharded, and
+it would save 1 byte a parameter where NF4 saves 1.48.
 """
 
 from __future__ import annotations
@@ -58,11 +60,9 @@ log = logging.getLogger("jobspec.runner")
 def base_linears(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
     """(name, module) of the linear layers inside the transformer blocks, LoRA's own excepted; a GPT-2 block's
     Conv1D projections too (ConfigError when quantizing them: NF4 needs nn.Linear)."""
-    from runner.model.build import block_class_names
-
-    blocks = set(block_class_names(model))
-    seen: set[int] = set()
-    for block in (m for m in model.modules() if type(m).__name__ in blocks):
+    blocks = set(getattr(model, "_no_split_modules", None) or ())  # transformers' block classes (peft passes it on)
+    seen: set[int] = set()  # FSDP2 renames a block's class FSDP<name>
+    for block in (m for m in model.modules() if type(m).__name__.removeprefix("FSDP") in blocks):
         for name, mod in block.named_modules():
             if ".lora_" in f".{name}" or "lora_" in name or id(mod) in seen:
                 continue
@@ -110,6 +110,9 @@ def quantize_base(model: nn.Module, method: str, *, shards: int = 1, dtype: torc
         weight = weight.to(dtype) if dtype is not None else weight
         mod.weight = nn.Parameter(to_nf4(weight.contiguous(), NF4_BLOCK, size), requires_grad=False)
         count += weight.numel()
+    if not count:
+        raise ConfigError(f"model.quantize {method}: found no linear layers in the transformer blocks of "
+                          f"{type(model).__name__}; remove model.quantize")  # fmt: skip
     log.info("model.quantize %s: %.2fM base parameters in 4 bits (torchao NF4, blocks of %d)",
              method, count / 1e6, NF4_BLOCK)  # fmt: skip
     return count

@@ -12,6 +12,7 @@ from jobspec.plan import memory
 from jobspec.plan.quantize import NF4_BYTES, quantized_params
 from jobspec.spec.models import LoraSpec
 from runner.model.quantize import base_linears, is_quantized
+from runner.oom.faults import ENV_VAR
 from runner.output import export
 from runner.train.trace import trace_step
 from tests.runner.output.test_export import load_outside, trained_logits
@@ -109,3 +110,18 @@ def test_the_plan_of_an_nf4_base_is_below_the_16_bit_one_and_within_10_percent_o
     traced = trace_step(shape, lora=lora, quantize="nf4", **kw)
     model = est["nf4"].gpu_bytes - est["nf4"].overhead  # the trace leaves out the context and fragmentation
     assert model == pytest.approx(traced.peak, rel=0.10)
+
+
+def test_a_tier_step_down_keeps_the_nf4_base(tmp_path, monkeypatch):
+    """An OOM at micro-batch 1 moves `fast` to the next tier in process (one rank: zero2_offload, sharded by FSDP2):
+    the plan there holds the base in 4 bits too, the adapters are handed over, and training goes on."""
+    monkeypatch.setenv(ENV_VAR, "step=4,backward")
+    sections = qlora(training={"micro_batch": 1, "steps": 6}, checkpoints={"every_steps": 100})
+    spec = tiny_spec(tmp_path / "run", **sections)
+    code, worker = train_in_process(spec)
+    assert code == EXIT_OK
+    plans = records(tmp_path / "run", "plan")
+    assert [(p["tier"], p["quantize"]) for p in plans] == [("fast", "nf4"), ("zero2_offload", "nf4")]
+    model = worker.accelerator.unwrap_model(worker.model)
+    assert sum(is_quantized(m.weight) for _, m in base_linears(model)) == 2 * 7
+    assert [r["step"] for r in records(tmp_path / "run")] == [1, 2, 3, 4, 5, 6]

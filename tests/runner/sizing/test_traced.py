@@ -128,7 +128,7 @@ def test_under_tier_auto_a_tier_the_trace_fits_nothing_of_passes_to_the_next(tmp
     assert plan.tier == "fast"
     asked: list[str] = []
 
-    def line(spec, tier, world_size, precision, micro_batches, timeout_s):
+    def line(spec, tier, world_size, precision, micro_batches, timeout_s, quantize=None):
         asked.append(tier)
         return (2 * GiB, 1024**2) if tier == "fast" else (GiB // 8, 1024**2)  # fast: the states alone overflow
 
