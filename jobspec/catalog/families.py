@@ -68,6 +68,10 @@ class Family:
     # soft-capped scores keep their tanh)
     window_mask: float = 0.0  # bytes per token pair a sliding-window layer keeps under sdpa when the sequence is
     # longer than the window (its (b, 1, s, s) mask, 16-bit), times the share of such layers
+    routed_extra: tuple[float, float] = (0.0, 0.0)  # (per hidden, per expert-width unit) a routed token keeps beyond
+    # memory.MOE_ROUTED_BYTES (gpt-oss's clamped, biased experts)
+    softmax_16bit: float | None = None  # eager attention's bytes per head and token pair under 16-bit weights (the
+    # FSDP2 tiers) where the family takes its softmax at the weights' width (gpt-oss, with its sinks; traced 2.0)
 
     @property
     def moe(self) -> bool:
@@ -103,6 +107,7 @@ FAMILIES: dict[str, Family] = {
             "qwen2_moe", "Qwen 1.5 / 2 MoE",
             experts=ExpertKeys(_QWEN, "moe_intermediate_size", shared="shared_expert_intermediate_size",
                                shared_gate=True, sparse_step=True),
+            act_extra=((4, (7.0, 0.0)), (2, (2.7, 0.0))),  # the gated shared expert's output
         ),
         Family("qwen3_moe", "Qwen 3 MoE", qk_norm=True,
                experts=ExpertKeys(_QWEN, "moe_intermediate_size", sparse_step=True)),
@@ -112,9 +117,11 @@ FAMILIES: dict[str, Family] = {
             experts=ExpertKeys(("n_routed_experts", "num_local_experts"), "moe_intermediate_size",
                                shared="n_shared_experts", shared_is_count=True, dense_first="first_k_dense_replace",
                                aux_loss=False),
+            act_extra=((4, (1.5, 0.0)), (2, (4.5, 0.0))),  # the latent's norm and the rope split
         ),
         Family("gpt_oss", "gpt-oss", experts=ExpertKeys(_ROUTED, "intermediate_size", bias=True),
-               attentions=frozenset({"eager"})),
+               attentions=frozenset({"eager"}), act_extra=((4, (0.0, 4.0)), (2, (0.0, 4.0))), routed_extra=(0.0, 5.3),
+               softmax_16bit=2.0),
     )
 }  # fmt: skip
 

@@ -223,6 +223,10 @@ def _lora_modules(shape: ModelShape, moe: bool = False) -> dict[str, list[tuple[
         shapes = {"q_proj": (h, q, "attn_in"), "k_proj": (h, kv, "attn_in"), "v_proj": (h, kv, "attn_in"),
                   "o_proj": (q, h, "attn_out"), "gate_proj": (h, i, "mlp_in"), "up_proj": (h, i, "mlp_in"),
                   "down_proj": (i, h, "mlp_act")}  # fmt: skip
+    if shape.moe:  # the routed experts' 3-D parameters (peft's target_parameters): rank r per expert, E x (in + out)
+        e, ie = (shape.experts, shape.expert_intermediate) if moe else (0, 0)
+        shapes |= {"experts.gate_up_proj": (e * h, e * 2 * ie, "experts"),
+                   "experts.down_proj": (e * ie, e * h, "experts")}  # fmt: skip
     return {name: [(name, fin, fout, reads)] if fin and fout else [] for name, (fin, fout, reads) in shapes.items()}
 
 
@@ -463,10 +467,10 @@ def _kind_bytes(shape: ModelShape, tier: str, precision: str, lora: LoraShape | 
     widths = (shape.hidden, shape.q_width, shape.kv_width, mlp)
     family = _family(shape)
     masks = 2 * DROPOUT_MASK_BYTES * shape.hidden if shape.residual_dropout else 0
-    if moe:  # the routed experts
-        c_h, c_i = MOE_ROUTED_BYTES
-        masks += shape.experts_per_token * (c_h * shape.hidden + c_i * shape.expert_intermediate)
     fam = FAMILIES.get(shape.model_type)
+    if moe:  # the routed experts
+        c_h, c_i = (a + b for a, b in zip(MOE_ROUTED_BYTES, fam.routed_extra if fam else (0.0, 0.0), strict=True))
+        masks += shape.experts_per_token * (c_h * shape.hidden + c_i * shape.expert_intermediate)
     extra = dict(fam.act_extra).get(residual_bytes(tier, precision, lora)) if fam else None
     if extra:  # what the family's blocks keep beyond the block they are traced as
         masks += extra[0] * shape.hidden + extra[1] * shape.q_width
@@ -475,6 +479,10 @@ def _kind_bytes(shape: ModelShape, tier: str, precision: str, lora: LoraShape | 
         return sum(c * w for c, w in zip(coef, widths, strict=True)) + masks
     per_token = sum(c * w for c, w in zip(LORA_ACT_BYTES[(family, tier == "fast")], widths, strict=True)) + masks
     modules = _lora_targets(shape, lora, moe)
+    routed = {m for m in modules if m[3] == "experts"}  # adapters of the experts read each routed token's input
+    modules -= routed
+    per_token += shape.experts_per_token * LORA_INPUT_BYTES * sum(fin // max(1, shape.experts)
+                                                                  for _, fin, _, _ in routed)  # fmt: skip
     if tier == "fast" and precision != "fp32":  # autocast: every fp32 adapter saves a 16-bit copy of its input
         per_token += sum(LORA_INPUT_BYTES * fin for _, fin, _, _ in modules)
     else:  # 16-bit adapters save the tensor they read, once however many read it
@@ -498,6 +506,8 @@ def _window_mask(shape: ModelShape, attention: str, seq_len: int) -> float:
 def _eager_scores(shape: ModelShape, tier: str, precision: str) -> float:
     """Bytes eager attention keeps per head and token pair (and what the family's own scores keep beyond it)."""
     fam = FAMILIES.get(shape.model_type)
+    if fam and fam.softmax_16bit is not None and tier != "fast" and precision != "fp32":
+        return fam.softmax_16bit + fam.score_extra
     return _softmax_scores(shape, tier, precision) + (fam.score_extra if fam else 0.0)
 
 

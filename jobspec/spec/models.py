@@ -202,7 +202,9 @@ class LoraSpec(Section):
         list[WordStr],
         Field(
             min_length=1,
-            description="Module names to adapt, e.g. [c_attn] for GPT-2 or [q_proj, v_proj] for Llama-style models.",
+            description="Module names to adapt, e.g. [c_attn] for GPT-2 or [q_proj, v_proj] for Llama-style models; "
+            "experts.gate_up_proj and experts.down_proj adapt a mixture of experts' routed experts (peft's "
+            "target_parameters, a rank-r pair per expert).",
         ),
     ] = ["c_attn"]
 
@@ -336,7 +338,9 @@ class ModelSpec(Section):
         Literal["sdpa", "eager", "flash_attention_2"],
         Field(
             description="Attention kernel: sdpa (memory-efficient, any device), eager, or flash_attention_2 "
-            "(GPU, bf16/fp16, needs the flash-attn package in the image; never replaced by sdpa silently)."
+            "(GPU, bf16/fp16, needs the flash-attn package in the image; never replaced by sdpa silently). A family "
+            "that refuses sdpa (Gemma 2, gpt-oss) runs eager when this is left at its default, and is refused (exit 2) "
+            "when sdpa is named."
         ),
     ] = "sdpa"
     lora: Annotated[LoraSpec | None, Field(description="Train LoRA adapters instead of all weights.")] = None

@@ -188,16 +188,21 @@ def build_model(
     return model
 
 
+EXPERT_TARGET = "experts."  # `model.lora.targets` naming a mixture of experts' parameters: experts.gate_up_proj, ...
+
+
 def lora_config(lora: LoraSpec, model: nn.Module) -> object:
     """peft's LoraConfig for the spec's `model.lora` (GPT-2's Conv1D stores its weight transposed)."""
     from peft import LoraConfig
 
     family = getattr(getattr(model, "config", None), "model_type", "")
+    experts = [t for t in lora.targets if t.startswith(EXPERT_TARGET)]  # a MoE's 3-D expert weights (peft >= 0.17)
     return LoraConfig(
         r=lora.rank,
         lora_alpha=lora.alpha,
         lora_dropout=lora.dropout,
-        target_modules=list(lora.targets),
+        target_modules=[t for t in lora.targets if t not in experts] or None,
+        target_parameters=experts or None,
         fan_in_fan_out=family == "gpt2",
         task_type="CAUSAL_LM",
     )
@@ -211,8 +216,8 @@ def apply_lora(model: nn.Module, lora: LoraSpec) -> nn.Module:
         peft_model = get_peft_model(model, lora_config(lora, model))
     except ValueError as err:  # peft's NoMatchingPeftModuleError is a ValueError
         raise ConfigError(
-            f"model.lora.targets {list(lora.targets)}: {err} Use e.g. [c_attn] for GPT-2 or [q_proj, v_proj] "
-            "for Llama-style models"
+            f"model.lora.targets {list(lora.targets)}: {err} Use e.g. [c_attn] for GPT-2, [q_proj, v_proj] "
+            "for Llama-style models, and experts.gate_up_proj, experts.down_proj for a mixture of experts' experts"
         ) from None
     modules = {n.rsplit(".lora_", 1)[0] for n, p in peft_model.named_parameters() if p.requires_grad}
     log.info("LoRA (peft) rank %d alpha %g on %d modules (%s)", lora.rank, lora.alpha, len(modules),

@@ -77,18 +77,25 @@ def test_a_mixture_of_experts_trains_at_every_tier_with_its_router_loss(tmp_path
     FSDP2 over one rank, the offload ones as their twins), LoRA on the attention at `fast`; the step's loss includes
     the router's load-balancing loss (Stepper.router_aux_coef), so the router learns."""
     base = local_model(tmp_path, "mixtral-8x7b")
-    for lora in (False, True) if tier == "fast" else (False,):
+    for lora in (False, True) if tier in ("fast", "zero3") else (False,):
         run = tmp_path / f"run-{lora}"
         model: dict = {"preset": None, "path": str(base)}
-        if lora:
-            model["lora"] = {"rank": 4, "targets": ["q_proj", "v_proj"]}
-        spec = tiny_spec(run, model=model, training={"steps": 4, "global_batch": 4, "warmup_steps": 1},
-                         memory={"tier": tier}, data={"max_seq_len": 48})  # fmt: skip
+        if lora:  # the attention and every routed expert (peft's target_parameters)
+            model["lora"] = {"rank": 4, "targets": ["q_proj", "v_proj", "experts.gate_up_proj", "experts.down_proj"]}
+        training = {"steps": 4, "global_batch": 4, "warmup_steps": 1, "learning_rate": 1e-2 if lora else 3e-3}
+        spec = tiny_spec(run, model=model, training=training, memory={"tier": tier}, data={"max_seq_len": 48})
         code, worker = train_in_process(spec, keep_worker=True)
         assert code == EXIT_OK
         assert worker.stepper.router_aux_coef == 0.02
         losses = [r["loss"] for r in records(run)]
         assert losses[-1] < losses[0], (tier, lora, losses)
+        if lora:
+            net = worker.accelerator.unwrap_model(worker.model)
+            trained = {n for n, p in net.named_parameters() if p.requires_grad}
+            assert any("experts" in n for n in trained), sorted(trained)
+            shape = shape_from_config(json.loads((base / "config.json").read_text()))
+            want = memory.trainable_params(shape, memory.LoraShape(4, tuple(model["lora"]["targets"])))
+            assert sum(p.numel() for p in net.parameters() if p.requires_grad) == want
 
 
 def test_the_router_loss_is_in_the_gradient_as_transformers_weighs_it():
