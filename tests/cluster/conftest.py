@@ -25,8 +25,13 @@ BARE_SPEC, NAMED_SPEC = "<bare-spec>", "<named-spec>"
 
 
 @pytest.fixture(autouse=True)
-def _isolated_env(monkeypatch: pytest.MonkeyPatch, tmp_path_factory: pytest.TempPathFactory) -> None:
-    """No real kubeconfig or service account may leak into these tests."""
+def _isolated_env(
+    request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """No real kubeconfig or service account may leak into these tests, except into the `cluster` tier
+    (test_real_cluster.py), whose whole point is the cluster KUBECONFIG names."""
+    if request.node.get_closest_marker("cluster") is not None:
+        return
     monkeypatch.delenv("KUBECONFIG", raising=False)
     monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
     monkeypatch.setenv("HOME", str(tmp_path_factory.mktemp("home")))
