@@ -41,7 +41,9 @@ Each internal: what it is for; why no public API does it; what a run loses witho
   `clip_grads_with_norm_` allocates its coefficient in the middle. Without it: a loop of `mul_`, one kernel a tensor.
 - torch `amp.grad_scaler._refresh_per_optimizer_state`, `GradScaler._per_optimizer_states`: fp16 only; forget that
   a step given up after an OOM had unscaled its gradients (runner/train/update.py `Update.abandon`). GradScaler
-  resets that only in `update()`. Without it: the redone step's unscale raises.
+  resets that only in `update()`. Without it: the redone step's unscale raises. Its `found_inf_per_device` flags and
+  the optimizer's `_step_supports_amp_scaling`: the fp16 step group by group, as GradScaler.step would run it whole
+  (`scaler_found_inf`, `fused_amp_step`), so that an OOM inside the second group does not step the first twice.
 - torch `utils._python_dispatch.TorchDispatchMode` and `OpOverload._schema` (its returns' alias annotations):
   which ATen ops allocate, for the OOM-anywhere injection (runner/oom/anywhere.py). Python reaches the mode and
   an op's schema only through these. Tests and the sweep only; training never uses them.
@@ -293,6 +295,23 @@ def foreach_mul_(tensors: list[torch.Tensor], scalar: torch.Tensor) -> None:
     """`torch._foreach_mul_`: every tensor times a 0-d tensor, in place, in one kernel a device and dtype (what
     `clip_grads_with_norm_` does, which would allocate the coefficient itself). For runner/train/update.py."""
     torch._foreach_mul_(tensors, scalar)
+
+
+def scaler_found_inf(scaler: Any, optimizer: Any) -> torch.Tensor:
+    """Whether the gradients `scaler.unscale_(optimizer)` unscaled this iteration hold an inf or NaN: the sum of its
+    per-device flags (a tensor, no host sync). GradScaler keeps them in `_per_optimizer_states` and reads them only
+    inside `step()`, which steps the optimizer whole; runner/train/update.py steps it group by group (fp16 only)."""
+    flags = scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
+    if not flags:
+        raise RuntimeError("the scaler holds no inf check for this optimizer: unscale_ it first")
+    device = next(iter(flags.values())).device
+    return sum((t.to(device) for t in flags.values()), torch.zeros((), device=device))
+
+
+def fused_amp_step(optimizer: Any) -> bool:
+    """Whether `optimizer.step()` takes GradScaler's `found_inf` (and `grad_scale`) as attributes and skips inside
+    its kernel, as torch's fused Adam/AdamW do (`_step_supports_amp_scaling`, what GradScaler.step checks)."""
+    return bool(getattr(optimizer, "_step_supports_amp_scaling", False))
 
 
 def reset_scaler(scaler: Any) -> None:

@@ -309,14 +309,37 @@ class Update:
 
     def _step(self, p: Progress) -> None:
         if self.scaler is not None:  # fp16: the scaler skips a step with inf/NaN gradients, then moves its scale
-            if p.stepped == 0:
-                self.scaler.step(self.inner)
-                p.stepped = len(self.inner.param_groups)
             if not p.scaled:
+                self._scaled_step(p)
                 self.scaler.update()
                 p.scaled = True
                 self.unscaled = False
             return
+        self._groups(p)
+
+    def _scaled_step(self, p: Progress) -> None:
+        """What GradScaler.step does after its unscale (done in `prepare`), group by group: a fused AdamW gets the
+        inf flags and skips inside its kernel (no host sync); any other optimizer is stepped only without an inf."""
+        if not self.by_group:  # torchao's host optimizer (zero2_offload): one step, as GradScaler.step runs it
+            if p.stepped == 0:
+                self.scaler.step(self.inner)
+                p.stepped = len(self.inner.param_groups)
+            return
+        found = internals.scaler_found_inf(self.scaler, self.inner)
+        if not internals.fused_amp_step(self.inner):
+            if float(found):
+                p.stepped = len(self.inner.param_groups)
+            self._groups(p)
+            return
+        self.inner.grad_scale, self.inner.found_inf = None, found  # unscaled already
+        try:
+            self._groups(p)
+        finally:
+            del self.inner.grad_scale, self.inner.found_inf
+
+    def _groups(self, p: Progress) -> None:
+        """The optimizer's step, one parameter group at a time from `p.stepped` (all at once where it keeps its own
+        groups); `p.stepped` counts each group done."""
         if not self.by_group:
             if p.stepped == 0:
                 self.inner.step()
