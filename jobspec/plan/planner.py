@@ -27,11 +27,13 @@ GiB = 1024**3
 
 
 def model_shape(spec: JobSpec) -> ModelShape:
-    """Preset, explicit `model.architecture`, or the config.json of a local `model.path`."""
+    """Preset, the config.json of a local `model.path` (a hub model's too, once the runner has its snapshot: the
+    model's own family and sizes, experts included), or else the spec's `model.architecture`."""
     model = spec.model
     if model.preset:
         return PRESETS[model.preset]
-    if model.architecture:
+    local = Path(model.path or "") / "config.json"
+    if model.architecture and not local.is_file():
         a = model.architecture
         return ModelShape(
             a.family,
@@ -44,7 +46,7 @@ def model_shape(spec: JobSpec) -> ModelShape:
             a.kv_heads,
             tie_embeddings=a.tie_embeddings,
         )
-    config = Path(model.path or "") / "config.json"
+    config = local
     if not config.exists():
         raise ConfigError(
             f"model.path {model.path!r}: no local config.json to size the model from; "
@@ -59,7 +61,7 @@ def model_attention(spec: JobSpec) -> str:
     the spec names a kernel the family refuses. A hub model whose config is not local keeps the spec's kernel."""
     model = spec.model
     model_type = ""
-    if model.preset is None and model.architecture is None and (Path(model.path or "") / "config.json").is_file():
+    if model.preset is None and (Path(model.path or "") / "config.json").is_file():
         model_type = model_shape(spec).model_type
     fam = FAMILIES.get(model_type)
     if fam is None:
@@ -71,7 +73,7 @@ def check_model(spec: JobSpec) -> None:
     """What `jobspec validate` can say of a local model before anything runs: its config.json's family and sizes
     (jobspec/catalog/model_config.py) and whether the family takes the spec's attention kernel."""
     model = spec.model
-    if model.path and model.architecture is None and (Path(model.path) / "config.json").is_file():
+    if model.path and (Path(model.path) / "config.json").is_file():
         model_shape(spec)
     model_attention(spec)
 
