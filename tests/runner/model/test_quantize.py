@@ -91,17 +91,8 @@ def test_zero3_on_two_cpu_ranks_shards_the_nf4_base(tmp_path):
 
 @pytest.mark.parametrize(("tier", "world_size"), [("fast", 1), ("zero2", 4), ("zero3", 4), ("zero3", 1)])
 def test_the_plan_of_an_nf4_base_is_below_the_16_bit_one_and_within_10_percent_of_the_trace(tier, world_size):
-    shape = ModelShape(
-        "llama",
-        layers=2,
-        hidden=512,
-        heads=8,
-        kv_heads=2,
-        vocab=32000,
-        max_positions=1024,
-        intermediate=1408,
-        tie_embeddings=False,
-    )
+    shape = ModelShape("llama", layers=2, hidden=512, heads=8, kv_heads=2, vocab=32000, max_positions=1024,
+                       intermediate=1408, tie_embeddings=False)  # fmt: skip
     lora = LoraSpec(rank=8, targets=["q_proj", "v_proj"])
     kw = dict(tier=tier, world_size=world_size, micro_batch=2, seq_len=512)
     est = {q: memory.estimate(shape, lora=memory.LoraShape(8, ("q_proj", "v_proj")), quantize=q, **kw)
