@@ -58,5 +58,7 @@ def cancel(
         gone = client.delete(kind, namespace, obj_name, propagation=policy)
         (result.deleted if gone else result.gone_already).append(f"{kind.display}/{obj_name}")
     if wait and any(kind is JOB for kind, _ in found):
-        wait_gone(client, namespace, name, wait_timeout)
+        others = [r for r in result.deleted if not r.startswith(f"{JOB.display}/")]
+        after = f"deleted already: {', '.join(others)}" if others else ""
+        wait_gone(client, namespace, name, wait_timeout, after=after)
     return result

@@ -214,9 +214,15 @@ class ClusterClient:
             return None
 
     def list(
-        self, kind: Kind, namespace: str | None, selector: str | None = None, *, page_size: int = 500
+        self,
+        kind: Kind,
+        namespace: str | None,
+        selector: str | None = None,
+        *,
+        page_size: int = 500,
+        field_selector: str | None = None,
     ) -> list[dict[str, Any]]:
-        """Every object of `kind` matching the label selector (namespace None: all namespaces)."""
+        """Every object of `kind` matching the label (and field) selector (namespace None: all namespaces)."""
         op = Op("list", kind.plural, kind.group, namespace)
         items: list[dict[str, Any]] = []
         token, seen = "", set()
@@ -224,6 +230,8 @@ class ClusterClient:
             query = [("limit", str(page_size))]
             if selector:
                 query.append(("labelSelector", selector))
+            if field_selector:
+                query.append(("fieldSelector", field_selector))
             if token:
                 query.append(("continue", token))
             page = self._json(op, "GET", kind.collection_path(namespace), query=query)

@@ -40,6 +40,8 @@ JOB = Kind("Job", "batch/v1", "jobs")
 POD = Kind("Pod", "v1", "pods")
 NETWORK_POLICY = Kind("NetworkPolicy", "networking.k8s.io/v1", "networkpolicies")
 CLAIM = Kind("PersistentVolumeClaim", "v1", "persistentvolumeclaims")  # the shared hub cache (render/hub.py)
+EVENT = Kind("Event", "v1", "events")  # read by status only (FailedCreate on the Job)
+WORKLOAD = Kind("Workload", "kueue.x-k8s.io/v1beta2", "workloads")  # Kueue's admission of a queued Job (status)
 KINDS = {k.kind: k for k in (CLAIM, CONFIGMAP, SERVICE, NETWORK_POLICY, JOB, POD)}
 SUBMITTED_KINDS = (CLAIM, CONFIGMAP, SERVICE, NETWORK_POLICY, JOB)
 

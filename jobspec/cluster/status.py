@@ -7,11 +7,13 @@ runner reports through the container's termination message (a JSON line written 
 
 from __future__ import annotations
 
+import logging
 import math
-from dataclasses import asdict, dataclass, field
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
-from jobspec.cluster.resources import JOB, POD
+from jobspec.cluster.resources import EVENT, JOB, POD, WORKLOAD
 from jobspec.contract import ANNOTATION_SPEC_HASH, KUEUE_QUEUE_LABEL
 from jobspec.spec.credentials import redact
 from jobspec.untrusted import json_loads
@@ -19,6 +21,8 @@ from jobspec.untrusted import json_loads
 if TYPE_CHECKING:  # the client module pulls in urllib3 and tenacity: only for commands that connect
     from jobspec.cluster.client import ClusterClient
 
+log = logging.getLogger(__name__)
+KUEUE_JOB_UID_LABEL = "kueue.x-k8s.io/job-uid"  # on the Workload Kueue makes for a Job
 COMPLETION_INDEX = "batch.kubernetes.io/job-completion-index"  # annotation (and label, 1.28+) on pods
 # Failed pods of this index before this one, set by the Job controller when backoffLimitPerIndex is used (1.28+):
 # the count survives the garbage collection of the failed pods, which the pods listed do not
@@ -288,5 +292,29 @@ def build_status(job: dict[str, Any], pods: list[dict[str, Any]]) -> JobStatus:
 
 
 def collect_status(client: ClusterClient, namespace: str, name: str) -> JobStatus:
+    """The Job, its pods, its events and (queued) its Kueue Workload, read and explained (diagnose.py)."""
+    from jobspec.cluster.diagnose import explain  # it builds on this module's pod helpers
+
     job = client.get(JOB, namespace, name)
-    return build_status(job, client.list(POD, namespace, pod_selector(job)))
+    pods = client.list(POD, namespace, pod_selector(job))
+    st = build_status(job, pods)
+    events = _readable(lambda: client.list(EVENT, namespace, field_selector=f"involvedObject.kind=Job,"
+                                           f"involvedObject.name={name}"))  # fmt: skip
+    workloads = None
+    if st.queue and st.phase == "Suspended":
+        uid = job["metadata"].get("uid")
+        workloads = _readable(lambda: client.list(WORKLOAD, namespace, f"{KUEUE_JOB_UID_LABEL}={uid}"), None)
+    found = explain(job, st.phase, pods, events or [], workloads, st.queue)
+    return st if found is None else replace(st, phase=found.phase, reason=found.reason, message=found.message)
+
+
+def _readable(read: Callable[[], list[dict[str, Any]]], otherwise: Any = ()) -> Any:
+    """What `read` lists, or `otherwise` where the submitter may not list it (an older Role) or the cluster
+    has no such resource (no Kueue): status still answers from the Job and its pods."""
+    from jobspec.cluster.errors import Forbidden, NotFound
+
+    try:
+        return read()
+    except (Forbidden, NotFound) as err:
+        log.debug("status without it: %s", err)
+        return otherwise

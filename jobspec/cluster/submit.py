@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from jobspec.cluster.errors import Conflict, NotManaged, SpecChanged
-from jobspec.cluster.resources import CLAIM, JOB, kind_of, ref
-from jobspec.cluster.status import FINISHED, job_phase
+from jobspec.cluster.resources import CLAIM, JOB, POD, kind_of, ref
+from jobspec.cluster.status import FINISHED, job_phase, pod_selector
 from jobspec.contract import ANNOTATION_SPEC_HASH, LABEL_MANAGED_BY, MANAGED_BY
 from jobspec.errors import ClusterError, ConfigError
 
@@ -106,7 +106,10 @@ def submit(
         result.outcome = "replaced"
         client.delete(JOB, namespace, name, propagation="Foreground", dry_run=dry_run)
         if not dry_run:
-            wait_gone(client, namespace, name, replace_wait)
+            old = [ref(o) for o in objects if o is not job and kind_of(o) is not CLAIM]
+            wait_gone(client, namespace, name, replace_wait,
+                      after=f"nothing of the new spec was applied; {', '.join(old)} keep the old job's "
+                      "version until the replace finishes (run the same submit --replace again)")  # fmt: skip
 
     for obj in objects:
         if dry_run and existing is not None and obj is job:
@@ -118,8 +121,9 @@ def submit(
             client.apply(obj, dry_run=dry_run, force=replace)
         except Conflict as err:
             raise Conflict(
-                f"{err}; another tool manages these fields (e.g. `kubectl apply` of `jobspec render` output): "
-                "re-submit with --replace to take them over",
+                f"{err}; another field manager (named above) set these fields to other values, e.g. "
+                "`jobspec render | kubectl apply --server-side -f -` of another spec, or `kubectl edit`: re-submit "
+                "with --replace to take them over",
                 status=err.status,
                 op=err.op,
             ) from err
@@ -129,13 +133,34 @@ def submit(
     return result
 
 
-def wait_gone(client: ClusterClient, namespace: str, name: str, timeout: float, interval: float = 1.0) -> None:
-    """Poll until the Job is gone (Foreground deletion removes its pods first)."""
+def wait_gone(
+    client: ClusterClient, namespace: str, name: str, timeout: float, interval: float = 1.0, *, after: str = ""
+) -> None:
+    """Poll until the Job is gone (Foreground deletion removes its pods first). On timeout the error names
+    what is still there (the Job, each pod left with its phase and node) and, in `after`, what the caller
+    already deleted or left alone."""
+    job = None
     for _ in range(max(1, int(timeout / interval))):
-        if client.find(JOB, namespace, name) is None:
+        job = client.find(JOB, namespace, name)
+        if job is None:
             return
         client.policy.sleep(interval)
+    pods = client.list(POD, namespace, pod_selector(job)) if job is not None else []
+    left = [f"pod/{p['metadata']['name']} ({pod_where(p)})" for p in pods[:10]]
+    left += [f"and {len(pods) - 10} more pods"] if len(pods) > 10 else []
     raise ClusterError(
-        f'job "{name}" in namespace "{namespace}" is still being deleted after {timeout:g} s '
-        "(its pods may be slow to stop); try again shortly"
+        f'job "{name}" in namespace "{namespace}" is still being deleted after {timeout:g} s; still there: '
+        f"{', '.join([f'job.batch/{name}', *left])}"
+        + (f"; {after}" if after else "")
+        + ". A pod on a node that no longer answers stops only when the node returns or its Node object is "
+        f"deleted (or `kubectl delete pod <pod> -n {namespace} --force --grace-period=0`, once the node is "
+        "surely down)"
     )
+
+
+def pod_where(pod: dict[str, Any]) -> str:
+    """'Running on node gpu-3, terminating': a pod left behind, in a few words."""
+    phase = (pod.get("status") or {}).get("phase") or "Pending"
+    node = (pod.get("spec") or {}).get("nodeName")
+    gone = ", terminating" if (pod.get("metadata") or {}).get("deletionTimestamp") else ""
+    return f"{phase}{f' on node {node}' if node else ''}{gone}"

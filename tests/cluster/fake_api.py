@@ -26,10 +26,13 @@ CONTROLLER_UID = "batch.kubernetes.io/controller-uid"
 INDEX = "batch.kubernetes.io/job-completion-index"
 
 _CORE = re.compile(
-    r"^/api/v1/namespaces/(?P<ns>[^/]+)/(?P<plural>configmaps|services|pods|persistentvolumeclaims)(?:/(?P<name>[^/]+))?"
+    r"^/api/v1/namespaces/(?P<ns>[^/]+)/(?P<plural>configmaps|services|pods|persistentvolumeclaims|events)(?:/(?P<name>[^/]+))?"
     r"(?P<log>/log)?$"
 )
 _BATCH = re.compile(r"^/apis/batch/v1/namespaces/(?P<ns>[^/]+)/(?P<plural>jobs)(?:/(?P<name>[^/]+))?$")
+_KUEUE = re.compile(
+    r"^/apis/kueue.x-k8s.io/v1beta2/namespaces/(?P<ns>[^/]+)/(?P<plural>workloads)(?:/(?P<name>[^/]+))?$"
+)
 _ALL_JOBS = re.compile(r"^/apis/batch/v1/(?P<plural>jobs)$")
 _NETWORKING = re.compile(
     r"^/apis/networking.k8s.io/v1/namespaces/(?P<ns>[^/]+)/(?P<plural>networkpolicies)(?:/(?P<name>[^/]+))?$"
@@ -82,7 +85,8 @@ class FakeApi(Served):  # start(), stop(), url
         obj = copy.deepcopy(obj)
         plural = {"ConfigMap": "configmaps", "Service": "services", "Job": "jobs", "Pod": "pods",
                   "NetworkPolicy": "networkpolicies",
-                  "PersistentVolumeClaim": "persistentvolumeclaims"}[obj["kind"]]  # fmt: skip
+                  "PersistentVolumeClaim": "persistentvolumeclaims", "Event": "events",
+                  "Workload": "workloads"}[obj["kind"]]  # fmt: skip
         md = obj["metadata"]
         md.setdefault("uid", str(uuid.uuid4()))
         md.setdefault("creationTimestamp", "2025-01-01T00:00:00Z")
@@ -159,7 +163,7 @@ class FakeApi(Served):  # start(), stop(), url
         """-> (status, headers, body): a dict (JSON), bytes, or a list (a follow stream script)."""
         if req.headers.get("authorization") != f"Bearer {TOKEN}":
             return 401, {}, status_body(401, "Unauthorized", "Unauthorized")
-        m = _CORE.match(req.path) or _BATCH.match(req.path) or _ALL_JOBS.match(req.path) or _NETWORKING.match(req.path)
+        m = next(filter(None, (p.match(req.path) for p in (_CORE, _BATCH, _ALL_JOBS, _NETWORKING, _KUEUE))), None)
         if not m:
             return (
                 404,
@@ -188,12 +192,20 @@ class FakeApi(Served):  # start(), stop(), url
 
     def _list(self, plural: str, ns: str | None, query: dict[str, str]) -> dict[str, Any]:
         wanted = dict(kv.split("=", 1) for kv in query.get("labelSelector", "").split(",") if kv)
+        fields = dict(kv.split("=", 1) for kv in query.get("fieldSelector", "").split(",") if kv)
+
+        def field(obj: dict[str, Any], path: str) -> Any:  # "involvedObject.name" -> obj["involvedObject"]["name"]
+            for part in path.split("."):
+                obj = obj.get(part) if isinstance(obj, dict) else None
+            return obj
+
         items = [
             o
             for (p, n, _), o in sorted(self.objects.items())
             if p == plural
             and (ns is None or n == ns)
             and all((o["metadata"].get("labels") or {}).get(k) == v for k, v in wanted.items())
+            and all(field(o, k) == v for k, v in fields.items())
         ]
         start = int(query.get("continue") or 0)
         limit = int(query.get("limit") or len(items) or 1)

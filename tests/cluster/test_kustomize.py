@@ -52,6 +52,8 @@ def by_kind(objs: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
 def test_base_contents(base: list[dict[str, Any]]) -> None:
     assert sorted((o["kind"], o["metadata"]["name"]) for o in base) == [
         ("Namespace", "jobspec"),
+        ("PriorityClass", "training"),
+        ("PriorityClass", "training-low"),
         ("Role", "jobspec-submitter"),
         ("RoleBinding", "jobspec-submitter"),
         ("ServiceAccount", "jobspec-runner"),
@@ -59,7 +61,21 @@ def test_base_contents(base: list[dict[str, Any]]) -> None:
     ]
     (ns,) = by_kind(base, "Namespace")
     assert ns["metadata"]["labels"]["pod-security.kubernetes.io/enforce"] == "restricted"
-    assert all(o["metadata"].get("namespace") == "jobspec" for o in base if o["kind"] != "Namespace")
+    cluster_scoped = ("Namespace", "PriorityClass")
+    assert all(o["metadata"].get("namespace") == "jobspec" for o in base if o["kind"] not in cluster_scoped)
+    assert not [o for o in base if o["kind"] in cluster_scoped and "namespace" in o["metadata"]]
+
+
+def test_k8s_ships_every_priority_class_an_example_names(base: list[dict[str, Any]]) -> None:
+    from jobspec.render import render
+    from jobspec.spec.loader import load_spec
+
+    shipped = {o["metadata"]["name"] for o in by_kind(base, "PriorityClass")}
+    named = set()
+    for path in sorted((REPO / "examples").glob("*.yaml")):
+        job = next(o for o in render(load_spec(path)) if o["kind"] == "Job")
+        named |= {job["spec"]["template"]["spec"].get("priorityClassName")} - {None}
+    assert "training" in named and named <= shipped
 
 
 @pytest.mark.parametrize("version", ["1.29.0", "latest"])
@@ -71,7 +87,7 @@ def test_builtin_objects_pass_strict_validation(
 
     version = latest_version() if version == "latest" else version
     builtin = [o for o in base + with_kueue if o["kind"] not in KUEUE_KINDS]
-    assert len(builtin) == 10
+    assert len(builtin) == 14
     for obj in builtin:
         kubernetes_validate.validate(obj, version, strict=True)  # raises ValidationError
 
@@ -117,7 +133,12 @@ def test_role_grants_exactly_what_the_client_uses(
     submit(client, [claim, *make_objects(spec_hash="hash-2")], "ml", replace=True)  # looked up, kept
     pod = api.add_pod("ml", "train", 0)["metadata"]["name"]
     api.logs[("ml", pod)] = b"x\n"
-    collect_status(client, "ml", "train")
+    collect_status(client, "ml", "train")  # the Job, its pods, its events
+    queued = make_objects("queued", queue="gpu-queue")
+    queued[2]["spec"]["suspend"] = True  # as the renderer makes it: Kueue admits it by unsuspending
+    submit(client, queued, "ml")
+    collect_status(client, "ml", "queued")  # and its Kueue Workload
+    cancel(client, "ml", "queued")
     print_log(client, "ml", "train", 0, io.StringIO())
     api.streams[("ml", pod)] = [[lambda: api.set_pod("ml", pod, "Succeeded", {"terminated": {"exitCode": 0}})]]
     follow_log(client, "ml", "train", 0, io.StringIO())
@@ -131,11 +152,11 @@ def test_kueue_component_is_consistent(with_kueue: list[dict[str, Any]]) -> None
     """Structural checks only: Kueue's CRD schemas are not available offline."""
     kueue = [o for o in with_kueue if o["kind"] in KUEUE_KINDS]
     assert sorted(o["kind"] for o in kueue) == ["ClusterQueue", "LocalQueue", "ResourceFlavor"]
-    assert {o["apiVersion"] for o in kueue} == {"kueue.x-k8s.io/v1beta1"}
+    assert {o["apiVersion"] for o in kueue} == {"kueue.x-k8s.io/v1beta2"}  # v1beta1: deprecated, gone in v0.20
     (flavor,), (cq,), (lq,) = (by_kind(with_kueue, k) for k in ("ResourceFlavor", "ClusterQueue", "LocalQueue"))
     assert "namespace" not in flavor["metadata"] and "namespace" not in cq["metadata"]  # cluster-scoped
     assert lq["metadata"]["namespace"] == "jobspec" and lq["spec"]["clusterQueue"] == cq["metadata"]["name"]
-    assert set(cq["spec"]) <= {"namespaceSelector", "queueingStrategy", "resourceGroups", "cohort", "preemption"}
+    assert set(cq["spec"]) <= {"namespaceSelector", "queueingStrategy", "resourceGroups", "cohortName", "preemption"}
     assert cq["spec"]["queueingStrategy"] in ("BestEffortFIFO", "StrictFIFO")
     for group in cq["spec"]["resourceGroups"]:
         covered = group["coveredResources"]

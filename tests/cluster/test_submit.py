@@ -78,9 +78,27 @@ def test_replace_gives_up_when_the_old_job_does_not_go(
 ) -> None:
     submit(client, make_objects(), "ml")
     api.fail("DELETE", r"/jobs/train$", 200, message="accepted")  # "deleted" but it stays
-    with pytest.raises(errors.ClusterError, match="still being deleted after 3 s"):
+    stuck = api.add_pod("ml", "train", 1, node="gpu-7")["metadata"]["name"]
+    with pytest.raises(errors.ClusterError, match="still being deleted after 3 s") as info:
         submit(client, make_objects(spec_hash="hash-2"), "ml", replace=True, replace_wait=3)
     assert sleeps == [1.0, 1.0, 1.0]
+    msg = str(info.value)  # what is left, and that nothing new was applied
+    assert f"still there: job.batch/train, pod/{stuck} (Running on node gpu-7)" in msg
+    assert "nothing of the new spec was applied; configmap/train-spec, service/train" in msg
+
+
+def test_cancel_that_times_out_says_what_is_gone_and_what_remains(
+    api: FakeApi, client: ClusterClient, sleeps: list[float]
+) -> None:
+    submit(client, make_objects(), "ml")
+    api.add_pod("ml", "train", 0, node="gpu-2")
+    api.fail("DELETE", r"/jobs/train$", 200, message="accepted")  # the pods never stop
+    with pytest.raises(errors.ClusterError) as info:
+        cancel(client, "ml", "train", wait=True, wait_timeout=2)
+    msg = str(info.value)
+    assert "still there: job.batch/train, pod/train-0-" in msg and "(Running on node gpu-2)" in msg
+    assert "deleted already: service/train, configmap/train-spec, networkpolicy.networking.k8s.io/train" in msg
+    assert api.get("services", "ml", "train") is None and api.get("jobs", "ml", "train") is not None
 
 
 def test_a_job_jobspec_did_not_make_is_never_touched(api: FakeApi, client: ClusterClient) -> None:
@@ -104,7 +122,7 @@ def test_409_on_resubmit_says_who_to_blame(api: FakeApi, client: ClusterClient) 
         submit(client, make_objects(), "ml")
     msg = str(info.value)
     assert 'conflict: patch configmaps "train-spec" in namespace "ml"' in msg
-    assert "kubectl-client-side-apply" in msg and "--replace" in msg
+    assert "kubectl-client-side-apply" in msg and "--replace" in msg and "kubectl apply --server-side" in msg
     assert len(api.calls("PATCH")) == 1  # not retried, and the Job was not applied
 
 
