@@ -400,7 +400,8 @@ def test_scheduling_fields_reach_the_job() -> None:
     objs = rendered(SFT, *KITCHEN_SINK)
     job, pod = objs["Job"]["spec"], pod_of(objs)
     assert pod["tolerations"] == [
-        {"key": "gpu", "operator": "Equal", "value": "yes", "effect": "NoExecute", "tolerationSeconds": 60}
+        {"key": "gpu", "operator": "Equal", "value": "yes", "effect": "NoExecute", "tolerationSeconds": 60},
+        *NODE_LOSS_TOLERATIONS,
     ]
     assert pod["nodeSelector"] == {"pool": "gpu"} and pod["priorityClassName"] == "high"
     assert pod["serviceAccountName"] == "trainer" and pod["automountServiceAccountToken"] is False
@@ -409,7 +410,46 @@ def test_scheduling_fields_reach_the_job() -> None:
     assert "ttlSecondsAfterFinished" not in rendered(SFT, "scheduling.ttl_seconds_after_finished=null")["Job"]["spec"]
     assert pod_of(rendered(MULTINODE))["terminationGracePeriodSeconds"] == 180
     bare = pod_of(rendered(SFT))
-    assert not {"tolerations", "nodeSelector", "priorityClassName", "serviceAccountName"} & set(bare)
+    assert not {"nodeSelector", "priorityClassName", "serviceAccountName"} & set(bare)
+    assert bare["tolerations"] == NODE_LOSS_TOLERATIONS
+
+
+NODE_LOSS_TOLERATIONS = [
+    {"key": key, "operator": "Exists", "effect": "NoExecute", "tolerationSeconds": 30}
+    for key in ("node.kubernetes.io/not-ready", "node.kubernetes.io/unreachable")
+]
+
+
+def test_pods_leave_a_lost_node_after_node_loss_toleration_seconds() -> None:
+    fast = pod_of(rendered(MULTINODE, "scheduling.node_loss_toleration_seconds=5"))["tolerations"]
+    assert [(t["key"], t["tolerationSeconds"]) for t in fast if t["key"].startswith("node.kubernetes.io/")] == [
+        ("node.kubernetes.io/not-ready", 5),
+        ("node.kubernetes.io/unreachable", 5),
+    ]
+    own = "scheduling.tolerations=[{key: node.kubernetes.io/unreachable, operator: Exists, effect: NoExecute}]"
+    mine = pod_of(rendered(MULTINODE, own))["tolerations"]  # the spec's own wins: no second one for that key
+    assert [t["key"] for t in mine] == ["node.kubernetes.io/unreachable", "node.kubernetes.io/not-ready"]
+    assert "tolerationSeconds" not in mine[0]  # tolerated for ever, as the spec says (it replaces the list)
+    for bad in ("-1", "301"):
+        with pytest.raises(ConfigError, match=r"scheduling\.node_loss_toleration_seconds"):
+            load_spec(MULTINODE, [f"scheduling.node_loss_toleration_seconds={bad}"])
+
+
+def test_the_lost_node_arithmetic_in_the_readme() -> None:
+    """README "A lost node": the table's rows add up, its toleration row is the default the renderer uses, and the
+    sum with Kubernetes' default toleration is stated right."""
+    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    section = text.split("### A lost node", 1)[1].split("\n### ", 1)[0]
+    rows = re.findall(r"^\| (.+?) \| (\d+) \|$", section, re.M)
+    *steps, (_, total) = rows
+    seconds = {label.split(":")[0].strip("`"): int(n) for label, n in steps}
+    assert sum(seconds.values()) == int(total) == 110
+    default = JobSpec.model_fields["scheduling"].default.node_loss_toleration_seconds
+    assert seconds["node_loss_toleration_seconds"] == default == NODE_LOSS_TOLERATIONS[0]["tolerationSeconds"]
+    assert seconds["node-monitor-grace-period"] == 40 and seconds["node-monitor-period"] == 5
+    kube_default = int(total) - default + 300
+    terms = " + ".join(str(n) for n in [*list(seconds.values())[:2], 300, *list(seconds.values())[3:]])
+    assert f"{terms} = {kube_default} s" in section
 
 
 # --- volumes and the container -------------------------------------------------------------------------

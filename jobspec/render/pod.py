@@ -31,6 +31,8 @@ GiB = 1024**3
 
 CONTAINER_NAME = "runner"
 GPU_RESOURCES: Mapping[str, str] = MappingProxyType({"cuda": "nvidia.com/gpu", "rocm": "amd.com/gpu"})
+# Set by the node lifecycle controller once a node has missed its heartbeats for node-monitor-grace-period.
+NODE_LOSS_TAINTS = ("node.kubernetes.io/not-ready", "node.kubernetes.io/unreachable")
 ROCM_SUPPLEMENTAL_GROUPS = (44, 109)  # video, render: owners of /dev/dri and /dev/kfd on common distros
 
 # Requests per rank (a GPU; a process for vendor cpu) when hardware.cpu / hardware.memory are unset.
@@ -65,8 +67,7 @@ def pod_spec(spec: JobSpec) -> Obj:
         pod["priorityClassName"] = sched.priority_class
     if sched.node_selector:
         pod["nodeSelector"] = dict(sched.node_selector)
-    if sched.tolerations:
-        pod["tolerations"] = [_toleration(t) for t in sched.tolerations]
+    pod["tolerations"] = [_toleration(t) for t in sched.tolerations] + _node_loss_tolerations(spec)
     if spec.image.pull_secrets:
         pod["imagePullSecrets"] = [{"name": name} for name in spec.image.pull_secrets]
     return pod
@@ -181,6 +182,15 @@ def _volumes(spec: JobSpec) -> tuple[list[Obj], list[Obj]]:
         volumes.append(cache[0])
         mounts.append(cache[1])
     return volumes, mounts
+
+
+def _node_loss_tolerations(spec: JobSpec) -> list[Obj]:
+    """Evicted `scheduling.node_loss_toleration_seconds` after the node is marked lost, not Kubernetes' default 300 s
+    (README "A lost node"). A spec's own NoExecute toleration of one of these keys wins."""
+    own = {t.key for t in spec.scheduling.tolerations if t.effect in (None, "NoExecute")}
+    seconds = spec.scheduling.node_loss_toleration_seconds
+    return [{"key": key, "operator": "Exists", "effect": "NoExecute", "tolerationSeconds": seconds}
+            for key in NODE_LOSS_TAINTS if key not in own]  # fmt: skip
 
 
 def _toleration(t: Toleration) -> Obj:

@@ -841,6 +841,15 @@ class SchedulingSpec(Section):
             "the heartbeat off.",
         ),
     ] = 30
+    node_loss_toleration_seconds: Annotated[
+        int,
+        Field(
+            ge=0,
+            le=300,
+            description="How long a pod stays bound to a node Kubernetes marks unreachable or not-ready before it "
+            "is evicted and its index replaced (NoExecute tolerations; Kubernetes' default is 300).",
+        ),
+    ] = 30
     collective_timeout_seconds: Annotated[
         int,
         Field(
