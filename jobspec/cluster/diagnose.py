@@ -120,7 +120,8 @@ def explain(
     if phase == "Suspended":
         return Diagnosis("Suspended", *kueue_word(queue, workloads)) if queue else None
     spec, st = job.get("spec") or {}, job.get("status") or {}
-    completions = int(spec.get("completions") or spec.get("parallelism") or 1)
+    raw = spec.get("completions") or spec.get("parallelism") or 1
+    completions = int(raw) if isinstance(raw, int) or (isinstance(raw, str) and raw.isdigit() and len(raw) < 7) else 1
     done = parse_index_set(st.get("completedIndexes"))
     groups = pods_by_index(pods)
     waiting = [i for i in range(min(completions, 100_000)) if i not in done]

@@ -142,6 +142,12 @@ def test_kueue_admission(workloads: list[dict[str, Any]] | None, reason: str, sa
     assert found is not None and (found.phase, found.reason) == ("Suspended", reason) and said in (found.message or "")
 
 
+def test_a_hostile_completions_count_is_no_crash() -> None:
+    broken = job({"active": 1})
+    broken["spec"]["completions"] = "junk"
+    assert explain(broken, "Running", [running(0)], [], None, None) == Diagnosis("Running", None, None)
+
+
 def test_settled_jobs_keep_their_conditions() -> None:
     assert explain(job(), "Failed", [], [event("FailedCreate", NO_CLASS, "x")], None, None) is None
     assert explain(job(), "Suspended", [], [], None, None) is None  # suspended by hand, no queue
