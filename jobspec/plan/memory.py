@@ -394,6 +394,8 @@ def _fsdp_peak(
     head_grad = half * head if full else 0  # made by the fused loss in forward
     last, first = _block_gathers(head, block, kept, tied=tied, reshard=reshard, full=full, buffer=buffer)
     block_grads = reduced * block + (head_grad if tied else 0)
+    if full and shape.moe:  # the routed experts' weight gradient leaves the grouped matmul transposed: a 16-bit copy
+        block_grads += HALF_BYTES * shape.experts * 3 * shape.hidden * shape.expert_intermediate  # of all of them
     # the end: the root's embedding gathered again where forward reshards, a tied root's last block still reducing
     end = (half * head if reshard and world_size > 1 else 0) + (reduced * block if world_size > 1 and tied else 0)
     end -= 0 if reshard else _end_kept(kept, half * head, world_size)
