@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from jobspec.cluster.status import main_container, parse_index_set, pods_by_index
+from jobspec.cluster.pods import main_container, parse_index_set, pods_by_index
 from jobspec.spec.credentials import redact
 
 # A runner container waiting for one of these is stuck until someone acts: shown before Unschedulable.

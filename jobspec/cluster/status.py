@@ -13,6 +13,12 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
+from jobspec.cluster.pods import (
+    MAX_INDEXES,
+    main_container,
+    parse_index_set,
+    pods_by_index,
+)
 from jobspec.cluster.resources import EVENT, JOB, POD, WORKLOAD
 from jobspec.contract import ANNOTATION_SPEC_HASH, KUEUE_QUEUE_LABEL
 from jobspec.spec.credentials import redact
@@ -22,15 +28,14 @@ if TYPE_CHECKING:  # the client module pulls in urllib3 and tenacity: only for c
     from jobspec.cluster.client import ClusterClient
 
 log = logging.getLogger(__name__)
+
 KUEUE_JOB_UID_LABEL = "kueue.x-k8s.io/job-uid"  # on the Workload Kueue makes for a Job
-COMPLETION_INDEX = "batch.kubernetes.io/job-completion-index"  # annotation (and label, 1.28+) on pods
 # Failed pods of this index before this one, set by the Job controller when backoffLimitPerIndex is used (1.28+):
 # the count survives the garbage collection of the failed pods, which the pods listed do not
 INDEX_FAILURES = "batch.kubernetes.io/job-index-failure-count"
 PROGRESS_ANNOTATION = "jobspec.dev/progress"  # optional: a JSON report on the pod, same keys
 FINISHED = ("Succeeded", "Failed")
 FAILED = ("Failed", "Failing")
-MAX_INDEXES = 100_000  # Kubernetes' own limit on an Indexed Job's completions: a larger figure is not a Job's
 MAX_ATTEMPTS = 10_000  # of one index: more than any backoffLimitPerIndex the spec renders
 MAX_REPORT_CHARS = 64 * 1024  # of a termination message (the kubelet keeps 4096 bytes) or progress annotation
 
@@ -156,34 +161,6 @@ def pod_selector(job: dict[str, Any]) -> str:
     return f"job-name={job['metadata']['name']}"
 
 
-def pod_index(pod: dict[str, Any]) -> int:
-    md = pod.get("metadata") or {}
-    raw = (md.get("annotations") or {}).get(COMPLETION_INDEX) or (md.get("labels") or {}).get(COMPLETION_INDEX)
-    try:
-        return int(raw)
-    except (TypeError, ValueError):
-        return 0
-
-
-def pods_by_index(pods: list[dict[str, Any]]) -> dict[int, list[dict[str, Any]]]:
-    """Pods grouped by completion index, newest first."""
-    groups: dict[int, list[dict[str, Any]]] = {}
-    for pod in pods:
-        groups.setdefault(pod_index(pod), []).append(pod)
-    for group in groups.values():
-        group.sort(key=lambda p: (p["metadata"].get("creationTimestamp") or "", p["metadata"]["name"]), reverse=True)
-    return groups
-
-
-def main_container(pod: dict[str, Any]) -> tuple[str | None, dict[str, Any]]:
-    """The first container's name and its status entry (the runner's container)."""
-    containers = (pod.get("spec") or {}).get("containers") or [{}]
-    name = containers[0].get("name")
-    statuses = (pod.get("status") or {}).get("containerStatuses") or []
-    found = next((s for s in statuses if s.get("name") == name), statuses[0] if statuses else {})
-    return name, found
-
-
 def _terminated(cstatus: dict[str, Any]) -> dict[str, Any]:
     return (cstatus.get("state") or {}).get("terminated") or (cstatus.get("lastState") or {}).get("terminated") or {}
 
@@ -209,17 +186,6 @@ def pod_report(pod: dict[str, Any]) -> Report | None:
         if report is not None:
             return report
     return parse_report(((pod.get("metadata") or {}).get("annotations") or {}).get(PROGRESS_ANNOTATION))
-
-
-def parse_index_set(text: str | None) -> set[int]:
-    """'0,2-4' (Job status completedIndexes / failedIndexes) -> {0, 2, 3, 4}; indexes below MAX_INDEXES only
-    (a range of a billion from a broken server is no memory bomb here)."""
-    out: set[int] = set()
-    for part in (text if isinstance(text, str) else "").split(","):
-        lo, _, hi = part.strip().partition("-")
-        if lo.isdigit() and (not hi or hi.isdigit()) and len(lo) < 7 and len(hi) < 7:
-            out.update(range(min(int(lo), MAX_INDEXES), min(int(hi or lo) + 1, MAX_INDEXES)))
-    return out
 
 
 def _count(value: Any, high: int = 2**31) -> int:
