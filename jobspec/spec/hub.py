@@ -15,10 +15,7 @@ would fail with the retryable code), and the token is given once (`hub_token_pro
 from __future__ import annotations
 
 import re
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from jobspec.spec.models import JobSpec
+from typing import Any
 
 TOKEN_ENV = "HF_TOKEN"  # what model.hub_token becomes in the pods (jobspec/render/hub.py)
 
@@ -33,7 +30,7 @@ def is_hub_id(path: str | None, *, data: bool = False) -> bool:
     return not (data and path.lower().endswith(DATA_SUFFIXES))
 
 
-def hub_sources(spec: JobSpec) -> list[tuple[str, str]]:
+def hub_sources(spec: Any) -> list[tuple[str, str]]:  # a JobSpec: not imported, the spec's rules import this module
     """(field, id) of every source of `spec` that has the shape of a hub id, the model first."""
     data = spec.data
     found = [("model.path", spec.model.path)] if is_hub_id(spec.model.path) else []

@@ -8,7 +8,7 @@
 At save, each rank hashes the files it wrote (its `__<rank>_*.distcp` shards and `rng-<rank>.pt`, still
 in the page cache) and rank 0 the rest. CRC-32 (zlib) streams at about 1 GiB/s on one core; it finds
 truncation, zeroed blocks and bit rot, not tampering: whoever can write the volume can rewrite the
-manifest too. With JOBSPEC_CHECKPOINT_KEY set (jobspec/signing.py) every entry also carries the
+manifest too. With JOBSPEC_CHECKPOINT_KEY set (jobspec/shared_dir/signing.py) every entry also carries the
 file's SHA-256 and the manifest an HMAC-SHA256; `check` then refuses a manifest without a valid MAC and
 reads every file whole against its SHA-256 (sampling would let a forged block between samples through).
 
@@ -32,7 +32,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from jobspec import signing
+from jobspec.shared_dir import signing
 from runner.checkpoint import files
 
 MANIFEST = "manifest.json"

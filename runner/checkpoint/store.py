@@ -31,7 +31,7 @@ found, and the next older one tried. Complete checkpoints but none intact: Damag
 
 Untrusted volume: no file of a checkpoint runs code when read, every one is opened as a regular file
 (no link, FIFO or device: runner/checkpoint/files.py) and read within a bound, and a forged file is
-damage like any other. With JOBSPEC_CHECKPOINT_KEY set the manifest is signed (jobspec/signing.py).
+damage like any other. With JOBSPEC_CHECKPOINT_KEY set the manifest is signed (jobspec/shared_dir/signing.py).
 """
 
 from __future__ import annotations
@@ -53,8 +53,9 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
-from jobspec import shared_dir, signing
+from jobspec import shared_dir
 from jobspec.errors import ConfigError
+from jobspec.shared_dir import signing
 from runner.checkpoint import files, manifest, rng, storage, unpickle
 from runner.checkpoint.rng import rng_state, set_rng_state
 from runner.checkpoint.storage import StorageError

@@ -18,8 +18,8 @@ The source's path is not in the key either: the same bytes elsewhere hit the sam
 Content binds the entry: meta.json carries the key's parts (the source's digests, the tokenizer's identity) and a
 reader uses an entry only when they are its own (a copy of another entry under this name is damaged); a digest
 stamp saves the hashing but cannot redirect a job to other data, since the sampled digest read from the file itself
-is in the key. With JOBSPEC_CHECKPOINT_KEY set (jobspec/signing.py), meta.json, the digest stamps and VERIFIED are
-signed with it and an unsigned or wrongly signed one is not used.
+is in the key. With JOBSPEC_CHECKPOINT_KEY set (jobspec/shared_dir/signing.py), meta.json, the digest stamps and
+VERIFIED are signed with it and an unsigned or wrongly signed one is not used.
 
 The cache root is shared by the jobs that name it: every file written there goes through jobspec.shared_dir (no
 link followed, temporaries and entries created exclusively under random names, the lock opened as a regular file).
@@ -56,8 +56,9 @@ from typing import BinaryIO
 import numpy as np
 from numpy.lib import format as npy
 
-from jobspec import shared_dir, signing
+from jobspec import shared_dir
 from jobspec.errors import ConfigError
+from jobspec.shared_dir import signing
 from jobspec.spec.models import DataSpec, JobSpec
 from jobspec.untrusted import json_loads, open_regular, read_bounded
 from runner.data.files import open_data

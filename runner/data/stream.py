@@ -28,7 +28,7 @@ reads that window and tokenizes from there: less than INDEX_EVERY samples again.
 damaged or foreign one, or one that leads the reader anywhere it cannot read, is logged and the stream replayed from
 the start, never a stop. The cache root is shared: the index is appended through jobspec.shared_dir (never through a
 link), read within MAX_INDEX_BYTES with every number bounded, and, with JOBSPEC_CHECKPOINT_KEY set, each entry is
-signed (jobspec/signing.py) and an unsigned one ignored.
+signed (jobspec/shared_dir/signing.py) and an unsigned one ignored.
 """
 
 from __future__ import annotations
@@ -49,8 +49,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from jobspec import shared_dir, signing
+from jobspec import shared_dir
 from jobspec.errors import ConfigError
+from jobspec.shared_dir import signing
 from jobspec.spec.models import DataSpec, JobSpec
 from jobspec.untrusted import json_loads, read_bounded
 from runner.data.cache import tokenizer_identity, usable_root

@@ -9,9 +9,9 @@ import shutil
 
 import pytest
 
-from jobspec import signing
 from jobspec.contract import EXIT_CONFIG, EXIT_OK
 from jobspec.errors import ConfigError
+from jobspec.shared_dir import signing
 from runner.checkpoint import manifest, store
 from tests.runner.checkpoint.forge import rewrite_manifest
 from tests.runner.checkpoint.test_checkpoint import CTRL, save, small_model

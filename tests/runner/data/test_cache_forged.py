@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from jobspec import signing
+from jobspec.shared_dir import signing
 from jobspec.spec.models import DataSpec
 from runner.data import cache
 from runner.data.dataset import encode_file

@@ -10,7 +10,7 @@ import logging
 
 import pytest
 
-from jobspec import signing
+from jobspec.shared_dir import signing
 from runner.data.stream import load_stream
 from runner.data.tokenizer import ByteTokenizer
 from tests.runner.data.test_stream import GB, chat_rows, same_rows, stream_spec, streamed

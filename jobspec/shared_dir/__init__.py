@@ -1,4 +1,5 @@
-"""The one way jobspec opens, creates, appends to, truncates and renames files in a directory others can write.
+"""The one way jobspec opens, creates, appends to, truncates and renames files in a directory others can write
+(this module), and the optional key that signs what jobs leave there (`signing.py`).
 
 A checkpoint volume, a data cache (`data.cache_dir` is meant to be shared), its stamps, locks and stream indexes, a
 lease, a run's metrics and an export directory may all be written by another job, a colleague or an attacker who can
