@@ -410,7 +410,7 @@ class DataSource(Section):
         Field(description="Label of the source in logs and metrics; default the file or directory name."),
     ] = None
     format: Annotated[
-        Literal["auto", "prompt_response", "messages"] | None,
+        Literal["auto", "prompt_response", "messages", "preference"] | None,
         Field(description="Record layout of this source; default `data.format`."),
     ] = None
 
@@ -425,8 +425,12 @@ class DataSpec(Section):
         ),
     ] = None
     format: Annotated[
-        Literal["auto", "prompt_response", "messages"],
-        Field(description="Record layout: {prompt, response} or {messages: [{role, content}]}; auto detects per file."),
+        Literal["auto", "prompt_response", "messages", "preference"],
+        Field(
+            description="Record layout: {prompt, response}, {messages: [{role, content}]} or, for "
+            "`training.objective: dpo`, preference pairs {prompt, chosen, rejected} (texts, or message lists with "
+            "an optional prompt list: TRL's conventions); auto detects per file."
+        ),
     ] = "auto"
     prompt_field: Annotated[WordStr, Field(description="Key of the prompt in prompt/response records.")] = "prompt"
     response_field: Annotated[WordStr, Field(description="Key of the response in prompt/response records.")] = (
@@ -570,6 +574,18 @@ class TrainingSpec(Section):
             "image; needs liger-kernel and a GPU)."
         ),
     ] = "chunked"
+    objective: Annotated[
+        Literal["sft", "dpo"],
+        Field(
+            description="sft = token cross-entropy on the responses; dpo = Direct Preference Optimization (sigmoid) "
+            "on {prompt, chosen, rejected} pairs (TRL's conventions), against the starting model's log-probs "
+            "computed once before training and cached beside the tokenized data (with LoRA: the adapter off)."
+        ),
+    ] = "sft"
+    beta: Annotated[
+        float,
+        Field(gt=0, le=100, description="DPO's beta: how far the policy may move from the reference (TRL: 0.1)."),
+    ] = 0.1
 
     @model_validator(mode="after")
     def _schedule(self) -> "TrainingSpec":

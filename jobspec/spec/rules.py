@@ -349,8 +349,22 @@ def liger_problems(spec: SpecView) -> list[Problem]:
     return []
 
 
+def _objective(spec: SpecView) -> list[Problem]:
+    """DPO reads one prepared source of preference pairs (its reference log-probs are computed over all of it once)."""
+    if spec.training.objective == "sft":
+        return []
+    d, out = spec.data, []
+    if d.streaming:
+        out.append(("data.streaming", "training.objective dpo needs the pairs prepared whole (its reference "
+                    "log-probs are computed once over them)", "set data.streaming: false"))  # fmt: skip
+    if d.sources is not None and len(d.sources) > 1:
+        out.append(("data.sources", "training.objective dpo reads one source of preference pairs",
+                    "join the sources into one file, or give it as data.path"))  # fmt: skip
+    return out
+
+
 _RULES: tuple[Callable[[SpecView], list[Problem]], ...] = (
-    _batch, _image_vendor, _gpu_type, _preset_positions, _checkpoint_dir, _shm_size, _data_mount,
+    _objective, _batch, _image_vendor, _gpu_type, _preset_positions, _checkpoint_dir, _shm_size, _data_mount,
     _scheduling_keys, _cpu_precision, flash_attention_problems, liger_problems, _source_names, _streaming_length,
     hub_id_problems, hub_token_problems,
 )  # fmt: skip

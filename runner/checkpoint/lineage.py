@@ -43,7 +43,11 @@ def lineage(spec: JobSpec, train_rows: list[tuple[np.ndarray, np.ndarray]]) -> d
     data = spec.data.model_dump(mode="json", include={**dict.fromkeys(DATA_FIELDS, True), **sources})
     if spec.data.streaming:  # a stream's order (only then: the lineage of every other run stays as it was)
         data |= {"streaming": True, "shuffle_buffer": spec.data.shuffle_buffer}
+    objective = {}  # only for a preference objective: the lineage of every SFT run stays as it was
+    if spec.training.objective != "sft":
+        objective = {"training.objective": spec.training.objective, "training.beta": spec.training.beta}
     return {
+        **objective,
         "name": spec.name,
         **{f"model.{k}": v for k, v in model.items()},
         **{f"data.{k}": v for k, v in data.items()},

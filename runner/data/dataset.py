@@ -29,6 +29,7 @@ import itertools
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import NoReturn
 
@@ -37,10 +38,11 @@ import torch
 
 from jobspec.errors import ConfigError
 from jobspec.spec.models import DataSpec, JobSpec
-from runner.data.cache import cache_key, cached_streams, usable_root
+from runner.data.cache import CacheKey, cache_key, cached_streams, usable_root
 from runner.data.mix import ConcatRows, MixedOrder, source_names
+from runner.data.pairs import CHOSEN, REJECTED, check_objective, pair_chats
 from runner.data.prepare import CHUNK_RECORDS, ChunkRenderer
-from runner.data.records import EVAL_SPLITS, TRAIN_SPLITS, read_records
+from runner.data.records import EVAL_SPLITS, TRAIN_SPLITS, as_message_list, read_records
 from runner.data.tokenizer import Message, Segment, Tokenizer, segment_arrays
 from runner.data.tokens import IGNORE, Rows, Streams, StreamsBuilder, pack_groups, record_positions
 from runner.data.tokens import Row as Row  # (input_ids, labels), imported from here by the tests
@@ -62,11 +64,16 @@ class Batch:
     # (B, T) int64, restarting at 0 at each record of a packed row (padding goes on counting from the last one);
     # None for rows of one record each: the model numbers them itself, exactly as without packing
     position_ids: torch.Tensor | None = None
+    # (B, 2) float64: a preference batch's reference log-probs (chosen, rejected) per pair, whose rows are the B
+    # chosen then the B rejected chats (runner/data/preference.py); None: an SFT batch
+    reference: torch.Tensor | None = None
 
 
 def detect_format(record: dict, spec: DataSpec, where: str) -> str:
     if spec.format != "auto":
         return spec.format
+    if record.get(CHOSEN) is not None and record.get(REJECTED) is not None:
+        return "preference"
     if record.get(spec.messages_field) is not None:
         return "messages"
     if record.get(spec.prompt_field) is not None and record.get(spec.response_field) is not None:
@@ -91,16 +98,6 @@ def to_messages(record: dict, fmt: str, spec: DataSpec) -> list[Message]:
                 f"{name!r} is {got}: {spec.prompt_field!r} and {spec.response_field!r} must both be strings"
             )
     return [{"role": "user", "content": prompt}, {"role": "assistant", "content": response}]
-
-
-def as_message_list(value: object) -> object:
-    """A dict of equal-length lists ({role: [...], content: [...]}, how `datasets` stores a Sequence
-    of dicts) as the list of dicts it stands for; anything else unchanged."""
-    if isinstance(value, dict) and value and all(isinstance(v, list) for v in value.values()):
-        lengths = {len(v) for v in value.values()}
-        if len(lengths) == 1:
-            return [dict(zip(value, row, strict=True)) for row in zip(*value.values(), strict=True)]
-    return value
 
 
 def clip_texts(messages: list[Message], chars: int, max_messages: int) -> tuple[list[Message], int, int]:
@@ -150,12 +147,22 @@ def record_chat(record: dict, fmt: str, spec: DataSpec, chars: int, reach: int,
                 where: object) -> tuple[list[Message], int, int]:  # fmt: skip
     """A record as the chat the tokenizer renders, clipped to what a row can reach (`clip_texts`) and checked
     (`check_text`); a bad one is a ConfigError at `where` (file:line or row)."""
+    check_objective(fmt, False, where)
+    return record_chats(record, fmt, spec, chars, reach, where)[0]
+
+
+def record_chats(record: dict, fmt: str, spec: DataSpec, chars: int, reach: int,
+                 where: object) -> list[tuple[list[Message], int, int]]:  # fmt: skip
+    """`record_chat` for every chat of a record: one, or a preference pair's chosen then rejected chat
+    (runner/data/pairs.py)."""
     try:
-        messages, cut, beyond = clip_texts(to_messages(record, fmt, spec), chars, reach)
-        check_text(messages)
+        chats = pair_chats(record, spec) if fmt == "preference" else (to_messages(record, fmt, spec),)
+        out = [clip_texts(chat, chars, reach) for chat in chats]
+        for messages, _, _ in out:
+            check_text(messages)
     except ValueError as err:
         raise ConfigError(f"{where}: {err} (format {fmt})") from None
-    return messages, cut, beyond
+    return out
 
 
 def pack(streams: Streams, max_seq_len: int, records: np.ndarray | None = None) -> Rows:
@@ -172,18 +179,28 @@ def encode_file(
     splits: Sequence[str] = TRAIN_SPLITS,
     *,
     cache_dir: Path | None = None,
+    pairs: bool = False,
 ) -> Streams:
     """Every record of `source` as (token ids, target flags), truncated to max_seq_len + 1 tokens; `cache_dir`: where
-    the tokenized records are cached for every rank and restart (runner/data/cache.py), None: not cached."""
-    if cache_dir is None:
-        return _tokenize(source, spec, tokenizer, field, splits)
-    key = cache_key(source, spec, tokenizer, field, splits, stamps=Path(cache_dir))
+    the tokenized records are cached for every rank and restart (runner/data/cache.py), None: not cached. `pairs`:
+    the source must hold preference pairs, each two records (chosen, rejected: runner/data/pairs.py); else none."""
+    return encode_keyed(source, spec, tokenizer, field, splits, cache_dir=cache_dir, pairs=pairs)[0]
+
+
+def encode_keyed(source: str | Path, spec: DataSpec, tokenizer: Tokenizer, field: str = "data.path",
+                 splits: Sequence[str] = TRAIN_SPLITS, *, cache_dir: Path | None = None,
+                 pairs: bool = False) -> tuple[Streams, CacheKey | None]:  # fmt: skip
+    """`encode_file`, with the cache key of its entry (None: not cached), which what is derived from these records
+    and cached beside them (DPO's reference log-probs) extends."""
+    key = None if cache_dir is None else cache_key(source, spec, tokenizer, field, splits, stamps=Path(cache_dir))
     if key is None:  # the reason is logged
-        return _tokenize(source, spec, tokenizer, field, splits)
-    return cached_streams(Path(cache_dir), key, lambda: _tokenize(source, spec, tokenizer, field, splits))
+        return _tokenize(source, spec, tokenizer, field, splits, pairs), None
+    build = partial(_tokenize, source, spec, tokenizer, field, splits, pairs)
+    return cached_streams(Path(cache_dir), key, build), key
 
 
-def _tokenize(source: str | Path, spec: DataSpec, tokenizer: Tokenizer, field: str, splits: Sequence[str]) -> Streams:
+def _tokenize(source: str | Path, spec: DataSpec, tokenizer: Tokenizer, field: str, splits: Sequence[str],
+              pairs: bool = False) -> Streams:  # fmt: skip
     """`encode_file` without the cache: the records read and checked here, rendered in chunks of CHUNK_RECORDS
     (runner/data/prepare.py: over worker processes once the source shows itself large), joined in file order."""
     fmt, out = None, StreamsBuilder(tokenizer.vocab_size)
@@ -204,12 +221,13 @@ def _tokenize(source: str | Path, spec: DataSpec, tokenizer: Tokenizer, field: s
 
         for where, record in read_records(source, spec, field, splits):
             fmt = fmt or detect_format(record, spec, str(where))
-            messages, cut, beyond = record_chat(record, fmt, spec, chars, reach, where)
-            if cut or beyond:
-                clipped, longest, dropped = clipped + 1, max(longest, cut), max(dropped, beyond)
-            chats.append(messages)
-            places.append(where)
-            if len(chats) == CHUNK_RECORDS:
+            check_objective(fmt, pairs, where)
+            for messages, cut, beyond in record_chats(record, fmt, spec, chars, reach, where):
+                if cut or beyond:
+                    clipped, longest, dropped = clipped + 1, max(longest, cut), max(dropped, beyond)
+                chats.append(messages)
+                places.append(where)
+            if len(chats) >= CHUNK_RECORDS:
                 renderer.put(chats, (places, chats))
                 chats, places = [], []
                 collect()

@@ -83,6 +83,16 @@ def read_records(
     return read_hub_dataset(source, field, splits)
 
 
+def as_message_list(value: object) -> object:
+    """A dict of equal-length lists ({role: [...], content: [...]}, how `datasets` stores a Sequence
+    of dicts) as the list of dicts it stands for; anything else unchanged."""
+    if isinstance(value, dict) and value and all(isinstance(v, list) for v in value.values()):
+        lengths = {len(v) for v in value.values()}
+        if len(lengths) == 1:
+            return [dict(zip(value, row, strict=True)) for row in zip(*value.values(), strict=True)]
+    return value
+
+
 def source_kind(source: str, field: str) -> str:
     """jsonl | json | parquet | datasets | hub: from the suffix, the directory layout or the name."""
     path = Path(source)

@@ -38,6 +38,7 @@ from runner.checkpoint.lease import Lease, LeaseHeld, check_holder
 from runner.checkpoint.lineage import check_resume, lineage
 from runner.data.dataset import PAD_MULTIPLE, data_order, load_data, rank_slice, total_steps
 from runner.data.loader import Prefetcher
+from runner.data.preference import PreferenceData, load_preference
 from runner.data.stream import StreamData, load_stream
 from runner.data.tokenizer import load_tokenizer
 from runner.dist import Control, DistEnv, destroy_process_group, init_process_group
@@ -60,7 +61,8 @@ from runner.sizing.plan import (
     with_micro_batch,
 )
 from runner.sizing.probe import describe, probe_host
-from runner.train import engine, handoff, update
+from runner.train import dpo, engine, handoff, update
+from runner.train.reference import attach_reference
 from runner.train.step import EvalOOM, Preempted, Stepper, StepResult, StopFlag, get_lr
 
 log = logging.getLogger("jobspec.runner")
@@ -132,8 +134,9 @@ class Recipe:
         if spec.data.streaming:  # read and tokenized as the steps need it, by a thread (runner/data/stream.py)
             self.data = load_stream(spec, self.tokenizer, env.rank, env.world_size, write_index=env.is_main)
             self.order = self.data.order
-        else:
-            self.data = load_data(spec, self.tokenizer)
+        else:  # DPO: pairs, chosen and rejected in one micro-batch (runner/data/preference.py)
+            dpo_pairs = spec.training.objective == "dpo"
+            self.data = load_preference(spec, self.tokenizer) if dpo_pairs else load_data(spec, self.tokenizer)
             self.order = data_order(spec, self.data)  # several sources: mixed by weight (runner/data/mix.py)
         # Samples of each source trained since the last train record (several sources only).
         self.mixed = [0] * len(self.data.sources) if len(self.data.sources) > 1 else None
@@ -205,7 +208,11 @@ class Recipe:
             self.stop,
             max_grad_norm=spec.training.max_grad_norm,
             loss_kernel=spec.training.loss_kernel,
+            beta=spec.training.beta,
         )
+        if isinstance(self.data, PreferenceData):  # the starting model's, before any checkpoint is loaded into it
+            attach_reference(self.stepper, self.data, spec, precision=self.plan.precision, quantize=self.plan.quantize,
+                             micro_batch=self.plan.micro_batch, is_main=env.is_main)  # fmt: skip
         probe_faults = faults.probe_injector(self.model, rank=env.rank, tier=self.plan.tier, run_dir=self.root)
         # every rank probes when any does (a fault rule for one rank makes the CPU probe): the steps are collective
         probing = self.dev.is_gpu or self.ctrl.any(probe_faults is not None)
@@ -588,7 +595,8 @@ class Recipe:
                  f"x{ratio:.2f}" if ratio is not None else "no prediction")  # fmt: skip
 
     def _log_step(self, r: StepResult, tokens_per_s: float) -> None:
-        loss = self.ctrl.all_reduce([r.loss_sum.item()])[0] / max(r.targets, 1)  # global per-token mean
+        sums = self.ctrl.all_reduce([r.loss_sum.item(), *([] if r.preference is None else r.preference.tolist())])
+        loss = sums[0] / max(r.targets, 1)  # global per-token mean (DPO: per-pair)
         self.status.update(step=self.step, loss=loss)
         used, total = memory_bytes(self.device, self.host.total_bytes)
         p = self.plan
@@ -614,6 +622,7 @@ class Recipe:
                 "mem_total_bytes": total,
                 "gpu_util": self.gpu_util(),
                 **self._mix(),
+                **({} if r.preference is None else dpo.metrics(sums[1:], r.targets)),
             }
         )
 

@@ -39,6 +39,7 @@ from runner.model.packing import packed_inputs
 from runner.oom import fsdp
 from runner.oom.detect import Guarded, Headroom, allocated_bytes, guarded, headroom, release_memory
 from runner.oom.shrink import RankOOM, StepOOM, agreement, raise_agreed, reset_wrapper
+from runner.train.dpo import preference_loss
 from runner.train.loss import ChunkedLossHead, install_chunked_loss
 from runner.train.update import APPLY_TRIES, PREPARE_TRIES, Update
 
@@ -83,6 +84,19 @@ def summed_loss(
     if router is not None and getattr(out, "aux_loss", None) is not None:
         router.append(out.aux_loss.float())
     return summed
+
+
+def sequence_logps(model: torch.nn.Module, head: ChunkedLossHead | None, input_ids: torch.Tensor,
+                   labels: torch.Tensor) -> torch.Tensor:  # fmt: skip
+    """(B,) fp32: each row's summed log-prob of its target tokens (minus its summed token cross-entropy), by the same
+    loss head as `summed_loss` (the per-token losses it returns are minus the per-token log-probs)."""
+    if head is not None:
+        with head.targets(labels):
+            losses = model(input_ids=input_ids, use_cache=False).logits.float()  # (B, T, 1), 0 at IGNORE
+        return -losses.flatten(1).sum(1)
+    logits = model(input_ids=input_ids, use_cache=False).logits.float()
+    losses = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=IGNORE, reduction="none")
+    return -losses.view(labels.shape).sum(1)
 
 
 class EvalOOM(Exception):
@@ -161,6 +175,8 @@ class StepResult:
     tokens: int  # input tokens of the global step (all ranks), padding excluded
     grad_norm: torch.Tensor | None  # before clipping; None when clipping is off
     sample_ids: list[int] = field(default_factory=list)  # this rank's samples, in the order processed
+    # DPO: this rank's sums of runner/train/dpo.py's METRICS over its pairs (fp32 (6,)); None for SFT
+    preference: torch.Tensor | None = None
 
 
 class Stepper:
@@ -178,8 +194,11 @@ class Stepper:
         max_grad_norm: float | None,
         prefetch: Prefetcher | None = None,
         loss_kernel: LossKernel = "chunked",
+        beta: float = 0.1,
     ):
         self.accelerator, self.model, self.optimizer = accelerator, model, optimizer
+        self.beta = beta  # DPO's, for batches that carry reference log-probs (runner/train/dpo.py)
+        self.preference_sums: list[torch.Tensor] = []  # DPO: each micro-batch's metric sums in this step
         self.data, self.ctrl, self.stop = data, ctrl, stop
         self.max_grad_norm = max_grad_norm
         self.device = accelerator.device
@@ -229,7 +248,14 @@ class Stepper:
         return t.to(self.device, non_blocking=t.is_pinned())
 
     def loss_sum(self, batch: Batch, router: list[torch.Tensor] | None = None) -> torch.Tensor:
-        """Summed token cross-entropy of a micro-batch, in fp32 (`summed_loss`); `router`: see there."""
+        """Summed token cross-entropy of a micro-batch, in fp32 (`summed_loss`); `router`: see there. A preference
+        batch (with reference log-probs): its summed DPO loss over its pairs (runner/train/dpo.py), its metric sums
+        kept in `preference_sums`."""
+        if batch.reference is not None:
+            x, y = self._to_device(batch.input_ids), self._to_device(batch.labels)
+            loss, sums = preference_loss(sequence_logps(self.model, self.head, x, y), batch.reference, self.beta)
+            self.preference_sums.append(sums)
+            return loss
         positions = None if batch.position_ids is None else self._to_device(batch.position_ids)
         return summed_loss(
             self.model, self.head, self._to_device(batch.input_ids), self._to_device(batch.labels), positions, router
@@ -250,6 +276,7 @@ class Stepper:
 
     def _train_step(self, sample_ids: Sequence[int], micro_batch: int, lr: float) -> StepResult:
         self.inner.zero_grad(set_to_none=True)
+        self.preference_sums = []
         baseline = allocated_bytes()  # what the step starts with: an OOM's numbers are read against it
         if self.prefetch is not None:
             batches = self.prefetch.batches(sample_ids, micro_batch)
@@ -277,7 +304,8 @@ class Stepper:
                 seen += batch.sample_ids
         norm, loss_sum = self._finish(oom, room, losses, lr)
         self.inner.zero_grad(set_to_none=True)
-        return StepResult(loss_sum, int(targets), int(tokens), norm, seen)
+        preference = torch.stack(self.preference_sums).sum(0) if self.preference_sums else None
+        return StepResult(loss_sum, int(targets), int(tokens), norm, seen, preference)
 
     def _finish(self, oom: str, room: Headroom | None, losses: Sequence[torch.Tensor],
                 lr: float) -> tuple[torch.Tensor | None, torch.Tensor]:  # fmt: skip

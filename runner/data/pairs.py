@@ -1,0 +1,71 @@
+"""Preference pairs: a record of TRL's preference conventions as the two chats DPO scores.
+
+Two layouts, as TRL's DPOTrainer reads them, so a user's data set works unchanged:
+
+- text: `{"prompt": str, "chosen": str, "rejected": str}`: the prompt a user turn, each answer the assistant's;
+- conversational: `{"chosen": [messages], "rejected": [messages]}` with an optional `"prompt": [messages]`
+  put before each (without it, the shared turns are simply the first messages of both lists).
+
+Each pair becomes two chats rendered with the tokenizer's chat template (runner/data/tokenizer.py) under SFT's
+masking: only the assistant's turns are targets, so the summed log-prob of a chat is that of its completion. In the
+tokenized store a pair is two consecutive records, chosen then rejected (runner/data/preference.py keeps them
+together). The prompt field is `data.prompt_field` ("prompt"); `chosen` and `rejected` are TRL's names.
+"""
+
+from __future__ import annotations
+
+from jobspec.errors import ConfigError
+from jobspec.spec.models import DataSpec
+from runner.data.records import as_message_list
+from runner.data.tokenizer import Message
+
+CHOSEN, REJECTED = "chosen", "rejected"
+
+
+def check_objective(fmt: str, pairs: bool, where: object) -> None:
+    """ConfigError when the record format and the objective disagree: pairs need DPO, DPO needs pairs."""
+    if pairs and fmt != "preference":
+        raise ConfigError(
+            f"{where}: training.objective dpo needs preference pairs ({{prompt, chosen, rejected}} texts, or "
+            f"chosen/rejected message lists), got a {fmt} record; point data.path at preference data or set "
+            "training.objective: sft"
+        )
+    if not pairs and fmt == "preference":
+        raise ConfigError(
+            f"{where}: a preference pair ({CHOSEN!r}/{REJECTED!r}) trains with training.objective: dpo; set it, or "
+            "give prompt/response or messages records for sft"
+        )
+
+
+def _kind(value: object) -> str:
+    return "missing" if value is None else type(value).__name__
+
+
+def pair_chats(record: dict, spec: DataSpec) -> tuple[list[Message], list[Message]]:
+    """(chosen chat, rejected chat) of a preference record; ValueError naming the field that is wrong."""
+    prompt_field = spec.prompt_field
+    chosen, rejected = as_message_list(record.get(CHOSEN)), as_message_list(record.get(REJECTED))
+    prompt = as_message_list(record.get(prompt_field))
+    if isinstance(chosen, str) and isinstance(rejected, str):
+        if not isinstance(prompt, str):
+            raise ValueError(
+                f"{prompt_field!r} is {_kind(prompt)}: text pairs need a text {prompt_field!r} beside "
+                f"{CHOSEN!r} and {REJECTED!r}"
+            )
+        head: list[Message] = [{"role": "user", "content": prompt}]
+        return [*head, {"role": "assistant", "content": chosen}], [*head, {"role": "assistant", "content": rejected}]
+    if isinstance(chosen, list) and isinstance(rejected, list):
+        if prompt is not None and not isinstance(prompt, list):
+            raise ValueError(
+                f"{prompt_field!r} is {_kind(prompt)}: with {CHOSEN!r} and {REJECTED!r} message lists it must be a "
+                "message list too (or left out)"
+            )
+        for name, messages in ((CHOSEN, chosen), (REJECTED, rejected)):
+            if not any(isinstance(m, dict) and m.get("role") == "assistant" for m in messages):
+                raise ValueError(f"{name!r} holds no assistant message: nothing to score")
+        head = list(prompt or [])
+        return head + chosen, head + rejected
+    raise ValueError(
+        f"{CHOSEN!r} is {_kind(chosen)} and {REJECTED!r} is {_kind(rejected)}: both must be strings (with a text "
+        f"{prompt_field!r}) or both lists of {{role, content}} messages"
+    )
