@@ -44,11 +44,11 @@ def chat_pairs(n: int = 28) -> list[dict]:
              "rejected": [{"role": "assistant", "content": p["rejected"]}]} for p in text_pairs(n)]  # fmt: skip
 
 
-def dpo(tmp_path, data, **training):
-    return tiny_spec(tmp_path / "run", data={"path": str(data), "max_seq_len": 64},
+def dpo(tmp_path, data, model=None, cache=None, **training):
+    return tiny_spec(tmp_path / "run", data={"path": str(data), "max_seq_len": 64, "cache_dir": cache},
                      training={"objective": "dpo", "beta": 0.1, "global_batch": 4, "learning_rate": 1e-3,
                                "warmup_steps": 0, "steps": 8, **training},
-                     checkpoints={"every_steps": 6})  # fmt: skip
+                     checkpoints={"every_steps": 6}, model=model or {})  # fmt: skip
 
 
 def test_text_and_conversational_pairs_give_the_same_rows_masked_to_the_completion(tmp_path):
@@ -121,9 +121,43 @@ def test_dpo_starts_at_ln2_learns_the_pairs_and_reads_its_reference_back(tmp_pat
     stored = list((tmp_path / "run" / "data-cache").glob("*.reference-*.npy"))
     assert len(stored) == 1
     values = np.load(stored[0])
-    assert values.shape == (56,) and (values < 0).all()
+    assert values.shape == (56,) and (values < 0).all()  # 28 pairs, none dropped (one held out for eval)
     # The trained pairs' reference: the starting model's, stored, and the one a new process reads back.
     assert np.array_equal(worker.data.reference["train"].reshape(-1), values[worker.data.train.records])
+
+
+def test_with_lora_the_reference_is_the_base_with_the_adapter_off(tmp_path):
+    from runner.train.recipe import Recipe
+    from runner.train.reference import score_records
+
+    data = write_jsonl(tmp_path / "p.jsonl", text_pairs())
+    worker = Recipe(dpo(tmp_path, data, model={"lora": {"rank": 4, "targets": ["c_attn", "mlp.c_proj"]}},
+                        learning_rate=3e-3, steps=4))  # fmt: skip
+    try:
+        worker.setup()
+        assert worker.train() == EXIT_OK
+        d = worker.data
+        base = score_records(worker.stepper, d.train.streams, d.pad_id, d.max_seq_len, 8)
+    finally:
+        worker.cleanup()
+    train = records(tmp_path / "run")
+    assert abs(train[0]["loss"] - math.log(2)) < 1e-4 and train[-1]["loss"] < math.log(2)
+    # The trained adapters moved the policy; with them off, the model scores the pairs as at the start.
+    assert abs(train[-1]["rewards/margins"]) > 1e-3
+    np.testing.assert_allclose(base[d.train.records].reshape(-1, 2), d.reference["train"], atol=1e-4)
+
+
+def test_a_damaged_stored_reference_is_computed_again(tmp_path, caplog):
+    data = write_jsonl(tmp_path / "p.jsonl", text_pairs(8))
+    cache = tmp_path / "cache"
+    assert train_in_process(dpo(tmp_path / "a", data, cache=str(cache), steps=1, eval_every=None))[0] == EXIT_OK
+    (stored,) = cache.glob("*.reference-*.npy")
+    good = np.load(stored)
+    stored.write_bytes(stored.read_bytes()[:-8])  # a truncated file
+    with caplog.at_level("INFO", logger="jobspec.runner"):
+        assert train_in_process(dpo(tmp_path / "b", data, cache=str(cache), steps=1))[0] == EXIT_OK
+    assert "damaged" in caplog.text and "records scored by the starting model" in caplog.text
+    np.testing.assert_array_equal(np.load(stored), good)
 
 
 def test_dpo_resumes_exactly_with_the_stored_reference(tmp_path, caplog):
