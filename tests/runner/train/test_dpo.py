@@ -211,3 +211,20 @@ def test_the_loss_and_rewards_equal_trls_on_the_same_log_probs():
     assert float(loss) / pairs == pytest.approx(trl_loss, abs=1e-5)
     for name in METRICS:
         assert ours[name] == pytest.approx(trl_metrics[name], abs=1e-5), name
+
+
+def test_an_oom_shrinks_a_dpo_step_to_fewer_pairs_with_the_same_result(tmp_path, monkeypatch):
+    from runner.oom.faults import ENV_VAR
+
+    data = write_jsonl(tmp_path / "p.jsonl", text_pairs())
+    monkeypatch.setenv(ENV_VAR, "mbs>4")  # a forward of more than 4 rows (2 pairs) runs out of memory
+    assert train_in_process(dpo(tmp_path / "shrunk", data, micro_batch=4, steps=4))[0] == EXIT_OK
+    monkeypatch.delenv(ENV_VAR)
+    assert train_in_process(dpo(tmp_path / "plain", data, micro_batch=2, steps=4))[0] == EXIT_OK
+    shrinks = [(e["step"], e["from_micro_batch"], e["to_micro_batch"]) for e in records(tmp_path / "shrunk" / "run",
+               "event") if e.get("event") == "oom_shrink"]  # fmt: skip
+    assert shrinks == [(1, 4, 2)]
+    shrunk, plain = records(tmp_path / "shrunk" / "run"), records(tmp_path / "plain" / "run")
+    for a, b in zip(shrunk, plain, strict=True):  # the pairs stay together: the same pairs, the same step
+        for key in ("loss", *METRICS):
+            assert a[key] == pytest.approx(b[key], abs=1e-5), (a["step"], key)
