@@ -11,7 +11,7 @@ Where the records are cached (runner/data/cache.py), the log-probs are stored be
 and by the model (`model.*` but LoRA, precision, 4-bit base, seed). Every rank and every restart reads them; one that
 fails a check (not a regular file, not a float64 array of one value per record, not finite) is logged and computed
 again. Every rank computes when any lacks them (the forwards are collective under FSDP); rank 0 writes. Not sharded
-over ranks yet: each rank scores every record.
+over ranks yet: each rank scores every record. An OOM halves the rows a forward (`score_records`).
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import json
 import logging
 import time
 from contextlib import nullcontext
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -33,9 +34,10 @@ from jobspec.errors import ConfigError
 from jobspec.spec.models import JobSpec
 from jobspec.untrusted import open_regular
 from runner.data.cache import CacheKey, usable_root
-from runner.data.dataset import micro_batches, pad_rows
+from runner.data.dataset import pad_rows
 from runner.data.preference import PreferenceData, Split
 from runner.data.tokens import Rows, Streams
+from runner.oom.detect import guarded, release_memory
 from runner.train.step import Stepper, sequence_logps
 
 log = logging.getLogger("jobspec.runner")
@@ -85,21 +87,40 @@ def write_reference(path: Path, values: np.ndarray) -> None:
 
 def score_records(stepper: Stepper, streams: Streams, pad_id: int, max_seq_len: int, micro_batch: int) -> np.ndarray:
     """Each record's summed completion log-prob under the model as it is (float64; 0 for a record with no target),
-    with the adapter off under LoRA, in eval mode and without gradients."""
+    with the adapter off under LoRA, in eval mode and without gradients, `micro_batch` rows at a time. Out of memory
+    on any rank (every rank agrees after each forward): that forward again at half as many rows, and the rest at that
+    size; a ConfigError when even one row at a time runs out."""
     model = stepper.model
     unwrapped: Any = stepper.accelerator.unwrap_model(model)
     adapter_off = unwrapped.disable_adapter() if hasattr(unwrapped, "disable_adapter") else nullcontext()
     rows = Rows(streams, np.arange(len(streams)), np.arange(len(streams) + 1))
     out = np.zeros(len(streams), dtype=np.float64)
+
+    def score(ks: list[int]) -> np.ndarray:
+        padded = pad_rows([rows[k] for k in ks], pad_id, max_seq_len)
+        x, y = (torch.from_numpy(a).to(stepper.device) for a in padded)
+        return sequence_logps(model, stepper.head, x, y).double().cpu().numpy()
+
+    pending, size = np.flatnonzero(streams.trainable).tolist(), micro_batch
     was_training = model.training
     model.eval()
     try:
         with torch.no_grad(), adapter_off:
-            for ks in micro_batches(np.flatnonzero(streams.trainable).tolist(), micro_batch):
-                padded = pad_rows([rows[k] for k in ks], pad_id, max_seq_len)
-                x, y = (torch.from_numpy(a).to(stepper.device) for a in padded)
-                logps = sequence_logps(model, stepper.head, x, y)
-                out[ks] = logps.double().cpu().numpy()
+            while pending:
+                ks = pending[:size]
+                done = guarded(partial(score, ks))
+                if not stepper.ctrl.any(done.oom):
+                    out[ks], pending = done.value, pending[size:]
+                    continue
+                release_memory()
+                if size == 1:
+                    raise ConfigError(
+                        f"DPO reference pass: out of memory one sequence at a time ({done.reason or 'on another rank'})"
+                        "; lower data.max_seq_len or choose a memory tier that shards the model"
+                    )
+                log.warning("DPO reference pass: %d -> %d rows a forward after an OOM (%s)", size, size // 2,
+                            done.reason or "on another rank")  # fmt: skip
+                size //= 2
     finally:
         model.train(was_training)
     return out

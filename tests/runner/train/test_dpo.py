@@ -228,3 +228,35 @@ def test_an_oom_shrinks_a_dpo_step_to_fewer_pairs_with_the_same_result(tmp_path,
     for a, b in zip(shrunk, plain, strict=True):  # the pairs stay together: the same pairs, the same step
         for key in ("loss", *METRICS):
             assert a[key] == pytest.approx(b[key], abs=1e-5), (a["step"], key)
+
+
+def test_an_oom_in_the_reference_pass_halves_its_forwards(tmp_path, caplog):
+    from runner.train.recipe import Recipe
+    from runner.train.reference import score_records
+
+    data = write_jsonl(tmp_path / "p.jsonl", text_pairs(8))
+    worker = Recipe(dpo(tmp_path, data, steps=1))
+    try:
+        worker.setup()
+        d, model = worker.data, worker.accelerator.unwrap_model(worker.model)
+        plain = score_records(worker.stepper, d.train.streams, d.pad_id, d.max_seq_len, 8)
+        most = [2]  # rows a forward may have before it runs out of memory (a real torch.OutOfMemoryError)
+
+        def oom(_module, args, kwargs):
+            rows = (kwargs.get("input_ids") if "input_ids" in kwargs else args[0]).shape[0]
+            if rows > most[0]:
+                raise torch.OutOfMemoryError(f"CUDA out of memory (test: {rows} rows)")
+
+        hook = model.register_forward_pre_hook(oom, with_kwargs=True)
+        try:
+            with caplog.at_level("WARNING", logger="jobspec.runner"):
+                shrunk = score_records(worker.stepper, d.train.streams, d.pad_id, d.max_seq_len, 8)
+            most[0] = 0
+            with pytest.raises(ConfigError, match="out of memory one sequence at a time"):
+                score_records(worker.stepper, d.train.streams, d.pad_id, d.max_seq_len, 8)
+        finally:
+            hook.remove()
+    finally:
+        worker.cleanup()
+    assert "8 -> 4 rows" in caplog.text and "4 -> 2 rows" in caplog.text
+    np.testing.assert_allclose(shrunk, plain, atol=1e-4)
