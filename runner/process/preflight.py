@@ -58,6 +58,11 @@ def check(spec: JobSpec) -> None:
             "memory.tier zero2_offload steps the optimizer on the host with torchao, which is not installed: "
             "pip install 'jobspec-k8s[offload]' (the CUDA and ROCm images carry it), or choose another memory.tier"
         )
+    if spec.model.quantize != "none" and find_spec("torchao") is None:
+        raise ConfigError(
+            f"model.quantize {spec.model.quantize} holds the base in 4 bits with torchao's NF4, not installed here: "
+            "pip install 'jobspec-k8s[offload]' (the CUDA and ROCm images carry it), or set model.quantize: none"
+        )
 
 
 def data_sources(spec: JobSpec) -> list[tuple[str, str]]:

@@ -102,3 +102,12 @@ def test_zero2_offload_on_a_gpu_without_torchao_is_refused_before_any_import(tmp
     with pytest.raises(ConfigError, match=r"zero2_offload.*torchao.*jobspec-k8s\[offload\]"):
         preflight.check(spec)
     preflight.check(tiny_spec(tmp_path / "run2", memory={"tier": "zero2_offload"}))  # CPU: trains as zero2
+
+
+def test_a_4_bit_base_without_torchao_is_refused_before_any_import(tmp_path, monkeypatch) -> None:
+    real = preflight.find_spec
+    monkeypatch.setattr(preflight, "find_spec", lambda name: None if name == "torchao" else real(name))
+    spec = tiny_spec(tmp_path / "run", model={"preset": "llama-tiny", "lora": {"rank": 4, "targets": ["q_proj"]},
+                                              "quantize": "nf4"})  # fmt: skip
+    with pytest.raises(ConfigError, match=r"model.quantize nf4.*torchao.*jobspec-k8s\[offload\]"):
+        preflight.check(spec)
