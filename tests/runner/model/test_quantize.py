@@ -13,9 +13,8 @@ from jobspec.plan.quantize import NF4_BYTES, quantized_params
 from jobspec.spec.models import LoraSpec
 from runner.model.quantize import base_linears, is_quantized
 from runner.oom.faults import ENV_VAR
-from runner.output import export
 from runner.train.trace import trace_step
-from tests.runner.output.test_export import load_outside, trained_logits
+from tests.runner.output.test_export import load_adapter_outside, trained_logits
 from tests.runner.train_helpers import records, run_supervisor, tiny_spec, tiny_spec_dict, train_in_process, write_spec
 
 LORA = {"rank": 8, "targets": ["q_proj", "v_proj", "up_proj"]}
@@ -53,28 +52,9 @@ def test_an_nf4_base_trains_its_adapters_and_the_loss_falls(fast):
 def test_the_export_is_an_adapter_for_the_16_bit_base_and_a_merged_model_of_what_trained(fast, tmp_path):
     worker, run = fast
     logits = trained_logits(worker, PROMPT)
-    adapter = run / "model"
-    merged = export.export(run, tmp_path / "merged", merge=True)
-    torch.save(PROMPT, tmp_path / "prompt.pt")
-    got = load_outside(
-        f"""
-        from peft import PeftModel
-        from transformers import AutoModelForCausalLM
-        x = torch.load("prompt.pt")
-        base = AutoModelForCausalLM.from_pretrained({str(adapter / "base")!r})
-        plain = {{type(p).__name__ for p in base.parameters()}}
-        a = PeftModel.from_pretrained(base, {str(adapter)!r}).eval()
-        m = AutoModelForCausalLM.from_pretrained({str(merged)!r}).eval()
-        with torch.no_grad():
-            torch.save([a(input_ids=x).logits, m(input_ids=x).logits], "out.pt")
-        print(json.dumps({{"types": sorted(plain), "dtype": str(next(base.parameters()).dtype),
-                           "merged_has_lora": any("lora" in k for k in m.state_dict())}}))
-        """,
-        tmp_path,
-    )
+    got, (adapted, merged_logits) = load_adapter_outside(run, tmp_path)
     assert got["types"] == ["Parameter"] and got["dtype"] == "torch.bfloat16"  # the 16-bit base, no NF4 in it
     assert not got["merged_has_lora"]
-    adapted, merged_logits = (t.float() for t in torch.load(tmp_path / "out.pt"))
     torch.testing.assert_close(merged_logits, logits, rtol=0.05, atol=0.05)  # the dequantized base + the adapters
     assert (adapted - logits).abs().max() < 1.0  # the 16-bit base the adapter names: close, not the same weights
 

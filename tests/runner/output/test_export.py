@@ -45,6 +45,35 @@ def trained_logits(worker, ids: torch.Tensor = PROMPT) -> torch.Tensor:
         return model(input_ids=ids).logits.float()
 
 
+def load_adapter_outside(run, tmp_path, *, auto: bool = False) -> tuple[dict, list[torch.Tensor]]:
+    """The run's adapter on its base (peft's PeftModel; with `auto` AutoPeftModelForCausalLM too) and its merged export,
+    loaded outside jobspec: (their JSON: the base's parameter types and dtype, whether the merged model holds LoRA
+    keys; the fp32 logits of PROMPT by the adapted, the merged and the auto-loaded model)."""
+    adapter = run / "model"
+    merged = export.export(run, tmp_path / "merged", merge=True)
+    torch.save(PROMPT, tmp_path / "prompt.pt")
+    auto_line = f"b = AutoPeftModelForCausalLM.from_pretrained({str(adapter)!r}).eval()" if auto else "b = None"
+    got = load_outside(
+        f"""
+        from peft import AutoPeftModelForCausalLM, PeftModel
+        from transformers import AutoModelForCausalLM
+        x = torch.load("prompt.pt")
+        base = AutoModelForCausalLM.from_pretrained({str(adapter / "base")!r})
+        plain = {{type(p).__name__ for p in base.parameters()}}
+        dtype = str(next(base.parameters()).dtype)
+        a = PeftModel.from_pretrained(base, {str(adapter)!r}).eval()
+        {auto_line}
+        m = AutoModelForCausalLM.from_pretrained({str(merged)!r}).eval()
+        with torch.no_grad():
+            torch.save([n(input_ids=x).logits for n in (a, m, b) if n is not None], "out.pt")
+        print(json.dumps({{"types": sorted(plain), "dtype": dtype,
+                           "merged_has_lora": any("lora" in k for k in m.state_dict())}}))
+        """,
+        tmp_path,
+    )
+    return got, [t.float() for t in torch.load(tmp_path / "out.pt")]
+
+
 def load_outside(script: str, tmp_path) -> dict:
     """Run `script` in a fresh interpreter outside the repository; returns its JSON. Fails if jobspec got imported."""
     prelude = textwrap.dedent(
@@ -174,25 +203,8 @@ def test_lora_exports_a_peft_adapter_and_merge_matches_it(tmp_path, precision):
     adapter = run / "model"
     assert {"adapter_config.json", "adapter_model.safetensors"} <= {p.name for p in adapter.iterdir()}
     assert (adapter / "base" / "config.json").is_file()  # a preset's base ships with the adapter
-    merged = export.export(run, tmp_path / "merged", merge=True)
-    torch.save(PROMPT, tmp_path / "prompt.pt")
-    got = load_outside(
-        f"""
-        from peft import AutoPeftModelForCausalLM, PeftModel
-        from transformers import AutoModelForCausalLM
-        x = torch.load("prompt.pt")
-        base = AutoModelForCausalLM.from_pretrained({str(adapter / "base")!r})
-        a = PeftModel.from_pretrained(base, {str(adapter)!r}).eval()
-        b = AutoPeftModelForCausalLM.from_pretrained({str(adapter)!r}).eval()
-        m = AutoModelForCausalLM.from_pretrained({str(merged)!r}).eval()
-        with torch.no_grad():
-            torch.save([a(input_ids=x).logits, b(input_ids=x).logits, m(input_ids=x).logits], "out.pt")
-        print(json.dumps({{"merged_has_lora": any("lora" in k for k in m.state_dict())}}))
-        """,
-        tmp_path,
-    )
+    got, (peft_logits, merged_logits, auto_logits) = load_adapter_outside(run, tmp_path, auto=True)
     assert not got["merged_has_lora"]
-    peft_logits, auto_logits, merged_logits = (t.float() for t in torch.load(tmp_path / "out.pt"))
     tol = {"rtol": 1e-4, "atol": 1e-4} if precision == "fp32" else {"rtol": 0.05, "atol": 0.05}  # bf16 rounding
     torch.testing.assert_close(peft_logits, logits, **tol)
     torch.testing.assert_close(auto_logits, logits, **tol)
