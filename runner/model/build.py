@@ -202,9 +202,9 @@ def lora_config(lora: LoraSpec, model: nn.Module) -> object:
         lora_alpha=lora.alpha,
         lora_dropout=lora.dropout,
         target_modules=[t for t in lora.targets if t not in experts] or None,
-        target_parameters=experts or None,
         fan_in_fan_out=family == "gpt2",
         task_type="CAUSAL_LM",
+        **({"target_parameters": experts} if experts else {}),  # only where asked: peft < 0.17 has no such field
     )
 
 
