@@ -599,6 +599,7 @@ def estimate(
     packed: bool = False,
     loss_kernel: LossKernel = "chunked",
     quantize: str | None = None,
+    rows: int = 1,
 ) -> MemoryEstimate:
     """Bytes one GPU needs to train `shape` at `tier` over `world_size` data-parallel ranks.
 
@@ -609,8 +610,9 @@ def estimate(
     activations and loss or, after backward, the gradients: `gradients` is then only what they add beyond.
     `packed`: rows of several records (`data.packing`), whose attention mask sdpa then holds whole.
     `loss_kernel`: `training.loss_kernel`, which sizes the cross-entropy's chunk. `quantize`: the LoRA base's blocks
-    in 4 bits ("nf4"; "auto" is the 16-bit base here, `plan_tier` tries both)."""
-    if seq_len < 1 or micro_batch < 0 or world_size < 1:
+    in 4 bits ("nf4"; "auto" is the 16-bit base here, `plan_tier` tries both). `rows`: sequences a sample is (a DPO
+    pair is 2, its chosen and rejected rows in one micro-batch)."""
+    if seq_len < 1 or micro_batch < 0 or world_size < 1 or rows < 1:
         raise ConfigError(
             f"seq_len {seq_len}, micro_batch {micro_batch}, world_size {world_size}: "
             "need seq_len >= 1, micro_batch >= 0, world_size >= 1"
@@ -618,7 +620,7 @@ def estimate(
     ckpt = CHECKPOINTING[TIERS[tier_index(tier)]] if checkpointing is None else checkpointing
     quantize = base_quantization(quantize, lora)
     st = _states(shape, tier, world_size, lora, quantize)
-    tokens = seq_len * micro_batch
+    tokens = seq_len * micro_batch * rows
     acts = _activations(shape, tier, tokens, seq_len, ckpt, attention, precision, lora)
     recompute = _recompute(shape, tier, tokens, seq_len, attention, precision, lora) if ckpt else 0
     working = st.working
@@ -632,7 +634,7 @@ def estimate(
         working += gathered
     if packed and attention == "sdpa":  # the block-diagonal mask, and each layer's saved copy of it
         per_pair = PACKED_MASK_CHECKPOINTED_BYTES if ckpt else shape.layers * PACKED_MASK_LAYER_BYTES[_family(shape)]
-        acts += int(per_pair * micro_batch * seq_len * seq_len)
+        acts += int(per_pair * micro_batch * rows * seq_len * seq_len)
     acts, logits = int(acts * sample_scale), int(logits * sample_scale)
     grads = st.gradients if grad_accum > 1 else max(0, st.gradients - acts - logits)
     states = st.weights + grads + st.optimizer + st.buckets + working
@@ -682,6 +684,7 @@ def plan_tier(
     packed: bool = False,
     loss_kernel: LossKernel = "chunked",
     quantize: str | None = None,
+    rows: int = 1,
 ) -> TierPlan:
     """The largest micro-batch at `tier` that fits `utilization * gpu_bytes` and divides the per-rank batch,
     or, with `micro_batch` (the spec's fixed one), whether that one fits and by how much.
@@ -705,7 +708,7 @@ def plan_tier(
                                        world_size=world_size, seq_len=seq_len, utilization=utilization, lora=lora,
                                        checkpointing=checkpointing, attention=attention, precision=precision,
                                        sample_scale=sample_scale, micro_batch=micro_batch, packed=packed,
-                                       loss_kernel=loss_kernel))  # fmt: skip
+                                       loss_kernel=loss_kernel, rows=rows))  # fmt: skip
     quantize = base_quantization(quantize, lora)
     budget = int(utilization * gpu_bytes)
     est = partial(
@@ -722,6 +725,7 @@ def plan_tier(
         packed=packed,
         loss_kernel=loss_kernel,
         quantize=quantize,
+        rows=rows,
     )
 
     def at(m: int) -> MemoryEstimate:  # at micro-batch m, accumulating unless m is the whole per-rank batch
@@ -795,6 +799,7 @@ def plan_all(
     packed: bool = False,
     loss_kernel: LossKernel = "chunked",
     quantize: str | None = None,
+    rows: int = 1,
 ) -> list[TierPlan]:
     """`plan_tier` for every tier, in TIERS order (cheapest first); `sample_scale`: measured corrections by tier;
     `micro_batch`: the spec's fixed micro-batch (each tier then says whether it fits)."""
@@ -816,6 +821,7 @@ def plan_all(
             packed=packed,
             loss_kernel=loss_kernel,
             quantize=quantize,
+            rows=rows,
         )
         for t in TIERS
     ]

@@ -104,7 +104,13 @@ def estimate_kwargs(spec: JobSpec, world_size: int, precision: str) -> dict[str,
         "packed": spec.data.packing,
         "loss_kernel": spec.training.loss_kernel,
         "quantize": None if spec.model.quantize == "none" else spec.model.quantize,
+        "rows": rows_per_sample(spec),
     }
+
+
+def rows_per_sample(spec: JobSpec) -> int:
+    """Sequences one sample of the global batch is: a DPO pair is 2 (chosen and rejected, in one micro-batch)."""
+    return 2 if spec.training.objective == "dpo" else 1
 
 
 def fixed_micro_batch(spec: JobSpec) -> int | None:

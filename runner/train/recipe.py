@@ -30,6 +30,7 @@ from jobspec import shared_dir
 from jobspec.catalog import tiers
 from jobspec.contract import EXIT_OK, EXIT_OOM_RETRY_TIER, EXIT_PREEMPTED, METRICS_FILE, TIER_STATE_FILE
 from jobspec.errors import ConfigError
+from jobspec.plan.planner import rows_per_sample
 from jobspec.spec.models import JobSpec
 from jobspec.spec.units import human_bytes
 from runner import internals
@@ -209,6 +210,7 @@ class Recipe:
             max_grad_norm=spec.training.max_grad_norm,
             loss_kernel=spec.training.loss_kernel,
             beta=spec.training.beta,
+            rows=rows_per_sample(spec),
         )
         if isinstance(self.data, PreferenceData):  # the starting model's, before any checkpoint is loaded into it
             attach_reference(self.stepper, self.data, spec, precision=self.plan.precision, quantize=self.plan.quantize,

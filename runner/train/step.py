@@ -195,9 +195,11 @@ class Stepper:
         prefetch: Prefetcher | None = None,
         loss_kernel: LossKernel = "chunked",
         beta: float = 0.1,
+        rows: int = 1,
     ):
         self.accelerator, self.model, self.optimizer = accelerator, model, optimizer
         self.beta = beta  # DPO's, for batches that carry reference log-probs (runner/train/dpo.py)
+        self.rows = rows  # sequences a sample is: a DPO pair's 2 rows, which a probe step of its micro-batch runs
         self.preference_sums: list[torch.Tensor] = []  # DPO: each micro-batch's metric sums in this step
         self.data, self.ctrl, self.stop = data, ctrl, stop
         self.max_grad_norm = max_grad_norm
@@ -434,13 +436,14 @@ class Stepper:
         return self.loss_sum(batch), batch.targets
 
     def probe_step(self, micro_batch: int, seq_len: int) -> bool:
-        """A full training step at (micro_batch, seq_len) on random tokens that changes nothing (lr 0, gradients
-        dropped), under the training step's agreements: False on every rank when any ran out of memory. For
-        `runner.sizing.plan.verify_micro_batch`; call `reset_optimizer` afterwards."""
+        """A full training step at (micro_batch samples of `rows` sequences each, seq_len) on random tokens that
+        changes nothing (lr 0, gradients dropped), under the training step's agreements: False on every rank when any
+        ran out of memory. For `runner.sizing.plan.verify_micro_batch`; call `reset_optimizer` afterwards."""
         vocab = self.model_vocab()
         g = torch.Generator().manual_seed(micro_batch)
-        x = torch.randint(0, vocab, (micro_batch, seq_len), generator=g)
-        batch = Batch(x, x.clone(), micro_batch * seq_len, micro_batch * seq_len, ())
+        rows = micro_batch * self.rows  # a DPO micro-batch of m pairs is 2m sequences
+        x = torch.randint(0, vocab, (rows, seq_len), generator=g)
+        batch = Batch(x, x.clone(), rows * seq_len, rows * seq_len, ())
         lrs = [group["lr"] for group in self.inner.param_groups]
         self.inner.zero_grad(set_to_none=True)
         try:

@@ -53,7 +53,7 @@ from jobspec.catalog.presets import ModelShape
 from jobspec.catalog.tiers import CHECKPOINTING, TIERS, tier_index
 from jobspec.errors import ConfigError
 from jobspec.plan.memory import LossKernel
-from jobspec.plan.planner import model_attention
+from jobspec.plan.planner import model_attention, rows_per_sample
 from jobspec.plan.quantize import base_quantization
 from jobspec.spec.models import LoraSpec
 from runner import internals
@@ -523,7 +523,8 @@ def trace_spec(spec: Any, tiers: list[tuple[str, int]], world_size: int, precisi
     per_rank = spec.training.global_batch // world_size
     out = []
     for tier, mbs in tiers:
-        r = trace_step(model, tier=tier, world_size=world_size, micro_batch=mbs, seq_len=spec.data.max_seq_len,
+        r = trace_step(model, tier=tier, world_size=world_size, micro_batch=mbs * rows_per_sample(spec),
+                       seq_len=spec.data.max_seq_len,
                        loss_kernel=spec.training.loss_kernel, precision=precision, lora=spec.model.lora,
                        checkpointing=forced, attention=model_attention(spec), max_grad_norm=spec.training.max_grad_norm,
                        grad_accum=2 if per_rank // mbs > 1 else 1, packed=spec.data.packing,

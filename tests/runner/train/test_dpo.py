@@ -260,3 +260,33 @@ def test_an_oom_in_the_reference_pass_halves_its_forwards(tmp_path, caplog):
         worker.cleanup()
     assert "8 -> 4 rows" in caplog.text and "4 -> 2 rows" in caplog.text
     np.testing.assert_allclose(shrunk, plain, atol=1e-4)
+
+
+def test_a_dpo_pair_is_planned_and_probed_as_two_sequences(tmp_path):
+    """The memory plan counts a pair's two rows (memory.estimate `rows`): a DPO micro-batch of m pairs needs what m
+    SFT samples of twice the rows need, more than the same SFT spec; the probe step runs 2m sequences."""
+    from jobspec.plan import memory
+    from jobspec.plan.planner import estimate_kwargs, model_shape, rows_per_sample
+    from runner.train.step import Stepper
+
+    spec = dpo(tmp_path, write_jsonl(tmp_path / "pairs.jsonl", text_pairs()))
+    sft = tiny_spec(tmp_path / "sft")
+    assert rows_per_sample(spec) == 2 and rows_per_sample(sft) == 1
+    shape = model_shape(spec)
+    kw = estimate_kwargs(spec, 1, "fp32")
+    pair = memory.estimate(shape, tier="fast", micro_batch=2, **kw)
+    rows = memory.estimate(shape, tier="fast", micro_batch=4, **{**kw, "rows": 1})
+    one = memory.estimate(shape, tier="fast", micro_batch=2, **{**kw, "rows": 1})
+    assert pair.activations == rows.activations > one.activations
+    seen = {}
+
+    class Probe(SimpleNamespace):
+        def _micro_step(self, batch, scale):
+            seen["rows"] = batch.input_ids.shape[0]
+            raise RuntimeError("stop")
+
+    probe = Probe(rows=2, model_vocab=lambda: 50, inner=SimpleNamespace(param_groups=[], zero_grad=lambda **k: None),
+                  faults=lambda *a: __import__("contextlib").nullcontext(), manual_sync=False)  # fmt: skip
+    with pytest.raises(RuntimeError, match="stop"):
+        Stepper.probe_step(probe, 3, 16)
+    assert seen["rows"] == 6
