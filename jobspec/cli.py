@@ -55,10 +55,10 @@ def _load(args: argparse.Namespace) -> JobSpec:
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
-    from jobspec.plan.planner import check_model
+    from jobspec.plan.planner import model_attention
 
     spec = _load(args)
-    check_model(spec)
+    model_attention(spec)  # a local model's config.json (family, sizes) and the attention kernel its family takes
     print(f"{args.spec}: ok ({spec.name}: {spec.world_size} rank(s), tier {spec.memory.tier})")
     for note in _notes(spec):
         print(f"  note: {note}", file=sys.stderr)

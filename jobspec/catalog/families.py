@@ -73,10 +73,6 @@ class Family:
     softmax_16bit: float | None = None  # eager attention's bytes per head and token pair under 16-bit weights (the
     # FSDP2 tiers) where the family takes its softmax at the weights' width (gpt-oss, with its sinks; traced 2.0)
 
-    @property
-    def moe(self) -> bool:
-        return self.experts is not None
-
 
 _ROUTED = ("num_local_experts", "num_experts")  # transformers' name, and the alias a config.json may use
 _QWEN = ("num_experts", "num_local_experts")

@@ -94,7 +94,6 @@ def shape_from_config(cfg: dict[str, Any], where: str = "config.json") -> ModelS
                       head_dim=head_dim if head_dim != v["hidden"] // v["heads"] else None,
                       qk_norm=fam.qk_norm, fused_projections=fam.block == "phi3",
                       residual_dropout=_dropout(cfg, "resid_pdrop", 0.0), model_type=fam.name, mla=mla,
-                      logit_softcap=_positive(cfg, fam.softcap_key), logit_scale=_scale(cfg, fam),
                       extra_norms=fam.extra_norms, sliding_window=_window(cfg) if fam.window_mask else None,
                       **_experts(cfg, fam, v["layers"], v["intermediate"], where))  # fmt: skip
 
@@ -103,21 +102,6 @@ def _window(cfg: dict[str, Any]) -> int | None:
     """The config's sliding window in tokens, or None (absent, null or not a positive integer)."""
     value = cfg.get("sliding_window")
     return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
-
-
-def _positive(cfg: dict[str, Any], key: str | None) -> float | None:
-    """A positive finite number at `key`, or None (absent, null, 0: the feature is off)."""
-    value = cfg.get(key) if key else None
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value < 1e9
-    return float(value) if ok else None
-
-
-def _scale(cfg: dict[str, Any], fam: Family) -> float | None:
-    """The factor the family multiplies its logits by (Granite divides by `logits_scaling`); None for 1."""
-    value = _positive(cfg, fam.scale_key)
-    if value is None or value == 1.0:
-        return None
-    return 1.0 / value if fam.scale_divides else value
 
 
 def _experts(cfg: dict[str, Any], fam: Family, layers: int, intermediate: int, where: str) -> dict[str, Any]:

@@ -47,8 +47,6 @@ class ModelShape:
     # Multi-head latent attention (DeepSeek-V2): (q_lora_rank or 0, kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim,
     # v_head_dim); None for the usual q, k, v and o projections
     mla: tuple[int, int, int, int, int] | None = None
-    logit_softcap: float | None = None  # the final logits' cap * tanh(logits / cap) (Gemma 2)
-    logit_scale: float | None = None  # the final logits multiplied by this (Granite: 1 / logits_scaling)
     extra_norms: int = 0  # norms a block has beyond its two (Gemma 2 and 3)
     sliding_window: int | None = None  # tokens a sliding-window layer attends to (Gemma 3), None: all
 

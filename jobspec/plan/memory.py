@@ -468,18 +468,18 @@ def _kind_bytes(shape: ModelShape, tier: str, precision: str, lora: LoraShape | 
     mlp = shape.shared_intermediate if moe else shape.intermediate
     widths = (shape.hidden, shape.q_width, shape.kv_width, mlp)
     family = _family(shape)
-    masks = 2 * DROPOUT_MASK_BYTES * shape.hidden if shape.residual_dropout else 0
+    extra_bytes = 2 * DROPOUT_MASK_BYTES * shape.hidden if shape.residual_dropout else 0
     fam = FAMILIES.get(shape.model_type)
     if moe:  # the routed experts
         c_h, c_i = (a + b for a, b in zip(MOE_ROUTED_BYTES, fam.routed_extra if fam else (0.0, 0.0), strict=True))
-        masks += shape.experts_per_token * (c_h * shape.hidden + c_i * shape.expert_intermediate)
+        extra_bytes += shape.experts_per_token * (c_h * shape.hidden + c_i * shape.expert_intermediate)
     extra = dict(fam.act_extra).get(residual_bytes(tier, precision, lora)) if fam else None
     if extra:  # what the family's blocks keep beyond the block they are traced as
-        masks += extra[0] * shape.hidden + extra[1] * shape.q_width
+        extra_bytes += extra[0] * shape.hidden + extra[1] * shape.q_width
     if lora is None:
         coef = FP32_ACT_BYTES[family] if precision == "fp32" else ACT_BYTES[(family, residual_bytes(tier, precision))]
-        return sum(c * w for c, w in zip(coef, widths, strict=True)) + masks
-    per_token = sum(c * w for c, w in zip(LORA_ACT_BYTES[(family, tier == "fast")], widths, strict=True)) + masks
+        return sum(c * w for c, w in zip(coef, widths, strict=True)) + extra_bytes
+    per_token = sum(c * w for c, w in zip(LORA_ACT_BYTES[(family, tier == "fast")], widths, strict=True)) + extra_bytes
     modules = _lora_targets(shape, lora, moe)
     routed = {m for m in modules if m[3] == "experts"}  # adapters of the experts read each routed token's input
     modules -= routed

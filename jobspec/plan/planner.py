@@ -58,7 +58,8 @@ def model_shape(spec: JobSpec) -> ModelShape:
 def model_attention(spec: JobSpec) -> str:
     """The attention kernel the model runs: `model.attention`, or, where the spec leaves it at its default and the
     model's family refuses sdpa (Gemma 2, gpt-oss: jobspec/catalog/families.py), eager. ConfigError (exit 2) when
-    the spec names a kernel the family refuses. A hub model whose config is not local keeps the spec's kernel."""
+    the spec names a kernel the family refuses. A hub model whose config is not local keeps the spec's kernel. A local
+    config.json is read and checked on the way (family and sizes: what `jobspec validate` says of the model)."""
     model = spec.model
     model_type = ""
     if model.preset is None and (Path(model.path or "") / "config.json").is_file():
@@ -67,15 +68,6 @@ def model_attention(spec: JobSpec) -> str:
     if fam is None:
         return model.attention
     return attention_for(fam, model.attention, explicit="attention" in model.model_fields_set)
-
-
-def check_model(spec: JobSpec) -> None:
-    """What `jobspec validate` can say of a local model before anything runs: its config.json's family and sizes
-    (jobspec/catalog/model_config.py) and whether the family takes the spec's attention kernel."""
-    model = spec.model
-    if model.path and (Path(model.path) / "config.json").is_file():
-        model_shape(spec)
-    model_attention(spec)
 
 
 def model_label(spec: JobSpec) -> str:

@@ -68,13 +68,10 @@ def ready_for_training(model: nn.Module) -> nn.Module:
     for a mixture-of-experts model, the experts' matmul at autocast's width (runner/internals.py
     `install_experts_matmul`: torch's grouped matmul takes bf16 only on a GPU)."""
     model.config.use_cache = False
-    if router_aux_coef(model) is not None or _has_experts(model):
+    fam = FAMILIES.get(getattr(model.config, "model_type", ""))
+    if fam is not None and fam.experts is not None:
         internals.install_experts_matmul()
     return model
-
-
-def _has_experts(model: nn.Module) -> bool:
-    return any(type(m).__name__.endswith("Experts") for m in model.modules())
 
 
 def router_aux_coef(model: nn.Module) -> float | None:
