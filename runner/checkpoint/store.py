@@ -26,7 +26,8 @@ checkpoint is never touched until a newer one is complete. LoRA runs store the a
 Resume (`resume_point`): rank 0 verifies the newest complete checkpoint (`verify`: DONE, meta.json's
 step, the manifest's sizes and checksums, then the pickles it holds: `.metadata` through a restricted
 unpickler and the shards' byte items and RNG states through torch.load(weights_only=True),
-runner/checkpoint/unpickle.py and rng.py); a damaged one is logged, moved aside once an intact one is
+runner/checkpoint/unpickle.py and rng.py; then that every rank's shard file holds this step and the optimizer's
+step counters add up to meta.json's: `_shards_problem`); a damaged one is logged, moved aside once an intact one is
 found, and the next older one tried. Complete checkpoints but none intact: DamagedCheckpoint (exit 2).
 
 Untrusted volume: no file of a checkpoint runs code when read, every one is opened as a regular file
@@ -68,9 +69,12 @@ SPEC = "spec.yaml"
 DCP_METADATA = unpickle.METADATA
 META_MAX_BYTES = 16 * 2**20  # step, plan, lineage, loss: a few KB
 _RNG = re.compile(r"^rng-\d+\.pt$")
-FORMAT = 3  # meta.json "format": 2 and later have a manifest.json (a missing one is damage, not age); 3 and later
-# hold their own step in the shards (STEP_ITEM): shards of another step under this one's manifest are damage
+FORMAT = 4  # meta.json "format": 2 and later have a manifest.json (a missing one is damage, not age); 3 and later
+# hold their own step in the shards (STEP_ITEM): shards of another step under this one's manifest are damage; 4 and
+# later hold it in every rank's shard file (RANK_STEP) and meta.json holds the sum of the optimizer's step counters
 STEP_ITEM = ("jobspec", "step")  # {"jobspec": {"step": N}} beside "model" and "optim": DCP's item "jobspec.step"
+RANK_STEP = "rank_step"  # {"jobspec": {"rank_step": {"<rank>": N}}}: item "jobspec.rank_step.<rank>", its own file
+OPTIMIZER_STEPS = "optimizer_steps"  # meta.json: the sum of every parameter's optimizer step counter at save
 _STEP = re.compile(r"^step-(\d+)$")
 T = TypeVar("T")
 
@@ -187,7 +191,9 @@ def verify(path: str | Path, *, full: bool = False) -> str | None:
         problem = manifest.check(path, step, required=required, full=full)
         if problem:
             return problem
-    return _pickles_problem(path, step, type(written_as) is int and written_as >= 3)
+    return _pickles_problem(path, step, type(written_as) is int and written_as >= 3) or (
+        _shards_problem(path, step, meta) if type(written_as) is int and written_as >= 4 else None
+    )
 
 
 def _pickles_problem(path: Path, step: int, holds_step: bool) -> str | None:
@@ -228,6 +234,75 @@ def _step_problem(path: Path, metadata: Any, step: int, holds_step: bool) -> str
     if type(held) is not int or held != step:
         return f"the shards hold step {_short(held)}, not step {step} (shards of another checkpoint under this one)"
     return None
+
+
+def _shards_problem(path: Path, step: int, meta: dict[str, Any]) -> str | None:
+    """Why the shard files of checkpoint `path` (FORMAT 4 or later, its pickles already checked) are not all of step
+    `step`: each file must hold its writer's RANK_STEP item saying `step`, and the optimizer's step counters stored
+    across the files must add up to meta.json's OPTIMIZER_STEPS. One rank's file of an older step, copied under this
+    step's .metadata and manifest, fails both (a forger who can also rewrite the counters needs the key: the
+    manifest's MAC, jobspec/shared_dir/signing.py)."""
+    metadata = unpickle.read_metadata(path)
+    prefix = f"{STEP_ITEM[0]}.{RANK_STEP}."
+    held: dict[str, Any] = {}
+    counters: list[Any] = []
+    files_with_items: set[str] = set()
+    for index, info in (metadata.storage_data or {}).items():
+        files_with_items.add(info.relative_path)
+        if index.fqn.startswith(prefix):
+            held[info.relative_path] = index.fqn
+        elif index.fqn.startswith("optim.state.") and index.fqn.endswith(".step"):
+            counters.append((index, info))
+    for name in sorted(files_with_items):
+        fqn = held.get(name)
+        if fqn is None:
+            return f"{name} does not say which step it holds ({META} says format {FORMAT} or later)"
+        try:
+            value = unpickle.read_bytes_item(path, metadata, fqn)
+        except (KeyError, OSError, ValueError) as err:
+            return f"the step of {name} cannot be read ({err})"
+        if type(value) is not int or value != step:
+            return f"{name} holds step {_short(value)}, not step {step} (a shard of another checkpoint under this one)"
+    want = meta.get(OPTIMIZER_STEPS)
+    if type(want) is not int:
+        return f"{META} has no integer {OPTIMIZER_STEPS} (format {FORMAT} or later always has one)"
+    try:
+        total = sum(_counter(path, index, info) for index, info in counters)
+    except (OSError, ValueError) as err:
+        return f"the optimizer's step counters cannot be read ({err})"
+    if total != want:
+        return (f"the optimizer's step counters in the shards add up to {total}, {META} says {want} "
+                "(shards of another checkpoint under this one)")  # fmt: skip
+    return None
+
+
+def _counter(path: Path, index: Any, info: Any) -> int:
+    """One optimizer step counter (a 0-d tensor item) read from the shards, bounded and with weights_only."""
+    with files.open_regular(path / info.relative_path) as f:
+        f.seek(info.offset)
+        if info.length > 2**16:
+            raise ValueError(f"{index.fqn} takes {info.length} bytes (a step counter takes a few hundred)")
+        value = unpickle.weights_only_load(files.read_at_most(f, info.length))
+    if not isinstance(value, torch.Tensor) or value.numel() != 1 or not torch.isfinite(value).all():
+        raise ValueError(f"{index.fqn} is not a finite step counter")
+    number = float(value.reshape(()).item())
+    if not number.is_integer() or not 0 <= number < 2**53:
+        raise ValueError(f"{index.fqn} is {number}, not a step count")
+    return int(number)
+
+
+def optimizer_steps(optim_state: dict[str, Any]) -> int:
+    """The sum of every parameter's optimizer step counter in an optimizer state dict (Adam's "step"): recorded in
+    meta.json at save, checked against the shards at resume (`_shards_problem`)."""
+    total = 0
+    for entry in (optim_state.get("state") or {}).values():
+        step = entry.get("step") if isinstance(entry, dict) else None
+        if isinstance(step, torch.Tensor):
+            local = step.to_local() if hasattr(step, "to_local") else step  # a replicated DTensor holds it whole
+            total += int(local.detach().reshape(()).item()) if local.numel() == 1 else 0
+        elif isinstance(step, int | float):
+            total += int(step)
+    return total
 
 
 def _short(value: Any) -> str:
@@ -332,11 +407,12 @@ def save(
     tmp, final = root / f".tmp-step-{step}{'-' + attempt[:12] if attempt else ''}", root / f"step-{step}"
     phase = _Phase(ctrl, rank, root, tmp, fence, is_oom)
     phase.need = phase.run(lambda: _prepare(root, tmp, expected_bytes(root, model, trainable_only)) if rank == 0 else 0)
-    state = {**_state(model, optimizer, trainable_only), STEP_ITEM[0]: {STEP_ITEM[1]: step}}
+    state = _state(model, optimizer, trainable_only)
+    state[STEP_ITEM[0]] = {STEP_ITEM[1]: step, RANK_STEP: {str(rank): step}}  # the last: in this rank's own file
     entries = phase.run(lambda: _write_rank_files(tmp, state, rank, ctrl))
     hashed = {name: e for part in ctrl.all_gather_object(entries) for name, e in part.items()}
     if rank == 0:
-        meta = {**meta, "step": step, "format": FORMAT}
+        meta = {**meta, "step": step, "format": FORMAT, OPTIMIZER_STEPS: optimizer_steps(state["optim"])}
         phase.run(lambda: _finish(tmp, final, step, meta, files or {}, hashed, keep, fence))
         log.info("checkpoint %s written in %.1f s", final, time.perf_counter() - t0)
     else:

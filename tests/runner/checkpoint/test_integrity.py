@@ -19,6 +19,7 @@ from jobspec.contract import EXIT_CONFIG, EXIT_OK
 from runner.checkpoint import manifest, store
 from runner.checkpoint.store import DamagedCheckpoint
 from runner.output import export
+from tests.runner.checkpoint.forge import rewrite_manifest
 from tests.runner.checkpoint.test_checkpoint import CTRL, save, small_model
 from tests.runner.train_helpers import (
     records,
@@ -240,6 +241,15 @@ def test_two_ranks_write_one_manifest_and_resume_the_same_intact_step(tmp_path):
     assert result.returncode == EXIT_OK, result.stderr[-3000:]
     listed = json.loads((run / "step-4" / "manifest.json").read_text())["files"]
     assert {"rng-0.pt", "rng-1.pt", ".metadata", "meta.json"} <= set(listed)
+    # Rank 1's shard file of step 2 under step 4's .metadata and manifest (no key): rank 0's file still says step 4,
+    # rank 1's says 2, so the step is damage; the same file in its own step verifies.
+    swapped = tmp_path / "swapped" / "step-4"
+    shutil.copytree(run / "step-4", swapped)
+    shutil.copyfile(run / "step-2" / "__1_0.distcp", swapped / "__1_0.distcp")
+    rewrite_manifest(swapped)
+    assert store.verify(swapped) == (
+        "__1_0.distcp holds step 2, not step 4 (a shard of another checkpoint under this one)"
+    )
     DAMAGE["rng-flipped"][0](run / "step-4")
     result = run_supervisor([str(spec), "--nproc", "2", "--set", "training.steps=6"], timeout=600)
     assert result.returncode == EXIT_OK, result.stderr[-3000:]

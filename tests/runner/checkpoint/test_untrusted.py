@@ -539,3 +539,25 @@ def test_shards_of_an_older_step_under_a_newer_manifest_are_damage_and_skipped(t
     assert store._step_problem(older, metadata, 2, holds_step=True) is None
     del metadata.state_dict_metadata["jobspec.step"]  # a format-3 checkpoint whose shards hold no step
     assert "do not say which step" in store._step_problem(older, metadata, 2, holds_step=True)
+
+
+def test_every_shard_file_holds_its_step_and_the_optimizer_counters_add_up(ckpt):
+    """FORMAT 4: the shard file holds its rank's own step item, and meta.json the sum of Adam's step counters (4
+    parameters, one step each). A meta.json whose sum disagrees with the counters in the shards (rewritten with its
+    manifest, no key) is damage, like a shard file that holds another step."""
+    meta = json.loads((ckpt / "meta.json").read_text())
+    assert meta["format"] == store.FORMAT == 4 and meta[store.OPTIMIZER_STEPS] == 4
+    assert store._shards_problem(ckpt, 4, meta) is None
+    (ckpt / "meta.json").write_text(json.dumps({**meta, store.OPTIMIZER_STEPS: 8}))
+    rewrite_manifest(ckpt)
+    assert store.verify(ckpt) == (
+        "the optimizer's step counters in the shards add up to 4, meta.json says 8 "
+        "(shards of another checkpoint under this one)"
+    )
+    metadata = unpickle.read_metadata(ckpt)
+    del metadata.state_dict_metadata["jobspec.rank_step.0"]
+    for index in [i for i in metadata.storage_data if i.fqn == "jobspec.rank_step.0"]:
+        del metadata.storage_data[index]
+    write_metadata(ckpt, metadata)
+    rewrite_manifest(ckpt)
+    assert store.verify(ckpt) == "__0_0.distcp does not say which step it holds (meta.json says format 4 or later)"
