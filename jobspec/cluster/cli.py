@@ -27,6 +27,8 @@ EXIT_CODES = f"""exit codes:
   {EXIT_CLUSTER}  cluster or API error: refused (RBAC), not found, unreachable, timed out, conflict
 """
 DRY_RUN_MODES = ("client", "server", "none")
+# preflight.CHECKS, spelled out here: importing preflight at parse time would load the renderer for --help
+PREFLIGHT_CHECKS = ("namespace", "podsecurity", "priorityclass", "queue", "claims", "secrets", "serviceaccount", "gpu")
 
 
 def add_cluster_commands(subparsers: Any, common_parent: argparse.ArgumentParser) -> None:
@@ -49,7 +51,11 @@ def add_cluster_commands(subparsers: Any, common_parent: argparse.ArgumentParser
         "create the job on the cluster",
         "Render SPEC and create its ConfigMap, Service, NetworkPolicy and Job with server-side apply.\n"
         "Submitting the same spec again changes nothing and says so; a changed spec for an\n"
-        "existing job is refused unless --replace (which deletes the old job first).",
+        "existing job is refused unless --replace (which deletes the old job first).\n"
+        "First (also with --dry-run=server) it checks that the cluster has what the objects name:\n"
+        "the namespace and its Pod Security level, PriorityClass, Kueue LocalQueue and ClusterQueue,\n"
+        "PVCs, Secrets and their keys, ServiceAccount, GPUs on some node. Anything missing: exit 2,\n"
+        "naming it and the fix; a check the submitter may not read is a warning.",
     )
     p.add_argument("spec", nargs="?", metavar="SPEC", help="job spec YAML file")
     p.add_argument(
@@ -71,6 +77,15 @@ def add_cluster_commands(subparsers: Any, common_parent: argparse.ArgumentParser
     )
     p.add_argument(
         "--replace", action="store_true", help="delete an existing job of this name (and its pods) first, then submit"
+    )
+    p.add_argument(
+        "--skip-check",
+        action="append",
+        default=[],
+        choices=PREFLIGHT_CHECKS,
+        metavar="NAME",
+        help="leave out one pre-submit check (repeatable): " + ", ".join(PREFLIGHT_CHECKS) + "; e.g. gpu on a "
+        "cluster that adds GPU nodes on demand",
     )
     p.set_defaults(func=cmd_submit)
 
@@ -211,6 +226,7 @@ def _dry_run_mode(args: argparse.Namespace) -> str:
 def cmd_submit(args: argparse.Namespace) -> int:
     from jobspec.cluster.kubeconfig import context_namespace, load_connection, validate_namespace
     from jobspec.cluster.output import format_submit
+    from jobspec.cluster.preflight import preflight
     from jobspec.cluster.submit import in_namespace, submit
     from jobspec.render import render, to_yaml
     from jobspec.spec.loader import load_spec
@@ -235,6 +251,10 @@ def cmd_submit(args: argparse.Namespace) -> int:
         sys.stdout.write(to_yaml(objects))
         return EXIT_OK
     with _client(args, conn) as client:
+        checks = preflight(client, objects, namespace, skip=args.skip_check)
+        for warning in checks.warnings:
+            print(f"warning: {warning}", file=sys.stderr)
+        checks.raise_if_missing(namespace)
         result = submit(client, objects, namespace, replace=args.replace, dry_run=mode == "server")
     sys.stdout.write(format_submit(result, _extra_flags(args)))
     return EXIT_OK

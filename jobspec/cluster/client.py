@@ -202,11 +202,11 @@ class ClusterClient:
 
     # -- operations ---------------------------------------------------------------------------
 
-    def get(self, kind: Kind, namespace: str, name: str) -> dict[str, Any]:
+    def get(self, kind: Kind, namespace: str | None, name: str) -> dict[str, Any]:
         op = Op("get", kind.plural, kind.group, namespace, name)
         return self._json(op, "GET", kind.object_path(namespace, name))
 
-    def find(self, kind: Kind, namespace: str, name: str) -> dict[str, Any] | None:
+    def find(self, kind: Kind, namespace: str | None, name: str) -> dict[str, Any] | None:
         """The object, or None when it does not exist."""
         try:
             return self.get(kind, namespace, name)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, replace
+from typing import Any
 
 from jobspec.errors import ClusterError
 from jobspec.spec.credentials import redact
@@ -34,7 +35,9 @@ class Op:
 
     @property
     def where(self) -> str:
-        return f'in namespace "{self.namespace}"' if self.namespace else "across all namespaces"
+        if self.namespace:
+            return f'in namespace "{self.namespace}"'
+        return "(cluster-scoped)" if self.name else "across all namespaces"
 
     def describe(self) -> str:
         target = f' "{self.name}"' if self.name else ""
@@ -63,7 +66,10 @@ class Forbidden(ApiError):
 
 
 class NotFound(ApiError):
-    """404: the object (or its namespace) does not exist."""
+    """404: the object (or its namespace) does not exist; `object_missing` False: the server has no such
+    resource at all (a CRD not installed, e.g. Kueue's), told apart by the Status naming the object."""
+
+    object_missing: bool = True
 
 
 class Conflict(ApiError):
@@ -127,6 +133,16 @@ def server_message(body: bytes | str | None) -> str:
     return ""
 
 
+def status_details(body: bytes | str | None) -> dict[str, Any]:
+    """The `details` of a Kubernetes Status body ({} when there is none: a bare "404 page not found")."""
+    try:
+        status = json_loads((body or b"")[:MAX_BODY_CHARS])
+    except (ValueError, RecursionError, TypeError):
+        return {}
+    details = status.get("details") if isinstance(status, dict) else None
+    return details if isinstance(details, dict) else {}
+
+
 def _excerpt(text: str) -> str:
     """Whitespace folded, credentials scrubbed (before the cut: a cut token is no longer recognised), cut."""
     folded = redact(" ".join(text.split()), token_like=True)
@@ -164,7 +180,9 @@ def error_for_status(
             msg = f'job "{op.name}" does not exist {op.where}'
         else:
             msg = f"not found: {op.describe()}{detail}"
-        return NotFound(msg, status=status, op=op)
+        err = NotFound(msg, status=status, op=op)
+        err.object_missing = op.name is not None and status_details(body).get("name") == op.name
+        return err
     if status == 409:
         return Conflict(f"conflict: {op.describe()} (409{detail})", status=status, op=op)
     if status in (400, 422):

@@ -30,7 +30,8 @@ class Kind:
             return f"{root}/{self.plural}"
         return f"{root}/namespaces/{quote(namespace, safe='')}/{self.plural}"
 
-    def object_path(self, namespace: str, name: str) -> str:
+    def object_path(self, namespace: str | None, name: str) -> str:
+        """namespace None: a cluster-scoped object (a Namespace, a PriorityClass, a Node)."""
         return f"{self.collection_path(namespace)}/{quote(name, safe='')}"
 
 
@@ -42,6 +43,14 @@ NETWORK_POLICY = Kind("NetworkPolicy", "networking.k8s.io/v1", "networkpolicies"
 CLAIM = Kind("PersistentVolumeClaim", "v1", "persistentvolumeclaims")  # the shared hub cache (render/hub.py)
 EVENT = Kind("Event", "v1", "events")  # read by status only (FailedCreate on the Job)
 WORKLOAD = Kind("Workload", "kueue.x-k8s.io/v1beta2", "workloads")  # Kueue's admission of a queued Job (status)
+# Read only, by the pre-submit checks (preflight.py): what the rendered objects name and the cluster must have.
+NAMESPACE = Kind("Namespace", "v1", "namespaces")  # cluster-scoped: its Pod Security labels
+SECRET = Kind("Secret", "v1", "secrets")  # only its key names are looked at
+SERVICE_ACCOUNT = Kind("ServiceAccount", "v1", "serviceaccounts")
+PRIORITY_CLASS = Kind("PriorityClass", "scheduling.k8s.io/v1", "priorityclasses")  # cluster-scoped
+LOCAL_QUEUE = Kind("LocalQueue", "kueue.x-k8s.io/v1beta2", "localqueues")
+CLUSTER_QUEUE = Kind("ClusterQueue", "kueue.x-k8s.io/v1beta2", "clusterqueues")  # cluster-scoped
+NODE = Kind("Node", "v1", "nodes")  # cluster-scoped: GPU resources allocatable
 KINDS = {k.kind: k for k in (CLAIM, CONFIGMAP, SERVICE, NETWORK_POLICY, JOB, POD)}
 SUBMITTED_KINDS = (CLAIM, CONFIGMAP, SERVICE, NETWORK_POLICY, JOB)
 

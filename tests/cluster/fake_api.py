@@ -26,12 +26,17 @@ CONTROLLER_UID = "batch.kubernetes.io/controller-uid"
 INDEX = "batch.kubernetes.io/job-completion-index"
 
 _CORE = re.compile(
-    r"^/api/v1/namespaces/(?P<ns>[^/]+)/(?P<plural>configmaps|services|pods|persistentvolumeclaims|events)(?:/(?P<name>[^/]+))?"
-    r"(?P<log>/log)?$"
+    r"^/api/v1/namespaces/(?P<ns>[^/]+)/(?P<plural>configmaps|services|pods|persistentvolumeclaims|events|secrets|"
+    r"serviceaccounts)(?:/(?P<name>[^/]+))?(?P<log>/log)?$"
 )
+# Cluster-scoped (stored under namespace ""): read by the pre-submit checks
+_CLUSTER = re.compile(
+    r"^/api(?:s/scheduling.k8s.io)?/v1/(?P<plural>namespaces|nodes|priorityclasses)(?:/(?P<name>[^/]+))?$"
+)
+_KUEUE_CLUSTER = re.compile(r"^/apis/kueue.x-k8s.io/v1beta2/(?P<plural>clusterqueues)(?:/(?P<name>[^/]+))?$")
 _BATCH = re.compile(r"^/apis/batch/v1/namespaces/(?P<ns>[^/]+)/(?P<plural>jobs)(?:/(?P<name>[^/]+))?$")
 _KUEUE = re.compile(
-    r"^/apis/kueue.x-k8s.io/v1beta2/namespaces/(?P<ns>[^/]+)/(?P<plural>workloads)(?:/(?P<name>[^/]+))?$"
+    r"^/apis/kueue.x-k8s.io/v1beta2/namespaces/(?P<ns>[^/]+)/(?P<plural>workloads|localqueues)(?:/(?P<name>[^/]+))?$"
 )
 _ALL_JOBS = re.compile(r"^/apis/batch/v1/(?P<plural>jobs)$")
 _NETWORKING = re.compile(
@@ -53,6 +58,10 @@ class FakeApi(Served):  # start(), stop(), url
         self.streams: dict[tuple[str, str], list[list[Any]]] = {}
         self.lock = threading.RLock()
         self._counter = 0
+        # Every namespace exists (as objects are applied into any), without labels, unless put() with labels or
+        # named here; Kueue's API is served unless `kueue` is False (then its paths 404 as an unknown resource).
+        self.absent_namespaces: set[str] = set()
+        self.kueue = True
 
     def kubeconfig(self, directory: Path, namespace: str | None = "ml", token: str = TOKEN) -> Path:
         """A kubeconfig with context `fake` (namespace `namespace`) and `other` (namespace `other-ns`)."""
@@ -86,8 +95,11 @@ class FakeApi(Served):  # start(), stop(), url
         plural = {"ConfigMap": "configmaps", "Service": "services", "Job": "jobs", "Pod": "pods",
                   "NetworkPolicy": "networkpolicies",
                   "PersistentVolumeClaim": "persistentvolumeclaims", "Event": "events",
-                  "Workload": "workloads"}[obj["kind"]]  # fmt: skip
+                  "Workload": "workloads", "Secret": "secrets", "ServiceAccount": "serviceaccounts",
+                  "Namespace": "namespaces", "Node": "nodes", "PriorityClass": "priorityclasses",
+                  "LocalQueue": "localqueues", "ClusterQueue": "clusterqueues"}[obj["kind"]]  # fmt: skip
         md = obj["metadata"]
+        md.setdefault("namespace", "")  # cluster-scoped
         md.setdefault("uid", str(uuid.uuid4()))
         md.setdefault("creationTimestamp", "2025-01-01T00:00:00Z")
         with self.lock:
@@ -163,7 +175,8 @@ class FakeApi(Served):  # start(), stop(), url
         """-> (status, headers, body): a dict (JSON), bytes, or a list (a follow stream script)."""
         if req.headers.get("authorization") != f"Bearer {TOKEN}":
             return 401, {}, status_body(401, "Unauthorized", "Unauthorized")
-        m = next(filter(None, (p.match(req.path) for p in (_CORE, _BATCH, _ALL_JOBS, _NETWORKING, _KUEUE))), None)
+        routes = (_CORE, _BATCH, _ALL_JOBS, _NETWORKING, _CLUSTER, *((_KUEUE, _KUEUE_CLUSTER) if self.kueue else ()))
+        m = next(filter(None, (p.match(req.path) for p in routes)), None)
         if not m:
             return (
                 404,
@@ -172,7 +185,13 @@ class FakeApi(Served):  # start(), stop(), url
             )
         parts = m.groupdict()
         plural, ns, name = parts["plural"], parts.get("ns"), parts.get("name")
+        if "ns" not in parts:  # cluster-scoped
+            ns = None if name is None else ""
         with self.lock:
+            if plural == "namespaces" and name and ("namespaces", "", name) not in self.objects:
+                if name in self.absent_namespaces:
+                    return self._not_found(plural, name)
+                return 200, {}, {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name}}
             if parts.get("log"):
                 return self._log(ns, name, req)
             if req.method == "GET" and name is None:
@@ -188,7 +207,9 @@ class FakeApi(Served):  # start(), stop(), url
 
     def _not_found(self, plural: str, name: str | None) -> tuple[int, dict[str, str], Any]:
         group = {"jobs": "jobs.batch", "networkpolicies": "networkpolicies.networking.k8s.io"}.get(plural, plural)
-        return 404, {}, status_body(404, f'{group} "{name}" not found', "NotFound")
+        body = status_body(404, f'{group} "{name}" not found', "NotFound")
+        body["details"] = {"name": name, "kind": plural}  # as the real server says which object is missing
+        return 404, {}, body
 
     def _list(self, plural: str, ns: str | None, query: dict[str, str]) -> dict[str, Any]:
         wanted = dict(kv.split("=", 1) for kv in query.get("labelSelector", "").split(",") if kv)

@@ -70,3 +70,15 @@ def make_objects(
             },
         },
     ]
+
+
+def prerequisite(kind: str, name: str, namespace: str = "", **body: Any) -> dict[str, Any]:
+    """An object the pre-submit checks look for (a claim, a Secret, a Node, ...), for FakeApi.put."""
+    api_version = {"PriorityClass": "scheduling.k8s.io/v1", "LocalQueue": "kueue.x-k8s.io/v1beta2",
+                   "ClusterQueue": "kueue.x-k8s.io/v1beta2"}.get(kind, "v1")  # fmt: skip
+    metadata = {"name": name, "namespace": namespace, **body.pop("metadata", {})}
+    return {"apiVersion": api_version, "kind": kind, "metadata": metadata, **body}
+
+
+def gpu_node(name: str, resource: str = "nvidia.com/gpu", count: int = 8, **labels: str) -> dict[str, Any]:
+    return prerequisite("Node", name, metadata={"labels": labels}, status={"allocatable": {resource: str(count)}})

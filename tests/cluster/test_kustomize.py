@@ -15,11 +15,14 @@ import yaml
 
 from jobspec.cluster.client import ClusterClient
 from jobspec.cluster.logs import follow_log, print_log
+from jobspec.cluster.preflight import preflight
 from jobspec.cluster.submit import submit
 from jobspec.contract import KUEUE_QUEUE_LABEL
+from jobspec.render import render
+from jobspec.spec.loader import load_spec
 
 from .fake_api import FakeApi, Request
-from .objects import make_objects
+from .objects import gpu_node, make_objects, prerequisite
 
 REPO = Path(__file__).resolve().parents[2]
 KUEUE_KINDS = {"ResourceFlavor", "ClusterQueue", "LocalQueue"}
@@ -51,6 +54,8 @@ def by_kind(objs: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
 
 def test_base_contents(base: list[dict[str, Any]]) -> None:
     assert sorted((o["kind"], o["metadata"]["name"]) for o in base) == [
+        ("ClusterRole", "jobspec-submitter-checks"),
+        ("ClusterRoleBinding", "jobspec-submitter-checks"),
         ("Namespace", "jobspec"),
         ("PriorityClass", "training"),
         ("PriorityClass", "training-low"),
@@ -61,7 +66,7 @@ def test_base_contents(base: list[dict[str, Any]]) -> None:
     ]
     (ns,) = by_kind(base, "Namespace")
     assert ns["metadata"]["labels"]["pod-security.kubernetes.io/enforce"] == "restricted"
-    cluster_scoped = ("Namespace", "PriorityClass")
+    cluster_scoped = ("Namespace", "PriorityClass", "ClusterRole", "ClusterRoleBinding")
     assert all(o["metadata"].get("namespace") == "jobspec" for o in base if o["kind"] not in cluster_scoped)
     assert not [o for o in base if o["kind"] in cluster_scoped and "namespace" in o["metadata"]]
 
@@ -87,7 +92,7 @@ def test_builtin_objects_pass_strict_validation(
 
     version = latest_version() if version == "latest" else version
     builtin = [o for o in base + with_kueue if o["kind"] not in KUEUE_KINDS]
-    assert len(builtin) == 14
+    assert len(builtin) == 18
     for obj in builtin:
         kubernetes_validate.validate(obj, version, strict=True)  # raises ValidationError
 
@@ -99,24 +104,37 @@ def test_runner_service_account_has_no_token_and_no_role(base: list[dict[str, An
     assert bound == ["jobspec-submitter"]
 
 
-def granted(base: list[dict[str, Any]]) -> set[tuple[str, str, str]]:
+def granted(base: list[dict[str, Any]]) -> set[tuple[str, str, str, str]]:
+    """(scope, apiGroup, resource, verb): scope "namespace" from the Role, "cluster" from the ClusterRole, each
+    bound to the submitter only."""
     (role,) = by_kind(base, "Role")
-    assert not [o for o in base if o["kind"] in ("ClusterRole", "ClusterRoleBinding")]
+    (cluster_role,) = by_kind(base, "ClusterRole")
+    (binding,) = by_kind(base, "ClusterRoleBinding")
+    assert binding["roleRef"]["name"] == cluster_role["metadata"]["name"]
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "jobspec-submitter", "namespace": "jobspec"}]
     return {
-        (g, r, v) for rule in role["rules"] for g in rule["apiGroups"] for r in rule["resources"] for v in rule["verbs"]
+        (scope, g, r, v)
+        for scope, obj in (("namespace", role), ("cluster", cluster_role))
+        for rule in obj["rules"]
+        for g in rule["apiGroups"]
+        for r in rule["resources"]
+        for v in rule["verbs"]
     }
 
 
-def rbac_of(req: Request) -> set[tuple[str, str, str]]:
-    """The (apiGroup, resource, verb) the API server would authorise for a recorded request."""
+def rbac_of(req: Request) -> set[tuple[str, str, str, str]]:
+    """The (scope, apiGroup, resource, verb) the API server would authorise for a recorded request. GET of a
+    Namespace object is authorised in that namespace (a Role there may grant it), like any namespaced read."""
     parts = req.path.strip("/").split("/")
-    group = "" if parts[0] == "api" else parts[1]
-    rest = parts[parts.index("namespaces") + 2 :] if "namespaces" in parts else parts[-1:]
+    group, rest = ("", parts[2:]) if parts[0] == "api" else (parts[1], parts[3:])
+    scope = "namespace" if rest[0] == "namespaces" else "cluster"
+    if rest[0] == "namespaces" and len(rest) > 2:
+        rest = rest[2:]
     resource = rest[0] + ("/log" if rest[-1] == "log" else "")
     if req.method == "GET":
-        return {(group, resource, "get" if len(rest) > 1 else "list")}
+        return {(scope, group, resource, "get" if len(rest) > 1 else "list")}
     verbs = {"PATCH": {"patch"} | ({"create"} if req.created else set()), "DELETE": {"delete"}}[req.method]
-    return {(group, resource, v) for v in verbs}
+    return {(scope, group, resource, v) for v in verbs}
 
 
 def test_role_grants_exactly_what_the_client_uses(
@@ -144,6 +162,17 @@ def test_role_grants_exactly_what_the_client_uses(
     follow_log(client, "ml", "train", 0, io.StringIO())
     list_jobs(client, "ml")
     cancel(client, "ml", "train", wait=True)
+    # the pre-submit checks of examples/multinode.yaml, with all it names there (each read goes one step deeper)
+    multinode = render(load_spec(REPO / "examples" / "multinode.yaml", ['namespace="ml"']))
+    for obj in (prerequisite("PriorityClass", "training"), prerequisite("ClusterQueue", "jobspec"),
+                prerequisite("LocalQueue", "gpu-queue", "ml", spec={"clusterQueue": "jobspec"}),
+                prerequisite("PersistentVolumeClaim", "chat-data", "ml"), gpu_node("gpu-0"),
+                prerequisite("Secret", "hf-token", "ml", data={"token": "dG9r"})):  # fmt: skip
+        api.put(obj)
+    multinode_pod = next(o for o in multinode if o["kind"] == "Job")["spec"]["template"]["spec"]
+    multinode_pod["serviceAccountName"] = "jobspec-runner"
+    checked = preflight(client, multinode, "ml")
+    assert not checked.warnings and len(checked.missing) == 3  # llama-checkpoints, jobspec-runner, the H100s
     used = set().union(*(rbac_of(r) for r in api.requests))
     assert used == granted(base)
 

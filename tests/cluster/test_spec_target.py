@@ -10,6 +10,7 @@ from jobspec.contract import EXIT_CLUSTER, EXIT_CONFIG, EXIT_OK
 
 from .conftest import BARE_SPEC, NAMED_SPEC, CliRun
 from .fake_api import FakeApi
+from .objects import prerequisite
 
 REPO = Path(__file__).resolve().parents[2]
 SFT = "examples/sft_fast.yaml"  # job sft-fast, namespace: jobspec (the kubeconfig's context says ml)
@@ -18,6 +19,8 @@ SFT = "examples/sft_fast.yaml"  # job sft-fast, namespace: jobspec (the kubeconf
 @pytest.fixture
 def submitted(api: FakeApi, kubeconfig: Path, cli: CliRun) -> list[str]:
     kc = ["--kubeconfig", str(kubeconfig)]
+    for claim in ("sft-checkpoints", "sft-data"):  # what the example names (the pre-submit checks look)
+        api.put(prerequisite("PersistentVolumeClaim", claim, "jobspec"))
     code, _, err = cli("submit", str(REPO / SFT), *kc)
     assert code == EXIT_OK, err
     assert api.get("jobs", "jobspec", "sft-fast") is not None
