@@ -101,8 +101,9 @@ def estimate_kwargs(spec: JobSpec, world_size: int, precision: str) -> dict[str,
 
 
 def rows_per_sample(spec: JobSpec) -> int:
-    """Sequences one sample of the global batch is: a DPO pair is 2 (chosen and rejected, in one micro-batch)."""
-    return 2 if spec.training.objective == "dpo" else 1
+    """Sequences one sample of the global batch is: a preference pair (dpo, simpo, orpo) is 2, chosen and rejected
+    in one micro-batch. SimPO and ORPO have no reference pass; DPO's runs once before training."""
+    return 1 if spec.training.objective == "sft" else 2
 
 
 def fixed_micro_batch(spec: JobSpec) -> int | None:

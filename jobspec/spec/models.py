@@ -55,6 +55,7 @@ MAX_SUBDOMAIN_CHARS = 253  # a DNS subdomain: PriorityClass names, Secret keys
 MAX_WORD_CHARS = 256  # record keys, module names, W&B project and entity, run and experiment names
 MAX_LABEL_VALUE_CHARS = 63
 MAX_GPU_TYPE_CHARS = 64  # "A100-SXM4-80GB"; no catalogue name comes near
+SIMPO_GAMMA = 0.5  # TRL's CPOConfig default target margin for SimPO
 # distribution/reference: a repository of at most 255 characters (registry included), a tag of at most 128,
 # and the longest digest this spec accepts (sha512).
 MAX_IMAGE_CHARS = 255 + len(":") + 128 + len("@sha512:") + 128
@@ -427,9 +428,9 @@ class DataSpec(Section):
     format: Annotated[
         Literal["auto", "prompt_response", "messages", "preference"],
         Field(
-            description="Record layout: {prompt, response}, {messages: [{role, content}]} or, for "
-            "`training.objective: dpo`, preference pairs {prompt, chosen, rejected} (texts, or message lists with "
-            "an optional prompt list: TRL's conventions); auto detects per file."
+            description="Record layout: {prompt, response}, {messages: [{role, content}]} or, for a preference "
+            "`training.objective` (dpo, simpo, orpo), preference pairs {prompt, chosen, rejected} (texts, or message "
+            "lists with an optional prompt list: TRL's conventions); auto detects per file."
         ),
     ] = "auto"
     prompt_field: Annotated[WordStr, Field(description="Key of the prompt in prompt/response records.")] = "prompt"
@@ -575,17 +576,33 @@ class TrainingSpec(Section):
         ),
     ] = "chunked"
     objective: Annotated[
-        Literal["sft", "dpo"],
+        Literal["sft", "dpo", "simpo", "orpo"],
         Field(
-            description="sft = token cross-entropy on the responses; dpo = Direct Preference Optimization (sigmoid) "
-            "on {prompt, chosen, rejected} pairs (TRL's conventions), against the starting model's log-probs "
-            "computed once before training and cached beside the tokenized data (with LoRA: the adapter off)."
+            description="sft = token cross-entropy on the responses; the preference objectives train on "
+            "{prompt, chosen, rejected} pairs (TRL's conventions): dpo = Direct Preference Optimization (sigmoid), "
+            "against the starting model's log-probs computed once before training and cached beside the tokenized "
+            "data (with LoRA: the adapter off); simpo = SimPO (TRL's CPOTrainer, loss_type simpo, cpo_alpha 0) and "
+            "orpo = ORPO (TRL's ORPOTrainer), both reference-free, on length-normalised log-probs."
         ),
     ] = "sft"
     beta: Annotated[
         float,
-        Field(gt=0, le=100, description="DPO's beta: how far the policy may move from the reference (TRL: 0.1)."),
+        Field(
+            gt=0,
+            le=100,
+            description="The preference objective's beta (TRL's default 0.1 for each): DPO's, how far the policy "
+            "may move from the reference; SimPO's reward scale; ORPO's weight of the odds-ratio term (lambda).",
+        ),
     ] = 0.1
+    simpo_gamma: Annotated[
+        float | None,
+        Field(
+            ge=0,
+            le=100,
+            description="SimPO's target reward margin, gamma; only with `objective: simpo`, where null means TRL's "
+            f"CPOConfig default, {SIMPO_GAMMA}.",
+        ),
+    ] = None
 
     @model_validator(mode="after")
     def _schedule(self) -> "TrainingSpec":
@@ -595,7 +612,15 @@ class TrainingSpec(Section):
             raise ValueError("`training.lr_scaling: linear` needs `training.lr_base_batch` (its tuned batch)")
         if self.warmup_steps and self.steps is not None and self.warmup_steps >= self.steps:
             raise ValueError(f"warmup_steps ({self.warmup_steps}) must be below steps ({self.steps})")
+        if self.simpo_gamma is not None and self.objective != "simpo":
+            raise ValueError(f"`training.simpo_gamma` is SimPO's: set `training.objective: simpo`, or drop "
+                             f"simpo_gamma (objective {self.objective})")  # fmt: skip
         return self
+
+    @property
+    def gamma(self) -> float:
+        """SimPO's target margin: `simpo_gamma`, or TRL's default."""
+        return SIMPO_GAMMA if self.simpo_gamma is None else self.simpo_gamma
 
     @property
     def peak_lr(self) -> float:

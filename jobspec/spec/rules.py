@@ -350,15 +350,18 @@ def liger_problems(spec: SpecView) -> list[Problem]:
 
 
 def _objective(spec: SpecView) -> list[Problem]:
-    """DPO reads one prepared source of preference pairs (its reference log-probs are computed over all of it once)."""
-    if spec.training.objective == "sft":
+    """A preference objective reads one prepared source of pairs (DPO computes its reference log-probs over all of it
+    once; every objective keeps a pair's two chats together, which the streaming reader does not)."""
+    objective = spec.training.objective
+    if objective == "sft":
         return []
     d, out = spec.data, []
     if d.streaming:
-        out.append(("data.streaming", "training.objective dpo needs the pairs prepared whole (its reference "
-                    "log-probs are computed once over them)", "set data.streaming: false"))  # fmt: skip
+        out.append(("data.streaming", f"training.objective {objective} needs the pairs prepared whole (a pair's "
+                    "chats stay together; DPO computes its reference log-probs once over them)",
+                    "set data.streaming: false"))  # fmt: skip
     if d.sources is not None and len(d.sources) > 1:
-        out.append(("data.sources", "training.objective dpo reads one source of preference pairs",
+        out.append(("data.sources", f"training.objective {objective} reads one source of preference pairs",
                     "join the sources into one file, or give it as data.path"))  # fmt: skip
     return out
 

@@ -46,6 +46,8 @@ def lineage(spec: JobSpec, train_rows: list[tuple[np.ndarray, np.ndarray]]) -> d
     objective = {}  # only for a preference objective: the lineage of every SFT run stays as it was
     if spec.training.objective != "sft":
         objective = {"training.objective": spec.training.objective, "training.beta": spec.training.beta}
+        if spec.training.objective == "simpo":
+            objective["training.simpo_gamma"] = spec.training.gamma
     return {
         **objective,
         "name": spec.name,

@@ -64,9 +64,13 @@ class Batch:
     # (B, T) int64, restarting at 0 at each record of a packed row (padding goes on counting from the last one);
     # None for rows of one record each: the model numbers them itself, exactly as without packing
     position_ids: torch.Tensor | None = None
-    # (B, 2) float64: a preference batch's reference log-probs (chosen, rejected) per pair, whose rows are the B
-    # chosen then the B rejected chats (runner/data/preference.py); None: an SFT batch
+    # a preference batch: its rows are the B chosen then the B rejected chats of B pairs (runner/data/preference.py)
+    pairs: bool = False
+    # (B, 2) float64: a DPO batch's reference log-probs (chosen, rejected) per pair; None: none (SFT, SimPO, ORPO)
     reference: torch.Tensor | None = None
+    # (B, T) int64: every next token of a preference batch's B chosen chats, prompt included, IGNORE at padding
+    # (ORPO's NLL term, as TRL's ORPOTrainer scores it); None: an SFT batch
+    chosen_labels: torch.Tensor | None = None
 
 
 def detect_format(record: dict, spec: DataSpec, where: str) -> str:

@@ -1,4 +1,4 @@
-"""Preference pairs: a record of TRL's preference conventions as the two chats DPO scores.
+"""Preference pairs: a record of TRL's preference conventions as the two chats DPO, SimPO and ORPO score.
 
 Two layouts, as TRL's DPOTrainer reads them, so a user's data set works unchanged:
 
@@ -23,17 +23,18 @@ CHOSEN, REJECTED = "chosen", "rejected"
 
 
 def check_objective(fmt: str, pairs: bool, where: object) -> None:
-    """ConfigError when the record format and the objective disagree: pairs need DPO, DPO needs pairs."""
+    """ConfigError when the record format and the objective disagree: pairs need a preference objective (dpo, simpo,
+    orpo), which needs pairs."""
     if pairs and fmt != "preference":
         raise ConfigError(
-            f"{where}: training.objective dpo needs preference pairs ({{prompt, chosen, rejected}} texts, or "
-            f"chosen/rejected message lists), got a {fmt} record; point data.path at preference data or set "
-            "training.objective: sft"
+            f"{where}: a preference objective (training.objective dpo, simpo or orpo) needs preference pairs "
+            f"({{prompt, chosen, rejected}} texts, or chosen/rejected message lists), got a {fmt} record; point "
+            "data.path at preference data or set training.objective: sft"
         )
     if not pairs and fmt == "preference":
         raise ConfigError(
-            f"{where}: a preference pair ({CHOSEN!r}/{REJECTED!r}) trains with training.objective: dpo; set it, or "
-            "give prompt/response or messages records for sft"
+            f"{where}: a preference pair ({CHOSEN!r}/{REJECTED!r}) trains with a preference objective; set "
+            "training.objective: dpo, simpo or orpo, or give prompt/response or messages records for sft"
         )
 
 

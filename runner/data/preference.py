@@ -1,4 +1,5 @@
-"""Preference data for DPO: pairs of tokenized chats kept together, with the reference log-probs beside them.
+"""Preference data for DPO, SimPO and ORPO: pairs of tokenized chats kept together (DPO: its reference log-probs beside
+them).
 
 Each preference record is two consecutive records of the tokenized store (runner/data/pairs.py): chosen, rejected.
 `PreferenceData` is `SFTData` whose sample ids are pairs: train row 2i is pair i's chosen chat and 2i+1 its rejected
@@ -6,12 +7,14 @@ one, each alone in its row (never packed: a pair's members are scored as separat
 joins them). A pair is dropped whole when either member keeps no target token within max_seq_len. A micro-batch of
 B pairs is 2B rows, the B chosen chats then the B rejected ones (TRL's concatenated layout), its `targets` the B
 pairs (the step's loss is the mean over the global step's pairs) and its `reference` the (B, 2) reference
-log-probs of those pairs, once `set_reference` has them (runner/train/reference.py computes them once).
+log-probs of those pairs, once `set_reference` has them (runner/train/reference.py computes them once; DPO only),
+and its `chosen_labels` the chosen chats' every next token, prompt included (ORPO's NLL term, as TRL scores it).
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import replace
 from typing import Literal
 
@@ -24,7 +27,7 @@ from runner.data.cache import CacheKey, usable_root
 from runner.data.dataset import BUNDLED, Batch, SFTData, _split, encode_keyed, make_batch, pad_rows
 from runner.data.records import EVAL_SPLITS
 from runner.data.tokenizer import Tokenizer
-from runner.data.tokens import Rows, Streams
+from runner.data.tokens import IGNORE, Rows, Streams
 
 log = logging.getLogger("jobspec.runner")
 Split = Literal["train", "eval"]
@@ -61,6 +64,11 @@ class PreferenceData(SFTData):
         rows = self.rows(split)
         self.reference[split] = np.asarray(per_record, dtype=np.float64)[rows.records].reshape(-1, 2)
 
+    def chosen_positions(self, ids: Sequence[int], split: str = "train") -> int:
+        """Positions of the pairs' chosen chats, prompt included: the tokens ORPO's NLL term is a mean over."""
+        rows = self.rows("train" if split == "train" else "eval")
+        return int(rows.lengths[2 * np.asarray(ids, dtype=np.int64)].sum()) if len(ids) else 0
+
     def collate(self, ids: list[int] | tuple[int, ...], split: str = "train") -> Batch:  # type: ignore[override]
         rows_of = self.rows("train" if split == "train" else "eval")
         rows = [rows_of[2 * i] for i in ids] + [rows_of[2 * i + 1] for i in ids]
@@ -68,7 +76,11 @@ class PreferenceData(SFTData):
         batch = make_batch(x, y, rows, ids, None)
         reference = self.reference["train" if split == "train" else "eval"]
         ref = None if reference is None else torch.from_numpy(reference[np.asarray(ids, dtype=np.int64)])
-        return replace(batch, targets=len(ids), reference=ref)
+        chosen = np.full((len(ids), x.shape[1]), IGNORE, dtype=np.int64)
+        for b, i in enumerate(ids):  # a row of n tokens scores tokens 1..n-1: all of them, the prompt's too
+            tokens = rows_of.streams[int(rows_of.records[2 * i])][0][1:]
+            chosen[b, : len(tokens)] = tokens
+        return replace(batch, targets=len(ids), pairs=True, reference=ref, chosen_labels=torch.from_numpy(chosen))
 
 
 def load_preference(spec: JobSpec, tokenizer: Tokenizer) -> PreferenceData:
@@ -76,7 +88,8 @@ def load_preference(spec: JobSpec, tokenizer: Tokenizer) -> PreferenceData:
     `eval_fraction` of the pairs held out by seed."""
     d, cache = spec.data, usable_root(spec)
     if d.packing:
-        log.info("data.packing off for training.objective dpo: each chosen and rejected chat is a row of its own")
+        log.info("data.packing off for training.objective %s: each chosen and rejected chat is a row of its own",
+                 spec.training.objective)  # fmt: skip
     source = d.train_sources(str(BUNDLED))[0]
     field = "data.path" if d.sources is None else "data.sources[0].path"
     fmt = d if source.format is None else d.model_copy(update={"format": source.format})

@@ -62,7 +62,8 @@ from runner.sizing.plan import (
     with_micro_batch,
 )
 from runner.sizing.probe import describe, probe_host
-from runner.train import dpo, engine, handoff, update
+from runner.train import engine, handoff, update
+from runner.train.objectives import Objective
 from runner.train.reference import attach_reference
 from runner.train.step import EvalOOM, Preempted, Stepper, StepResult, StopFlag, get_lr
 
@@ -136,8 +137,8 @@ class Recipe:
             self.data = load_stream(spec, self.tokenizer, env.rank, env.world_size, write_index=env.is_main)
             self.order = self.data.order
         else:  # DPO: pairs, chosen and rejected in one micro-batch (runner/data/preference.py)
-            dpo_pairs = spec.training.objective == "dpo"
-            self.data = load_preference(spec, self.tokenizer) if dpo_pairs else load_data(spec, self.tokenizer)
+            pairs = spec.training.objective != "sft"  # dpo, simpo, orpo
+            self.data = load_preference(spec, self.tokenizer) if pairs else load_data(spec, self.tokenizer)
             self.order = data_order(spec, self.data)  # several sources: mixed by weight (runner/data/mix.py)
         # Samples of each source trained since the last train record (several sources only).
         self.mixed = [0] * len(self.data.sources) if len(self.data.sources) > 1 else None
@@ -209,10 +210,11 @@ class Recipe:
             self.stop,
             max_grad_norm=spec.training.max_grad_norm,
             loss_kernel=spec.training.loss_kernel,
-            beta=spec.training.beta,
+            objective=Objective.of(spec.training),
             rows=rows_per_sample(spec),
         )
-        if isinstance(self.data, PreferenceData):  # the starting model's, before any checkpoint is loaded into it
+        dpo = spec.training.objective == "dpo"  # SimPO and ORPO are reference-free
+        if dpo and isinstance(self.data, PreferenceData):  # the starting model's, before any checkpoint is loaded
             attach_reference(self.stepper, self.data, spec, precision=self.plan.precision, quantize=self.plan.quantize,
                              micro_batch=self.plan.micro_batch, is_main=env.is_main)  # fmt: skip
         probe_faults = faults.probe_injector(self.model, rank=env.rank, tier=self.plan.tier, run_dir=self.root)
@@ -598,7 +600,8 @@ class Recipe:
 
     def _log_step(self, r: StepResult, tokens_per_s: float) -> None:
         sums = self.ctrl.all_reduce([r.loss_sum.item(), *([] if r.preference is None else r.preference.tolist())])
-        loss = sums[0] / max(r.targets, 1)  # global per-token mean (DPO: per-pair)
+        loss = sums[0] / max(r.targets, 1)  # global per-token mean (preference objectives: per-pair)
+        obj = self.stepper.objective
         self.status.update(step=self.step, loss=loss)
         used, total = memory_bytes(self.device, self.host.total_bytes)
         p = self.plan
@@ -624,7 +627,7 @@ class Recipe:
                 "mem_total_bytes": total,
                 "gpu_util": self.gpu_util(),
                 **self._mix(),
-                **({} if r.preference is None else dpo.metrics(sums[1:], r.targets)),
+                **({} if r.preference is None or obj is None else obj.metrics(sums[1:], r.targets)),
             }
         )
 

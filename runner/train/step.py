@@ -39,8 +39,8 @@ from runner.model.packing import packed_inputs
 from runner.oom import fsdp
 from runner.oom.detect import Guarded, Headroom, allocated_bytes, guarded, headroom, release_memory
 from runner.oom.shrink import RankOOM, StepOOM, agreement, raise_agreed, reset_wrapper
-from runner.train.dpo import preference_loss
 from runner.train.loss import ChunkedLossHead, install_chunked_loss
+from runner.train.objectives import Objective
 from runner.train.update import APPLY_TRIES, PREPARE_TRIES, Update
 
 log = logging.getLogger("jobspec.runner")
@@ -86,17 +86,23 @@ def summed_loss(
     return summed
 
 
-def sequence_logps(model: torch.nn.Module, head: ChunkedLossHead | None, input_ids: torch.Tensor,
-                   labels: torch.Tensor) -> torch.Tensor:  # fmt: skip
-    """(B,) fp32: each row's summed log-prob of its target tokens (minus its summed token cross-entropy), by the same
-    loss head as `summed_loss` (the per-token losses it returns are minus the per-token log-probs)."""
+def token_losses(model: torch.nn.Module, head: ChunkedLossHead | None, input_ids: torch.Tensor,
+                 labels: torch.Tensor) -> torch.Tensor:  # fmt: skip
+    """(B, T) fp32: each position's token cross-entropy (minus the log-prob of its label), 0 at IGNORE, by the same
+    loss head as `summed_loss`."""
     if head is not None:
         with head.targets(labels):
             losses = model(input_ids=input_ids, use_cache=False).logits.float()  # (B, T, 1), 0 at IGNORE
-        return -losses.flatten(1).sum(1)
+        return losses.flatten(1)
     logits = model(input_ids=input_ids, use_cache=False).logits.float()
     losses = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=IGNORE, reduction="none")
-    return -losses.view(labels.shape).sum(1)
+    return losses.view(labels.shape)
+
+
+def sequence_logps(model: torch.nn.Module, head: ChunkedLossHead | None, input_ids: torch.Tensor,
+                   labels: torch.Tensor) -> torch.Tensor:  # fmt: skip
+    """(B,) fp32: each row's summed log-prob of its target tokens (minus its summed token cross-entropy)."""
+    return -token_losses(model, head, input_ids, labels).sum(1)
 
 
 class EvalOOM(Exception):
@@ -175,7 +181,8 @@ class StepResult:
     tokens: int  # input tokens of the global step (all ranks), padding excluded
     grad_norm: torch.Tensor | None  # before clipping; None when clipping is off
     sample_ids: list[int] = field(default_factory=list)  # this rank's samples, in the order processed
-    # DPO: this rank's sums of runner/train/dpo.py's METRICS over its pairs (fp32 (6,)); None for SFT
+    # a preference objective: this rank's sums behind its metrics over its pairs (runner/train/objectives.py, fp32);
+    # None for SFT
     preference: torch.Tensor | None = None
 
 
@@ -194,13 +201,14 @@ class Stepper:
         max_grad_norm: float | None,
         prefetch: Prefetcher | None = None,
         loss_kernel: LossKernel = "chunked",
-        beta: float = 0.1,
+        objective: Objective | None = None,
         rows: int = 1,
     ):
         self.accelerator, self.model, self.optimizer = accelerator, model, optimizer
-        self.beta = beta  # DPO's, for batches that carry reference log-probs (runner/train/dpo.py)
-        self.rows = rows  # sequences a sample is: a DPO pair's 2 rows, which a probe step of its micro-batch runs
-        self.preference_sums: list[torch.Tensor] = []  # DPO: each micro-batch's metric sums in this step
+        self.objective = objective  # a preference objective, for batches of pairs (runner/train/objectives.py)
+        self.rows = rows  # sequences a sample is: a pair's 2 rows, which a probe step of its micro-batch runs
+        self.preference_sums: list[torch.Tensor] = []  # pairs: each micro-batch's metric sums in this step
+        self.nll_scale = 1.0  # ORPO: the step's (or evaluation's) pairs over its chosen chats' positions
         self.data, self.ctrl, self.stop = data, ctrl, stop
         self.max_grad_norm = max_grad_norm
         self.device = accelerator.device
@@ -250,18 +258,44 @@ class Stepper:
         return t.to(self.device, non_blocking=t.is_pinned())
 
     def loss_sum(self, batch: Batch, router: list[torch.Tensor] | None = None) -> torch.Tensor:
-        """Summed token cross-entropy of a micro-batch, in fp32 (`summed_loss`); `router`: see there. A preference
-        batch (with reference log-probs): its summed DPO loss over its pairs (runner/train/dpo.py), its metric sums
+        """Summed token cross-entropy of a micro-batch, in fp32 (`summed_loss`); `router`: see there. A batch of
+        pairs: the preference objective's loss summed over its pairs (runner/train/objectives.py), its metric sums
         kept in `preference_sums`."""
-        if batch.reference is not None:
-            x, y = self._to_device(batch.input_ids), self._to_device(batch.labels)
-            loss, sums = preference_loss(sequence_logps(self.model, self.head, x, y), batch.reference, self.beta)
-            self.preference_sums.append(sums)
-            return loss
+        if batch.pairs:
+            return self._pair_loss(batch)
         positions = None if batch.position_ids is None else self._to_device(batch.position_ids)
         return summed_loss(
             self.model, self.head, self._to_device(batch.input_ids), self._to_device(batch.labels), positions, router
         )
+
+    def _pair_loss(self, batch: Batch) -> torch.Tensor:
+        """One forward over the batch's 2B rows; ORPO scores its chosen rows on every next token (its NLL term)."""
+        objective = self.objective
+        if objective is None:
+            raise ValueError("a batch of preference pairs, but training.objective is sft")
+        x, y = self._to_device(batch.input_ids), self._to_device(batch.labels)
+        chosen = None
+        scored = y
+        if objective.scores_chosen_chat and batch.chosen_labels is not None:
+            chosen = self._to_device(batch.chosen_labels)
+            scored = torch.cat([chosen, y[len(chosen) :]])
+        losses = token_losses(self.model, self.head, x, scored)
+        loss, sums = objective.loss(losses, y, reference=batch.reference, chosen_labels=chosen,
+                                    nll_scale=self.nll_scale)  # fmt: skip
+        self.preference_sums.append(sums)
+        return loss
+
+    def _set_nll_scale(self, ids: Sequence[int], counts: Sequence[float], split: str) -> list[float]:
+        """All-reduce `counts` (with ORPO, this rank's chosen positions of `ids` after them) and set `nll_scale` from
+        the global pairs and chosen positions; returns the reduced `counts`."""
+        orpo = self.objective is not None and self.objective.scores_chosen_chat
+        chosen = getattr(self.data, "chosen_positions", None)  # PreferenceData's (runner/data/preference.py)
+        extra = [float(chosen(ids, split)), float(len(ids))] if orpo and chosen is not None else []
+        reduced = self.ctrl.all_reduce([*counts, *extra])
+        if extra:
+            self.nll_scale = reduced[-1] / max(reduced[-2], 1.0)
+            return reduced[: len(counts)]
+        return reduced
 
     def train_step(self, sample_ids: Sequence[int], micro_batch: int, lr: float) -> StepResult:
         """Accumulate over this rank's `sample_ids` in micro-batches of `micro_batch`, then one optimizer step.
@@ -284,7 +318,8 @@ class Stepper:
             batches = self.prefetch.batches(sample_ids, micro_batch)
         else:
             batches = [self.data.collate(ids) for ids in micro_batches(sample_ids, micro_batch)]
-        targets, tokens = self.ctrl.all_reduce([sum(b.targets for b in batches), sum(b.tokens for b in batches)])
+        counts = [sum(b.targets for b in batches), sum(b.tokens for b in batches)]
+        targets, tokens = self._set_nll_scale(sample_ids, counts, "train")
         scale = self.world_size / max(targets, 1.0)  # global per-token mean, undoing the ranks' gradient average
         losses: list[torch.Tensor] = []  # each micro-step's summed loss (detached), summed by the update
         seen: list[int] = []
@@ -400,6 +435,8 @@ class Stepper:
         redo that micro-batch at half the size (kept for later evaluations). Raises EvalOOM on every rank when even
         one sample at a time runs out."""
         size = min(micro_batch, self.eval_micro_batch or micro_batch)
+        if self.objective is not None and self.objective.scores_chosen_chat:
+            self._set_nll_scale(sample_ids, [], "eval")  # ORPO's NLL: a mean over the whole evaluation's positions
         parts: list[torch.Tensor] = []
         targets = 0
         pending = list(sample_ids)

@@ -1,0 +1,134 @@
+"""The preference objectives: how a micro-batch of B pairs becomes a loss and TRL's metrics, for DPO, SimPO and ORPO.
+
+Read after runner/train/dpo.py (sigmoid DPO against the cached reference). The step (runner/train/step.py) runs the
+model once over the micro-batch's 2B rows (the B chosen chats, then the B rejected ones) and hands `Objective.loss`
+each position's token loss (minus its log-prob; 0 where the labels say IGNORE). The completion's tokens are those the
+batch's `labels` mark, so a row's summed log-prob is the sum over them, and its length-normalised one (SimPO, ORPO:
+TRL's `average_log_prob=True`) that sum over their count. ORPO scores its chosen rows with `chosen_labels` instead,
+every next token of the chat (TRL's ORPOTrainer: its NLL term covers the prompt too), and reads the completion's
+log-probs from the same positions.
+
+As TRL computes them (trl 1.16, `trl.experimental`; checked against its own trainers in
+tests/runner/train/test_reference_free.py):
+
+- SimPO, CPOTrainer with `loss_type="simpo"`, `cpo_alpha=0` (no NLL term), no label smoothing:
+  `-logsigmoid(beta * (avg_c - avg_r) - gamma)`, rewards `beta * avg`.
+- ORPO, ORPOTrainer: `nll - beta * logsigmoid(log_odds)` with `log_odds = (avg_c - avg_r) - (log(1 - e^avg_c) -
+  log(1 - e^avg_r))`, the NLL the mean token cross-entropy of the chosen chats, rewards `beta * avg`.
+
+Normalised over the global step, whatever the micro-batch: each pair's term by the step's pairs (the step's `scale`)
+and ORPO's NLL by the step's chosen positions (`nll_scale` = pairs / chosen positions, set by the step), so a step of
+one micro-batch is TRL's loss on that batch and a shrunk step is the same step. The metric sums (fp32, detached) are
+all-reduced by the recipe and divided by the step's pairs (`metrics`), ORPO's `nll_loss` by its chosen positions.
+Not logged: TRL's `logits/chosen` and `logits/rejected` (the mean of the whole logits, which the chunked loss head
+never holds), and CPOTrainer's `nll_loss`, always 0 for SimPO.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from jobspec.spec.models import TrainingSpec
+from runner.data.tokens import IGNORE
+from runner.train import dpo
+
+REWARDS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies", "logps/chosen",
+           "logps/rejected")  # fmt: skip
+ORPO_EXTRA = ("nll_loss", "log_odds_ratio", "log_odds_chosen")
+
+
+def log1mexp(x: torch.Tensor) -> torch.Tensor:
+    """log(1 - e^x) for x < 0, without cancellation (branching at -ln 2, as TRL's ORPOTrainer does)."""
+    return torch.where(x < -0.6931471805599453, torch.log1p(-torch.exp(x)), torch.log(-torch.expm1(x)))
+
+
+def simpo_loss(chosen: torch.Tensor, rejected: torch.Tensor, beta: float,
+               gamma: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """Per pair from length-normalised log-probs: (loss, chosen reward, rejected reward), TRL's CPOTrainer.cpo_loss
+    with loss_type simpo, alpha 0 and no label smoothing."""
+    logits = (chosen - rejected) - gamma / beta
+    return -F.logsigmoid(beta * logits), beta * chosen.detach(), beta * rejected.detach()
+
+
+def odds_ratio_loss(chosen: torch.Tensor, rejected: torch.Tensor, beta: float) -> tuple[torch.Tensor, ...]:
+    """Per pair from length-normalised log-probs, in fp32: (beta * logsigmoid(log odds), chosen reward, rejected
+    reward, logsigmoid(log odds), log odds), TRL's ORPOTrainer.odds_ratio_loss (whose loss is the NLL minus the mean
+    of the first) but per pair where TRL gives the last two's means."""
+    chosen, rejected = chosen.float(), rejected.float()
+    log_odds = (chosen - rejected) - (log1mexp(chosen) - log1mexp(rejected))
+    ratio = F.logsigmoid(log_odds)
+    return beta * ratio, beta * chosen.detach(), beta * rejected.detach(), ratio, log_odds
+
+
+def _reward_sums(chosen: torch.Tensor, rejected: torch.Tensor, r_chosen: torch.Tensor,
+                 r_rejected: torch.Tensor) -> list[torch.Tensor]:  # fmt: skip
+    wins = (r_chosen > r_rejected).float()
+    return [r_chosen.sum(), r_rejected.sum(), (r_chosen - r_rejected).sum(), wins.sum(), chosen.detach().sum(),
+            rejected.detach().sum()]  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Objective:
+    """A preference objective (`training.objective`) with its parameters; see the module docstring."""
+
+    name: str  # dpo | simpo | orpo
+    beta: float
+    gamma: float = 0.0  # SimPO's target margin
+
+    @classmethod
+    def of(cls, training: TrainingSpec) -> Objective | None:
+        """The spec's preference objective; None for sft."""
+        if training.objective == "sft":
+            return None
+        return cls(training.objective, training.beta, training.gamma if training.objective == "simpo" else 0.0)
+
+    @property
+    def metric_names(self) -> tuple[str, ...]:
+        return REWARDS + ORPO_EXTRA if self.name == "orpo" else REWARDS
+
+    @property
+    def scores_chosen_chat(self) -> bool:
+        """Whether the chosen rows are scored on every next token (`chosen_labels`): ORPO's NLL term."""
+        return self.name == "orpo"
+
+    def loss(self, token_losses: torch.Tensor, labels: torch.Tensor, *, reference: torch.Tensor | None = None,
+             chosen_labels: torch.Tensor | None = None, nll_scale: float = 1.0) -> tuple[torch.Tensor, ...]:
+        """(summed loss over the B pairs, the sums behind `metrics`: fp32, detached) from the (2B, T) fp32 token
+        losses of the micro-batch's rows and their completion `labels` (2B, T); `reference`: DPO's (B, 2) log-probs.
+        ORPO: the chosen rows were scored at `chosen_labels` (B, T), and their NLL's sum times `nll_scale` (the step's
+        pairs over its chosen positions) joins the loss."""
+        completion = labels != IGNORE
+        logps = -(token_losses * completion).sum(1)  # (2B,) summed completion log-probs
+        if self.name == "dpo":
+            if reference is None:
+                raise ValueError("a DPO batch without its reference log-probs (runner/train/reference.py)")
+            return dpo.preference_loss(logps, reference, self.beta)
+        pairs = len(logps) // 2
+        avg = logps / completion.sum(1).clamp(min=1)  # length-normalised; a pair with an empty member is dropped
+        chosen, rejected = avg[:pairs], avg[pairs:]
+        if self.name == "simpo":
+            losses, r_chosen, r_rejected = simpo_loss(chosen, rejected, self.beta, self.gamma)
+            return losses.sum(), torch.stack(_reward_sums(chosen, rejected, r_chosen, r_rejected)).float()
+        if chosen_labels is None:
+            raise ValueError("an ORPO batch without its chosen chats' labels (runner/data/preference.py)")
+        losses, r_chosen, r_rejected, ratio, log_odds = odds_ratio_loss(chosen, rejected, self.beta)
+        nll = token_losses[:pairs].sum()  # the chosen rows hold every next token's loss (`scores_chosen_chat`)
+        loss = nll * nll_scale - losses.sum()
+        positions = (chosen_labels != IGNORE).sum().float()  # nll_loss's denominator (a metric)
+        extra = [nll.detach(), ratio.detach().sum(), log_odds.detach().sum(), positions]
+        return loss, torch.stack(_reward_sums(chosen, rejected, r_chosen, r_rejected) + extra).float()
+
+    def metrics(self, sums: list[float], pairs: float) -> dict[str, float]:
+        """TRL's metric names, each the mean over the global step's `pairs` of the all-reduced sums; ORPO's nll_loss
+        the mean over its chosen positions."""
+        if self.name == "dpo":
+            return dpo.metrics(sums, pairs)
+        out = {name: value / max(pairs, 1.0) for name, value in zip(REWARDS, sums, strict=False)}
+        if self.name == "orpo":
+            nll, ratio, log_odds, positions = sums[len(REWARDS) :]
+            out |= {"nll_loss": nll / max(positions, 1.0), "log_odds_ratio": ratio / max(pairs, 1.0),
+                    "log_odds_chosen": log_odds / max(pairs, 1.0)}  # fmt: skip
+        return out
