@@ -82,7 +82,7 @@ USERINFO = re.compile(r"(?<=://)[^/@\s]+@")  # user:password@ in a URL-like sour
 def cache_root(spec: JobSpec) -> Path:
     """Where the job's tokenized data is cached: `data.cache_dir`, else `<checkpoints.dir>/data-cache` (the run
     directory's volume: kept across restarts, shared by the pods that share it)."""
-    return Path(spec.data.cache_dir) if spec.data.cache_dir else Path(spec.checkpoints.dir) / "data-cache"
+    return Path(spec.data.cache_dir) if spec.data.cache_dir else Path(spec.run_dir) / "data-cache"
 
 
 def usable_root(spec: JobSpec) -> Path | None:
@@ -180,6 +180,11 @@ def _digest_file(path: Path, field: str, stamps: Path | None = None) -> tuple[st
     if stamp is not None:
         _write_stamp(stamp, {"identity": identity, "sha256": digest, "sample": sample})
     return digest, sample
+
+
+def sampled_digest(f: BinaryIO, size: int) -> str:
+    """`_sampled`, for other files bound the same way (a model's weights: runner/train/reference.py)."""
+    return _sampled(f, size)
 
 
 def _sampled(f: BinaryIO, size: int) -> str:

@@ -8,10 +8,16 @@ completion log-prob (no gradients, the model in eval mode, the training step's l
 
 Where the records are cached (runner/data/cache.py), the log-probs are stored beside their entry as
 `<entry>.reference-<model>.npy`: one float64 per record, keyed by the entry (data, tokenizer, template, max_seq_len)
-and by the model (`model.*` but LoRA, precision, 4-bit base, seed). Every rank and every restart reads them; one that
-fails a check (not a regular file, not a float64 array of one value per record, not finite) is logged and computed
-again. Every rank computes when any lacks them (the forwards are collective under FSDP); rank 0 writes. Not sharded
-over ranks yet: each rank scores every record. An OOM halves the rows a forward (`score_records`).
+and by the model (`model_key`: `model.*` but LoRA, precision, 4-bit base, seed, and the weights themselves: a hub
+snapshot's commit, or each file of a local model directory by name, size and sampled blocks, so new weights written
+to the same `model.path` make a new entry). Every rank and every restart reads them; one that fails a check (not a
+regular file, not a float64 array of one value per record, not finite; with JOBSPEC_CHECKPOINT_KEY set, no signed
+sidecar `<name>.json` whose SHA-256 is the file's) is logged and computed again.
+
+When any rank lacks them every rank computes (the forwards are collective under FSDP), each its own share: the
+trainable records dealt round-robin over the ranks, padded to the same count so that every rank runs as many
+forwards; the shares are summed over the ranks (each record scored once, zeros elsewhere) and rank 0 writes. An OOM
+on any rank halves the rows a forward on every rank (`score_records`).
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ import hashlib
 import io
 import json
 import logging
+import os
 import time
 from contextlib import nullcontext
 from functools import partial
@@ -31,9 +38,11 @@ import torch
 
 from jobspec import shared_dir
 from jobspec.errors import ConfigError
+from jobspec.shared_dir import signing
+from jobspec.spec.hub import hub_origin
 from jobspec.spec.models import JobSpec
-from jobspec.untrusted import open_regular
-from runner.data.cache import CacheKey, usable_root
+from jobspec.untrusted import json_loads, open_regular, read_bounded
+from runner.data.cache import CacheKey, sampled_digest, usable_root
 from runner.data.dataset import pad_rows
 from runner.data.preference import PreferenceData, Split
 from runner.data.tokens import Rows, Streams
@@ -44,24 +53,63 @@ log = logging.getLogger("jobspec.runner")
 VERSION = 1  # of the stored layout and of what the model key holds
 
 
+WEIGHT_FILES = (".safetensors", ".bin", ".pt", ".pth", ".json", ".model", ".gguf")  # what a model directory loads
+MAX_WEIGHT_FILES = 10_000
+
+
 def model_key(spec: JobSpec, precision: str, quantize: str | None) -> str:
     """What decides the starting model's log-probs, hashed: the model section (LoRA aside: its adapter is off),
-    the precision, the 4-bit base and the seed (a preset's weights are drawn from it)."""
+    the precision, the 4-bit base, the seed (a preset's weights are drawn from it) and the weights (`weights_identity`).
+    """
     model = spec.model.model_dump(mode="json", exclude={"attention", "hub_cache", "hub_token", "lora"})
     parts = {"version": VERSION, "model": model, "precision": precision, "quantize": quantize,
-             "seed": spec.training.seed}  # fmt: skip
+             "seed": spec.training.seed, "weights": weights_identity(spec.model.path)}  # fmt: skip
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:32]
+
+
+def weights_identity(path: str | None) -> str | None:
+    """Which weights `model.path` holds now: None for a preset (the seed draws them), `repo@commit` for a hub snapshot
+    (its directory names the commit), and for any other local directory a SHA-256 over each file it loads from (name,
+    size and the sampled blocks runner/data/cache.py binds data files with: about 1 MiB read per file, so a 100 GB
+    model costs milliseconds, and a fine-tuned checkpoint written over the old one is another model). A path that is
+    not a local directory (a hub id the runner resolves elsewhere) is its own identity."""
+    if not path:
+        return None
+    origin = hub_origin(path)
+    if origin is not None:
+        return f"{origin[0]}@{origin[1]}"
+    root = Path(path)
+    if not root.is_dir():
+        return path
+    h = hashlib.sha256()
+    names = sorted(n for n in os.listdir(root) if n.endswith(WEIGHT_FILES))[:MAX_WEIGHT_FILES]
+    for name in names:
+        h.update(name.encode("utf-8", "surrogateescape") + b"\0")
+        try:
+            with open_regular(root / name, what="model file", root=root, follow=False) as f:
+                h.update(sampled_digest(f, os.fstat(f.fileno()).st_size).encode())
+        except (ConfigError, OSError) as err:  # not a regular file, unreadable: the model's loader reports it
+            h.update(f"unreadable: {type(err).__name__}".encode())
+    return h.hexdigest()
 
 
 def reference_path(root: Path | None, key: CacheKey | None, model: str) -> Path | None:
     return None if root is None or key is None else root / f"{key.digest}.reference-{model}.npy"
 
 
+def _sidecar(path: Path) -> Path:
+    return path.with_name(path.name + ".json")
+
+
 def read_reference(path: Path, records: int) -> np.ndarray | None:
     """The stored log-probs of `records` records; None (logged when there is a file) when absent or damaged."""
     try:
-        with open_regular(path, what="reference log-probs", root=path.parent, follow=False) as f:
-            values = np.load(f, allow_pickle=False)
+        data = read_bounded(path, 8 * records + 2**16, what="reference log-probs", root=path.parent, follow=False)
+        secret = signing.key()
+        if secret is not None and (unsigned := _signature_problem(path, data, secret)):
+            log.warning("DPO reference %s not usable, computing it again: %s", path, unsigned)
+            return None
+        values = np.load(io.BytesIO(data), allow_pickle=False)
     except ConfigError as err:
         if "does not exist" not in str(err):
             log.warning("DPO reference %s not usable, computing it again: %s", path, err)
@@ -76,10 +124,28 @@ def read_reference(path: Path, records: int) -> np.ndarray | None:
     return values
 
 
+def _signature_problem(path: Path, data: bytes, secret: bytes) -> str | None:
+    """Why the signed sidecar of `path` does not vouch for `data` (its SHA-256 under a valid MAC), or None."""
+    sidecar = _sidecar(path)
+    try:
+        record = json_loads(read_bounded(sidecar, 4096, what="reference signature", root=path.parent, follow=False))
+    except (ConfigError, OSError, ValueError) as err:
+        return f"no readable signature {sidecar.name} ({err}), and {signing.KEY_ENV} is set"
+    if not isinstance(record, dict) or (problem := signing.problem(record, secret, sidecar.name)):
+        return problem or f"{sidecar.name} is not a signature"
+    if record.get("sha256") != hashlib.sha256(data).hexdigest():
+        return f"{sidecar.name} vouches for other bytes"
+    return None
+
+
 def write_reference(path: Path, values: np.ndarray) -> None:
     buffer = io.BytesIO()
     np.save(buffer, values.astype(np.float64), allow_pickle=False)
     try:
+        secret = signing.key()
+        if secret is not None:
+            record = signing.sign({"sha256": hashlib.sha256(buffer.getvalue()).hexdigest()}, secret)
+            shared_dir.write_atomic(_sidecar(path), json.dumps(record).encode())
         shared_dir.write_atomic(path, buffer.getvalue())
     except OSError as err:  # a read-only or full cache volume: the next start computes them again
         log.warning("DPO reference %s not written (%s): a restart computes it again", path, err)
@@ -95,13 +161,15 @@ def score_records(stepper: Stepper, streams: Streams, pad_id: int, max_seq_len: 
     adapter_off = unwrapped.disable_adapter() if hasattr(unwrapped, "disable_adapter") else nullcontext()
     rows = Rows(streams, np.arange(len(streams)), np.arange(len(streams) + 1))
     out = np.zeros(len(streams), dtype=np.float64)
+    mine, padding = share(np.flatnonzero(streams.trainable).tolist(), stepper.rank, stepper.world_size)
 
     def score(ks: list[int]) -> np.ndarray:
         padded = pad_rows([rows[k] for k in ks], pad_id, max_seq_len)
         x, y = (torch.from_numpy(a).to(stepper.device) for a in padded)
         return sequence_logps(model, stepper.head, x, y).double().cpu().numpy()
 
-    pending, size = np.flatnonzero(streams.trainable).tolist(), micro_batch
+    pending, size = mine + padding, micro_batch
+    scored = len(mine)  # positions of `pending` past this are padding: scored, never kept
     was_training = model.training
     model.eval()
     try:
@@ -110,7 +178,8 @@ def score_records(stepper: Stepper, streams: Streams, pad_id: int, max_seq_len: 
                 ks = pending[:size]
                 done = guarded(partial(score, ks))
                 if not stepper.ctrl.any(done.oom):
-                    out[ks], pending = done.value, pending[size:]
+                    keep = max(0, min(len(ks), scored))
+                    out[ks[:keep]], pending, scored = done.value[:keep], pending[size:], scored - len(ks)
                     continue
                 release_memory()
                 if size == 1:
@@ -123,7 +192,17 @@ def score_records(stepper: Stepper, streams: Streams, pad_id: int, max_seq_len: 
                 size //= 2
     finally:
         model.train(was_training)
+    if stepper.world_size > 1:  # each record scored by one rank, zeros elsewhere: the sum is every rank's answer
+        out = np.asarray(stepper.ctrl.all_reduce(out.tolist()), dtype=np.float64)
     return out
+
+
+def share(records: list[int], rank: int, world_size: int) -> tuple[list[int], list[int]]:
+    """(this rank's records, dealt round-robin; padding that makes every rank's count the largest one's). The padding
+    repeats a record so a rank with fewer still runs each collective forward the others run."""
+    mine = records[rank::world_size]
+    most = -(-len(records) // world_size)
+    return mine, [records[0]] * (most - len(mine)) if records else []
 
 
 def attach_reference(stepper: Stepper, data: PreferenceData, spec: JobSpec, *, precision: str, quantize: str | None,
@@ -144,8 +223,10 @@ def attach_reference(stepper: Stepper, data: PreferenceData, spec: JobSpec, *, p
             if stepper.ctrl.any(values is None):  # every rank scores when any must: FSDP's forwards are collective
                 start = time.perf_counter()
                 values = score_records(stepper, streams, data.pad_id, data.max_seq_len, 2 * micro_batch)
-                log.info("DPO reference: %d records scored by the starting model in %.1f s%s", len(streams),
-                         time.perf_counter() - start, f", stored in {path}" if path and is_main else "")  # fmt: skip
+                mine = len(share(np.flatnonzero(streams.trainable).tolist(), stepper.rank, stepper.world_size)[0])
+                log.info("DPO reference: %d records scored by the starting model in %.1f s (%d on this rank of %d)%s",
+                         len(streams), time.perf_counter() - start, mine, stepper.world_size,
+                         f", stored in {path}" if path and is_main else "")  # fmt: skip
                 if path is not None and is_main:
                     write_reference(path, values)
             else:
