@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 from jobspec import __version__, install_hint
 from jobspec.cli_parser import Parser as _Parser  # exits 2, and never echoes an argument (it may be a token)
 from jobspec.contract import EXIT_CONFIG, EXIT_FAILED, EXIT_NO_FIT, EXIT_OK
-from jobspec.errors import ConfigError, JobspecError
+from jobspec.errors import ConfigError, JobspecError, docs_link
 from jobspec.spec.credentials import redact
 
 if TYPE_CHECKING:  # the spec module costs pydantic's import; commands load it when they need it
@@ -25,6 +25,7 @@ if TYPE_CHECKING:  # the spec module costs pydantic's import; commands load it w
 
 EPILOG = """\
 examples:
+  jobspec init --model qwen-0.5b --gpus A10G:1 --data train.jsonl --lora -o my.yaml   a first spec
   jobspec run examples/quickstart.yaml                train on this machine (no cluster)
   jobspec plan examples/sft_fast.yaml                 memory per tier before you submit
   jobspec plan examples/sft_fast.yaml --gpus any      the same job on each GPU type: tier, time
@@ -146,6 +147,24 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return EXIT_OK if report.runs else EXIT_NO_FIT
 
 
+def cmd_init(args: argparse.Namespace) -> int:
+    from jobspec.plan.starter import Request, init_spec
+
+    req = Request(args.model, args.gpus, args.data, args.objective, args.name, args.nodes, args.lora, args.max_seq_len)
+    text = init_spec(req)
+    if args.out in (None, "-"):
+        sys.stdout.write(text)
+        return EXIT_OK
+    from pathlib import Path
+
+    out = Path(args.out)
+    if out.exists() and not args.force:
+        raise ConfigError(f"{out} exists: pass --force to overwrite it, or -o another file")
+    out.write_text(text)
+    print(f"wrote {out}: check it with `jobspec validate {out}` and `jobspec plan {out}`", file=sys.stderr)
+    return EXIT_OK
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     _load(args)  # fail fast, here, with the loader's located errors
     argv = [sys.executable, "-m", "runner", args.spec]
@@ -212,6 +231,27 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"jobspec {__version__}")
     sub = _parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+
+    p = sub.add_parser(
+        "init",
+        parents=[common],
+        help="write a first spec, commented, with the tier and micro-batch the plan chooses",
+        description="Write a commented spec for a model, GPUs, data and objective, with the tier and micro-batch "
+        "`jobspec plan` would choose filled in and explained. Refuses (exit 2) what cannot fit, naming the smallest "
+        "change that would: more GPUs, LoRA, a shorter max_seq_len.",
+    )
+    p.add_argument("--model", required=True, metavar="MODEL", help="a preset, a local model directory, or a hub id "
+                   "whose config.json is in this machine's Hugging Face cache")  # fmt: skip
+    p.add_argument("--gpus", required=True, metavar="TYPE:COUNT", help="GPU type and count per node, e.g. A100-80GB:2")
+    p.add_argument("--data", required=True, metavar="PATH", help="training data (data.path): file, directory or hub id")
+    p.add_argument("--objective", default="sft", metavar="sft|dpo", help="training objective (default sft)")
+    p.add_argument("--nodes", type=int, default=1, metavar="N", help="nodes (default 1)")
+    p.add_argument("--lora", action="store_true", help="train LoRA adapters (rank 16) instead of all weights")
+    p.add_argument("--max-seq-len", type=int, default=2048, metavar="N", help="data.max_seq_len (default 2048)")
+    p.add_argument("--name", metavar="NAME", help="the job's name (default: from the model and objective)")
+    p.add_argument("-o", "--out", metavar="FILE", help="write the spec here (default: print it)")
+    p.add_argument("--force", action="store_true", help="overwrite FILE if it exists")
+    p.set_defaults(func=cmd_init)
 
     p = sub.add_parser("validate", parents=[common], help="check a spec; every problem with file, line and fix")
     add_spec_args(p)
@@ -334,7 +374,7 @@ def build_parser() -> argparse.ArgumentParser:
 # `export` start the runner, and the cluster commands the client's credential plugins: those get the
 # environment as the user gave it. See README, "CLI start-up".
 PYDANTIC_PLUGINS_ENV = "PYDANTIC_DISABLE_PLUGINS"
-_NO_PYDANTIC_PLUGINS = frozenset({cmd_validate, cmd_render, cmd_plan, cmd_schema})
+_NO_PYDANTIC_PLUGINS = frozenset({cmd_validate, cmd_render, cmd_plan, cmd_schema, cmd_init})
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -371,6 +411,7 @@ def _report(err: Exception, code: int, debug: bool) -> int:
 
         sys.stderr.write(redact(traceback.format_exc()))  # messages are scrubbed; this covers the frames' text
     print(f"error: {redact(str(err))}", file=sys.stderr)
+    print(f"see: {docs_link(err)}", file=sys.stderr)  # the troubleshooting section of its class
     return code
 
 

@@ -7,7 +7,7 @@ paths and the CLI all read the same numbers, so they cannot drift apart.
 from __future__ import annotations
 
 # Runner and CLI exit codes (see README "Exit codes").
-EXIT_OK = 0
+EXIT_OK = 0  # done
 EXIT_FAILED = 1  # the job (or the training process) failed for a reason not listed below
 EXIT_CONFIG = 2  # bad spec, bad flag, bad input file: retrying cannot help (podFailurePolicy FailJob)
 EXIT_CLUSTER = 3  # CLI only: the Kubernetes API refused or could not be reached
@@ -26,6 +26,12 @@ SCRATCH_DIR = "/tmp"  # an emptyDir: with a read-only root, the only writable pl
 HF_CACHE_MOUNT = "/hf-cache"  # HF_HOME when the model or data come from the hub (model.hub_cache)
 WORKDIR = "/workspace"  # the container's working directory: relative spec paths resolve here
 TERMINATION_MESSAGE_PATH = "/dev/termination-log"
+# Live progress: rank 0 logs one line `<PROGRESS_PREFIX>{json}` per logged train step (runner/output/progress.py);
+# `jobspec status`/`list`/`status -w` read the last one from a bounded tail of the pod's log (cluster/progress.py).
+PROGRESS_PREFIX = "jobspec-progress/v1 "
+PROGRESS_KEYS = ("step", "total_steps", "loss", "tokens_per_s", "eta_s", "tier", "micro_batch", "event")
+# The events a progress line carries as the last OOM or tier change (metrics.jsonl's `event` names)
+PROGRESS_EVENTS = ("oom_shrink", "oom_retry", "oom_regrow", "tier_change")
 
 # Container user; the Dockerfiles create this uid/gid and the pod securityContext asks for it.
 RUN_AS_UID = 1000

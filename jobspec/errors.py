@@ -1,11 +1,27 @@
 """The project's exception hierarchy. The CLI catches `JobspecError` in one place,
-prints its message (no traceback unless --debug) and exits with its `exit_code`."""
+prints its message (no traceback unless --debug), the troubleshooting section that explains it
+(`docs_link`) and exits with its `exit_code`."""
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 from jobspec.contract import EXIT_CLUSTER, EXIT_CONFIG, EXIT_FAILED
+
+# The docs page of symptoms (mkdocs builds it as troubleshooting/); each error class has a section whose anchor is
+# `anchor(class name)`, and tests/test_docs.py fails when one is missing.
+TROUBLESHOOTING = "docs/troubleshooting.md"
+
+
+def anchor(name: str) -> str:
+    """A class name or a Kubernetes reason as a stable anchor: SpecError -> spec-error, TierOOM -> tier-oom."""
+    return re.sub(r"(?<=[a-z0-9])(?=[A-Z])|(?<=[A-Z])(?=[A-Z][a-z])", "-", name).lower()
+
+
+def docs_link(err: BaseException) -> str:
+    """Where the docs explain `err` and its fix: the troubleshooting section named after its class."""
+    return f"{TROUBLESHOOTING}#{anchor(type(err).__name__)}"
 
 
 class JobspecError(Exception):

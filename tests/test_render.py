@@ -171,14 +171,20 @@ def test_strict_validation_catches_a_misspelt_field() -> None:
 def test_objects_come_in_apply_order_with_labels_and_hash(example: Path) -> None:
     spec = load_spec(example)
     objs = render(spec)
+    # a hub model's shared cache claim comes first (examples/hub_lora.yaml): the pods mount it
+    claims = [("PersistentVolumeClaim", o["metadata"]["name"]) for o in objs if o["kind"] == "PersistentVolumeClaim"]
+    hub = bool(spec.model.path) and "/" in spec.model.path and not spec.model.path.startswith("/")
+    assert len(claims) == (1 if hub else 0)
     assert [(o["kind"], o["metadata"]["name"]) for o in objs] == [
+        *claims,
         ("ConfigMap", f"{spec.name}-spec"),
         ("Service", spec.name),
         ("NetworkPolicy", spec.name),  # before the Job: no pod is ever open to other jobs
         ("Job", spec.name),
     ]
     template = objs[-1]["spec"]["template"]["metadata"]
-    for meta in [o["metadata"] for o in objs] + [template]:
+    own = [o["metadata"] for o in objs if o["kind"] != "PersistentVolumeClaim"]  # the hub cache claim is shared
+    for meta in [*own, template]:
         assert meta.get("namespace", spec.namespace) == spec.namespace
         labels = meta["labels"]
         assert labels[LABEL_MANAGED_BY] == MANAGED_BY and labels[LABEL_NAME] == "jobspec"

@@ -8,9 +8,24 @@ from datetime import datetime, timezone
 from typing import Any
 
 from jobspec.cluster.cancel import CancelResult
+from jobspec.cluster.diagnose import STUCK_WAITING
 from jobspec.cluster.listing import JobSummary
 from jobspec.cluster.status import JobStatus, Report
 from jobspec.cluster.submit import SubmitResult
+from jobspec.errors import TROUBLESHOOTING, anchor
+
+# Every reason `status` gives that the troubleshooting page has a section for (tests/test_docs.py checks each): the
+# pods' (diagnose.py), Kueue's and the Job controller's. Any other reason links to the page's "My job is Pending".
+REASON_DOCS = frozenset({
+    *STUCK_WAITING, "FailedCreate", "Evicted", "Unschedulable", "ContainerCreating", "NoPod",  # pods
+    "Pending", "Inadmissible", "Queued", "NoWorkload", "Preempted", "Admitted",  # Kueue
+    "PodFailurePolicy", "BackoffLimitExceeded", "DeadlineExceeded",  # a Failed Job's condition
+})  # fmt: skip
+
+
+def reason_link(reason: str) -> str:
+    """The troubleshooting section that explains a status reason."""
+    return f"{TROUBLESHOOTING}#{anchor(reason) if reason in REASON_DOCS else 'job-not-running'}"
 
 
 def to_json(data: Any) -> str:
@@ -67,6 +82,8 @@ def format_status(st: JobStatus) -> str:
         f"phase      {phase}",
         f"indexes    {st.succeeded}/{st.completions} succeeded, {st.active} active, {st.failed} failed pods",
     ]
+    if st.reason:
+        lines.append(f"help       {reason_link(st.reason)}")
     if st.queue:
         lines.append(f"queue      {st.queue}")
     if st.start_time:

@@ -1,0 +1,243 @@
+"""`jobspec init`: a first spec, commented, with the tier and micro-batch `jobspec plan` chooses, or a refusal that
+names the smallest change that would fit.
+
+The model is a preset, a local directory with a config.json, or a hub id whose config.json is in this machine's
+Hugging Face cache (no network here: the planner needs the model's shape). The spec is built as text, parsed by the
+same loader as any spec file and planned by `plan_spec`; what is written is what `jobspec plan` then says.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from jobspec.catalog import gpus as gpu_catalogue
+from jobspec.catalog.presets import PRESETS
+from jobspec.errors import ConfigError
+from jobspec.plan.planner import PlanReport, plan_spec
+from jobspec.spec.hub import is_hub_id
+from jobspec.spec.loader import parse_spec
+
+GiB = 1024**3
+MAX_GPUS_PER_NODE = 8
+
+
+@dataclass(frozen=True)
+class Request:
+    """What `jobspec init` was asked for."""
+
+    model: str
+    gpus: str  # TYPE:COUNT, e.g. A100-80GB:2
+    data: str
+    objective: str = "sft"
+    name: str | None = None
+    nodes: int = 1
+    lora: bool = False
+    max_seq_len: int = 2048
+    global_batch: int | None = None
+
+
+def hub_config(repo: str) -> Path | None:
+    """The config.json of `repo` in this machine's Hugging Face cache (the newest snapshot), or None."""
+    home = Path(os.environ.get("HF_HOME") or Path.home() / ".cache" / "huggingface")
+    hub = Path(os.environ.get("HF_HUB_CACHE") or home / "hub")
+    snapshots = hub / f"models--{repo.replace('/', '--')}" / "snapshots"
+    found = sorted(snapshots.glob("*/config.json"), key=lambda p: p.stat().st_mtime, reverse=True)
+    return found[0] if found else None
+
+
+def _model_lines(model: str) -> tuple[list[str], str]:
+    """The `model:` section's lines for a preset, a local directory or a cached hub model, and its block family
+    (gpt2 or llama: the LoRA targets' names)."""
+    from jobspec.catalog.model_config import read_config, shape_from_config
+
+    if model in PRESETS:
+        return [f"  preset: {model}  # built from its config: no download"], PRESETS[model].family
+    local = Path(model).expanduser()
+    if (local / "config.json").is_file():
+        shape = shape_from_config(read_config(local), where=str(local / "config.json"))
+        return [f"  path: {local}  # local model directory (config.json, weights, tokenizer)"], shape.family
+    if local.exists():
+        raise ConfigError(f"--model {model}: {local} has no config.json: name a Hugging Face model directory")
+    if not is_hub_id(model):
+        raise ConfigError(
+            f"--model {model}: not a preset ({', '.join(PRESETS)}), a local model directory or a hub id (org/name)"
+        )
+    config = hub_config(model)
+    if config is None:
+        presets = "" if "/" in model else f"not a preset ({', '.join(PRESETS)}), and as a hub id "
+        raise ConfigError(
+            f"--model {model}: {presets}its config.json is not on this machine, and the plan needs the model's shape: "
+            f"`huggingface-cli download {model} config.json` (or `jobspec init --model DIR` with a local copy)"
+        )
+    shape = shape_from_config(read_config(config.parent), where=str(config))
+    arch = {
+        "family": "gpt2" if shape.family == "gpt2" else "llama",
+        "layers": shape.layers,
+        "hidden": shape.hidden,
+        "heads": shape.heads,
+        "vocab": shape.vocab,
+        "intermediate": shape.intermediate,
+        "max_positions": shape.max_positions,
+        "kv_heads": shape.kv_heads,
+        "tie_embeddings": shape.tie_embeddings,
+    }
+    return [
+        f"  path: {model}  # downloaded by the pod into the hub cache (model.hub_cache)",
+        f"  # Its shape, from snapshot {config.parent.name[:12]}'s config.json, for `jobspec plan`:",
+        f"  architecture: {json.dumps({k: v for k, v in arch.items() if v is not None})}",
+    ], shape.family
+
+
+def _text(req: Request, name: str, seq: int, lora: bool, gpus: str, nodes: int, tier: str, note: list[str]) -> str:
+    gpu = gpu_catalogue.lookup(gpus.partition(":")[0])
+    vendor = gpu.vendor if gpu else "cuda"
+    dpo = req.objective != "sft"
+    batch = req.global_batch or (32 if dpo else 64)
+    lr = "5.0e-7" if dpo and not lora else ("2.0e-4" if lora else "2.0e-5")
+    model_lines, family = _model_lines(req.model)
+    where = gpus + (f" x {nodes} nodes" if nodes > 1 else "")
+    lines = [
+        f"# Written by `jobspec init`: {req.objective} of {req.model} on {where}. Check it with",
+        f"#   jobspec validate {name}.yaml && jobspec plan {name}.yaml",
+        f"name: {name}",
+        "model:",
+        *model_lines,
+    ]
+    if lora:
+        targets = "[c_attn]" if family == "gpt2" else "[q_proj, k_proj, v_proj, o_proj]"
+        lines += [
+            "  lora:  # train adapters; the base stays frozen (16 bytes only per adapter weight)",
+            "    rank: 16",
+            "    alpha: 32",
+            f"    targets: {targets}",
+        ]
+    fmt = "  # records: " + ("{prompt, chosen, rejected} pairs" if dpo else "{prompt, response} or {messages: [...]}")
+    lines += [
+        "data:",
+        f"  path: {req.data}",
+        fmt,
+        f"  max_seq_len: {seq}",
+        "training:",
+        f"  objective: {req.objective}",
+        f"  global_batch: {batch}  # the effective batch: fixed, whatever micro-batch fits",
+        "  micro_batch: auto  # the runner verifies the plan's micro-batch on the GPU (see below)",
+        f"  learning_rate: {lr}",
+        "  epochs: 1",
+        "hardware:",
+        f"  vendor: {vendor}",
+        f"  gpus: {gpus}  # type:count per node",
+    ]
+    if nodes > 1:
+        lines.append(f"  nodes: {nodes}")
+    lines += ["memory:", *(f"  # {n}" for n in note), f"  tier: {tier}", "checkpoints:", f"  pvc: {name}-checkpoints"]
+    return "".join(_aligned(line) + "\n" for line in lines)
+
+
+def _aligned(line: str, column: int = 34) -> str:
+    """`key: value   # comment` with the comments of value lines in one column."""
+    code, sep, comment = line.partition("  # ")
+    if not sep or not code.strip():
+        return line
+    return f"{code.rstrip():<{column - 2}}  # {comment.strip()}"
+
+
+def _plan(text: str) -> PlanReport:
+    return plan_spec(parse_spec(text, "<init>"), rows=1000)
+
+
+def _explain(report: PlanReport) -> list[str]:
+    run = report.runs
+    assert run is not None
+    world = report.spec.world_size
+    used, budget = run.estimate.gpu_bytes / GiB, run.budget / GiB
+    lines = [
+        f"`jobspec plan` on {report.gpu_label}: tier {run.tier} fits at micro-batch {run.micro_batch} x "
+        f"{run.grad_accum} accumulation x {world} rank(s) = global batch {report.spec.training.global_batch},",
+        f"{used:.1f} of {budget:.1f} GiB a GPU (the budget is {report.spec.memory.target_utilization:.0%} of it).",
+    ]
+    order = [p.tier for p in report.plans]
+    faster = [p.tier for p in report.plans if p.useful and not p.fits and order.index(p.tier) < order.index(run.tier)]
+    if faster:
+        lines.append(f"Faster tiers do not fit: {', '.join(faster)}. On an OOM the runner steps down from here.")
+    else:
+        lines.append("It is the fastest tier that fits; on an OOM the runner shrinks the micro-batch or steps down.")
+    if run.note:
+        lines.append(run.note)
+    return lines
+
+
+def _fits(text: str) -> PlanReport | None:
+    try:
+        report = _plan(text)
+    except ConfigError:
+        return None
+    return report if report.runs is not None else None
+
+
+def init_spec(req: Request) -> str:
+    """The commented spec; ConfigError (exit 2) with the smallest change that fits when nothing does."""
+    count_text = req.gpus.partition(":")[2] or "1"
+    if not count_text.isdigit() or not gpu_catalogue.lookup(req.gpus.partition(":")[0]):
+        names = ", ".join(gpu_catalogue.known_names())
+        raise ConfigError(f"--gpus {req.gpus}: expected TYPE:COUNT of a known GPU type ({names}), e.g. A100-80GB:2")
+    gpu_type, count = req.gpus.partition(":")[0], int(count_text)
+    name = req.name or _name(req.model, req.objective)
+
+    def build(seq: int = req.max_seq_len, lora: bool = req.lora, n: int = count, nodes: int = req.nodes) -> str:
+        return _text(req, name, seq, lora, f"{gpu_type}:{n}", nodes, "auto", [])
+
+    spec = parse_spec(build(), "<init>")  # a bad value of the request fails here, named by the loader
+    try:
+        report: PlanReport | None = plan_spec(spec, rows=1000)
+    except ConfigError as err:  # the model fits no GPU of the catalogue at any tier (capacity.check)
+        report, why = None, str(err)
+    if report is not None and report.runs is not None:
+        return _text(req, name, req.max_seq_len, req.lora, f"{gpu_type}:{count}", req.nodes, report.runs.tier,
+                     _explain(report))  # fmt: skip
+    if report is not None:
+        smallest = min(report.plans, key=lambda p: p.estimate.gpu_bytes)
+        why = (
+            f"the smallest tier, {smallest.tier}, needs {smallest.estimate.gpu_bytes / GiB:.1f} GiB a GPU at "
+            f"micro-batch 1 against a budget of {smallest.budget / GiB:.1f} GiB"
+        )
+    where = f"{gpu_type}:{count}" + (f" x {req.nodes} nodes" if req.nodes > 1 else "")
+    head = f"{req.model} ({req.objective}) does not fit {where}: {why}"
+    raise ConfigError(_refusal(req, head, build, gpu_type, count))
+
+
+def _refusal(req: Request, head: str, build, gpu_type: str, count: int) -> str:  # type: ignore[no-untyped-def]
+    """Nothing fits: the changes that would, smallest first (more GPUs of the same type, LoRA, a shorter sequence)."""
+    fixes: list[str] = []
+    n = count
+    while n < MAX_GPUS_PER_NODE and not fixes:
+        n = min(n * 2, MAX_GPUS_PER_NODE)
+        if _fits(build(n=n)):
+            fixes.append(f"--gpus {gpu_type}:{n} (sharded tiers divide the model's states by the rank count)")
+    nodes = req.nodes
+    while not fixes and count == MAX_GPUS_PER_NODE and nodes < 8:
+        nodes *= 2
+        if _fits(build(nodes=nodes)):
+            fixes.append(f"--nodes {nodes}")
+    if not req.lora and _fits(build(lora=True)):
+        fixes.append("--lora (train rank-16 adapters: the base's gradients and optimizer states go away)")
+    seq = req.max_seq_len
+    while seq > 256:
+        seq //= 2
+        if _fits(build(seq=seq)):
+            fixes.append(f"--max-seq-len {seq} (activations shrink with the sequence)")
+            break
+    if not fixes:
+        return head + "; no single change found (more GPUs, LoRA, a shorter sequence) fits: `jobspec plan --gpus any`"
+    return (
+        head + ". The smallest change that fits: " + fixes[0] + ("; or " + "; or ".join(fixes[1:]) if fixes[1:] else "")
+    )
+
+
+def _name(model: str, objective: str) -> str:
+    """A DNS label from the model's last path part and the objective: Qwen/Qwen2.5-0.5B -> qwen2-5-0-5b-sft."""
+    base = Path(model.rstrip("/")).name.lower()
+    cleaned = "".join(c if c.isalnum() else "-" for c in base).strip("-")[:40].strip("-")
+    return f"{cleaned or 'job'}-{objective}"
