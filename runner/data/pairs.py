@@ -3,6 +3,7 @@
 Two layouts, as TRL's DPOTrainer reads them, so a user's data set works unchanged:
 
 - text: `{"prompt": str, "chosen": str, "rejected": str}`: the prompt a user turn, each answer the assistant's;
+  without "prompt", TRL's implicit prompt: the text both answers start with (`implicit_prompt`);
 - conversational: `{"chosen": [messages], "rejected": [messages]}` with an optional `"prompt": [messages]`
   put before each (without it, the shared turns are simply the first messages of both lists).
 
@@ -42,18 +43,34 @@ def _kind(value: object) -> str:
     return "missing" if value is None else type(value).__name__
 
 
+def implicit_prompt(chosen: str, rejected: str) -> tuple[str, str, str]:
+    """(prompt, chosen, rejected) of a text pair whose prompt is implicit, split as TRL's `extract_prompt` splits it
+    (Anthropic HH's layout, `"\n\nHuman: ...\n\nAssistant: ..."` in both): the longest common prefix is the
+    prompt, less a space it ends with, which stays with the answers; where one answer is the start of the other, the
+    prompt stops a character short of it (TRL's loop ends there)."""
+    shorter = min(len(chosen), len(rejected))
+    n = next((i for i in range(shorter) if chosen[i] != rejected[i]), shorter)
+    if n == shorter:
+        n = max(shorter - 1, 0)
+    elif n and chosen[n - 1] == " ":
+        n -= 1
+    return chosen[:n], chosen[n:], rejected[n:]
+
+
 def pair_chats(record: dict, spec: DataSpec) -> tuple[list[Message], list[Message]]:
     """(chosen chat, rejected chat) of a preference record; ValueError naming the field that is wrong."""
     prompt_field = spec.prompt_field
     chosen, rejected = as_message_list(record.get(CHOSEN)), as_message_list(record.get(REJECTED))
     prompt = as_message_list(record.get(prompt_field))
     if isinstance(chosen, str) and isinstance(rejected, str):
+        if prompt is None:  # TRL's implicit prompt: the text both answers start with
+            prompt, chosen, rejected = implicit_prompt(chosen, rejected)
         if not isinstance(prompt, str):
             raise ValueError(
-                f"{prompt_field!r} is {_kind(prompt)}: text pairs need a text {prompt_field!r} beside "
-                f"{CHOSEN!r} and {REJECTED!r}"
+                f"{prompt_field!r} is {_kind(prompt)}: text pairs take a text {prompt_field!r} beside "
+                f"{CHOSEN!r} and {REJECTED!r} (or none: the text both start with is the prompt)"
             )
-        head: list[Message] = [{"role": "user", "content": prompt}]
+        head: list[Message] = [{"role": "user", "content": prompt}] if prompt else []
         return [*head, {"role": "assistant", "content": chosen}], [*head, {"role": "assistant", "content": rejected}]
     if isinstance(chosen, list) and isinstance(rejected, list):
         if prompt is not None and not isinstance(prompt, list):

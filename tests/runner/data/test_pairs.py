@@ -1,0 +1,41 @@
+"""Preference pairs in TRL's layouts, the implicit prompt included (runner/data/pairs.py), checked against TRL."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from runner.data.pairs import implicit_prompt
+from runner.data.preference import load_preference
+from runner.data.tokenizer import ByteTokenizer
+from tests.runner.train.test_dpo import dpo
+from tests.runner.train_helpers import write_jsonl
+
+HH = [  # Anthropic HH-RLHF's layout: whole dialogues, the prompt implicit in both
+    {"chosen": f"\n\nHuman: colour {i}?\n\nAssistant: blue {i}.",
+     "rejected": f"\n\nHuman: colour {i}?\n\nAssistant: no."}
+    for i in range(6)
+]
+
+
+@pytest.mark.parametrize("chosen, rejected", [
+    (HH[0]["chosen"], HH[0]["rejected"]), ("The sky is blue.", "The sky is green."), ("abc", "xyz"),
+    ("same answer here", "same answer there"), ("a b", "a bc"),
+])  # fmt: skip
+def test_the_implicit_prompt_is_split_as_trl_splits_it(chosen, rejected):
+    extract_prompt = pytest.importorskip("trl.data_utils").extract_prompt
+    trl = extract_prompt({"chosen": chosen, "rejected": rejected})
+    assert implicit_prompt(chosen, rejected) == (trl["prompt"], trl["chosen"], trl["rejected"])
+
+
+def test_implicit_prompt_pairs_load_like_explicit_ones(tmp_path):
+    explicit = [dict(zip(("prompt", "chosen", "rejected"), implicit_prompt(r["chosen"], r["rejected"]), strict=True))
+                for r in HH]  # fmt: skip
+    tok = ByteTokenizer()
+    a = load_preference(dpo(tmp_path / "a", write_jsonl(tmp_path / "hh.jsonl", HH)), tok)
+    b = load_preference(dpo(tmp_path / "b", write_jsonl(tmp_path / "explicit.jsonl", explicit)), tok)
+    assert len(a.train) == len(b.train) > 0
+    for k in range(len(a.train)):
+        ids_a, labels_a = a.train[k][:2]
+        ids_b, labels_b = b.train[k][:2]
+        assert np.array_equal(ids_a, ids_b) and np.array_equal(labels_a, labels_b)
