@@ -5,7 +5,8 @@ Two layouts, as TRL's DPOTrainer reads them, so a user's data set works unchange
 - text: `{"prompt": str, "chosen": str, "rejected": str}`: the prompt a user turn, each answer the assistant's;
   without "prompt", TRL's implicit prompt: the text both answers start with (`implicit_prompt`);
 - conversational: `{"chosen": [messages], "rejected": [messages]}` with an optional `"prompt": [messages]`
-  put before each (without it, the shared turns are simply the first messages of both lists).
+  put before each (without it, the shared turns are simply the first messages of both lists); a text prompt is a user
+  turn put before each, unless both lists already open with it (UltraFeedback-binarized's layout).
 
 Each pair becomes two chats rendered with the tokenizer's chat template (runner/data/tokenizer.py) under SFT's
 masking: only the assistant's turns are targets, so the summed log-prob of a chat is that of its completion. In the
@@ -73,10 +74,14 @@ def pair_chats(record: dict, spec: DataSpec) -> tuple[list[Message], list[Messag
         head: list[Message] = [{"role": "user", "content": prompt}] if prompt else []
         return [*head, {"role": "assistant", "content": chosen}], [*head, {"role": "assistant", "content": rejected}]
     if isinstance(chosen, list) and isinstance(rejected, list):
+        if isinstance(prompt, str):  # UltraFeedback's layout: the prompt's text beside dialogues that may hold it
+            firsts = chosen[:1] + rejected[:1]
+            opens = [m.get("content") for m in firsts if isinstance(m, dict) and m.get("role") == "user"]
+            prompt = [] if opens == [prompt, prompt] else [{"role": "user", "content": prompt}]
         if prompt is not None and not isinstance(prompt, list):
             raise ValueError(
                 f"{prompt_field!r} is {_kind(prompt)}: with {CHOSEN!r} and {REJECTED!r} message lists it must be a "
-                "message list too (or left out)"
+                "message list or a text (or left out)"
             )
         for name, messages in ((CHOSEN, chosen), (REJECTED, rejected)):
             if not any(isinstance(m, dict) and m.get("role") == "assistant" for m in messages):

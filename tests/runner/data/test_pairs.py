@@ -39,3 +39,21 @@ def test_implicit_prompt_pairs_load_like_explicit_ones(tmp_path):
         ids_a, labels_a = a.train[k][:2]
         ids_b, labels_b = b.train[k][:2]
         assert np.array_equal(ids_a, ids_b) and np.array_equal(labels_a, labels_b)
+
+
+def test_a_text_prompt_beside_dialogues_is_taken_once(tmp_path):
+    """UltraFeedback-binarized's layout: `prompt` as text, `chosen`/`rejected` whole dialogues that open with it; and a
+    text prompt beside answer-only lists, which it is put before."""
+    user = [{"role": "user", "content": "colour?"}]
+    uf = [{"prompt": "colour?", "chosen": [*user, {"role": "assistant", "content": f"blue {i}"}],
+           "rejected": [*user, {"role": "assistant", "content": "no"}], "score_chosen": 8.0} for i in range(6)]
+    bare = [{"prompt": "colour?", "chosen": [{"role": "assistant", "content": f"blue {i}"}],
+             "rejected": [{"role": "assistant", "content": "no"}]} for i in range(6)]
+    listed = [{"prompt": user, "chosen": r["chosen"], "rejected": r["rejected"]} for r in bare]  # fmt: skip
+    tok = ByteTokenizer()
+    loaded = [load_preference(dpo(tmp_path / name, write_jsonl(tmp_path / f"{name}.jsonl", rows)), tok)
+              for name, rows in (("uf", uf), ("bare", bare), ("listed", listed))]  # fmt: skip
+    for other in loaded[1:]:
+        assert len(other.train) == len(loaded[0].train) > 0
+        for k in range(len(other.train)):
+            assert all(np.array_equal(a, b) for a, b in zip(loaded[0].train[k][:2], other.train[k][:2], strict=True))
