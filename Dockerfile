@@ -21,7 +21,7 @@ WORKDIR /src
 COPY . .
 # `offload`: torchao for zero2_offload (GPU only; the CPU image leaves it out); `liger`: Liger Kernel for
 # training.loss_kernel: liger (its triton is the one CUDA torch brings)
-RUN sh images/jobspec-image.sh wheel /src /dist "runner offload liger data tracking"
+RUN sh images/jobspec-image.sh wheel /src /dist "runner offload liger data tracking s3"
 
 FROM ${BASE_IMAGE}
 ARG BASE_IMAGE

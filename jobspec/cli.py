@@ -69,7 +69,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
 def _notes(spec: JobSpec) -> list[str]:
     """Valid, but worth knowing before the job runs."""
     notes = []
-    if not spec.checkpoints.pvc and spec.hardware.vendor != "cpu":
+    if not spec.checkpoints.pvc and not spec.remote_dir and spec.hardware.vendor != "cpu":
         notes.append("checkpoints.pvc is not set: checkpoints live in the pod and are lost when it is replaced")
     if spec.checkpoints.pvc and spec.hardware.nodes > 1:
         notes.append(f"{spec.hardware.nodes} nodes write into checkpoints.pvc: it must be ReadWriteMany")

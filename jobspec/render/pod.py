@@ -144,8 +144,9 @@ def _resources(spec: JobSpec) -> Obj:
 
 
 def checkpoint_mount_path(spec: JobSpec) -> str:
-    """Where `checkpoints.dir` is in the pod: a relative dir resolves against WORKDIR, the runner's cwd."""
-    return posixpath.normpath(posixpath.join(WORKDIR, spec.checkpoints.dir))
+    """Where the run directory is in the pod: `checkpoints.dir` (or `checkpoints.local_dir` when that is an object
+    store, where an emptyDir stages the checkpoints); a relative dir resolves against WORKDIR, the runner's cwd."""
+    return posixpath.normpath(posixpath.join(WORKDIR, spec.run_dir))
 
 
 def _volumes(spec: JobSpec) -> tuple[list[Obj], list[Obj]]:
@@ -153,7 +154,8 @@ def _volumes(spec: JobSpec) -> tuple[list[Obj], list[Obj]]:
     checkpoint_dir = checkpoint_mount_path(spec)
     if checkpoint_dir in (SPEC_MOUNT_DIR, SHM_MOUNT, SCRATCH_DIR, HF_CACHE_MOUNT):
         raise ConfigError(
-            f"checkpoints.dir: {spec.checkpoints.dir!r} would hide the pod's own {checkpoint_dir} mount; "
+            f"checkpoints.{'local_dir' if spec.remote_dir else 'dir'}: {spec.run_dir!r} would hide the pod's own "
+            f"{checkpoint_dir} mount; "
             "use a directory of its own, e.g. /checkpoints"
         )
     pvc = spec.checkpoints.pvc

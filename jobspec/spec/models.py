@@ -33,6 +33,7 @@ from jobspec.catalog import tiers
 from jobspec.catalog.model_config import BOUNDS as ARCH_BOUNDS
 from jobspec.catalog.presets import PRESETS
 from jobspec.contract import RESERVED_ENV_PREFIX
+from jobspec.spec import object_store
 from jobspec.spec.credentials import SECRET_REF_HINT, credential_kind, inline_credentials, is_secret_name
 from jobspec.spec.rules import CrossFieldError, cross_field_problems
 from jobspec.spec.safe_yaml import MAX_KEY_CHARS, MAX_STRING_CHARS, out_of_range
@@ -723,10 +724,30 @@ def _sub_path(value: Any) -> Any:
     return value
 
 
+def _checkpoint_dir(value: Any) -> Any:
+    if isinstance(value, str) and (why := object_store.problem(value)):
+        raise ValueError(why)
+    return value
+
+
 class CheckpointSpec(Section):
     dir: Annotated[
-        PathStr, Field(min_length=1, description="Run directory: checkpoints, metrics.jsonl and tier state.")
+        PathStr,
+        BeforeValidator(_checkpoint_dir),
+        Field(
+            min_length=1,
+            description="Run directory: checkpoints, metrics.jsonl and tier state; or `s3://bucket/prefix`: "
+            "checkpoints published to object storage (staged in `local_dir`; credentials as AWS_* variables from "
+            "a Secret).",
+        ),
     ] = "/checkpoints"
+    local_dir: Annotated[
+        PathStr | None,
+        Field(
+            description="With an `s3://` dir: the local run directory in the pod (staging, metrics, data cache); "
+            "default /checkpoints, an emptyDir."
+        ),
+    ] = None
     pvc: Annotated[
         DnsLabel | None,
         Field(description="PersistentVolumeClaim mounted at `dir`; without one, checkpoints die with the pod."),
@@ -995,9 +1016,20 @@ class JobSpec(Section):
         return self.name if sub == "auto" else sub
 
     @property
+    def run_dir(self) -> str:
+        """The local run directory: `checkpoints.dir`, or `checkpoints.local_dir` when that is an object store."""
+        return object_store.run_dir(self.checkpoints.dir, self.checkpoints.local_dir)
+
+    @property
+    def remote_dir(self) -> object_store.ObjectUrl | None:
+        """The object-store location of `checkpoints.dir` (`s3://...`), or None for a directory."""
+        return object_store.parse(self.checkpoints.dir)
+
+    @property
     def export_dir(self) -> str:
-        """Where the exported model goes: `output.dir`, else `<checkpoints.dir>/model`."""
-        return self.output.dir or f"{self.checkpoints.dir.rstrip('/')}/model"
+        """Where the exported model goes: `output.dir`, else `<run dir>/model` (with an object store, uploaded
+        to `<checkpoints.dir>/model` too)."""
+        return self.output.dir or f"{self.run_dir.rstrip('/')}/model"
 
     def to_yaml_dict(self) -> dict[str, Any]:
         """The spec as plain data that `load_spec` reads back to an equal spec."""

@@ -21,6 +21,7 @@ from jobspec.catalog import gpus as gpu_catalogue
 from jobspec.catalog.presets import PRESETS
 from jobspec.catalog.tiers import divisors
 from jobspec.contract import SCRATCH_DIR, SHM_MOUNT, SPEC_MOUNT_DIR, WORKDIR
+from jobspec.spec import object_store
 from jobspec.spec.hub import hub_id_problems, hub_token_problems
 
 _LABEL_KEY = re.compile(r"^([a-z0-9]([-a-z0-9.]*[a-z0-9])?/)?[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$")
@@ -119,6 +120,8 @@ class _Data(Protocol):
 class _Checkpoints(Protocol):
     @property
     def dir(self) -> str: ...
+    @property
+    def local_dir(self) -> str | None: ...
     @property
     def pvc(self) -> str | None: ...
 
@@ -238,6 +241,17 @@ def _preset_positions(spec: SpecView) -> list[Problem]:
 
 
 def _checkpoint_dir(spec: SpecView) -> list[Problem]:
+    ck = spec.checkpoints
+    if object_store.is_url(ck.dir):  # published to an object store, staged in local_dir (an emptyDir)
+        if ck.pvc:
+            return [("checkpoints.pvc", f"a volume cannot be mounted at {ck.dir}, an object store",
+                     "remove checkpoints.pvc (the bucket keeps the checkpoints), or give checkpoints.dir a path")]
+        if ck.local_dir is not None and not ck.local_dir.startswith("/"):
+            return [("checkpoints.local_dir", f"{ck.local_dir!r} must be an absolute path", "e.g. /checkpoints")]
+        return []
+    if ck.local_dir is not None:
+        return [("checkpoints.local_dir", "applies only to an object-store checkpoints.dir (s3://bucket/prefix)",
+                 "remove it, or set checkpoints.dir to s3://...")]  # fmt: skip
     if spec.checkpoints.pvc and not spec.checkpoints.dir.startswith("/"):
         return [
             (
@@ -373,6 +387,10 @@ _RULES: tuple[Callable[[SpecView], list[Problem]], ...] = (
 )  # fmt: skip
 
 
+def _run_dir(spec: SpecView) -> str:
+    return object_store.run_dir(spec.checkpoints.dir, spec.checkpoints.local_dir)
+
+
 def _data_mount_problems(spec: SpecView) -> list[Problem]:
     """`data.mount_path` must be absolute and not another of the pod's mounts (the API rejects duplicates)."""
     mount = spec.data.mount_path
@@ -380,7 +398,7 @@ def _data_mount_problems(spec: SpecView) -> list[Problem]:
         return [("data.mount_path", "must be an absolute path", "e.g. /data")]
     taken = {
         SPEC_MOUNT_DIR: "the spec", SHM_MOUNT: "/dev/shm", SCRATCH_DIR: "scratch space",
-        posixpath.normpath(posixpath.join(WORKDIR, spec.checkpoints.dir)): "checkpoints.dir",
+        posixpath.normpath(posixpath.join(WORKDIR, _run_dir(spec))): "checkpoints.dir",
     }  # fmt: skip
     owner = taken.get(posixpath.normpath(mount))
     return [("data.mount_path", f"{mount} is already the pod's mount for {owner}", "use e.g. /data")] if owner else []

@@ -74,14 +74,15 @@ class Superseded(JobspecError):
     exit_code = EXIT_FAILED
 
 
-def check_holder(root: str | Path, holder: str, job: str) -> None:
+def check_holder(root: str | Path, holder: str, job: str, file: LeaseFile | None = None) -> None:
     """For every rank, right before it writes what the run shares (a checkpoint shard, a metrics line, a sample
     record): returns while `holder`, the lease rank 0 of job `job` held when this attempt started, still holds
     `root`. Otherwise raises Superseded (a later attempt of this job holds it, or none: this rank's gang was
     restarted without it) or LeaseLost (another job's run took it over). A rank frozen (SIGSTOP, a hung machine)
     while the gang was restarted finds here that the new attempt's rank 0 took the lease over, and writes nothing,
-    whichever rank it is. One small bounded read: about 20 µs on a local disk."""
-    current = read_record(Path(root) / LEASE_FILE)
+    whichever rank it is. One small bounded read: about 20 µs on a local disk (`file`: the lease in an object store,
+    runner/checkpoint/remote.py: one GET, a few ms)."""
+    current = (file or LeaseFile(Path(root) / LEASE_FILE)).read()
     found = current.get("holder") if isinstance(current, dict) else None
     if found == holder:
         return
@@ -108,9 +109,10 @@ def timeout_s() -> float:
 class Lease:
     """This process's claim on `root` (see the module docstring)."""
 
-    def __init__(self, root: str | Path, job: str, *, timeout: float | None = None):
+    def __init__(self, root: str | Path, job: str, *, timeout: float | None = None, file: LeaseFile | None = None):
         self.root, self.job = Path(root), job
         self.path = self.root / LEASE_FILE
+        self.file = file or LeaseFile(self.path)  # or in an object store (runner/checkpoint/remote.py)
         self.timeout = timeout_s() if timeout is None else timeout
         self.interval = min(60.0, self.timeout / 4)  # several renewals fit in one timeout
         self.holder = uuid.uuid4().hex
@@ -120,24 +122,23 @@ class Lease:
 
     def acquire(self) -> None:
         """Take the lease, or a stale one over; LeaseHeld when a live run holds it."""
-        self.root.mkdir(parents=True, exist_ok=True)
+        self.file.prepare()
         for _ in range(3):  # a holder that releases between our two looks: look again
             if self._create():
                 return self._took()
             current = self._read_settled()
-            if current is None and not self.path.exists():
+            if current is None and not self.file.exists():
                 continue
             now = time.time()
             why = "it is unreadable" if current is None else stale_reason(current, _identity(), now, self.timeout)
             if why is None:
                 raise LeaseHeld(self._held_message(current))
-            log.warning("taking over the lease %s of %s: %s", self.path, describe(current), why)
-            self._replace()
-            after = self._read()
+            log.warning("taking over the lease %s of %s: %s", self.file, describe(current), why)
+            after = self._read() if self._replace() else None  # a conditional store refuses a changed lease
             if after is None or after.get("holder") != self.holder:
                 raise LeaseHeld(f"{self._held_message(after)} (it took the stale lease over at the same time)")
             return self._took()
-        raise LeaseHeld(f"{self.path} keeps appearing and disappearing: another run is starting in {self.root}")
+        raise LeaseHeld(f"{self.file} keeps appearing and disappearing: another run is starting in {self.root}")
 
     def beat(self, *, force: bool = False) -> None:
         """Renew the heartbeat (at most every `interval` s unless `force`); LeaseLost when it is not ours."""
@@ -145,14 +146,13 @@ class Lease:
         if not self.held or (not force and now - self._renewed < self.interval):
             return
         current = self._read()
-        if current is None or current.get("holder") != self.holder:
+        if current is None or current.get("holder") != self.holder or not self._replace():
             self.held = False
             raise LeaseLost(
                 f"the lease on {self.root} was taken over by {describe(current)} (this run last renewed it "
                 f"{now - self._renewed:.0f} s ago; {TIMEOUT_ENV}={self.timeout:.0f}): stopping, since two writers "
                 "corrupt each other's checkpoints"
             )
-        self._replace()
         self._renewed = now
 
     def release(self) -> None:
@@ -163,9 +163,9 @@ class Lease:
         try:
             current = self._read()
             if current is not None and current.get("holder") == self.holder:
-                self.path.unlink(missing_ok=True)
+                self.file.remove()
         except OSError as err:
-            log.warning("could not release the lease %s: %s", self.path, err)
+            log.warning("could not release the lease %s: %s", self.file, err)
 
     # --- the file -----------------------------------------------------------------------------------------
 
@@ -174,13 +174,15 @@ class Lease:
         return json.dumps(record, indent=1).encode()
 
     def _create(self) -> bool:
-        return shared_dir.create_exclusive(self.path, self._record())
+        return self.file.create(self._record())
 
-    def _replace(self) -> None:
-        shared_dir.write_atomic(self.path, self._record())  # a reader sees the old record or the new one
+    def _replace(self) -> bool:
+        """Write a new record over the lease; False when the store refused it because the lease changed since
+        this run last read it (an object store's conditional write: runner/checkpoint/remote.py)."""
+        return self.file.replace(self._record())
 
     def _read(self) -> dict[str, Any] | None:
-        return read_record(self.path)
+        return self.file.read()
 
     def _read_settled(self) -> dict[str, Any] | None:
         """The holder's record; an unreadable one is read again after SETTLE_S (its writer may be mid-write)."""
@@ -192,7 +194,7 @@ class Lease:
 
     def _took(self) -> None:
         self.held, self._renewed = True, time.monotonic()
-        log.info("lease %s taken (holder %s, pid %d)", self.path, self.holder[:8], os.getpid())
+        log.info("lease %s taken (holder %s, pid %d)", self.file, self.holder[:8], os.getpid())
 
     def _held_message(self, current: dict[str, Any] | None) -> str:
         age = time.time() - _float(current, "heartbeat")
@@ -202,6 +204,39 @@ class Lease:
             f"checkpoints.dir. If it is gone (its machine died), its lease expires in {max(self.timeout - age, 0):.0f} "
             f"s ({TIMEOUT_ENV}={self.timeout:.0f}); or delete {self.path} once you are sure"
         )
+
+
+class LeaseFile:
+    """Where the lease record lives: this class, a file on the run directory's volume; runner/checkpoint/remote.py's
+    subclass, an object in a bucket written with conditional requests."""
+
+    def __init__(self, path: Path):
+        self.path = path
+
+    def __str__(self) -> str:
+        return str(self.path)
+
+    def prepare(self) -> None:
+        """Make the place the record goes (the run directory)."""
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+
+    def create(self, data: bytes) -> bool:
+        """Write the record if there is none (exclusively); False when one is there."""
+        return shared_dir.create_exclusive(self.path, data)
+
+    def replace(self, data: bytes) -> bool:
+        """Write the record over the one there (a reader sees the old record or the new one)."""
+        shared_dir.write_atomic(self.path, data)
+        return True
+
+    def read(self) -> dict[str, Any] | None:
+        return read_record(self.path)
+
+    def exists(self) -> bool:
+        return self.path.exists()
+
+    def remove(self) -> None:
+        self.path.unlink(missing_ok=True)
 
 
 def read_record(path: Path) -> dict[str, Any] | None:

@@ -404,7 +404,7 @@ def save(
     attempt's temp dir, which no later attempt publishes and the next prune removes."""
     t0 = time.perf_counter()
     root = Path(root)
-    tmp, final = root / f".tmp-step-{step}{'-' + attempt[:12] if attempt else ''}", root / f"step-{step}"
+    tmp, final = temp_dir(root, step, attempt), root / f"step-{step}"
     phase = _Phase(ctrl, rank, root, tmp, fence, is_oom)
     phase.need = phase.run(lambda: _prepare(root, tmp, expected_bytes(root, model, trainable_only)) if rank == 0 else 0)
     state = _state(model, optimizer, trainable_only)
@@ -418,6 +418,11 @@ def save(
     else:
         phase.run(lambda: None)
     return final
+
+
+def temp_dir(root: Path, step: int, attempt: str) -> Path:
+    """Where `save` writes step `step` of the attempt `attempt` before it publishes it."""
+    return root / f".tmp-step-{step}{'-' + attempt[:12] if attempt else ''}"
 
 
 class _Phase:
@@ -480,6 +485,7 @@ def _prepare(root: Path, tmp: Path, need: int) -> int:
 
 def _write_rank_files(tmp: Path, state: dict[str, Any], rank: int, ctrl: Control) -> dict[str, dict[str, Any]]:
     """This rank's DCP shards and RNG state, fsynced; returns their manifest entries (hashed while cached)."""
+    tmp.mkdir(parents=True, exist_ok=True)  # rank 0 made it; a node's own run dir (object store: remote.py) not
     writer = unpickle.SafeWriter(tmp)  # shards created exclusively, never through a planted link
     with warnings.catch_warnings():  # DCP warns that one process means one process
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")

@@ -33,6 +33,7 @@ import logging
 import os
 import shutil
 import sys
+import tempfile
 import time
 import warnings
 from pathlib import Path
@@ -45,7 +46,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from jobspec import __version__, shared_dir
 from jobspec.contract import EXIT_OK
 from jobspec.errors import ConfigError, JobspecError
-from jobspec.spec import safe_yaml
+from jobspec.spec import object_store, safe_yaml
 from jobspec.spec.hub import hub_origin
 from jobspec.spec.loader import parse_spec
 from jobspec.spec.models import JobSpec
@@ -302,7 +303,20 @@ def export(
     dtype: str | None = None,
     spec: JobSpec | None = None,
 ) -> Path:
-    """Export a checkpoint (see the module docstring); returns the directory written."""
+    """Export a checkpoint (see the module docstring); returns the directory written. `ckpt` may be an object-store
+    URL (s3://bucket/prefix[/step-N]): its newest intact step (or step N) is downloaded and verified first
+    (runner/checkpoint/remote.py), into a temporary directory removed afterwards."""
+    if object_store.is_url(str(ckpt)):
+        from runner.checkpoint import remote
+
+        fetched = Path(tempfile.mkdtemp(prefix="jobspec-export-"))
+        try:
+            source = remote.export_source(str(ckpt), fetched)
+            if out is None and not (spec or checkpoint_spec(source)).output.dir:
+                raise ConfigError(f"{ckpt}: give --out DIR (the checkpoint's spec names no local output.dir)")
+            return export(source, out, merge=merge, base=base, dtype=dtype, spec=spec)
+        finally:
+            shutil.rmtree(fetched, ignore_errors=True)
     t0 = time.perf_counter()
     ckpt = resolve(ckpt)
     spec = _with_base(spec or checkpoint_spec(ckpt), base)

@@ -99,7 +99,7 @@ def finished(spec: JobSpec) -> str | None:
     """
     from runner.checkpoint import files, store
 
-    root = Path(spec.checkpoints.dir)
+    root = Path(spec.run_dir)  # with an object store: what this pod has staged (the workers read the bucket)
     newest = store.latest(root)
     if newest is None or store.verify(newest) is not None:
         return None

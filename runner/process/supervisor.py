@@ -327,7 +327,7 @@ def supervise(spec: JobSpec, spec_path: str, overrides: list[str], nproc: int | 
 
     previous = {s: signal.signal(s, between) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
-        r = relaunch.supervise(launch, spec.checkpoints.dir, spec.memory.tier, world_size=topo.world_size,
+        r = relaunch.supervise(launch, spec.run_dir, spec.memory.tier, world_size=topo.world_size,
                                per_rank_batch=spec.training.global_batch // topo.world_size,
                                fallback=spec.memory.fallback, relaunch=topo.nnodes == 1)  # fmt: skip
     finally:

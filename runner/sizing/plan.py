@@ -197,7 +197,7 @@ def size_for_tier(
 
 def _measurement(spec: JobSpec, tier: str) -> calibration.Measured | None:
     """What an earlier run in this run directory measured at `tier` on a GPU, if it did."""
-    metrics = Path(spec.checkpoints.dir) / METRICS_FILE
+    metrics = Path(spec.run_dir) / METRICS_FILE
     if not metrics.is_file():
         return None
     try:

@@ -34,7 +34,7 @@ from jobspec.plan.planner import rows_per_sample
 from jobspec.spec.models import JobSpec
 from jobspec.spec.units import human_bytes
 from runner import internals
-from runner.checkpoint import store
+from runner.checkpoint import remote, store
 from runner.checkpoint.lease import Lease, LeaseHeld, check_holder
 from runner.checkpoint.lineage import check_resume, lineage
 from runner.data.dataset import PAD_MULTIPLE, data_order, load_data, rank_slice, total_steps
@@ -83,7 +83,9 @@ class Recipe:
             )
         self.spec, self.env = spec, env or DistEnv.from_env()
         tracking.check_packages(spec)  # a missing tracker client is a config error, found before any work
-        self.root = Path(spec.checkpoints.dir)
+        self.root = Path(spec.run_dir)  # local; with an s3:// checkpoints.dir the steps are published there too
+        self.bucket = remote.Bucket(spec.remote_dir) if spec.remote_dir else None  # runner/checkpoint/remote.py
+        self.lease_file = remote.RemoteLeaseFile(self.bucket) if self.bucket else None  # the lease in the bucket
         self.stop = StopFlag() if stop is None else stop  # the worker's is installed for its whole life (worker.py)
         self.owns_stop = stop is None
         # Called right before this rank writes what the gang shares (checkpoint, metrics line, samples, lease):
@@ -93,7 +95,7 @@ class Recipe:
         def fenced() -> None:  # the heartbeat's verdict, then the run directory's: still the attempt that holds it
             gang()
             if self.attempt:
-                check_holder(self.root, self.attempt, self.spec.name)
+                check_holder(self.root, self.attempt, self.spec.name, self.lease_file)
 
         self.fence = fenced
         self.attempt = ""  # rank 0's lease holder when this attempt started, known to every rank (_take_lease)
@@ -144,7 +146,7 @@ class Recipe:
         self.mixed = [0] * len(self.data.sources) if len(self.data.sources) > 1 else None
         self.total_steps = total_steps(spec, self.order)
         self.lineage = lineage(spec, self.data.train)
-        resume = store.resume_point(self.root, rank=env.rank, ctrl=self.ctrl)  # verified; damaged ones skipped
+        resume = self._resume_point()  # verified; damaged ones skipped
         meta = store.read_meta(resume) if resume else None
         if meta is not None:
             check_resume(meta.get("lineage"), self.lineage, where=f"checkpoint {resume}",
@@ -168,7 +170,7 @@ class Recipe:
         held: ConfigError | None = None
         if self.env.is_main:
             try:
-                self.lease = Lease(self.root, self.spec.name)
+                self.lease = Lease(self.root, self.spec.name, file=self.lease_file)
                 self.lease.acquire()
             except ConfigError as err:  # LeaseHeld, or a bad JOBSPEC_LEASE_TIMEOUT_S
                 held = err
@@ -503,10 +505,19 @@ class Recipe:
 
     def _newest_checkpoint(self) -> Path | None:
         """The checkpoint a step-down without the state in memory resumes from (collective); none: step 0."""
-        resume = store.resume_point(self.root, rank=self.env.rank, ctrl=self.ctrl)
+        resume = self._resume_point()
         if resume is None:
             self.step = 0
         return resume
+
+    def _resume_point(self) -> Path | None:
+        """The verified checkpoint every rank resumes from (collective); with an object store, first the bucket's
+        newest intact step downloaded into the local run directory of every node (runner/checkpoint/remote.py)."""
+        env = self.env
+        if self.bucket is not None:
+            remote.fetch(self.bucket, self.root, rank=env.rank, local_rank=env.local_rank,
+                         local_world_size=env.local_world_size, ctrl=self.ctrl)  # fmt: skip
+        return store.resume_point(self.root, rank=env.rank, ctrl=self.ctrl)
 
     def _take_state(self, err: TierOOM) -> handoff.Handoff | None:
         """The trained state to hand to the next tier in memory, when every rank can (weights intact: the
@@ -565,6 +576,10 @@ class Recipe:
             self.exported = export.export(final, out, spec=self.spec)
             self.status["reason"] = "done"
         self.exported = out
+        if self.bucket is not None and not self.spec.output.dir:  # the pod's disk goes with it: the bucket keeps it
+            self.fence()
+            remote.upload_tree(self.bucket, out, remote.MODEL_DIR)
+            log.info("model uploaded to %s", self.bucket.uri(remote.MODEL_DIR))
 
     def _summary(self) -> None:
         if not self.env.is_main:
@@ -712,13 +727,16 @@ class Recipe:
                 meta,
                 rank=self.env.rank,
                 ctrl=self.ctrl,
-                keep=self.spec.checkpoints.keep,
+                keep=1 if self.bucket is not None else self.spec.checkpoints.keep,  # the bucket keeps `keep`
                 trainable_only=self.spec.model.lora is not None,
                 files={store.SPEC: yaml.safe_dump(self.spec.to_yaml_dict(), sort_keys=False).encode()},
                 fence=self.fence,
                 attempt=self.attempt,
                 is_oom=is_oom,
             )
+            if self.bucket is not None:  # shards, then the rest, manifest.json, DONE (runner/checkpoint/remote.py)
+                remote.publish(self.bucket, self.root, self.step, rank=self.env.rank, ctrl=self.ctrl,
+                               keep=self.spec.checkpoints.keep, attempt=self.attempt, fence=self.fence)  # fmt: skip
         self.saved_step = self.step
 
     def _record_samples(self, ids: list[int]) -> None:

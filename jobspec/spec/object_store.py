@@ -1,0 +1,87 @@
+"""Object-store URLs in a spec: `checkpoints.dir: s3://bucket/prefix` and `data.path: s3://bucket/key`.
+
+Only `s3://` is taken (any S3 API: AWS, MinIO, Ceph RGW, R2, GCS's XML API through its S3 endpoint); the runner
+reaches it through fsspec's s3fs (the `s3` extra) with the credentials and endpoint of the standard AWS variables
+(AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_ENDPOINT_URL, AWS_REGION), which a spec gives from a Secret
+(`env_from_secrets`, or `env: {NAME: {secret, key}}`), never inline. A URL holds no credentials: one with a
+user part (`s3://KEY:SECRET@bucket`) or a query is refused. `gs://` and others are refused with the way to use them.
+
+With an object-store `checkpoints.dir` the run directory in the pod is local (`checkpoints.local_dir`, default
+LOCAL_RUN_DIR on an emptyDir): checkpoints are staged there and published to the bucket
+(runner/checkpoint/remote.py); metrics, tier state and the data cache stay there.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import NamedTuple
+
+LOCAL_RUN_DIR = "/checkpoints"
+SCHEMES = ("s3",)
+_URL = re.compile(r"^([a-z][a-z0-9+.-]*)://(.*)$")
+# S3's bucket names: 3-63 lowercase letters, digits, '.', '-', starting and ending with a letter or digit
+_BUCKET = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
+_KEY_PART = re.compile(r"^[A-Za-z0-9!_.*'()=+,:@ -]+$")  # S3's "safe" characters (no '%', '?', '#', '\\')
+
+
+class ObjectUrl(NamedTuple):
+    scheme: str
+    bucket: str
+    key: str  # no leading or trailing '/'; "" for the bucket's root
+
+    def __str__(self) -> str:
+        return f"{self.scheme}://{self.bucket}/{self.key}" if self.key else f"{self.scheme}://{self.bucket}"
+
+    def join(self, *parts: str) -> str:
+        """`bucket/key/part/...` as fsspec names it (no scheme)."""
+        return "/".join(p for p in (self.bucket, self.key, *parts) if p)
+
+
+def is_url(text: str | None) -> bool:
+    """Whether `text` names a URL (`scheme://...`), not a path."""
+    return bool(text) and _URL.match(text) is not None  # type: ignore[arg-type]
+
+
+def problem(text: str) -> str | None:
+    """Why the URL `text` cannot be an object-store location, or None (a path is not this module's)."""
+    m = _URL.match(text)
+    if m is None:
+        return None
+    scheme, rest = m.groups()
+    if scheme == "gs":
+        return ("gs:// is not read directly: use GCS's S3-compatible endpoint, s3://BUCKET/PREFIX with "
+                "AWS_ENDPOINT_URL=https://storage.googleapis.com and an HMAC key in a Secret")  # fmt: skip
+    if scheme not in SCHEMES:
+        return f"{scheme}:// is not an object store jobspec reads: use s3://BUCKET/PREFIX (any S3 API)"
+    if "?" in rest or "#" in rest:
+        return "an object-store URL takes no query or fragment: s3://BUCKET/PREFIX"
+    bucket, _, key = rest.partition("/")
+    if "@" in bucket or ":" in bucket:
+        return ("an object-store URL holds no credentials or port: give them as AWS_* variables from a Secret "
+                "(env_from_secrets), the endpoint as AWS_ENDPOINT_URL")  # fmt: skip
+    if not _BUCKET.match(bucket) or ".." in bucket:
+        return f"{bucket[:80]!r} is not an S3 bucket name (3-63 lowercase letters, digits, '.', '-')"
+    parts = key.strip("/").split("/") if key.strip("/") else []
+    if any(not p or p in (".", "..") or not _KEY_PART.match(p) for p in parts):
+        return "the prefix after the bucket must be names of letters, digits and - _ . ! * ' ( ) = + , : @ (no '..')"
+    return None
+
+
+def parse(text: str | None) -> ObjectUrl | None:
+    """The object-store location `text` names, or None for a path. ValueError for a URL `problem` refuses."""
+    if not is_url(text):
+        return None
+    why = problem(text)  # type: ignore[arg-type]
+    if why:
+        raise ValueError(why)
+    scheme, rest = _URL.match(text).groups()  # type: ignore[union-attr]
+    bucket, _, key = rest.partition("/")
+    return ObjectUrl(scheme, bucket, key.strip("/"))
+
+
+def run_dir(checkpoints_dir: str, local_dir: str | None) -> str:
+    """The run directory the runner writes to: `checkpoints.dir` itself, or for an object store `local_dir`
+    (default LOCAL_RUN_DIR)."""
+    if is_url(checkpoints_dir):
+        return local_dir or LOCAL_RUN_DIR
+    return checkpoints_dir

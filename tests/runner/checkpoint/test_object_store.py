@@ -1,0 +1,206 @@
+"""Checkpoints in an object store (runner/checkpoint/remote.py) against a real S3 API server on loopback (moto's).
+
+A two-rank CPU run publishes its checkpoints to a bucket; the bucket is then left as a killed run leaves it (the
+holder's lease still there, the newest steps torn: one with DONE but no manifest, one with a truncated shard); a run
+in a fresh local directory (another pod) takes the stale lease over, skips the torn steps, resumes from the newest
+intact one and trains the same losses and weights as the uninterrupted run; the model exported from the bucket is
+that model. The lease's conditional writes are checked on their own.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import yaml
+
+from jobspec.contract import EXIT_OK
+from runner.checkpoint import lease, remote
+from tests.runner.train_helpers import records, run_supervisor, tiny_spec_dict, write_spec
+
+moto_server = pytest.importorskip("moto.server", reason="moto[server] (the dev extra) runs the S3 API on loopback")
+pytest.importorskip("s3fs", reason="s3fs (the s3 extra) is the runner's object-store client")
+safetensors = pytest.importorskip("safetensors.torch")
+
+BUCKET = "ckpt"
+
+
+@pytest.fixture(scope="module")
+def s3():
+    """An S3 API server on 127.0.0.1 (a free port), the AWS_* variables pointing at it, a bucket; a boto3 client."""
+    import boto3
+
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)
+    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    env = {"AWS_ENDPOINT_URL": f"http://{host}:{port}", "AWS_ACCESS_KEY_ID": "testing",
+           "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}  # fmt: skip
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    client = boto3.client("s3")
+    client.create_bucket(Bucket=BUCKET)
+    yield client
+    server.stop()
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+
+
+def _keys(client, prefix: str) -> set[str]:
+    pages = client.get_paginator("list_objects_v2").paginate(Bucket=BUCKET, Prefix=prefix)
+    return {o["Key"][len(prefix):] for page in pages for o in page.get("Contents", [])}
+
+
+def _weights(model_dir) -> dict:
+    out = {}
+    for f in sorted(model_dir.glob("*.safetensors")):
+        out.update(safetensors.load_file(str(f)))
+    assert out, f"no weights in {model_dir}"
+    return out
+
+
+def _dead_pid() -> int:
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+def test_two_ranks_checkpoint_to_a_bucket_are_killed_resume_exactly_and_export(tmp_path, s3):
+    prefix = "runs/a"
+    spec = tiny_spec_dict(tmp_path / "unused", training={"micro_batch": 2, "steps": 6},
+                          checkpoints={"dir": f"s3://{BUCKET}/{prefix}", "every_steps": 2})  # fmt: skip
+
+    def run(local: str) -> subprocess.CompletedProcess:
+        s = {**spec, "checkpoints": {**spec["checkpoints"], "local_dir": str(tmp_path / local)}}
+        result = run_supervisor([str(write_spec(tmp_path / f"{local}.yaml", s)), "--nproc", "2"])
+        assert result.returncode == EXIT_OK, result.stderr[-4000:]
+        return result
+
+    run("a")  # uninterrupted: steps 1..6, checkpoints 2, 4, 6 in the bucket, the model exported and uploaded
+    full = {r["step"]: r["loss"] for r in records(tmp_path / "a")}
+    keys = _keys(s3, f"{prefix}/")
+    for step in (2, 4, 6):
+        assert {f"step-{step}/DONE", f"step-{step}/manifest.json", f"step-{step}/rng-0.pt",
+                f"step-{step}/rng-1.pt", f"step-{step}/meta.json"} <= keys  # fmt: skip
+    assert "model/config.json" in keys and "lease.json" not in keys  # released at exit
+
+    # As a killed run leaves the bucket: its lease (a process that is gone), and torn steps past the last good one.
+    step6 = f"{prefix}/step-6/"
+    for name in _keys(s3, step6) - {"manifest.json"}:  # step-8: DONE, but its manifest never arrived
+        s3.copy_object(Bucket=BUCKET, Key=f"{prefix}/step-8/{name}", CopySource={"Bucket": BUCKET, "Key": step6 + name})
+    shard = next(n for n in _keys(s3, step6) if n.endswith(".distcp"))
+    body = s3.get_object(Bucket=BUCKET, Key=step6 + shard)["Body"].read()
+    s3.put_object(Bucket=BUCKET, Key=step6 + shard, Body=body[: len(body) // 2])  # step-6: a truncated shard
+    holder = {**lease._identity(), "pid": _dead_pid(), "pid_start": None, "holder": "f" * 32, "job": spec["name"],
+              "since": time.time(), "heartbeat": time.time()}  # fmt: skip
+    s3.put_object(Bucket=BUCKET, Key=f"{prefix}/lease.json", Body=json.dumps(holder).encode())
+
+    result = run("b")  # another pod: an empty local directory, the same bucket
+    log = result.stderr
+    assert "taking over the lease" in log and "has exited" in log
+    assert "step-8 is damaged (manifest.json is missing)" in log
+    assert "step-6 is damaged" in log and "were written (truncated or overwritten)" in log
+    resumed = {r["step"]: r["loss"] for r in records(tmp_path / "b")}
+    assert sorted(resumed) == [5, 6] and records(tmp_path / "b", "plan")[0]["step"] == 4
+    assert resumed == {s: full[s] for s in (5, 6)}  # exact: the same bits as the uninterrupted run
+
+    trained = _weights(tmp_path / "b" / "model")
+    uninterrupted = _weights(tmp_path / "a" / "model")
+    assert trained.keys() == uninterrupted.keys()
+    assert all((trained[k] == uninterrupted[k]).all() for k in trained)
+
+    # Export from the bucket: step-8 is still torn and skipped, step-6 was written again whole.
+    from runner.output import export
+
+    out = export.export(f"s3://{BUCKET}/{prefix}", tmp_path / "exported")
+    assert json.loads((out / export.PROVENANCE).read_text())["step"] == 6
+    exported = _weights(out)
+    assert all((exported[k] == trained[k]).all() for k in trained)
+
+
+def _lease(url: str, job: str = "job") -> lease.Lease:
+    return lease.Lease("/nonexistent-local-run-dir", job, timeout=60.0, file=remote.RemoteLeaseFile(remote.Bucket(url)))
+
+
+def test_the_lease_in_a_bucket_is_one_writer_by_conditional_writes(s3, monkeypatch):
+    url = f"s3://{BUCKET}/runs/lease"
+    first = _lease(url)
+    first.acquire()
+    assert first.file.honoured  # moto refuses a second If-None-Match: * create, as S3 does
+    me = lease._identity()
+    monkeypatch.setattr(lease, "_identity", lambda: {**me, "pid": 1})  # the others: another process (first's lives)
+    with pytest.raises(lease.LeaseHeld, match="is in use by another run"):
+        _lease(url, "other").acquire()
+    lease.check_holder("/unused", first.holder, "job", first.file)  # the fence of every rank passes
+
+    # Stalled past the timeout: another run takes the lease over (If-Match on the record it read) ...
+    record = json.loads(s3.get_object(Bucket=BUCKET, Key="runs/lease/lease.json")["Body"].read())
+    record["heartbeat"] = time.time() - 3600
+    s3.put_object(Bucket=BUCKET, Key="runs/lease/lease.json", Body=json.dumps(record).encode())
+    second = _lease(url, "other")
+    second.acquire()
+    # ... and the first finds out: its renewal and every rank's fence refuse to go on.
+    with pytest.raises(lease.LeaseLost):
+        lease.check_holder("/unused", first.holder, "job", first.file)
+    with pytest.raises(lease.LeaseLost, match="taken over"):
+        first.beat(force=True)
+    # A renewal that races a takeover is refused by the store, not written over it: an ETag that is not current.
+    second.file.etag = '"0123456789abcdef0123456789abcdef"'
+    assert not second._replace()
+    first.release()  # not its lease: left alone
+    assert second.file.exists()
+    second.file.read()
+    second.release()
+    assert not second.file.exists()
+
+
+def test_a_torn_upload_is_never_a_checkpoint(tmp_path, s3):
+    """No DONE: not listed at all; DONE without the manifest, or a shard shorter than the manifest says: skipped, and
+    with nothing intact the resume is refused (exit 2), never trained on."""
+    bucket = remote.Bucket(f"s3://{BUCKET}/runs/torn")
+    files = {"a.bin": b"x" * 1000}
+    listed = {"format": 1, "step": 3, "checksum": "crc32", "files": {"a.bin": {"bytes": 1000, "crc32": "0"}}}
+    for name, data in {**files, "manifest.json": json.dumps(listed).encode()}.items():
+        bucket.put_bytes(data, "step-3", name)  # step-3: the upload stopped before DONE
+    assert bucket.steps() == ([], [3])
+    assert remote.newest_intact(bucket, tmp_path / "local") is None
+    bucket.put_bytes(b"x" * 10, "step-4", "a.bin")
+    bucket.put_bytes(json.dumps({**listed, "step": 4}).encode(), "step-4", "manifest.json")
+    bucket.put_bytes(b"", "step-4", "DONE")  # step-4: complete, but its shard is truncated
+    problem = remote.download_step(bucket, tmp_path / "local", 4)
+    assert problem == "a.bin has 10 bytes in the bucket, 1000 were written (truncated or overwritten)"
+    with pytest.raises(remote.store.DamagedCheckpoint, match=r"step-4: a\.bin has 10 bytes"):
+        remote.newest_intact(bucket, tmp_path / "local")
+    assert not list((tmp_path / "local").iterdir())  # nothing half-downloaded is left
+    remote.prune(bucket, keep=1)
+    assert bucket.steps() == ([4], [4])  # the unfinished step-3, older than the newest complete one, is gone
+
+
+def test_spec_with_a_bucket_renders_no_volume_claim_and_no_secret(tmp_path):
+    from jobspec.render import render
+    from jobspec.spec.loader import parse_spec
+
+    spec = {**tiny_spec_dict(tmp_path), "name": "s3-job", "env_from_secrets": ["s3-credentials"]}
+    spec["hardware"] = {"vendor": "cpu", "gpus": 1, "nodes": 2}
+    spec["checkpoints"] = {"dir": "s3://ckpt/runs/s3-job", "every_steps": 4}
+    text = yaml.safe_dump(render(parse_spec(yaml.safe_dump(spec))))
+    assert "persistentVolumeClaim" not in text and "s3-credentials" in text and "testing" not in text
+    pod = next(o for o in render(parse_spec(yaml.safe_dump(spec))) if o["kind"] == "Job")["spec"]["template"]["spec"]
+    assert {"name": "checkpoints", "emptyDir": {}} in pod["volumes"]
+    mounts = pod["containers"][0]["volumeMounts"]
+    assert {"name": "checkpoints", "mountPath": "/checkpoints"} in mounts
+    for bad, said in [({"pvc": "vol"}, "a volume cannot be mounted at s3://"),
+                      ({"dir": "gs://b/x"}, "GCS's S3-compatible endpoint"),
+                      ({"dir": "s3://AKIA:secret@ckpt/x"}, "checkpoints.dir")]:  # fmt: skip
+        wrong = {**spec, "checkpoints": {**spec["checkpoints"], **bad}}
+        with pytest.raises(Exception, match=said) as err:
+            parse_spec(yaml.safe_dump(wrong))
+        assert "secret@" not in str(err.value)
