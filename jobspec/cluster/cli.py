@@ -92,11 +92,30 @@ def add_cluster_commands(subparsers: Any, common_parent: argparse.ArgumentParser
     p = add(
         "status",
         "show a job's phase, pods and last report",
-        "Job phase, each index's newest pod (phase, restarts, attempts), and the runner's last\n"
-        "reported tier, step and loss. Exits 1 when the job failed.",
+        "Job phase (and why it is not running), each index's newest pod (phase, restarts, attempts),\n"
+        "the runner's last reported tier, step and loss, and its live progress: step/total, loss,\n"
+        "tokens/s, ETA, tier, micro-batch, last OOM or tier change (rank 0's last progress line, read\n"
+        "from a bounded tail of its log). -w follows it until the job ends. Exits 1 when the job failed.",
     )
     p.add_argument("name", metavar="NAME|SPEC", help=_TARGET_HELP)
     p.add_argument("-o", "--output", choices=("table", "json"), default="table", help="output format")
+    p.add_argument(
+        "-w",
+        "--watch",
+        action="store_true",
+        help="then print a line at each change (phase, reason, progress) until the job ends; -o json: a JSON "
+        "object per line. Ctrl-C stops it",
+    )
+    p.add_argument(
+        "--interval", type=_seconds, default=10.0, metavar="SECONDS", help="with -w: time between polls (default 10s)"
+    )
+    p.add_argument(
+        "--watch-for",
+        type=_long_seconds,
+        default=24 * 3600.0,
+        metavar="DURATION",
+        help="with -w: stop after this long even if the job runs on, e.g. 90m, 12h (default 24h)",
+    )
     p.set_defaults(func=cmd_status)
 
     p = add(
@@ -161,6 +180,14 @@ def _seconds(text: str) -> float:
     value = float(m.group(1)) * {"ms": 0.001, "s": 1.0, "m": 60.0, None: 1.0}[m.group(2)] if m else 0.0
     if not 0 < value <= 3600:
         raise argparse.ArgumentTypeError(f"{text!r}: expected a duration from 1ms to 60m, e.g. 30 or 30s or 2m")
+    return value
+
+
+def _long_seconds(text: str) -> float:
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*(s|m|h|d)?\s*", text)
+    value = float(m.group(1)) * {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, None: 1.0}[m.group(2)] if m else 0.0
+    if not 1 <= value <= 7 * 86400:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a duration from 1s to 7d, e.g. 90m or 12h")
     return value
 
 
@@ -266,10 +293,29 @@ def cmd_status(args: argparse.Namespace) -> int:
 
     name = _name(args)
     client, namespace = _connect(args)
+    if args.watch:
+        return _watch(args, client, namespace, name)
     with client:
         st = collect_status(client, namespace, name)
     sys.stdout.write(to_json(st.to_dict()) if args.output == "json" else format_status(st))
     return EXIT_FAILED if st.failed_job else EXIT_OK
+
+
+def _watch(args: argparse.Namespace, client: Any, namespace: str, name: str) -> int:
+    from jobspec.cluster.output import format_status
+    from jobspec.cluster.watch import watch
+
+    def note(text: str) -> None:
+        print(text, file=sys.stderr, flush=True)
+
+    with client:
+        try:
+            st = watch(client, namespace, name, sys.stdout, interval=args.interval, limit=args.watch_for,
+                       json_lines=args.output == "json", first=format_status, note=note)  # fmt: skip
+        except KeyboardInterrupt:
+            print(file=sys.stderr)
+            return 130
+    return EXIT_FAILED if st is None or st.failed_job else EXIT_OK
 
 
 def cmd_logs(args: argparse.Namespace) -> int:

@@ -281,6 +281,16 @@ class ClusterClient:
         path = POD.object_path(namespace, pod) + "/log"
         return bytes(self._send(op, "GET", path, query=query, accept="*/*", limit=MAX_LOG_BYTES + 1, cut=True))
 
+    def read_log_tail(
+        self, namespace: str, pod: str, *, container: str | None = None, lines: int = 200, limit_bytes: int = 256 * 1024
+    ) -> bytes:
+        """The last `lines` lines of a container's log, at most `limit_bytes` of them (the server cuts there, and
+        so does this client): a bounded read for the progress line (progress.py)."""
+        query = [*_log_query(container), ("tailLines", str(lines)), ("limitBytes", str(limit_bytes))]
+        op = Op("get", "pods/log", "", namespace, pod)
+        path = POD.object_path(namespace, pod) + "/log"
+        return bytes(self._send(op, "GET", path, query=query, accept="*/*", limit=limit_bytes, cut=True))
+
     def log_chunks(
         self, namespace: str, pod: str, *, container: str | None = None, since_time: str | None = None
     ) -> Iterator[bytes]:

@@ -10,6 +10,7 @@ from typing import Any
 from jobspec.cluster.cancel import CancelResult
 from jobspec.cluster.diagnose import STUCK_WAITING
 from jobspec.cluster.listing import JobSummary
+from jobspec.cluster.progress import Progress, duration, progress_line
 from jobspec.cluster.status import JobStatus, Report
 from jobspec.cluster.submit import SubmitResult
 from jobspec.errors import TROUBLESHOOTING, anchor
@@ -89,6 +90,8 @@ def format_status(st: JobStatus) -> str:
     if st.start_time:
         lines.append(f"started    {st.start_time}" + (f", finished {st.completion_time}" if st.completion_time else ""))
     lines.append(f"report     {report_line(st.report)}")
+    if st.progress is not None or st.phase == "Running":
+        lines.append(f"progress   {progress_line(st.progress)}")
     rows = [
         [
             ix.index,
@@ -112,11 +115,22 @@ def format_status(st: JobStatus) -> str:
 def format_list(jobs: Sequence[JobSummary], *, all_namespaces: bool, now: datetime | None = None) -> str:
     if not jobs:
         return "no jobs made by jobspec found\n"
-    headers = ["NAME", "PHASE", "COMPLETIONS", "QUEUE", "AGE"]
-    rows = [[j.name, j.phase, f"{j.succeeded}/{j.completions}", j.queue, age(j.created, now)] for j in jobs]
+    headers = ["NAME", "PHASE", "REASON", "COMPLETIONS", "STEP", "LOSS", "TOK/S", "ETA", "TIER", "MBS", "LAST", "QUEUE",
+               "AGE"]  # fmt: skip
+    rows = [[j.name, j.phase, j.reason, f"{j.succeeded}/{j.completions}", *_progress_cells(j.progress), j.queue,
+             age(j.created, now)] for j in jobs]  # fmt: skip
     if all_namespaces:
         headers, rows = ["NAMESPACE", *headers], [[j.namespace, *r] for j, r in zip(jobs, rows, strict=True)]
     return table(headers, rows)
+
+
+def _progress_cells(p: Progress | None) -> list[Any]:
+    """STEP, LOSS, TOK/S, ETA, TIER, MBS, LAST of `list`."""
+    if p is None:
+        return [None] * 7
+    last = f"{p.event}@{p.event_step}" if p.event and p.event_step is not None else p.event
+    rate = f"{p.tokens_per_s:,.0f}" if p.tokens_per_s is not None else None
+    return [f"{p.step}/{p.total_steps}", _loss(p.loss), rate, duration(p.eta_s), p.tier, p.micro_batch, last]
 
 
 def follow_up(name: str, namespace: str, extra_flags: str = "") -> str:

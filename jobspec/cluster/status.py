@@ -1,8 +1,9 @@
-"""What a job is doing: its phase, each index's latest pod, and the runner's last report.
+"""What a job is doing: its phase, each index's latest pod, the runner's last report and its live progress.
 
 `build_status` is pure (Job + pods -> JobStatus) so it is tested without a server; the
 runner reports through the container's termination message (a JSON line written to
 /dev/termination-log), read tolerantly: any extra text, a traceback, or garbage is fine.
+`collect_status` adds the reasons (diagnose.py) and rank 0's last progress line from its log (progress.py).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from jobspec.cluster.pods import (
     parse_index_set,
     pods_by_index,
 )
+from jobspec.cluster.progress import Progress, read_progress
 from jobspec.cluster.resources import EVENT, JOB, POD, WORKLOAD
 from jobspec.contract import ANNOTATION_SPEC_HASH, KUEUE_QUEUE_LABEL
 from jobspec.spec.credentials import redact
@@ -33,11 +35,10 @@ KUEUE_JOB_UID_LABEL = "kueue.x-k8s.io/job-uid"  # on the Workload Kueue makes fo
 # Failed pods of this index before this one, set by the Job controller when backoffLimitPerIndex is used (1.28+):
 # the count survives the garbage collection of the failed pods, which the pods listed do not
 INDEX_FAILURES = "batch.kubernetes.io/job-index-failure-count"
-PROGRESS_ANNOTATION = "jobspec.dev/progress"  # optional: a JSON report on the pod, same keys
 FINISHED = ("Succeeded", "Failed")
 FAILED = ("Failed", "Failing")
 MAX_ATTEMPTS = 10_000  # of one index: more than any backoffLimitPerIndex the spec renders
-MAX_REPORT_CHARS = 64 * 1024  # of a termination message (the kubelet keeps 4096 bytes) or progress annotation
+MAX_REPORT_CHARS = 64 * 1024  # of a termination message (the kubelet keeps 4096 bytes)
 
 
 @dataclass(frozen=True)
@@ -82,6 +83,7 @@ class JobStatus:
     completion_time: str | None
     indexes: list[IndexStatus]
     report: Report | None  # index 0's (rank 0 reports), else the first index that has one
+    progress: Progress | None = None  # rank 0's last progress line (progress.py), read by collect_status
 
     @property
     def failed_job(self) -> bool:
@@ -185,7 +187,7 @@ def pod_report(pod: dict[str, Any]) -> Report | None:
         report = parse_report((term or {}).get("message"))
         if report is not None:
             return report
-    return parse_report(((pod.get("metadata") or {}).get("annotations") or {}).get(PROGRESS_ANNOTATION))
+    return None
 
 
 def _count(value: Any, high: int = 2**31) -> int:
@@ -258,19 +260,37 @@ def build_status(job: dict[str, Any], pods: list[dict[str, Any]]) -> JobStatus:
 
 
 def collect_status(client: ClusterClient, namespace: str, name: str) -> JobStatus:
-    """The Job, its pods, its events and (queued) its Kueue Workload, read and explained (diagnose.py)."""
-    from jobspec.cluster.diagnose import explain  # it builds on this module's pod helpers
-
+    """The Job, its pods, its events and (queued) its Kueue Workload, read and explained (diagnose.py), with rank
+    0's last progress line (progress.py)."""
     job = client.get(JOB, namespace, name)
     pods = client.list(POD, namespace, pod_selector(job))
-    st = build_status(job, pods)
     events = _readable(lambda: client.list(EVENT, namespace, field_selector=f"involvedObject.kind=Job,"
                                            f"involvedObject.name={name}"))  # fmt: skip
     workloads = None
-    if st.queue and st.phase == "Suspended":
+    if _queued(job):
         uid = job["metadata"].get("uid")
         workloads = _readable(lambda: client.list(WORKLOAD, namespace, f"{KUEUE_JOB_UID_LABEL}={uid}"), None)
-    found = explain(job, st.phase, pods, events or [], workloads, st.queue)
+    st = explained(job, pods, events or [], workloads)
+    return replace(st, progress=read_progress(client, namespace, pods))
+
+
+def _queued(job: dict[str, Any]) -> bool:
+    """A Kueue-queued Job that is suspended: its Workload says why (read only then)."""
+    return bool((job["metadata"].get("labels") or {}).get(KUEUE_QUEUE_LABEL)) and job_phase(job) == "Suspended"
+
+
+def explained(
+    job: dict[str, Any],
+    pods: list[dict[str, Any]],
+    events: list[dict[str, Any]],
+    workloads: list[dict[str, Any]] | None,
+) -> JobStatus:
+    """build_status, with the phase, reason and message diagnose.py finds in the pods, events and Workloads (shared
+    by `status` and `list`)."""
+    from jobspec.cluster.diagnose import explain  # it builds on this module's pod helpers
+
+    st = build_status(job, pods)
+    found = explain(job, st.phase, pods, events, workloads, st.queue)
     return st if found is None else replace(st, phase=found.phase, reason=found.reason, message=found.message)
 
 

@@ -1,4 +1,5 @@
-"""Telemetry: metrics.jsonl (one JSON record per logged step or evaluation), a log line, a progress bar.
+"""Telemetry: metrics.jsonl (one JSON record per logged step or evaluation), a log line, a progress bar, and
+the machine-readable progress line `jobspec status` reads from the pod's log (progress.py).
 
 Only rank 0 writes. Train records carry at least: step, loss, lr, tier, micro_batch, grad_accum,
 global_batch, samples, tokens_per_s, mem_used_bytes, mem_total_bytes, gpu_util (null when unknown);
@@ -21,6 +22,7 @@ import torch
 
 from jobspec import shared_dir
 from jobspec.errors import ConfigError
+from runner.output.progress import ProgressLine
 
 log = logging.getLogger("jobspec.runner")
 GiB = 1024**3
@@ -68,8 +70,10 @@ class Metrics:
         self.enabled = enabled
         self.trackers = trackers  # runner.output.tracking.Trackers: the same records to TensorBoard, W&B, MLflow
         self.file = None
+        self.progress = ProgressLine()  # the live-progress log line of each train record (output/progress.py)
         if enabled:
             path.parent.mkdir(parents=True, exist_ok=True)
+            self.progress.seed(path)  # an earlier start's last OOM or tier change
             # Held for the whole run; line-buffered so that every record lands even if the process dies. The run
             # directory is shared: never appended through a link planted at the name (jobspec.shared_dir).
             try:
@@ -82,9 +86,13 @@ class Metrics:
     def write(self, record: dict[str, Any]) -> None:
         if self.file is None:
             return
-        self.file.write(json.dumps({"time": round(time.time(), 3), **record}, separators=(",", ":")) + "\n")
+        stamped = {"time": round(time.time(), 3), **record}
+        self.file.write(json.dumps(stamped, separators=(",", ":")) + "\n")
         if record.get("kind") != "event":  # events (an OOM shrink) were logged in words where they happened
             log.info("%s", format_line(record))
+        line = self.progress.observe(stamped)
+        if line is not None:
+            log.info("%s", line)
         if self.trackers is not None:
             self.trackers.log(record)
 

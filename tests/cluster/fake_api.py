@@ -24,6 +24,7 @@ __all__ = ["TOKEN", "FakeApi", "Request"]
 TOKEN = "tok-S3CRET-do-not-print-0123456789"
 CONTROLLER_UID = "batch.kubernetes.io/controller-uid"
 INDEX = "batch.kubernetes.io/job-completion-index"
+MANAGED = "app.kubernetes.io/managed-by"
 
 _CORE = re.compile(
     r"^/api/v1/namespaces/(?P<ns>[^/]+)/(?P<plural>configmaps|services|pods|persistentvolumeclaims|events|secrets|"
@@ -139,7 +140,8 @@ class FakeApi(Served):  # start(), stop(), url
                 "name": name or f"{job}-{index}-{uuid.uuid4().hex[:5]}",
                 "namespace": namespace,
                 "creationTimestamp": created,
-                "labels": {CONTROLLER_UID: uid, "job-name": job, INDEX: str(index)},
+                # the Job controller's labels, and the template's managed-by (render/objects.py)
+                "labels": {CONTROLLER_UID: uid, "job-name": job, INDEX: str(index), MANAGED: "jobspec"},
                 "annotations": {INDEX: str(index)},
             },
             "spec": {"containers": [{"name": "runner", "image": "x"}], "nodeName": node},
@@ -296,4 +298,10 @@ class FakeApi(Served):  # start(), stop(), url
                 {},
                 status_body(400, f'previous terminated container "runner" in pod "{pod}" not found', "BadRequest"),
             )
-        return 200, {"Content-Type": "text/plain"}, source[(ns, pod)]
+        text = source[(ns, pod)]
+        if req.query.get("tailLines"):  # as the kubelet: the last N lines, then at most limitBytes of them
+            lines = text.splitlines(keepends=True)
+            text = b"".join(lines[len(lines) - min(int(req.query["tailLines"]), len(lines)) :])
+        if req.query.get("limitBytes"):
+            text = text[: int(req.query["limitBytes"])]
+        return 200, {"Content-Type": "text/plain"}, text

@@ -51,6 +51,10 @@ def _failed_job(api: FakeApi) -> None:
 
 def test_status_json_is_stable(api: FakeApi, kubeconfig: Path, cli: CliRun) -> None:
     _failed_job(api)
+    line = ('{"step":12,"total_steps":40,"loss":3.5,"tokens_per_s":1234.5,"eta_s":60.0,"tier":"minimal",'
+            '"micro_batch":1,'
+            '"event":{"event":"tier_change","step":10,"detail":"tier zero3 -> minimal at restart"}}')  # fmt: skip
+    api.logs[("ml", "train-0-x")] = f"12:00:00 INFO [rank 0] jobspec-progress/v1 {line}\nbye\n".encode()
     code, out, _ = cli("status", "train", "-o", "json", "--kubeconfig", str(kubeconfig))
     assert code == EXIT_FAILED
     report = {"tier": "minimal", "step": 12, "loss": 3.5, "reason": "oom at the last tier", "extra": {"micro_batch": 1}}
@@ -93,6 +97,18 @@ def test_status_json_is_stable(api: FakeApi, kubeconfig: Path, cli: CliRun) -> N
             },
         ],
         "report": report,
+        "progress": {
+            "step": 12,
+            "total_steps": 40,
+            "loss": 3.5,
+            "tokens_per_s": 1234.5,
+            "eta_s": 60.0,
+            "tier": "minimal",
+            "micro_batch": 1,
+            "event": "tier_change",
+            "event_step": 10,
+            "event_detail": "tier zero3 -> minimal at restart",
+        },
     }
 
 
@@ -141,10 +157,11 @@ def test_status_human_output(api: FakeApi, kubeconfig: Path, cli: CliRun) -> Non
 def test_list_outputs(api: FakeApi, kubeconfig: Path, cli: CliRun) -> None:
     _failed_job(api)
     code, out, _ = cli("list", "--kubeconfig", str(kubeconfig))
-    assert code == EXIT_OK and out.splitlines()[0].split() == ["NAME", "PHASE", "COMPLETIONS", "QUEUE", "AGE"]
-    assert out.splitlines()[1].split()[:4] == ["train", "Failed", "1/2", "gpu-queue"]
+    header = ["NAME", "PHASE", "REASON", "COMPLETIONS", "STEP", "LOSS", "TOK/S", "ETA", "TIER", "MBS", "LAST", "QUEUE"]
+    assert code == EXIT_OK and out.splitlines()[0].split() == [*header, "AGE"]
+    assert out.splitlines()[1].split()[:12] == ["train", "Failed", "PodFailurePolicy", "1/2", *["-"] * 7, "gpu-queue"]
     code, out, _ = cli("list", "-A", "-o", "json", "--kubeconfig", str(kubeconfig))
-    assert code == EXIT_OK and api.requests[-1].path == "/apis/batch/v1/jobs"
+    assert code == EXIT_OK and api.calls("GET", "/apis/batch/v1/jobs")
     assert list(json.loads(out)[0]) == [
         "name",
         "namespace",
@@ -156,6 +173,8 @@ def test_list_outputs(api: FakeApi, kubeconfig: Path, cli: CliRun) -> None:
         "queue",
         "created",
         "spec_hash",
+        "reason",
+        "progress",
     ]
 
 

@@ -164,14 +164,15 @@ def test_build_status_of_a_failed_job() -> None:
     assert st.report == Report("minimal", None, None, "oom at last tier")
 
 
-def test_restarts_last_state_and_annotation_reports() -> None:
+def test_restarts_and_last_state_reports() -> None:
     restarted = pod(
         0, "Running", state={"running": {}}, restarts=2, last={"terminated": {"exitCode": 1, "message": "boom"}}
     )
     st = build_status(job({"active": 1}), [restarted])
     assert (st.indexes[0].restarts, st.indexes[0].exit_code, st.indexes[0].report) == (2, 1, Report(reason="boom"))
+    # An annotation is no report (nothing writes one: progress comes from the log, progress.py)
     annotated = pod(0, "Running", state={"running": {}}, annotations={"jobspec.dev/progress": '{"step": 7}'})
-    assert build_status(job({"active": 1}), [annotated]).indexes[0].report == Report(step=7)
+    assert build_status(job({"active": 1}), [annotated]).indexes[0].report is None
 
 
 def test_unschedulable_pods_say_so() -> None:
@@ -199,6 +200,7 @@ def test_to_dict_keys_are_fixed() -> None:
         "completion_time",
         "indexes",
         "report",
+        "progress",
     ]
     assert list(data["indexes"][0]) == [
         "index",
