@@ -412,7 +412,7 @@ class DataSource(Section):
         Field(description="Label of the source in logs and metrics; default the file or directory name."),
     ] = None
     format: Annotated[
-        Literal["auto", "prompt_response", "messages", "preference"] | None,
+        Literal["auto", "prompt_response", "messages", "preference", "text"] | None,
         Field(description="Record layout of this source; default `data.format`."),
     ] = None
 
@@ -427,13 +427,15 @@ class DataSpec(Section):
         ),
     ] = None
     format: Annotated[
-        Literal["auto", "prompt_response", "messages", "preference"],
+        Literal["auto", "prompt_response", "messages", "preference", "text"],
         Field(
             description="Record layout: {prompt, response}, {messages: [{role, content}]} or, for a preference "
             "`training.objective` (dpo, simpo, orpo), preference pairs {prompt, chosen, rejected} (texts, or message "
-            "lists with an optional prompt list: TRL's conventions); auto detects per file."
+            "lists with an optional prompt list: TRL's conventions); text = raw documents {text} for continued "
+            "pretraining (loss on every token, packed unless `packing: false`); auto detects per file."
         ),
     ] = "auto"
+    text_field: Annotated[WordStr, Field(description="Key of the document in text records.")] = "text"
     prompt_field: Annotated[WordStr, Field(description="Key of the prompt in prompt/response records.")] = "prompt"
     response_field: Annotated[WordStr, Field(description="Key of the response in prompt/response records.")] = (
         "response"
@@ -446,7 +448,8 @@ class DataSpec(Section):
         bool,
         Field(
             description="Pack several records into each max_seq_len row, each attending only to itself (positions "
-            "restart per record); turned off, with the reason in the log, where the model's attention cannot."
+            "restart per record); turned off, with the reason in the log, where the model's attention cannot. "
+            "Default true with `format: text`."
         ),
     ] = False
     streaming: Annotated[
@@ -500,6 +503,14 @@ class DataSpec(Section):
         Literal["auto"] | Annotated[int, Field(ge=0, le=64)],
         Field(description="DataLoader workers; auto sizes them from CPUs and host memory."),
     ] = "auto"
+
+    @model_validator(mode="before")
+    @classmethod
+    def _pack_text(cls, data: Any) -> Any:
+        """Raw text for continued pretraining packs by default (a row per short document wastes most of it)."""
+        if isinstance(data, dict) and data.get("format") == "text" and "packing" not in data:
+            return {**data, "packing": True}
+        return data
 
     @model_validator(mode="after")
     def _one_kind_of_source(self) -> "DataSpec":

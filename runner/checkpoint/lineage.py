@@ -41,6 +41,8 @@ def lineage(spec: JobSpec, train_rows: list[tuple[np.ndarray, np.ndarray]]) -> d
     # several sources: their paths, weights and formats make the samples (a name is only a label in the metrics)
     sources = {"sources": {"__all__": {"path", "weight", "format"}}}
     data = spec.data.model_dump(mode="json", include={**dict.fromkeys(DATA_FIELDS, True), **sources})
+    if spec.data.text_field != "text":  # text records' field (at its default left out, as for every run before it)
+        data["text_field"] = spec.data.text_field
     if spec.data.streaming:  # a stream's order (only then: the lineage of every other run stays as it was)
         data |= {"streaming": True, "shuffle_buffer": spec.data.shuffle_buffer}
     objective = {}  # only for a preference objective: the lineage of every SFT run stays as it was

@@ -10,7 +10,8 @@ the key's parts in readable form. The key is a sha256 over everything that decid
   and the log says so; save it with `save_to_disk` and point the spec at the directory to cache it;
 - the tokenizer (`cache_identity()`: the byte tokenizer's name and version; a transformers tokenizer's
   serialized state, chat template and special tokens, hashed) and its chat template;
-- max_seq_len (records are cut to max_seq_len + 1 tokens), the record format and field names, the splits read;
+- max_seq_len (records are cut to max_seq_len + 1 tokens), the record format and field names, the splits read,
+  and whether the records were read as preference pairs (two records each, checked as such when tokenized);
 - FORMAT_VERSION of this layout.
 Packing is not in the key: rows are grouped from the cached records at load time (a pass over the lengths).
 The source's path is not in the key either: the same bytes elsewhere hit the same entry.
@@ -112,6 +113,7 @@ def cache_key(
     field: str,
     splits: Sequence[str],
     stamps: Path | None = None,
+    pairs: bool = False,
 ) -> CacheKey | None:
     """The key of `source` tokenized by `tokenizer` under `spec`; None (logged) when its content or the
     tokenizer cannot be known before tokenizing. A source that is not there fails here as it would when read.
@@ -143,6 +145,10 @@ def cache_key(
         "messages_field": spec.messages_field,
         "splits": ",".join(splits),
     }
+    if spec.text_field != "text":  # text records' field; left out at its default, so no other entry's key changes
+        parts["text_field"] = spec.text_field
+    if pairs:  # read as preference pairs (checked so when tokenized): never the entry an SFT run made of the same file
+        parts["records"] = "pairs"
     digest = hashlib.sha256(json.dumps(parts, sort_keys=True).encode("utf-8")).hexdigest()
     return CacheKey(digest, parts, tokenizer.vocab_size, shown)
 

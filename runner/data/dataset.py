@@ -41,7 +41,7 @@ from jobspec.spec.models import DataSpec, JobSpec
 from runner.data.cache import CacheKey, cache_key, cached_streams, usable_root
 from runner.data.mix import ConcatRows, MixedOrder, source_names
 from runner.data.pairs import CHOSEN, REJECTED, check_objective, pair_chats
-from runner.data.prepare import CHUNK_RECORDS, ChunkRenderer
+from runner.data.prepare import CHUNK_RECORDS, Chat, ChunkRenderer, render_chunk
 from runner.data.records import EVAL_SPLITS, TRAIN_SPLITS, as_message_list, read_records
 from runner.data.tokenizer import Message, Segment, Tokenizer, segment_arrays
 from runner.data.tokens import IGNORE, Rows, Streams, StreamsBuilder, pack_groups, record_positions
@@ -82,9 +82,12 @@ def detect_format(record: dict, spec: DataSpec, where: str) -> str:
         return "messages"
     if record.get(spec.prompt_field) is not None and record.get(spec.response_field) is not None:
         return "prompt_response"
+    if record.get(spec.text_field) is not None:
+        return "text"
     raise ConfigError(
-        f"{where}: cannot tell the record format: no {spec.messages_field!r} list and no "
-        f"{spec.prompt_field!r}/{spec.response_field!r} pair; set data.format and the data.*_field names"
+        f"{where}: cannot tell the record format: no {spec.messages_field!r} list, no "
+        f"{spec.prompt_field!r}/{spec.response_field!r} pair and no {spec.text_field!r} text; set data.format and "
+        "the data.*_field names"
     )
 
 
@@ -131,14 +134,31 @@ def check_text(messages: list[Message]) -> None:
     escape (\\ud800) but UTF-8 cannot hold (transformers' tokenizers fail on it with a TypeError)."""
     for i, m in enumerate(messages):
         content = m.get("content") if isinstance(m, dict) else None
-        if isinstance(content, str) and not content.isascii():
-            try:
-                content.encode("utf-8")
-            except UnicodeEncodeError as err:
-                raise ValueError(
-                    f"message {i}: a lone UTF-16 surrogate ({content[err.start]!r} at character {err.start}) in "
-                    "its text; write the character itself, or its full \\ud83d\\ude00-style pair"
-                ) from None
+        if isinstance(content, str):
+            check_string(content, f"message {i}")
+
+
+def check_string(content: str, what: str) -> None:
+    """`check_text` for one string (`what` names it in the error)."""
+    if not content.isascii():
+        try:
+            content.encode("utf-8")
+        except UnicodeEncodeError as err:
+            raise ValueError(
+                f"{what}: a lone UTF-16 surrogate ({content[err.start]!r} at character {err.start}) in "
+                "its text; write the character itself, or its full \\ud83d\\ude00-style pair"
+            ) from None
+
+
+def record_text(record: dict, spec: DataSpec, chars: int) -> tuple[str, int]:
+    """A text record's document, cut to `chars` characters (what a row can reach, as `clip_texts`), with its length
+    when it was cut (0: it was not); ValueError naming the field when it is not a string."""
+    text = record.get(spec.text_field)
+    if not isinstance(text, str):
+        got = "missing" if text is None else f"of type {type(text).__name__}"
+        raise ValueError(f"{spec.text_field!r} is {got}: a text record's {spec.text_field!r} must be a string")
+    check_string(text, repr(spec.text_field))
+    return (text[:chars], len(text)) if len(text) > chars else (text, 0)
 
 
 def flatten(segments: Sequence[Segment], limit: int) -> tuple[np.ndarray, np.ndarray]:
@@ -148,7 +168,7 @@ def flatten(segments: Sequence[Segment], limit: int) -> tuple[np.ndarray, np.nda
 
 
 def record_chat(record: dict, fmt: str, spec: DataSpec, chars: int, reach: int,
-                where: object) -> tuple[list[Message], int, int]:  # fmt: skip
+                where: object) -> tuple[Chat, int, int]:  # fmt: skip
     """A record as the chat the tokenizer renders, clipped to what a row can reach (`clip_texts`) and checked
     (`check_text`); a bad one is a ConfigError at `where` (file:line or row)."""
     check_objective(fmt, False, where)
@@ -156,10 +176,13 @@ def record_chat(record: dict, fmt: str, spec: DataSpec, chars: int, reach: int,
 
 
 def record_chats(record: dict, fmt: str, spec: DataSpec, chars: int, reach: int,
-                 where: object) -> list[tuple[list[Message], int, int]]:  # fmt: skip
+                 where: object) -> list[tuple[Chat, int, int]]:  # fmt: skip
     """`record_chat` for every chat of a record: one, or a preference pair's chosen then rejected chat
-    (runner/data/pairs.py)."""
+    (runner/data/pairs.py); a text record's document is a string (rendered as raw text: runner/data/prepare.py)."""
     try:
+        if fmt == "text":
+            text, cut = record_text(record, spec, chars)
+            return [(text, cut, 0)]
         chats = pair_chats(record, spec) if fmt == "preference" else (to_messages(record, fmt, spec),)
         out = [clip_texts(chat, chars, reach) for chat in chats]
         for messages, _, _ in out:
@@ -196,7 +219,8 @@ def encode_keyed(source: str | Path, spec: DataSpec, tokenizer: Tokenizer, field
                  pairs: bool = False) -> tuple[Streams, CacheKey | None]:  # fmt: skip
     """`encode_file`, with the cache key of its entry (None: not cached), which what is derived from these records
     and cached beside them (DPO's reference log-probs) extends."""
-    key = None if cache_dir is None else cache_key(source, spec, tokenizer, field, splits, stamps=Path(cache_dir))
+    key = None if cache_dir is None else cache_key(source, spec, tokenizer, field, splits, stamps=Path(cache_dir),
+                                                    pairs=pairs)
     if key is None:  # the reason is logged
         return _tokenize(source, spec, tokenizer, field, splits, pairs), None
     build = partial(_tokenize, source, spec, tokenizer, field, splits, pairs)
@@ -211,7 +235,7 @@ def _tokenize(source: str | Path, spec: DataSpec, tokenizer: Tokenizer, field: s
     reach = spec.max_seq_len + 2  # tokens (and so messages) past what a row keeps, with one to spare
     chars = reach * tokenizer.max_token_chars
     clipped, longest, dropped = 0, 0, 0
-    chats: list[list[Message]] = []
+    chats: list[Chat] = []
     places: list[object] = []  # where each chat of the chunk is, for an error
     with ChunkRenderer(tokenizer, spec.max_seq_len + 1) as renderer:
 
@@ -239,7 +263,7 @@ def _tokenize(source: str | Path, spec: DataSpec, tokenizer: Tokenizer, field: s
             renderer.put(chats, (places, chats))
         collect(drain=True)
     if not len(out):
-        raise ConfigError(f"{field} {source}: no records (expected prompt/response or messages records)")
+        raise ConfigError(f"{field} {source}: no records (expected prompt/response, messages or text records)")
     if clipped:
         log.info(
             "data %s: %d record(s) clipped before tokenizing to what max_seq_len %d can reach: texts to %d characters "
@@ -255,7 +279,7 @@ def _locate(tag: object, tokenizer: Tokenizer, err: ValueError, fmt: str | None)
     places, chats = tag  # type: ignore[misc]  # as `_tokenize` put them
     for where, messages in zip(places, chats, strict=True):
         try:
-            tokenizer.render(messages)
+            render_chunk(tokenizer, [messages], 1)
         except ValueError as one:
             raise ConfigError(f"{where}: {one} (format {fmt})") from None
     raise ConfigError(f"{places[0]} and the {len(places) - 1} records after it: {err} (format {fmt})") from None

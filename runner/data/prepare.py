@@ -1,6 +1,7 @@
 """Rendering many chats to token arrays: in chunks, over a pool of processes when there are many.
 
-A tokenizer's `render_batch` turns a chunk of chats into (ids, flags) arrays at once (the byte tokenizer
+A tokenizer's `render_batch` turns a chunk of chats into (ids, flags) arrays at once, its `render_texts` a chunk of
+raw documents (`data.format: text`, a chat given as a string: every token a target) (the byte tokenizer
 from each chat's UTF-8 bytes, transformers' fast tokenizers one batched call per chunk). `ChunkRenderer`
 hands out chunks in order and gives back each chunk's records in the same order, truncated to the row
 limit, rendered either in this process or, once a source shows itself large (POOL_AFTER records), by
@@ -29,18 +30,32 @@ from runner.data.tokenizer import Message, Tokenizer, segment_arrays
 CHUNK_RECORDS = 512  # chats per render_batch call (one batched tokenizer call; a few MB in flight)
 POOL_AFTER = 8 * CHUNK_RECORDS  # fewer records tokenize in well under a second here: no workers
 Chunk = tuple[np.ndarray, np.ndarray, np.ndarray]  # (ids, flags, lengths): the chunk's records end to end
+Chat = Sequence[Message] | str  # a chat, or a raw document (data.format: text)
 
 
-def render_chunk(tokenizer: Tokenizer, chats: Sequence[Sequence[Message]], limit: int) -> Chunk:
-    """The chats rendered and each truncated to `limit` tokens, joined end to end, with their lengths."""
-    batch = getattr(tokenizer, "render_batch", None)
-    rendered = batch(chats) if batch is not None else [segment_arrays(tokenizer.render(m)) for m in chats]
+def render_chunk(tokenizer: Tokenizer, chats: Sequence[Chat], limit: int) -> Chunk:
+    """The chats (and raw documents) rendered and each truncated to `limit` tokens, joined end to end, with their
+    lengths."""
+    docs = [k for k, c in enumerate(chats) if isinstance(c, str)]
+    if len(docs) == len(chats):  # a text source's chunk
+        rendered = tokenizer.render_texts(chats)  # type: ignore[arg-type]
+    elif not docs:
+        batch = getattr(tokenizer, "render_batch", None)
+        rendered = batch(chats) if batch is not None else [segment_arrays(tokenizer.render(m)) for m in chats]
+    else:  # never from one source (its first record fixes its format); kept in order all the same
+        rendered = [render_chunk_one(tokenizer, c) for c in chats]
     ids = [i[:limit] for i, _ in rendered]
     flags = [f[:limit] for _, f in rendered]
     lengths = np.fromiter((len(i) for i in ids), dtype=np.int64, count=len(ids))
     if not ids:
         return np.zeros(0, np.int64), np.zeros(0, bool), lengths
     return np.concatenate(ids).astype(np.int64, copy=False), np.concatenate(flags).astype(bool, copy=False), lengths
+
+
+def render_chunk_one(tokenizer: Tokenizer, chat: Chat) -> tuple[np.ndarray, np.ndarray]:
+    if isinstance(chat, str):
+        return tokenizer.render_texts([chat])[0]
+    return segment_arrays(tokenizer.render(chat))
 
 
 def usable_cpus() -> int:
@@ -61,7 +76,7 @@ def _start_worker(tokenizer: Tokenizer) -> None:
     _worker_tokenizer = tokenizer
 
 
-def _render_in_worker(chats: Sequence[Sequence[Message]], limit: int) -> Chunk:
+def _render_in_worker(chats: Sequence[Chat], limit: int) -> Chunk:
     assert _worker_tokenizer is not None, "the worker's initializer sets the tokenizer"
     return render_chunk(_worker_tokenizer, chats, limit)
 
@@ -87,7 +102,7 @@ class ChunkRenderer:
         if self._pool is not None:
             self._pool.shutdown(wait=True, cancel_futures=True)
 
-    def put(self, chats: list[list[Message]], tag: object = None) -> None:
+    def put(self, chats: list[Chat], tag: object = None) -> None:
         """Queue a chunk; `tag` comes back with it (what the caller needs to name a record in an error)."""
         self.seen += len(chats)
         if self._pool is None and self.workers > 1 and self.seen > POOL_AFTER:

@@ -541,6 +541,8 @@ def index_path(spec: JobSpec, source: str, field: str, tokenizer: Tokenizer, num
                              **d.model_dump(mode="json", include={"format", "prompt_field", "response_field",
                                                                  "messages_field", "max_seq_len", "packing",
                                                                  "shuffle_buffer"})}  # fmt: skip
+    if d.text_field != "text":  # text records' field (at its default left out: no other index moves)
+        parts["text_field"] = d.text_field
     if Path(source).is_file():
         st = os.stat(source)
         parts["stat"] = [st.st_size, st.st_mtime_ns]

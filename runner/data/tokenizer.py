@@ -33,6 +33,19 @@ class Tokenizer(Protocol):
 
     def render(self, messages: Sequence[Message]) -> list[Segment]: ...
 
+    def render_texts(self, texts: Sequence[str]) -> list[TokenArrays]: ...
+
+
+def _document(ids: Sequence[int], bos: int | None, eos: int) -> TokenArrays:
+    """A raw document's tokens for continued pretraining: `bos` first unless there (None: the tokenizer adds its own,
+    if any), `eos` last unless there, every token a target (the first never is one: nothing comes before it)."""
+    out = list(ids)
+    if bos is not None and (not out or out[0] != bos):
+        out.insert(0, bos)
+    if not out or out[-1] != eos:
+        out.append(eos)
+    return np.asarray(out, dtype=np.int64), np.ones(len(out), dtype=bool)
+
 
 class ByteTokenizer:
     """UTF-8 bytes are ids 0-255; specials follow. No merges, no vocabulary file.
@@ -97,6 +110,10 @@ class ByteTokenizer:
 
     def render_batch(self, chats: Sequence[Sequence[Message]]) -> list[TokenArrays]:
         return [self.render_ids(m) for m in chats]
+
+    def render_texts(self, texts: Sequence[str]) -> list[TokenArrays]:
+        """Raw documents (`data.format: text`): <bos> bytes <eos>, every token a target."""
+        return [_document(self.encode(t), self.BOS, self.EOS) for t in texts]
 
     def cache_identity(self) -> dict[str, str]:
         """What decides this tokenizer's output, for the tokenized-data cache key (runner/data/cache.py)."""
@@ -261,6 +278,14 @@ class HFTokenizer:
     def render_ids(self, messages: Sequence[Message]) -> TokenArrays:
         """`render`'s ids and flags as two arrays."""
         return self.render_batch([messages])[0]
+
+    def render_texts(self, texts: Sequence[str]) -> list[TokenArrays]:
+        """Raw documents (`data.format: text`), tokenized in one call with the tokenizer's own special tokens (a
+        BOS where the model takes one), then EOS unless it ends with one; every token a target."""
+        if not texts:
+            return []
+        enc = self.tok(list(texts), add_special_tokens=True)["input_ids"]  # type: ignore[operator]
+        return [_document(ids, None, self.eos_id) for ids in enc]
 
     def render_batch(self, chats: Sequence[Sequence[Message]]) -> list[TokenArrays]:
         """`render_ids` of each chat, the same ids and flags: on path 2 the renderings of all the chats are
