@@ -42,6 +42,7 @@ from jobspec.cluster.resources import (
 from jobspec.contract import KUEUE_QUEUE_LABEL
 from jobspec.errors import ConfigError
 from jobspec.render.pod import GPU_RESOURCES
+from jobspec.spec.hub import TOKEN_ENV
 
 if TYPE_CHECKING:  # the client module pulls in urllib3 and tenacity: only for commands that connect
     from jobspec.cluster.client import ClusterClient
@@ -84,6 +85,15 @@ class _Refs:
     gpus: dict[str, int] = field(default_factory=dict)  # resource -> per pod
     node_selector: dict[str, str] = field(default_factory=dict)
     pods: int = 1
+    explicit_env: dict[str, str] = field(default_factory=dict)  # a container's `env` name -> what sets it
+    env_from: set[str] = field(default_factory=set)  # Secrets whose every key becomes an env var (envFrom)
+
+
+def _env_field(name: str, from_secret: bool) -> str:
+    """The spec field behind a rendered env var of that name (jobspec/render: model.hub_token becomes HF_TOKEN)."""
+    if name == TOKEN_ENV and from_secret:
+        return f"model.hub_token or env.{name}"
+    return f"env.{name}" if not name.startswith("JOBSPEC_") else f"{name}, set by jobspec"
 
 
 def pod_refs(job: dict[str, Any]) -> _Refs:
@@ -108,10 +118,14 @@ def pod_refs(job: dict[str, Any]) -> _Refs:
             ref = (var.get("valueFrom") or {}).get("secretKeyRef") or {}
             if ref.get("name") and not ref.get("optional"):
                 refs.secrets.setdefault(ref["name"], {})[ref.get("key") or ""] = f"env {var.get('name')}"
+            if isinstance(var.get("name"), str):
+                refs.explicit_env.setdefault(var["name"], _env_field(var["name"], bool(ref)))
         for src in c.get("envFrom") or []:
             ref = src.get("secretRef") or {}
             if ref.get("name") and not ref.get("optional"):
                 refs.secrets.setdefault(ref["name"], {}).setdefault("", "env_from_secrets")
+            if ref.get("name"):
+                refs.env_from.add(ref["name"])
         resources = c.get("resources") or {}
         for res in GPU_RESOURCES.values():
             count = (resources.get("limits") or {}).get(res) or (resources.get("requests") or {}).get(res)
@@ -238,7 +252,7 @@ class _Checker:
             elif pvc is not _UNREAD:
                 self.result.found.append(f"pvc {claim}")
 
-    def secrets(self, secrets: dict[str, dict[str, str]]) -> None:
+    def secrets(self, secrets: dict[str, dict[str, str]], refs: _Refs | None = None) -> None:
         for name, wanted in secrets.items():
             what = f'Secret "{name}"'
             secret = self.find(what, SECRET, self.ns, name)
@@ -255,6 +269,13 @@ class _Checker:
                 continue
             have = set(secret.get("data") or {}) | set(secret.get("stringData") or {})  # key names only
             secret.clear()  # the values: never kept past this line
+            if refs is not None and name in refs.env_from:
+                for key in sorted(have & set(refs.explicit_env)):  # Kubernetes keeps `env`, drops the Secret's
+                    self.missing(
+                        f'{what} (env_from_secrets) has a key "{key}" that the spec sets as well '
+                        f"({refs.explicit_env[key]}): the pods would take one and drop the other without a word. "
+                        f'Set it in one place: remove the key from the Secret, or drop {refs.explicit_env[key]}'
+                    )
             for key, spec_field in wanted.items():
                 if key and key not in have:
                     self.missing(
@@ -341,7 +362,7 @@ def preflight(
         created = {o["metadata"]["name"] for o in objects if o.get("kind") == CLAIM.kind}
         check.claims(refs.claims, created)
     if "secrets" not in skip:
-        check.secrets(refs.secrets)
+        check.secrets(refs.secrets, refs)
     if "serviceaccount" not in skip and refs.service_account:
         check.service_account(refs.service_account)
     if "gpu" not in skip and refs.gpus:

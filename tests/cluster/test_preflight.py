@@ -192,3 +192,27 @@ def test_a_namespace_stricter_than_the_pods_is_refused(api: FakeApi, client: Clu
 def said_text(api: FakeApi, client: ClusterClient, objects: list[dict[str, Any]]) -> str:
     api.put(prerequisite("Namespace", "jobspec", metadata={"labels": {podsecurity.ENFORCE_LABEL: "baseline"}}))
     return "\n".join(preflight(client, objects, "jobspec").missing)
+
+
+def test_a_key_of_an_env_from_secret_that_the_spec_also_sets_is_named(
+    api: FakeApi, kubeconfig: Path, cli: CliRun, tmp_path: Path
+) -> None:
+    """model.hub_token renders HF_TOKEN from its Secret; an env_from_secrets Secret that also holds HF_TOKEN would be
+    dropped by Kubernetes without a word (explicit `env` wins over `envFrom`): exit 2 naming both, no value shown."""
+    import yaml
+
+    provide_all(api)
+    spec = yaml.safe_load(Path(MULTI).read_text())
+    spec["env_from_secrets"] = [*spec.get("env_from_secrets", []), "team-env"]
+    path = tmp_path / "multinode.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    api.put(prerequisite("Secret", "team-env", "jobspec", data={"HF_TOKEN": SECRET_VALUE, "WANDB_PROJECT": "x"}))
+    code, out, err = cli("submit", str(path), *kc(kubeconfig))
+    assert code == EXIT_CONFIG, err
+    assert ('Secret "team-env" (env_from_secrets) has a key "HF_TOKEN" that the spec sets as well '
+            "(model.hub_token or env.HF_TOKEN)") in err  # fmt: skip
+    assert "WANDB_PROJECT" not in err.split("team-env", 1)[1].split("\n", 1)[0] and SECRET_VALUE not in err + out
+    assert not api.calls("PATCH")
+    api.put(prerequisite("Secret", "team-env", "jobspec", data={"WANDB_PROJECT": "x"}))
+    code, _, err = cli("submit", str(path), *kc(kubeconfig))
+    assert code == EXIT_OK, err
