@@ -6,6 +6,11 @@ renderer, with its container swapped for a few shell lines (image $JOBSPEC_TEST_
 default busybox) that log three steps and write the runner's JSON report to the termination
 log, so the test needs no runner image and no GPU. It cleans up after itself.
 
+Every example is also submitted as it renders (`test_every_example_is_submitted_explained_and_cancelled`): on a
+cluster without its GPUs, volumes or queue its pods wait, and the test holds `status` to saying why (never Running
+while no pod runs), `logs` to a message rather than a traceback, and `cancel` to removing it. Against the project's
+fake API server (no Job controller) that test fails by design: "no pod yet" is not a reason a real cluster gives.
+
     kind create cluster --name jobspec
     KUBECONFIG=~/.kube/config pytest -m cluster tests/cluster/test_real_cluster.py
 """
@@ -113,4 +118,56 @@ def test_submit_status_logs_cancel(cluster: tuple[Any, str]) -> None:
             collect_status(client, namespace, name)
     finally:
         with contextlib.suppress(NotFound):  # cleanup when an assertion failed half-way
+            cancel(client, namespace, name)
+
+
+EXAMPLES = sorted(p.name for p in (REPO / "examples").glob("*.yaml"))
+# seconds for the control plane to create (or refuse) the pods and say why they wait
+EXPLAIN_WITHIN = float(os.environ.get("JOBSPEC_TEST_EXPLAIN_S", "60"))
+
+
+@pytest.mark.parametrize("example", EXAMPLES)
+def test_every_example_is_submitted_explained_and_cancelled(cluster: tuple[Any, str], example: str) -> None:
+    """Each example as it is rendered (its GPUs, volumes, Secrets, PriorityClass and queue included) on whatever the
+    cluster has: submit creates it; `status` never says Running while no pod runs, and a job that waits says why
+    (FailedCreate, Unschedulable, a missing claim or Secret, Kueue) within a minute; `logs` either prints or says why
+    there is nothing yet (NotReady), never a traceback; cancel removes every object it owned."""
+    from jobspec.cluster.cancel import cancel
+    from jobspec.cluster.errors import NotFound, NotReady
+    from jobspec.cluster.logs import print_log
+    from jobspec.cluster.resources import JOB, POD
+    from jobspec.cluster.status import collect_status, pod_selector
+    from jobspec.cluster.submit import submit
+    from jobspec.render import render
+    from jobspec.spec.loader import load_spec
+
+    client, namespace = cluster
+    name = f"jobspec-ex-{uuid.uuid4().hex[:6]}"
+    objects = render(load_spec(REPO / "examples" / example, [f"name={name}", f"namespace={namespace}"]))
+    try:
+        assert submit(client, objects, namespace).outcome == "created"
+        deadline = time.monotonic() + EXPLAIN_WITHIN
+        while True:
+            st = collect_status(client, namespace, name)
+            job = client.get(JOB, namespace, name)
+            running = [p for p in client.list(POD, namespace, pod_selector(job))
+                       if (p.get("status") or {}).get("phase") == "Running"]  # fmt: skip
+            if st.phase == "Running":
+                assert running, f"{example}: status says Running while no pod runs ({st})"
+            waiting = st.phase in ("Pending", "Suspended")
+            # "no pod yet" is not a reason on a real cluster: its Job controller creates the pods or says why not
+            explained = (st.reason not in (None, "NoPod")) or any(i.detail for i in st.indexes)
+            if not waiting or explained or time.monotonic() > deadline:
+                break
+            time.sleep(2)
+        assert not waiting or explained, f"{example}: {st.phase} for {EXPLAIN_WITHIN:.0f} s without a reason ({st})"
+        printed = io.StringIO()
+        with contextlib.suppress(NotReady):  # no pod started yet: a message, not a traceback
+            print_log(client, namespace, name, 0, printed)
+        result = cancel(client, namespace, name, wait=True)
+        assert f"job.batch/{name}" in result.deleted
+        with pytest.raises(NotFound):
+            collect_status(client, namespace, name)
+    finally:
+        with contextlib.suppress(NotFound):
             cancel(client, namespace, name)
