@@ -1,13 +1,15 @@
 """How long a job is: optimizer steps and tokens per step, from the spec (and the data, when it is here).
 
 `jobspec plan` turns this into a duration per tier; the runner counts steps the same way
-(runner/data/dataset.py: `DataOrder`, `total_steps`).
+(runner/data/dataset.py: `DataOrder`, `total_steps`). A preference pair is two rows (chosen and rejected), so its
+step has twice the tokens; DPO's reference pass, once before training, runs the starting model forward over every
+pair of the data (and of `data.eval_path`): `reference_tokens`.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from importlib.util import find_spec
 from pathlib import Path
 
@@ -21,6 +23,16 @@ class JobLength:
     steps: int | None  # None: epochs over data this machine cannot count
     tokens_per_step: int
     how: str  # where `steps` comes from, or why it is unknown
+    # DPO: the tokens of its reference pass (every pair's two rows, full length; None: the pairs cannot be counted
+    # here) and where they come from; None and "" for the other objectives
+    reference_tokens: int | None = None
+    reference_how: str = ""
+
+
+def rows_per_sample(spec: JobSpec) -> int:
+    """Sequences one sample of the global batch is: a preference pair (dpo, simpo, orpo) is 2, chosen and rejected
+    in one micro-batch. SimPO and ORPO have no reference pass; DPO's runs once before training."""
+    return 1 if spec.training.objective == "sft" else 2
 
 
 ROW_COUNT_LIMIT = 1024**3  # bytes of JSON lines `plan` counts rows in (about a second); beyond: --rows
@@ -72,8 +84,30 @@ def job_length(spec: JobSpec, rows: int | None = None) -> JobLength:
     """`training.steps`, else epochs over the rows (counted here, or `rows`: all sources together), as the runner
     counts them: eval_fraction held out (of each source), an epoch's last partial batch dropped, epochs x steps
     per epoch rounded up."""
+    length = _steps(spec, rows)
+    if spec.training.objective != "dpo":
+        return length
+    tokens, how = reference_tokens(spec, rows)
+    return replace(length, reference_tokens=tokens, reference_how=how)
+
+
+def reference_tokens(spec: JobSpec, rows: int | None = None) -> tuple[int | None, str]:
+    """(tokens, where from) of DPO's reference pass: every pair of the training source (the held-out ones too: they
+    share its records; `rows`: that source's pairs, as --rows gives them) and of `data.eval_path`, each pair two rows
+    of max_seq_len tokens (an upper bound, as for the steps); None when the pairs cannot be counted here."""
+    pairs, where = (rows, "--rows") if rows is not None else count_rows(spec)
+    counts = [(pairs, where)]
+    if spec.data.eval_path:
+        counts.append(_count_file(spec.data.eval_path, "data.eval_path"))
+    total, where = _total(counts)
+    if total is None:
+        return None, f"pairs unknown ({where}): pass --rows N"
+    return 2 * total * spec.data.max_seq_len, f"{total:,} pairs x 2 rows x {spec.data.max_seq_len} tokens"
+
+
+def _steps(spec: JobSpec, rows: int | None) -> JobLength:
     tr = spec.training
-    tokens = tr.global_batch * spec.data.max_seq_len
+    tokens = tr.global_batch * rows_per_sample(spec) * spec.data.max_seq_len
     if tr.steps is not None:
         return JobLength(tr.steps, tokens, f"training.steps {tr.steps:,}")
     where, held = "--rows", None

@@ -13,8 +13,9 @@ def plan_table(report: PlanReport) -> str:
         f"global batch {spec.training.global_batch} over {spec.world_size} rank(s), {report.gpu_label} per GPU"
     )
     priced = report.price is not None
+    dpo = spec.training.objective == "dpo"  # its reference pass, once before training, beside the training's time
     rows = [("tier", "GiB/GPU", "host GiB", "fits", "micro", "accum", "ckpt", "step", "tok/s", "MFU", "time")]
-    rows[0] += ("cost",) * priced + ("note",)
+    rows[0] += ("ref pass",) * dpo + ("cost",) * priced + ("note",)
     for p in report.plans:
         mark = "<- " + ("auto" if spec.memory.tier == "auto" else "spec") if p is report.chosen else ""
         if p is report.runs and p is not report.chosen:
@@ -34,6 +35,7 @@ def plan_table(report: PlanReport) -> str:
                 f"{t.tokens_per_second:,.0f}" if t else "-",
                 f"{t.mfu:.0%}" if t else "-",
                 throughput.format_duration(t.total_seconds) if t else "-",
+                *((throughput.format_duration(report.reference.get(p.tier)),) if dpo else ()),
                 *((f"{cost:,.2f}" if cost is not None else "-",) if priced else ()),
                 "  ".join(filter(None, (p.reason, f"{p.quantize} base" if p.quantize else "", mark))),
             )
@@ -94,12 +96,19 @@ def time_notes(report: PlanReport, peak: str | None = None) -> list[str]:
     lines = [
         f"time: FLOPs/token {formula} = {flops / 1e9:,.2f} GFLOP (N: weights in matmuls, L layers, h hidden, s seq)",
         "  activation checkpointing (ckpt yes) runs the forward again: a third more work (half with LoRA)",
-        f"  tokens/step {spec.training.global_batch} x {spec.data.max_seq_len}: every row full length "
-        "(an upper bound unless data.packing)",
+        f"  tokens/step {spec.training.global_batch}{' pairs x 2 rows' if a['rows'] == 2 else ''} x "
+        f"{spec.data.max_seq_len}: every row full length (an upper bound unless data.packing)",
         f"  peak: {peak or f'{gpu}{report.peak_tflops:g} TFLOPS'} (dense 16-bit, datasheet) per GPU "
         f"x {spec.world_size}; assumed share of peak: {eff}; communication hidden",
     ]
     if length:
         total = f" = {length.steps * length.tokens_per_step:,} tokens" if length.steps else ""
         lines.append(f"  job: {length.how}{total}")
+    if spec.training.objective == "dpo" and length:
+        forward = throughput.forward_flops(report.shape, a["s"], lora=lora_shape(spec))
+        tokens = f" = {length.reference_tokens:,} tokens" if length.reference_tokens is not None else ""
+        share = forward / flops  # a third of a full step's work; half of a LoRA step's (no weight gradients)
+        lines.append(f"  ref pass (DPO, once before training): the starting model forward only, 2N + 2·L·h·s = "
+                     f"{forward / 1e9:,.2f} GFLOP/token ({share:.0%} of a step's), over {length.reference_how}{tokens},"
+                     " shared by the ranks; not in the time column")  # fmt: skip
     return lines

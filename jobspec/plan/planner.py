@@ -19,7 +19,7 @@ from jobspec.catalog.model_config import read_config, shape_from_config
 from jobspec.catalog.presets import PRESETS, ModelShape
 from jobspec.errors import ConfigError
 from jobspec.plan import calibration, capacity, memory, throughput
-from jobspec.plan.job_length import JobLength, job_length
+from jobspec.plan.job_length import JobLength, job_length, rows_per_sample
 from jobspec.spec.models import JobSpec
 from jobspec.spec.units import is_bare_number, parse_bytes
 
@@ -100,12 +100,6 @@ def estimate_kwargs(spec: JobSpec, world_size: int, precision: str) -> dict[str,
     }
 
 
-def rows_per_sample(spec: JobSpec) -> int:
-    """Sequences one sample of the global batch is: a preference pair (dpo, simpo, orpo) is 2, chosen and rejected
-    in one micro-batch. SimPO and ORPO have no reference pass; DPO's runs once before training."""
-    return 1 if spec.training.objective == "sft" else 2
-
-
 def fixed_micro_batch(spec: JobSpec) -> int | None:
     """The spec's `training.micro_batch` when it is a number (the plan then reports that one), else None (auto)."""
     mbs = spec.training.micro_batch
@@ -137,6 +131,8 @@ class PlanReport:
     price: float | None = None  # per GPU-hour (--price)
     measured: list[str] = field(default_factory=list)  # --from: the model against a run's measurements
     traced: dict[str, dict[str, Any]] = field(default_factory=dict)  # --trace: tier -> the traced step's figures
+    # DPO: tier -> seconds of the reference pass before training (the model's estimate, also beside a measured step)
+    reference: dict[str, float] = field(default_factory=dict)
 
     @property
     def cost(self) -> float | None:
@@ -166,6 +162,8 @@ class PlanReport:
             "tokens_per_step": length.tokens_per_step if length else None,
             "job_tokens": length.steps * length.tokens_per_step if length and length.steps else None,
             "steps_from": length.how if length else None,
+            "reference_tokens": length.reference_tokens if length else None,
+            "reference_from": (length.reference_how or None) if length else None,
             "peak_tflops": self.peak_tflops,
             "price_per_gpu_hour": self.price,
             "cost": self.cost,
@@ -192,6 +190,7 @@ class PlanReport:
                     "quantize_note": p.note or None,
                     **_traced_dict(self.traced.get(p.tier), p),
                     **_time_dict(self.times.get(p.tier)),
+                    "reference_seconds": self.reference.get(p.tier),
                     "cost": self.tier_cost(p.tier),
                 }
                 for p in self.plans
@@ -231,7 +230,11 @@ def assumptions(report: PlanReport) -> dict[str, Any]:
         "L": shape.layers,
         "h": shape.hidden,
         "s": spec.data.max_seq_len,
-        "tokens_per_step": "global_batch * max_seq_len (every row full length: an upper bound without packing)",
+        "rows": rows_per_sample(spec),
+        "tokens_per_step": "global_batch * rows per sample (2 for a preference pair) * max_seq_len (every row full "
+        "length: an upper bound without packing)",
+        "reference_pass": "DPO: once before training, forward only: 2*N + 2*L*h*s per token (LoRA: + 2*adapter "
+        "params) over every pair's 2 rows of max_seq_len tokens, at the tier's efficiency",
         "efficiency": dict(throughput.EFFICIENCY),
         "peak": "dense 16-bit matrix TFLOPS per GPU from the vendor's datasheet (jobspec/catalog/gpus.py)",
         "communication": "hidden behind compute",
@@ -325,10 +328,16 @@ def plan_spec(
                                                      model_mfu=model.mfu if model else None)  # fmt: skip
             old = f"{model.step_seconds:.3g} s estimated" if model else "no estimate"
             notes.append(f"{p.tier}: {m.step_seconds:.3g} s a step measured ({old}) over {m.records} records")
+    reference = {}
+    if peak is not None and length.reference_tokens is not None:  # DPO's reference pass, one forward over the pairs
+        forward = throughput.forward_flops(shape, spec.data.max_seq_len, lora=lora_shape(spec))
+        reference = {p.tier: throughput.pass_seconds(forward, tokens=length.reference_tokens, tier=p.tier,
+                                                     world_size=spec.world_size, peak_tflops=peak)
+                     for p in plans if p.fits}  # fmt: skip
     price = (prices or {}).get(info.name) if info else None
     runs = _runs(spec, plans, chosen)
     return PlanReport(spec, shape, gpu_bytes, label, plans, chosen, runs, length, info, peak, note, times, price,
-                      notes)  # fmt: skip
+                      notes, reference=reference)  # fmt: skip
 
 
 def _peak(info: gpu_catalogue.GpuInfo | None, precision: str) -> tuple[float | None, str]:

@@ -14,6 +14,8 @@ the causal mask, times 3 for forward and backward), as Kaplan et al. 2020 count 
 MFU counts 12·L·h·s: the whole s x s matrix).
 R: activation checkpointing runs the forward again, 2·N + 2·L·h·s (a third more work). With LoRA the
 frozen base needs no weight gradients: 4·N for the base plus 6 per adapter parameter.
+A forward pass alone (DPO's reference pass: `forward_flops`, `pass_seconds`) is that 2·N + 2·L·h·s, a third of a
+step's work per token, at the same tier's efficiency.
 peak: the GPU's dense 16-bit matrix peak from the catalogue (jobspec/catalog/gpus.py, vendor datasheets).
 efficiency: the fraction of that peak a tier sustains (EFFICIENCY below): an assumption, printed with
 every estimate. MFU = 6·N + 6·L·h·s FLOPs per token over peak, so with checkpointing it is
@@ -64,6 +66,16 @@ def flops_per_token(shape: ModelShape, seq_len: int, *, lora: LoraShape | None, 
         forward = 2 * (n + adapters) + 2 * attention
         model = 4 * n + 6 * adapters + 6 * attention
     return Flops(float(model), float(forward) if checkpointing else 0.0)
+
+
+def forward_flops(shape: ModelShape, seq_len: int, *, lora: LoraShape | None) -> float:
+    """FLOPs per token of a forward pass without gradients: 2·N + 2·L·h·s (with LoRA, the adapters' too)."""
+    return flops_per_token(shape, seq_len, lora=lora, checkpointing=True).recompute
+
+
+def pass_seconds(flops: float, *, tokens: int, tier: str, world_size: int, peak_tflops: float) -> float:
+    """Seconds for `tokens` at `flops` per token, shared by `world_size` GPUs at the tier's efficiency."""
+    return tokens * flops / (world_size * peak_tflops * 1e12 * EFFICIENCY[tier])
 
 
 @dataclass(frozen=True)
