@@ -16,17 +16,8 @@ import torch
 from jobspec.contract import EXIT_OK
 from jobspec.errors import ConfigError
 from runner.train.objectives import REWARDS, Objective, odds_ratio_loss, simpo_loss
+from tests.runner import train_helpers as th
 from tests.runner.train.test_dpo import text_pairs
-from tests.runner.train_helpers import (
-    records,
-    run_supervisor,
-    tiny_spec,
-    tiny_spec_dict,
-    train_and_resume,
-    train_in_process,
-    write_jsonl,
-    write_spec,
-)
 
 OBJECTIVES = ("simpo", "orpo")
 
@@ -38,7 +29,7 @@ def _training(objective: str, **extra) -> dict:
 
 
 def _spec(tmp_path, objective, data, **extra):
-    return tiny_spec(tmp_path / "run", data={"path": str(data), "max_seq_len": 64},
+    return th.tiny_spec(tmp_path / "run", data={"path": str(data), "max_seq_len": 64},
                      training=_training(objective, **extra), checkpoints={"every_steps": 4})  # fmt: skip
 
 
@@ -85,7 +76,7 @@ def test_the_loss_and_metrics_equal_trls_trainer_on_a_real_batch(tmp_path, objec
     """TRL's own get_batch_loss_metrics (its forward, log-probs and loss) on the model and pairs the step trains."""
     from runner.train.recipe import Recipe
 
-    worker = Recipe(_spec(tmp_path, objective, write_jsonl(tmp_path / "p.jsonl", text_pairs(12)), steps=1))
+    worker = Recipe(_spec(tmp_path, objective, th.write_jsonl(tmp_path / "p.jsonl", text_pairs(12)), steps=1))
     try:
         worker.setup()
         stepper, data = worker.stepper, worker.data
@@ -93,7 +84,7 @@ def test_the_loss_and_metrics_equal_trls_trainer_on_a_real_batch(tmp_path, objec
         batch = data.collate(ids)
         stepper.preference_sums = []
         stepper._set_nll_scale(ids, [], "train")  # a step of this one micro-batch
-        loss = float(stepper.loss_sum(batch)) / len(ids)
+        loss = float(stepper.loss_sum(batch).detach()) / len(ids)
         ours = stepper.objective.metrics(stepper.preference_sums[0].tolist(), len(ids))
         model = worker.accelerator.unwrap_model(worker.model)  # the chunked head is plain outside its targets
         cls, fake = _trl(objective)
@@ -135,15 +126,15 @@ def test_the_loss_equals_trls_on_given_log_probs(objective):
 def test_a_run_by_the_runner_trains_without_a_reference(tmp_path, objective):
     """`python -m runner SPEC` (what `jobspec run` executes): the pairs' margins grow, TRL's metrics are logged, and no
     reference pass runs or is stored."""
-    data = write_jsonl(tmp_path / "p.jsonl", text_pairs())
-    spec = write_spec(tmp_path / "s.yaml", tiny_spec_dict(tmp_path / "run", data={"path": str(data), "max_seq_len": 64},
-                                                         training=_training(objective, steps=10, learning_rate=2e-3),
-                                                         checkpoints={"every_steps": 10}))  # fmt: skip
-    result = run_supervisor([str(spec)])
+    data = th.write_jsonl(tmp_path / "p.jsonl", text_pairs())
+    sections = {"data": {"path": str(data), "max_seq_len": 64}, "checkpoints": {"every_steps": 10},
+                "training": _training(objective, steps=10, learning_rate=2e-3)}  # fmt: skip
+    spec = th.write_spec(tmp_path / "s.yaml", th.tiny_spec_dict(tmp_path / "run", **sections))
+    result = th.run_supervisor([str(spec)])
     assert result.returncode == EXIT_OK, result.stderr[-3000:]
     assert "DPO reference" not in result.stderr
     assert not list((tmp_path / "run").rglob("*.reference-*.npy"))
-    train = records(tmp_path / "run")
+    train = th.records(tmp_path / "run")
     names = set(Objective.of(_spec(tmp_path, objective, data).training).metric_names)
     assert names <= train[0].keys() and set(REWARDS) <= names
     first, last = train[0], train[-1]
@@ -158,12 +149,12 @@ def test_a_run_by_the_runner_trains_without_a_reference(tmp_path, objective):
 
 @pytest.mark.parametrize("objective", OBJECTIVES)
 def test_a_run_resumes_exactly(tmp_path, objective):
-    data = write_jsonl(tmp_path / "p.jsonl", text_pairs())
+    data = th.write_jsonl(tmp_path / "p.jsonl", text_pairs())
     sections = {"data": {"path": str(data), "max_seq_len": 64}, "training": _training(objective, steps=6),
                 "checkpoints": {"every_steps": 3}}  # fmt: skip
-    full, _ = train_and_resume(tmp_path, sections, at=3)
-    a = {r["step"]: r for r in records(tmp_path / "full")}
-    b = {r["step"]: r for r in records(tmp_path / "part")}
+    full, _ = th.train_and_resume(tmp_path, sections, at=3)
+    a = {r["step"]: r for r in th.records(tmp_path / "full")}
+    b = {r["step"]: r for r in th.records(tmp_path / "part")}
     assert sorted(b) == [4, 5, 6]
     for step in (4, 5, 6):
         for key in ("loss", *full.stepper.objective.metric_names):
@@ -174,15 +165,15 @@ def test_a_run_resumes_exactly(tmp_path, objective):
 def test_an_oom_shrinks_a_step_to_fewer_pairs_with_the_same_result(tmp_path, monkeypatch, objective):
     from runner.oom.faults import ENV_VAR
 
-    data = write_jsonl(tmp_path / "p.jsonl", text_pairs())
+    data = th.write_jsonl(tmp_path / "p.jsonl", text_pairs())
     monkeypatch.setenv(ENV_VAR, "mbs>4")  # a forward of more than 4 rows (2 pairs) runs out of memory
-    assert train_in_process(_spec(tmp_path / "shrunk", objective, data, micro_batch=4, steps=3))[0] == EXIT_OK
+    assert th.train_in_process(_spec(tmp_path / "shrunk", objective, data, micro_batch=4, steps=3))[0] == EXIT_OK
     monkeypatch.delenv(ENV_VAR)
-    assert train_in_process(_spec(tmp_path / "plain", objective, data, micro_batch=2, steps=3))[0] == EXIT_OK
-    shrinks = [(e["step"], e["from_micro_batch"], e["to_micro_batch"]) for e in records(tmp_path / "shrunk" / "run",
-               "event") if e.get("event") == "oom_shrink"]  # fmt: skip
+    assert th.train_in_process(_spec(tmp_path / "plain", objective, data, micro_batch=2, steps=3))[0] == EXIT_OK
+    events = th.records(tmp_path / "shrunk" / "run", "event")
+    shrinks = [(e["step"], e["from_micro_batch"], e["to_micro_batch"]) for e in events if e["event"] == "oom_shrink"]
     assert shrinks == [(1, 4, 2)]
-    shrunk, plain = records(tmp_path / "shrunk" / "run"), records(tmp_path / "plain" / "run")
+    shrunk, plain = th.records(tmp_path / "shrunk" / "run"), th.records(tmp_path / "plain" / "run")
     names = Objective.of(_spec(tmp_path, objective, data).training).metric_names
     for a, b in zip(shrunk, plain, strict=True):  # ORPO's NLL is over the step's chosen positions, not a micro-batch's
         for key in ("loss", *names):
@@ -193,8 +184,8 @@ def test_planned_as_two_rows_a_pair_and_validated(tmp_path):
     from jobspec.plan import memory
     from jobspec.plan.planner import estimate_kwargs, model_shape, rows_per_sample
 
-    data = write_jsonl(tmp_path / "p.jsonl", text_pairs(4))
-    sft = tiny_spec(tmp_path / "sft")
+    data = th.write_jsonl(tmp_path / "p.jsonl", text_pairs(4))
+    sft = th.tiny_spec(tmp_path / "sft")
     for objective in OBJECTIVES:
         spec = _spec(tmp_path, objective, data)
         assert rows_per_sample(spec) == 2
@@ -202,10 +193,10 @@ def test_planned_as_two_rows_a_pair_and_validated(tmp_path):
         assert memory.estimate(model_shape(spec), tier="fast", micro_batch=2, **kw).activations == memory.estimate(
             model_shape(sft), tier="fast", micro_batch=4, **estimate_kwargs(sft, 1, "fp32")).activations  # fmt: skip
     assert Objective.of(_spec(tmp_path, "simpo", data).training).gamma == 0.7
-    assert Objective.of(tiny_spec(tmp_path, training={"objective": "simpo"}).training).gamma == 0.5  # TRL's default
+    assert Objective.of(th.tiny_spec(tmp_path, training={"objective": "simpo"}).training).gamma == 0.5  # TRL's default
     with pytest.raises(ConfigError, match="simpo_gamma"):
-        tiny_spec(tmp_path, training={"objective": "orpo", "simpo_gamma": 0.5})
+        th.tiny_spec(tmp_path, training={"objective": "orpo", "simpo_gamma": 0.5})
     with pytest.raises(ConfigError, match="simpo_gamma"):
-        tiny_spec(tmp_path, training={"objective": "simpo", "simpo_gamma": -1})
+        th.tiny_spec(tmp_path, training={"objective": "simpo", "simpo_gamma": -1})
     with pytest.raises(ConfigError, match=r"data\.streaming: false"):
-        tiny_spec(tmp_path, data={"path": str(data), "streaming": True}, training={"objective": "orpo"})
+        th.tiny_spec(tmp_path, data={"path": str(data), "streaming": True}, training={"objective": "orpo"})
