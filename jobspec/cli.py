@@ -60,10 +60,20 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
     spec = _load(args)
     model_attention(spec)  # a local model's config.json (family, sizes) and the attention kernel its family takes
+    tasks = _task_files(args.spec, spec, absent_absolute_ok=True)
     print(f"{args.spec}: ok ({spec.name}: {spec.world_size} rank(s), tier {spec.memory.tier})")
-    for note in _notes(spec):
+    for note in _notes(spec) + tasks:
         print(f"  note: {note}", file=sys.stderr)
     return EXIT_OK
+
+
+def _task_files(spec_file: str, spec: JobSpec, *, absent_absolute_ok: bool = False) -> list[str]:
+    """eval.benchmarks' task YAML files, relative to the spec file: each must be a task (ConfigError otherwise)."""
+    from pathlib import Path
+
+    from jobspec.spec.benchmarks import check_task_files
+
+    return check_task_files(spec.eval.benchmarks, Path(spec_file).parent, absent_absolute_ok=absent_absolute_ok)
 
 
 def _notes(spec: JobSpec) -> list[str]:
@@ -166,7 +176,7 @@ def cmd_init(args: argparse.Namespace) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    _load(args)  # fail fast, here, with the loader's located errors
+    _task_files(args.spec, _load(args))  # fail fast, here, with the loader's located errors
     argv = [sys.executable, "-m", "runner", args.spec]
     for item in args.overrides:
         argv += ["--set", item]
@@ -208,6 +218,35 @@ def cmd_export(args: argparse.Namespace) -> int:
     argv += ["--merge"] if args.merge else []
     sys.stdout.flush()
     os.execv(sys.executable, argv)  # torch and transformers load there, never in this process
+    return EXIT_FAILED  # not reached
+
+
+def add_eval_args(parser: argparse.ArgumentParser) -> None:
+    """`jobspec eval`'s arguments (runner/output/benchmarks.py parses the same ones)."""
+    parser.add_argument("run_dir", metavar="RUN_DIR", help="run directory (the spec's checkpoints.dir) with its export")
+    parser.add_argument("--tasks", nargs="+", metavar="TASK", help="lm-evaluation-harness task names or task YAML "
+                        "files (relative to the working directory); default: the spec's eval.benchmarks")  # fmt: skip
+    parser.add_argument("--limit", type=int, metavar="N", help="samples per task (default: the spec's eval.limit)")
+    parser.add_argument("--batch-size", type=int, metavar="B", help="requests per forward pass (eval.batch_size)")
+    parser.add_argument("--num-fewshot", type=int, metavar="K", help="few-shot examples (eval.num_fewshot)")
+    parser.add_argument("--timeout", type=int, metavar="SECONDS", help="time all tasks may take (eval.timeout_seconds)")
+    parser.add_argument("--model", metavar="DIR", help="the export to evaluate (default: RUN_DIR/model or output.dir)")
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    from importlib.util import find_spec
+
+    missing = _missing_runner_extra() or ("lm_eval" if find_spec("lm_eval") is None else None)
+    if missing:
+        raise ConfigError(f"jobspec eval needs the runner and eval extras ({missing} is not installed): "
+                          f"{install_hint('runner,eval')}")  # fmt: skip
+    argv = [sys.executable, "-m", "runner.output.benchmarks", args.run_dir]
+    argv += ["--tasks", *args.tasks] if args.tasks else []
+    for flag in ("limit", "batch_size", "num_fewshot", "timeout", "model"):
+        if getattr(args, flag) is not None:
+            argv += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
+    sys.stdout.flush()
+    os.execv(sys.executable, argv)  # torch, transformers and lm-eval load there, never in this process
     return EXIT_FAILED  # not reached
 
 
@@ -357,6 +396,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("run_dir", metavar="RUN_DIR", help="run directory holding metrics.jsonl")
     p.add_argument("--out", metavar="DIR", help="output directory (default RUN_DIR/report)")
     p.set_defaults(func=cmd_report)
+
+    p = sub.add_parser(
+        "eval",
+        parents=[common],
+        help="benchmarks (lm-evaluation-harness) of a run's exported model; results into its metrics",
+        description="Run lm-evaluation-harness tasks (names, or task YAML files of your own) on a run's exported "
+        "model and print each task's metrics; they are appended to RUN_DIR/metrics.jsonl (`jobspec report` shows "
+        f"them) and sent to the spec's trackers. Needs {install_hint('runner,eval')}; a GPU when there is one.",
+    )
+    add_eval_args(p)
+    p.set_defaults(func=cmd_eval)
 
     try:
         from jobspec.cluster.cli import add_cluster_commands

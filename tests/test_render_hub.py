@@ -142,3 +142,12 @@ def test_bad_hub_settings_are_refused_when_the_spec_loads(bad: str) -> None:
 def test_a_snapshot_in_the_cache_maps_back_to_its_hub_id_and_commit(path, origin):
     # the export's adapter names the hub id (loadable anywhere), not the pod's cache directory
     assert hub_origin(path) == origin
+
+
+def test_a_benchmark_task_from_the_hub_mounts_the_cache_and_a_task_file_does_not() -> None:
+    """eval.benchmarks: a task name's data set comes from the hub into HF_HOME (runner/output/benchmarks.py)."""
+    named = by_kind(objects("env={}", "eval.benchmarks=[arc_easy]"))  # env={}: the example sets its own HF_HOME
+    assert mounts_of(named)[HF_CACHE_MOUNT]["persistentVolumeClaim"] == {"claimName": "jobspec-hf-cache-rwo"}
+    assert env_of(named)["HF_HOME"] == {"name": "HF_HOME", "value": HF_CACHE_MOUNT}
+    local = by_kind(objects("eval.benchmarks=[/tasks/mine.yaml]"))
+    assert HF_CACHE_MOUNT not in mounts_of(local) and "PersistentVolumeClaim" not in local

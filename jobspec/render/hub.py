@@ -1,6 +1,7 @@
 """The Hugging Face cache of the pod (`model.hub_cache`): a PersistentVolumeClaim at HF_HOME whenever the
-model or the data come from the hub, so that a restart, a replaced pod and the next job read the files the
-first download left there (Kubeflow Trainer's model initializer does the same on its volume).
+model, the data or an `eval.benchmarks` task's data set come from the hub, so that a restart, a replaced pod and the
+next job read the files the first download left there (Kubeflow Trainer's model initializer does the same on its
+volume).
 
 `claim: auto` renders a claim named by access mode (`jobspec-hf-cache-rwx` ...), shared by every job of the
 namespace: it has no owner and no job label, so neither the Job's garbage collection nor `jobspec cancel`
@@ -15,6 +16,7 @@ from typing import Any
 
 from jobspec.contract import HF_CACHE_MOUNT, LABEL_MANAGED_BY, LABEL_NAME, MANAGED_BY
 from jobspec.errors import ConfigError
+from jobspec.spec.benchmarks import hub_tasks
 from jobspec.spec.hub import hub_sources
 from jobspec.spec.models import HUB_CACHE_CLAIM, JobSpec, SecretRef
 from jobspec.spec.units import format_bytes
@@ -25,8 +27,8 @@ _SUFFIX = {"ReadWriteMany": "rwx", "ReadWriteOnce": "rwo", "ReadWriteOncePod": "
 
 
 def mounts_cache(spec: JobSpec) -> bool:
-    """The pod gets a hub cache volume: something comes from the hub."""
-    return bool(hub_sources(spec))
+    """The pod gets a hub cache volume: something comes from the hub (a benchmark task's data set too)."""
+    return bool(hub_sources(spec)) or bool(spec.output.export and hub_tasks(spec.eval.benchmarks))
 
 
 def access_mode(spec: JobSpec) -> str:

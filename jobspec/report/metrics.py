@@ -92,12 +92,15 @@ FIELDS: dict[str, Rule] = {
     "micro_batch": _SIZE, "grad_accum": _SIZE, "world_size": _SIZE, "global_batch": _SIZE, "seq_len": _SIZE,
     "from_micro_batch": _SIZE, "to_micro_batch": _SIZE, "from_grad_accum": _SIZE, "to_grad_accum": _SIZE,
     "checkpointing": _BOOL, "resumed": _BOOL, "pin_memory": _BOOL,
+    "task": Rule((str,), 1, 256), "limit": _COUNT, "num_fewshot": _COUNT, "seconds": Rule(_NUM, 0, 1e9),
 }  # fmt: skip
 # Fields that hold an object: its keys names (of at most key_chars characters), its values held to a rule.
 MAPS: dict[str, tuple[int, int, Rule]] = {  # field: (most entries, key_chars, rule of each value)
     "samples_by_source": (64, 256, _COUNT),  # data.sources: at most 64, each named by a word
+    "metrics": (64, 512, _LOSS),  # a benchmark record's {"eval/<task>/<metric>": value} (runner/output/benchmarks.py)
 }
-REQUIRED = {"train": ("step",), "eval": ("step",)}  # a train or eval record without its step says nothing
+# A train or eval record without its step says nothing; a benchmark record says nothing without its task and numbers.
+REQUIRED = {"train": ("step",), "eval": ("step",), "benchmark": ("task", "metrics")}
 # The same as plain tuples: `validate` runs on every field of every record, and attribute lookups add up.
 _LIMITS = {key: (rule.types, rule.low, rule.high) for key, rule in FIELDS.items()}
 

@@ -277,6 +277,21 @@ def shrink_rows(run: Run) -> list[list[str]]:
     ]  # fmt: skip
 
 
+def benchmark_rows(run: Run) -> list[list[str]]:
+    """One row a task and metric (`eval/<task>/<metric>`), its stderr beside it, from the task's latest record."""
+    rows = []
+    for task, rec in run.benchmarks.items():
+        prefix, values = f"eval/{task}/", rec["metrics"]
+        for name, value in values.items():
+            metric = name.removeprefix(prefix)
+            if "_stderr" in metric:
+                continue
+            err = values.get(f"{name}_stderr")
+            rows.append([task, metric, f"{value:.4f}", f"{err:.4f}" if _is_number(err) else "",
+                         str(rec.get("step", "")), str(rec.get("samples", ""))])  # fmt: skip
+    return rows
+
+
 def build_page(run: Run, plots: list[Chart], notes: list[str]) -> Page:
     page = Page(f"Run report: {run.path.resolve().name}")
     skipped = f"; {lines(run.skipped.count)} ignored (see Notes)" if run.skipped.count else ""
@@ -294,6 +309,9 @@ def build_page(run: Run, plots: list[Chart], notes: list[str]) -> Page:
         page.table(["step", "tier", "micro-batch", "accumulation", "reason"], shrink_rows(run))
         if run.shrink_count > MAX_SHRINK_ROWS:
             page.para(f"... and {run.shrink_count - MAX_SHRINK_ROWS:,} more (see {METRICS_FILE}).")
+    if run.benchmarks:
+        page.heading("Benchmarks (lm-evaluation-harness)")
+        page.table(["task", "metric", "value", "stderr", "step", "samples"], benchmark_rows(run))
     if plots:
         page.heading("Plots")
         for chart in plots:

@@ -5,7 +5,9 @@ What is read (runner/output/metrics.py, runner/train/recipe.py, runner/oom/shrin
   change (the OOM ladder stepped down); the reason comes from `tier_state.json` when it is there;
 - `train` and `eval` records; a resumed run redoes the steps after its checkpoint, so a record for a step
   already logged replaces the records from that step on (the later record wins);
-- `event` records with `event: oom_shrink` (an in-process micro-batch shrink).
+- `event` records with `event: oom_shrink` (an in-process micro-batch shrink);
+- `benchmark` records (lm-evaluation-harness, runner/output/benchmarks.py): the latest of each task, for at most
+  MAX_KEPT tasks.
 Other kinds are ignored. The file is untrusted (metrics.py): a line that is not a JSON object (a run killed
 mid-write leaves a truncated last line) or a record with a field of the wrong type or range is skipped, and
 counted. Train and eval records go into bounded series (summary.py): a long run keeps at most MAX_POINTS
@@ -47,6 +49,7 @@ class Run:
     skipped: Skipped = field(default_factory=Skipped)  # lines that were not a usable record
     tier_failures: dict[str, str] = field(default_factory=dict)  # failed tier -> reason
     exhausted: bool = False  # tier_state.json: the last tier failed too
+    benchmarks: dict[str, Record] = field(default_factory=dict)  # task -> its latest benchmark record
 
     @property
     def train(self) -> list[Record]:
@@ -79,6 +82,9 @@ class Run:
             self.eval_series.add(rec)
         elif kind == "plan":
             self._add_plan(rec)
+        elif kind == "benchmark" and (rec["task"] in self.benchmarks or len(self.benchmarks) < MAX_KEPT):
+            self.benchmarks.pop(rec["task"], None)  # a later run of the task (`jobspec eval` again) replaces it
+            self.benchmarks[rec["task"]] = rec
         elif kind == "event" and rec.get("event") == "oom_shrink":
             self.shrink_count += 1
             if len(self.shrinks) < MAX_KEPT:

@@ -862,6 +862,52 @@ class TrackingSpec(Section):
     run_name: Annotated[WordStr | None, Field(description="Run name in the trackers; default the job name.")] = None
 
 
+_TASK_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")  # lm-evaluation-harness's task and group names
+TASK_FILE_SUFFIXES = (".yaml", ".yml")
+
+
+def _benchmark(value: Any) -> Any:
+    if isinstance(value, str):
+        check_length(value, MAX_PATH_CHARS)
+        if not value.lower().endswith(TASK_FILE_SUFFIXES) and not _TASK_NAME.match(value):
+            raise ValueError(
+                "is neither an lm-evaluation-harness task name (letters, digits, '_', '.', '-', e.g. arc_easy) nor a "
+                "task YAML file (a path ending in .yaml)"
+            )
+    return value
+
+
+class EvalSpec(Section):
+    """Benchmarks of the exported model with lm-evaluation-harness: at the end of the job (rank 0, after the export)
+    and by `jobspec eval RUN_DIR`. Results go to metrics.jsonl as `eval/<task>/<metric>`, the trackers, the report."""
+
+    benchmarks: Annotated[
+        list[Annotated[str, BeforeValidator(_benchmark), StringConstraints(min_length=1)]],
+        Field(
+            max_length=64,
+            description="lm-evaluation-harness task or group names (e.g. arc_easy, hellaswag: their data sets come "
+            "from the hub into HF_HOME, the shared hub cache), or task YAML files (a path ending in .yaml, "
+            "relative to the spec file) for tasks of your own. Needs the eval extra in the image.",
+        ),
+    ] = []
+    limit: Annotated[
+        int | None, Field(ge=1, description="Samples per task (lm-eval's --limit); null: every sample.")
+    ] = None
+    num_fewshot: Annotated[
+        int | None, Field(ge=0, le=100, description="Few-shot examples per prompt; null: each task's own default.")
+    ] = None
+    batch_size: Annotated[int, Field(ge=1, le=4096, description="Requests per forward pass.")] = 8
+    timeout_seconds: Annotated[
+        int,
+        Field(
+            ge=10,
+            le=7 * 24 * 3600,
+            description="Time all benchmarks may take; a task still running then is stopped and the rest skipped "
+            "(the results so far are kept).",
+        ),
+    ] = 3600
+
+
 class Toleration(Section):
     key: Annotated[KeyStr | None, Field(description="Taint key.")] = None
     operator: Annotated[Literal["Exists", "Equal"], Field(description="Exists or Equal.")] = "Equal"
@@ -974,6 +1020,9 @@ class JobSpec(Section):
     scheduling: Annotated[SchedulingSpec, Field(description="Cluster scheduling.")] = SchedulingSpec()
     output: Annotated[OutputSpec, Field(description="The exported model (Hugging Face format).")] = OutputSpec()
     tracking: Annotated[TrackingSpec, Field(description="Metrics to TensorBoard, W&B or MLflow.")] = TrackingSpec()
+    eval: Annotated[
+        EvalSpec, Field(description="Benchmarks of the exported model (lm-evaluation-harness).")
+    ] = EvalSpec()
     env: Annotated[
         dict[KeyStr, EnvValue],
         Field(description="Environment: NAME: value, or NAME: {secret, key} for credentials (never inline)."),

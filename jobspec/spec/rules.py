@@ -135,6 +135,16 @@ class _Scheduling(Protocol):
     def node_selector(self) -> Mapping[str, str]: ...
 
 
+class _Output(Protocol):
+    @property
+    def export(self) -> bool: ...
+
+
+class _Eval(Protocol):
+    @property
+    def benchmarks(self) -> Sequence[str]: ...
+
+
 class SpecView(Protocol):
     """The parts of a `JobSpec` the rules read."""
 
@@ -152,6 +162,10 @@ class SpecView(Protocol):
     def checkpoints(self) -> _Checkpoints: ...
     @property
     def scheduling(self) -> _Scheduling: ...
+    @property
+    def output(self) -> _Output: ...
+    @property
+    def eval(self) -> _Eval: ...
 
 
 def cross_field_problems(spec: SpecView) -> list[Problem]:
@@ -380,7 +394,17 @@ def _objective(spec: SpecView) -> list[Problem]:
     return out
 
 
+def _benchmarks_export(spec: SpecView) -> list[Problem]:
+    """The job's benchmarks run on its exported model: without an export there is nothing to run them on."""
+    if spec.eval.benchmarks and not spec.output.export:
+        return [("eval.benchmarks", "run on the exported model at the end of the job, and output.export is false",
+                 "set output.export: true, or drop eval.benchmarks (`jobspec eval RUN_DIR` runs them after a "
+                 "`jobspec export`)")]  # fmt: skip
+    return []
+
+
 _RULES: tuple[Callable[[SpecView], list[Problem]], ...] = (
+    _benchmarks_export,
     _objective, _batch, _image_vendor, _gpu_type, _preset_positions, _checkpoint_dir, _shm_size, _data_mount,
     _scheduling_keys, _cpu_precision, flash_attention_problems, liger_problems, _source_names, _streaming_length,
     hub_id_problems, hub_token_problems,

@@ -3,8 +3,10 @@ the machine-readable progress line `jobspec status` reads from the pod's log (pr
 
 Only rank 0 writes. Train records carry at least: step, loss, lr, tier, micro_batch, grad_accum,
 global_batch, samples, tokens_per_s, mem_used_bytes, mem_total_bytes, gpu_util (null when unknown);
-eval records carry step and eval_loss. `kind` tells them apart ("train" | "eval" | "plan"). With several
-data sources, train records also carry `samples_by_source`: {source name: samples since the previous train record}.
+eval records carry step and eval_loss; benchmark records (runner/output/benchmarks.py) step, task and `metrics`
+{"eval/<task>/<metric>": value}. `kind` tells them apart ("train" | "eval" | "benchmark" | "plan" | "event").
+With several data sources, train records also carry `samples_by_source`: {source name: samples since the previous
+train record}.
 Memory on GPU is the allocator's peak since the previous record; on CPU the process's peak RSS.
 """
 
@@ -111,6 +113,9 @@ def format_line(r: dict[str, Any]) -> str:
     tokens_per_s counts the input tokens of every rank, padding excluded (not only the scored targets)."""
     if r.get("kind") == "eval":
         return f"eval step {r['step']} | eval_loss {r['eval_loss']:.4f} | {r['eval_tokens']} tokens"
+    if r.get("kind") == "benchmark":
+        shown = ", ".join(f"{k.rsplit('/', 1)[-1]} {v:.4f}" for k, v in r["metrics"].items() if "_stderr" not in k)
+        return f"benchmark {r['task']} (step {r['step']}): {shown} | {r['samples']} samples in {r['seconds']:.1f} s"
     if r.get("kind") == "plan":
         return (
             f"plan: tier {r['tier']}, micro-batch {r['micro_batch']} x {r['grad_accum']} accumulation x "

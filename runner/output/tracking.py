@@ -1,8 +1,8 @@
 """Experiment trackers (TensorBoard, W&B, MLflow) through accelerate's tracker classes, on rank 0 only.
 
 `metrics.jsonl` stays the canonical record; the trackers get the same numbers as it, under
-`train/...` and `eval/...` names, at the optimizer step. Credentials never pass through here: the
-pod gets them as env vars from Secrets (jobspec/render/env.py) and each client reads its own.
+`train/...` and `eval/...` names (benchmarks: `eval/<task>/<metric>`), at the optimizer step. Credentials never
+pass through here: the pod gets them as env vars from Secrets (jobspec/render/env.py) and each client reads its own.
 
 The tracker objects are accelerate's (`TensorBoardTracker`, `WandBTracker`, `MLflowTracker`), used
 directly rather than through one `Accelerator`: the runner rebuilds its accelerator when it changes
@@ -63,6 +63,8 @@ def scalars(record: Mapping[str, Any]) -> dict[str, float]:
     kind = record.get("kind")
     if kind == "eval":
         return {"eval/loss": float(record["eval_loss"])} if record.get("eval_loss") is not None else {}
+    if kind == "benchmark":  # lm-evaluation-harness: already named eval/<task>/<metric>
+        return {k: float(v) for k, v in (record.get("metrics") or {}).items() if isinstance(v, int | float)}
     if kind != "train":
         return {}
     out = {f"train/{k}": float(record[k]) for k in TRAIN_FIELDS if record.get(k) is not None}
@@ -107,7 +109,7 @@ class Trackers:
             return
         for tracker in self.trackers:
             try:
-                tracker.log(values, step=int(record["step"]))
+                tracker.log(values, step=int(record.get("step") or 0))
             except Exception as err:  # a tracker's outage must not stop training; metrics.jsonl has it all
                 log.warning("tracker %s: could not log step %s: %s", tracker.name, record.get("step"), err)
 

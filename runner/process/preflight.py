@@ -25,6 +25,7 @@ log = logging.getLogger("jobspec.runner")
 RUNNER_PACKAGES = ("torch", "transformers", "accelerate", "peft", "safetensors")
 RUNNER_EXTRA = "pip install 'jobspec-k8s[runner]'  (from a checkout: pip install -e '.[runner]')"
 DATA_EXTRA = "pip install 'jobspec-k8s[data]'"
+EVAL_EXTRA = "pip install 'jobspec-k8s[eval]'"
 # What each kind of data source needs beyond the runner extra.
 DATA_PACKAGES = {"parquet": ("pyarrow",), "datasets": ("datasets",), "hub": ("datasets",)}
 LIGER_FIX = (
@@ -50,6 +51,9 @@ def check(spec: JobSpec) -> None:
     model_shape(spec)  # the model's config.json checked (jobspec.catalog.model_config) before workers build it
     rules_from_env()  # bad JOBSPEC_FAULT_OOM text: ConfigError naming the variable
     tracking.check_packages(spec)
+    if spec.eval.benchmarks and find_spec("lm_eval") is None:  # rank 0 builds the tasks before training (worker.py)
+        raise ConfigError(f"eval.benchmarks needs lm-evaluation-harness, not installed here: {EVAL_EXTRA}, or drop "
+                          "eval.benchmarks (`jobspec eval RUN_DIR` runs them where it is installed)")  # fmt: skip
     check_attention(spec)
     if spec.training.loss_kernel == "liger" and (find_spec("liger_kernel") is None or find_spec("triton") is None):
         raise ConfigError(f"training.loss_kernel liger needs liger-kernel and triton, not installed here: {LIGER_FIX}")

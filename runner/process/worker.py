@@ -26,7 +26,9 @@ from typing import Any
 
 from jobspec.contract import EXIT_FAILED, EXIT_PREEMPTED, EXIT_STORAGE
 from jobspec.errors import JobspecError
+from jobspec.spec.benchmarks import check_task_files
 from jobspec.spec.loader import load_spec
+from jobspec.spec.models import JobSpec
 from runner.checkpoint.storage import describe, volume_error
 from runner.dist import DistEnv
 from runner.oom.shrink import tier_failed
@@ -71,6 +73,16 @@ def gang_lost(loss: heartbeat.Loss, recipe: Recipe | None, env: DistEnv) -> None
         _exit(EXIT_FAILED)
 
 
+def check_benchmarks(spec: JobSpec, task_dir: Path) -> None:
+    """Build every `eval.benchmarks` task with lm-eval (the data sets read into the hub cache) before training."""
+    from runner.output import benchmarks
+
+    benchmarks.require_lm_eval()
+    check_task_files(spec.eval.benchmarks, task_dir)
+    items = benchmarks.entries(spec.eval.benchmarks, task_dir)
+    benchmarks.check(items, benchmarks.task_manager(items))
+
+
 def setup_logging(rank: int) -> None:
     level = logging.INFO if rank == 0 else logging.WARNING
     logging.basicConfig(
@@ -102,6 +114,9 @@ def main(argv: list[str] | None = None) -> int:
                                port=int(os.environ.get("MASTER_PORT") or 0))  # fmt: skip
         fenced = {"fence": gang.fence} if gang is not None else {}  # a writer checks the gang before it writes
         worker = Recipe(spec, env, stop=stop, **fenced)
+        worker.task_dir = Path(args.spec).resolve().parent  # eval.benchmarks' task files are relative to the spec
+        if env.is_main and spec.eval.benchmarks and spec.output.export:
+            check_benchmarks(spec, worker.task_dir)  # before training: a task that cannot run is exit 2 now, not later
         worker.setup()
         code = worker.train()
     except NoFit as err:  # probe steps: micro-batch 1 does not fit this tier; persist it for the OOM ladder

@@ -111,6 +111,7 @@ class Recipe:
         self.started = time.perf_counter()
         self.trained_tokens = 0  # input tokens (padding excluded) trained on by this process's run
         self.exported: Path | None = None
+        self.task_dir = Path.cwd()  # eval.benchmarks' task files are relative to it (the worker: the spec file's dir)
         self.state_from = "checkpoint"  # where the last _build took the trained state from ("memory": a step-down)
 
     # --- setup ------------------------------------------------------------------------------------------
@@ -421,6 +422,8 @@ class Recipe:
         self.status["reason"] = "done"
         if self.env.is_main and self.spec.output.export:
             self._export()
+            if self.spec.eval.benchmarks:
+                self._benchmarks()
         self._summary()
         return EXIT_OK
 
@@ -580,6 +583,26 @@ class Recipe:
             self.fence()
             remote.upload_tree(self.bucket, out, remote.MODEL_DIR)
             log.info("model uploaded to %s", self.bucket.uri(remote.MODEL_DIR))
+
+    def _benchmarks(self) -> None:
+        """eval.benchmarks on the export (runner/output/benchmarks.py), once the training state has left the device.
+        A failure is logged and recorded, not made the run's: the model is trained and exported, and a retried pod
+        would find the run finished; `jobspec eval RUN_DIR` runs them again."""
+        from runner.output import benchmarks
+
+        assert self.exported is not None and self.metrics is not None  # called after _export, on rank 0
+        self.status["reason"] = "benchmarks"
+        self._teardown()  # the model, optimizer and accelerator: the export loads again, for inference
+        items = benchmarks.entries(self.spec.eval.benchmarks, self.task_dir)
+        try:
+            benchmarks.run(self.exported, items, self.spec.eval, device=self.device, step=self.step,
+                           write=self.metrics.write)  # fmt: skip
+        except Exception as err:
+            reason = f"{type(err).__name__}: {err}"[:4096]
+            log.exception("benchmarks failed (the model is trained and exported; `jobspec eval %s` runs them again)",
+                          self.root)  # fmt: skip
+            self.metrics.write({"kind": "event", "event": "benchmark_failed", "step": self.step, "reason": reason})
+        self.status["reason"] = "done"
 
     def _summary(self) -> None:
         if not self.env.is_main:

@@ -1,0 +1,95 @@
+"""`eval.benchmarks` on the submitter's side (no lm-eval, no torch): which entries are task YAML files, where they
+are, and whether each one is a task that lm-evaluation-harness can read.
+
+An entry ending in .yaml/.yml is a file of the user's (a task of their own, with its data set); any other entry is a
+task or group name of lm-evaluation-harness (its data set comes from the hub). A relative file is relative to the
+spec file's directory (`jobspec validate` and `jobspec run` here, the runner's preflight in the pod); under
+`jobspec eval RUN_DIR --tasks`, to the working directory. Checked here: the file is a regular file of at most
+MAX_TASK_BYTES, YAML, and a mapping with a `task` key (what lm-eval's task index looks for). The YAML is read within
+safe_yaml's bounds and only looked at: no tag (such as lm-eval's `!function utils.process_docs`) is constructed or
+run here. The runner then builds the tasks with lm-eval (runner/output/benchmarks.py), which reads the rest
+(dataset, prompts, metrics).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import yaml
+
+from jobspec.errors import ConfigError
+from jobspec.spec import safe_yaml
+from jobspec.untrusted import read_bounded
+
+TASK_FILE_SUFFIXES = (".yaml", ".yml")
+MAX_TASK_BYTES = 1 << 20  # a task YAML is a page; its data lives in files of its own
+
+
+def is_task_file(entry: str) -> bool:
+    """`entry` names a task YAML file (else an lm-evaluation-harness task or group name)."""
+    return entry.lower().endswith(TASK_FILE_SUFFIXES)
+
+
+def task_files(entries: Sequence[str], base: str | Path) -> list[tuple[int, Path]]:
+    """(index, path) of every task file among `entries`, a relative one resolved against `base`."""
+    return [(i, Path(base) / e) for i, e in enumerate(entries) if is_task_file(e)]
+
+
+def hub_tasks(entries: Sequence[str]) -> list[str]:
+    """The entries that are lm-evaluation-harness task names (their data sets come from the hub)."""
+    return [e for e in entries if not is_task_file(e)]
+
+
+def task_file_problem(path: Path) -> str | None:
+    """Why `path` is not a task YAML lm-evaluation-harness can index; None when it is."""
+    if not path.exists() and not path.is_symlink():
+        return "no such file"
+    try:
+        text = read_bounded(path, MAX_TASK_BYTES, what="task file").decode("utf-8")
+    except ConfigError as err:  # not a regular file, too large
+        return str(err)
+    except UnicodeDecodeError:
+        return "not UTF-8 text"
+    except OSError as err:
+        return f"cannot be read ({err.strerror or err})"
+    try:
+        root = safe_yaml.compose(text)  # bounded (size, nodes, depth); nothing constructed, so no tag runs
+    except safe_yaml.YamlLimit as err:
+        return f"line {err.line}: {err.message}"
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f" (line {mark.line + 1})" if mark is not None else ""
+        return f"not YAML{where}: {getattr(err, 'problem', None) or err}"
+    if not _names_a_task(root):
+        return (
+            "not an lm-evaluation-harness task (a task YAML is a mapping with a `task:` name, its dataset_path, "
+            "prompts and metric_list)"
+        )
+    return None
+
+
+def _names_a_task(root: yaml.Node | None) -> bool:
+    """The document is a mapping whose `task` is a name (or, for a group, a list of tasks)."""
+    if not isinstance(root, yaml.MappingNode):
+        return False
+    values = [v for k, v in root.value if isinstance(k, yaml.ScalarNode) and k.value == "task"]
+    return bool(values) and isinstance(values[-1], yaml.ScalarNode | yaml.SequenceNode) and bool(values[-1].value)
+
+
+def check_task_files(entries: Sequence[str], base: str | Path, field: str = "eval.benchmarks", *,
+                     absent_absolute_ok: bool = False) -> list[str]:  # fmt: skip
+    """ConfigError (exit 2) naming the field, the file and the fix for the first task file that is not a task.
+
+    `absent_absolute_ok` (`jobspec validate` of a spec for a cluster): an absolute path that is not on this machine is
+    the pod's (an image's or a volume's file); it is returned as a note instead, and the runner checks it there."""
+    notes = []
+    for i, path in task_files(entries, base):
+        why = task_file_problem(path)
+        if why == "no such file" and absent_absolute_ok and Path(entries[i]).is_absolute():
+            notes.append(f"{field}[{i}] {entries[i]} is not on this machine: it must be in the pod (image or volume)")
+        elif why is not None:
+            where = "" if Path(entries[i]).is_absolute() else f" (relative to {Path(base).resolve()})"
+            raise ConfigError(f"{field}[{i}] {entries[i]}: {path}{where}: {why}; give the path of an "
+                              "lm-evaluation-harness task YAML, or a task name such as arc_easy")  # fmt: skip
+    return notes
