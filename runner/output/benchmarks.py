@@ -266,18 +266,17 @@ def export_dir_of(run_dir: Path, spec: JobSpec, given: str | None) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """`jobspec eval`: the metrics table on stdout, the log on stderr; a bad input is one line and exit 2."""
     from jobspec.cli import add_eval_args
 
     parser = argparse.ArgumentParser(prog="jobspec eval", description=__doc__.splitlines()[0])
     add_eval_args(parser)
-    args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(message)s")
     try:
-        done = evaluate_run(args)
+        print(table(evaluate_run(parser.parse_args(argv))))
     except JobspecError as err:
         print(f"error: {err}", file=sys.stderr)
         return err.exit_code
-    print(table(done))
     return EXIT_OK
 
 
