@@ -395,12 +395,30 @@ class ModelSpec(Section):
         return self
 
 
+def _data_source(value: Any) -> Any:
+    """A data path, a hub id, or an object in an object store (`s3://bucket/key.jsonl`, `s3://bucket/prefix/`)."""
+    if isinstance(value, str) and (why := object_store.data_problem(value)):
+        raise ValueError(why)
+    return value
+
+
+def _local_cache_dir(value: Any) -> Any:
+    if isinstance(value, str) and object_store.is_url(value):
+        raise ValueError("is where the pod keeps tokenized (and downloaded) data: a local path or a volume's, not "
+                         "a URL; remove it (default: the run directory's data-cache)")  # fmt: skip
+    return value
+
+
+DataPath = Annotated[PathStr, BeforeValidator(_data_source)]
+
+
 class DataSource(Section):
     path: Annotated[
-        PathStr,
+        DataPath,
         Field(
             min_length=1,
-            description="One source: any file, directory or hub id `data.path` takes (relative to the working dir).",
+            description="One source: any file, directory, hub id or s3:// object `data.path` takes (relative to the "
+            "working dir).",
         ),
     ]
     weight: Annotated[
@@ -419,11 +437,12 @@ class DataSource(Section):
 
 class DataSpec(Section):
     path: Annotated[
-        PathStr | None,
+        DataPath | None,
         Field(
             description="Training data: a .jsonl, .json (array) or .parquet file, a datasets save_to_disk directory "
             "(a DatasetDict gives its train split) or a hub dataset id (org/name); relative to the working dir; "
-            "omit for the bundled synthetic set."
+            "or such a file (directory) in object storage, s3://bucket/key.jsonl (s3://bucket/prefix/), downloaded "
+            "once per node into the data cache; omit for the bundled synthetic set."
         ),
     ] = None
     format: Annotated[
@@ -480,9 +499,10 @@ class DataSpec(Section):
     ] = None
     cache_dir: Annotated[
         PathStr | None,
+        BeforeValidator(_local_cache_dir),
         Field(
-            description="Where the tokenized data is cached, content-addressed, for every rank and restart; "
-            "default `<checkpoints.dir>/data-cache`."
+            description="Where the tokenized data is cached, content-addressed, for every rank and restart (and "
+            "s3:// data sources downloaded); default `<checkpoints.dir>/data-cache` (the local run directory's)."
         ),
     ] = None
     pvc: Annotated[
@@ -490,7 +510,7 @@ class DataSpec(Section):
     ] = None
     mount_path: Annotated[PathStr, Field(description="Where `pvc` is mounted in the pod.")] = "/data"
     eval_path: Annotated[
-        PathStr | None,
+        DataPath | None,
         Field(
             description="Eval data, in any format `path` takes (a DatasetDict gives its validation, else test, "
             "split); default: hold out `eval_fraction`."

@@ -9,12 +9,18 @@ user part (`s3://KEY:SECRET@bucket`) or a query is refused. `gs://` and others a
 With an object-store `checkpoints.dir` the run directory in the pod is local (`checkpoints.local_dir`, default
 LOCAL_RUN_DIR on an emptyDir): checkpoints are staged there and published to the bucket
 (runner/checkpoint/remote.py); metrics, tier state and the data cache stay there.
+
+A data source (`data.path`, `data.sources[].path`, `data.eval_path`) may be one object, `s3://bucket/key` with a data
+file suffix (DATA_SUFFIXES), or a prefix ending in '/' (`s3://bucket/dataset/`: a datasets save_to_disk directory);
+the runner downloads it once per node into the data cache and reads the local copy (runner/process/remote_data.py).
 """
 
 from __future__ import annotations
 
 import re
 from typing import NamedTuple
+
+from jobspec.spec.hub import DATA_SUFFIXES
 
 LOCAL_RUN_DIR = "/checkpoints"
 SCHEMES = ("s3",)
@@ -64,6 +70,21 @@ def problem(text: str) -> str | None:
     parts = key.strip("/").split("/") if key.strip("/") else []
     if any(not p or p in (".", "..") or not _KEY_PART.match(p) for p in parts):
         return "the prefix after the bucket must be names of letters, digits and - _ . ! * ' ( ) = + , : @ (no '..')"
+    return None
+
+
+def data_problem(text: str) -> str | None:
+    """Why the URL `text` cannot be a data source, or None (a path is not this module's): an object-store location
+    (`problem`) naming one object with a data file suffix, or a prefix ending in '/' (a directory of files)."""
+    why = problem(text)
+    if why or not is_url(text):
+        return why
+    key = text.split("://", 1)[1].partition("/")[2]
+    if not key.strip("/"):
+        return "names a bucket, not data: s3://BUCKET/KEY.jsonl (one file), or s3://BUCKET/PREFIX/ (a directory)"
+    if not key.endswith("/") and not key.lower().endswith(DATA_SUFFIXES):
+        return (f"an object's name must end in {', '.join(DATA_SUFFIXES)} (its format), or the URL in '/' for a "
+                "directory of files (a datasets save_to_disk directory)")  # fmt: skip
     return None
 
 

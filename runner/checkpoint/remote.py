@@ -80,7 +80,7 @@ def filesystem() -> Any:
     return s3fs.S3FileSystem(skip_instance_cache=True, use_listings_cache=False)
 
 
-def _code(err: BaseException) -> str:
+def error_code(err: BaseException) -> str:
     """The S3 error code behind an s3fs error ("PreconditionFailed", "NoSuchKey", "412", ...), or ""."""
     for e in (err, err.__cause__, err.__context__):
         response = getattr(e, "response", None)
@@ -92,12 +92,12 @@ def _code(err: BaseException) -> str:
 
 def _conflict(err: BaseException) -> bool:
     """A conditional request the store refused: the object changed (412), or a concurrent one won (409)."""
-    return isinstance(err, FileExistsError) or _code(err) in ("PreconditionFailed", "412", "ConditionalRequestConflict",
-                                                               "409")  # fmt: skip
+    return isinstance(err, FileExistsError) or error_code(err) in ("PreconditionFailed", "412",
+                                                                   "ConditionalRequestConflict", "409")  # fmt: skip
 
 
 def _missing(err: BaseException) -> bool:
-    return isinstance(err, FileNotFoundError) or _code(err) in ("NoSuchKey", "404")
+    return isinstance(err, FileNotFoundError) or error_code(err) in ("NoSuchKey", "404")
 
 
 class Bucket:
@@ -134,7 +134,7 @@ class Bucket:
             raise ConfigError(f"checkpoints.dir {self}: no bucket {self.url.bucket!r} at this endpoint "
                               "(AWS_ENDPOINT_URL): create it, or fix the name") from None  # fmt: skip
         except OSError as err:
-            why = _brief(err)
+            why = brief(err)
             raise RemoteUnavailable(f"checkpoints.dir {self}: the object store did not answer ({why})") from None
 
     # --- objects ----------------------------------------------------------------------------------------------
@@ -207,7 +207,7 @@ class Bucket:
         except OSError as err:
             if _missing(err) or _conflict(err):
                 return
-            if kwargs and _code(err) in ("NotImplemented", "501", "InvalidArgument", "400"):
+            if kwargs and error_code(err) in ("NotImplemented", "501", "InvalidArgument", "400"):
                 self.delete(*parts)  # a store without conditional deletes
                 return
             raise
@@ -237,7 +237,7 @@ class Bucket:
         return sorted(done), sorted(seen)
 
 
-def _brief(err: BaseException) -> str:
+def brief(err: BaseException) -> str:
     return f"{type(err).__name__}: {str(err).strip().splitlines()[0] if str(err).strip() else ''}"[:300]
 
 
@@ -245,10 +245,10 @@ def _failure(err: BaseException, bucket: Bucket) -> JobspecError:
     """An s3fs error while writing the checkpoint, as what it means for the Job."""
     if isinstance(err, JobspecError):
         return err
-    if isinstance(err, PermissionError) or (isinstance(err, FileNotFoundError) and _code(err) == "NoSuchBucket"):
-        return StorageError(f"cannot write checkpoints to {bucket}: {_brief(err)}. Check the bucket exists and the "
+    if isinstance(err, PermissionError) or (isinstance(err, FileNotFoundError) and error_code(err) == "NoSuchBucket"):
+        return StorageError(f"cannot write checkpoints to {bucket}: {brief(err)}. Check the bucket exists and the "
                             "credentials from the pod's Secret may write it")  # fmt: skip
-    return RemoteUnavailable(f"publishing a checkpoint to {bucket} failed after retries: {_brief(err)}")
+    return RemoteUnavailable(f"publishing a checkpoint to {bucket} failed after retries: {brief(err)}")
 
 
 # --- the lease ----------------------------------------------------------------------------------------------------
@@ -483,7 +483,7 @@ def fetch(bucket: Bucket, root: Path, *, rank: int, local_rank: int, local_world
         except (store.DamagedCheckpoint, StorageError) as err:
             answer = json.dumps({"error": str(err), "kind": type(err).__name__})
         except OSError as err:
-            answer = json.dumps({"error": f"reading {bucket}: {_brief(err)}", "kind": "RemoteUnavailable"})
+            answer = json.dumps({"error": f"reading {bucket}: {brief(err)}", "kind": "RemoteUnavailable"})
     agreed = json.loads(str(ctrl.all_gather_object(answer)[0]))  # rank 0's answer, on every rank
     if "error" in agreed:
         kind = {"DamagedCheckpoint": store.DamagedCheckpoint, "StorageError": StorageError}
@@ -501,7 +501,7 @@ def fetch(bucket: Bucket, root: Path, *, rank: int, local_rank: int, local_world
                 got = download_step(bucket, root, step)
                 problem = got if isinstance(got, str) else store.verify(got)
         except OSError as err:
-            problem = _brief(err)
+            problem = brief(err)
     if ctrl.any(problem is not None):
         raise store.DamagedCheckpoint(
             f"{bucket.uri(f'step-{step}')} changed while it was read (rank 0 verified it; another node found: "

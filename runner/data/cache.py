@@ -263,7 +263,7 @@ def cached_streams(root: Path, key: CacheKey, build: Callable[[], Streams], wait
         return found
     try:
         root.mkdir(parents=True, exist_ok=True)
-        lock = _locked(root / f"{key.digest}.lock", wait_s)
+        lock = locked(root / f"{key.digest}.lock", wait_s)
         lock.__enter__()
     except OSError as err:
         log.warning("data %s: cache %s not usable (%s); tokenizing without it", key.source, root, err)
@@ -461,8 +461,9 @@ def _write(root: Path, entry: Path, key: CacheKey, streams: Streams) -> None:
 
 
 @contextlib.contextmanager
-def _locked(path: Path, wait_s: float) -> Iterator[None]:
-    """An exclusive flock on `path` (created), waited for up to `wait_s` seconds; the holder's name is in it."""
+def locked(path: Path, wait_s: float, doing: str = "tokenizing this source") -> Iterator[None]:
+    """An exclusive flock on `path` (created), waited for up to `wait_s` seconds (then ConfigError: the holder has
+    been `doing` it for too long); the holder's name is in it."""
     fd = shared_dir.open_lock(path)  # a link or a FIFO planted at the name is refused, never written through
     try:
         start, told = time.monotonic(), False
@@ -475,12 +476,12 @@ def _locked(path: Path, wait_s: float) -> Iterator[None]:
                 if waited > wait_s:
                     holder = os.pread(fd, 200, 0).decode("utf-8", "replace").strip() or "another process"
                     raise ConfigError(
-                        f"data cache {path}: {holder} has been tokenizing this source for over {waited:.0f} s "
+                        f"data cache {path}: {holder} has been {doing} for over {waited:.0f} s "
                         f"(LOCK_WAIT_S {wait_s:.0f} s); if it is stuck, stop it, or set data.cache_dir to another "
                         "directory"
                     ) from None
                 if not told:
-                    log.info("data cache %s: another process is tokenizing this source; waiting for it", path)
+                    log.info("data cache %s: another process is %s; waiting for it", path, doing)
                     told = True
                 time.sleep(0.2)
         os.ftruncate(fd, 0)

@@ -1,7 +1,8 @@
 """The in-pod supervisor behind `python -m runner SPEC [--set k=v ...] [--nproc N]`.
 
 It loads and validates the spec (a bad one: the message and exit 2, no traceback), fetches a hub model once
-for the node (runner/process/hub.py: the workers get the local snapshot as model.path), decides how many
+for the node (runner/process/hub.py: the workers get the local snapshot as model.path) and the s3:// data sources
+(runner/process/remote_data.py: the workers get the local copies as data.path ...), decides how many
 processes this node runs, starts them (`python -m runner.process.worker`) with the torchrun-style variables
 RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT, forwards SIGTERM/SIGINT,
 maps their exits to the contract's codes (jobspec.contract) and writes a one-line JSON termination
@@ -347,6 +348,21 @@ def with_hub_model(spec_path: str, spec: JobSpec, overrides: list[str]) -> tuple
     return load_spec(spec_path, overrides), overrides
 
 
+def with_object_data(spec_path: str, spec: JobSpec, overrides: list[str]) -> tuple[JobSpec, list[str]]:
+    """Every `s3://` data source downloaded once for this node into the data cache (runner/process/remote_data.py),
+    before any worker starts: the spec and the workers' overrides then name the local copies."""
+    from jobspec.spec.object_store import is_url
+
+    d = spec.data
+    if not any(is_url(p) for p in (d.path, d.eval_path, *(s.path for s in d.sources or ()))):
+        return spec, overrides  # the usual case: remote_data (and the numpy it imports) not loaded
+    from runner.process import remote_data
+
+    local = remote_data.localize(spec)
+    overrides = [*overrides, *local]
+    return load_spec(spec_path, overrides), overrides
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m runner", description="Train the job a spec describes.")
     add_spec_args(parser)
@@ -362,6 +378,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         spec = load_spec(args.spec, args.overrides)
         spec, overrides = with_hub_model(args.spec, spec, args.overrides)
+        spec, overrides = with_object_data(args.spec, spec, overrides)
         preflight.check(spec)  # a missing file, extra or bad fault rule: seconds, not a minute of imports
         done = preflight.finished(spec)
         if done:

@@ -10,8 +10,6 @@ that model. The lease's conditional writes are checked on their own.
 from __future__ import annotations
 
 import json
-import logging
-import os
 import subprocess
 import sys
 import time
@@ -21,6 +19,7 @@ import yaml
 
 from jobspec.contract import EXIT_OK
 from runner.checkpoint import lease, remote
+from tests.runner import s3_server
 from tests.runner.train_helpers import records, run_supervisor, tiny_spec_dict, write_spec
 
 moto_server = pytest.importorskip("moto.server", reason="moto[server] (the dev extra) runs the S3 API on loopback")
@@ -33,25 +32,8 @@ BUCKET = "ckpt"
 @pytest.fixture(scope="module")
 def s3():
     """An S3 API server on 127.0.0.1 (a free port), the AWS_* variables pointing at it, a bucket; a boto3 client."""
-    import boto3
-
-    logging.getLogger("werkzeug").setLevel(logging.ERROR)
-    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    env = {"AWS_ENDPOINT_URL": f"http://{host}:{port}", "AWS_ACCESS_KEY_ID": "testing",
-           "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}  # fmt: skip
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    client = boto3.client("s3")
-    client.create_bucket(Bucket=BUCKET)
-    yield client
-    server.stop()
-    for k, v in saved.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
+    with s3_server.serve(BUCKET) as client:
+        yield client
 
 
 def _keys(client, prefix: str) -> set[str]:
