@@ -14,7 +14,7 @@ from __future__ import annotations
 import importlib.util
 import logging
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -58,8 +58,10 @@ def _flat(values: Mapping[str, Any], prefix: str = "") -> dict[str, str | int | 
     return out
 
 
-def scalars(record: Mapping[str, Any]) -> dict[str, float]:
-    """The numbers of one metrics.jsonl record, under tracker names; empty for plans and events."""
+def scalars(record: Mapping[str, Any], extra: Sequence[str] = ()) -> dict[str, float]:
+    """The numbers of one metrics.jsonl record, under tracker names; empty for plans and events. `extra`: the train
+    record's fields beyond TRAIN_FIELDS that this run writes (a preference objective's TRL metrics, `rewards/chosen`
+    ..., a mixture of experts' `router_aux_loss`), logged as `train/<name>`."""
     kind = record.get("kind")
     if kind == "eval":
         return {"eval/loss": float(record["eval_loss"])} if record.get("eval_loss") is not None else {}
@@ -67,7 +69,7 @@ def scalars(record: Mapping[str, Any]) -> dict[str, float]:
         return {k: float(v) for k, v in (record.get("metrics") or {}).items() if isinstance(v, int | float)}
     if kind != "train":
         return {}
-    out = {f"train/{k}": float(record[k]) for k in TRAIN_FIELDS if record.get(k) is not None}
+    out = {f"train/{k}": float(record[k]) for k in (*TRAIN_FIELDS, *extra) if isinstance(record.get(k), int | float)}
     if record.get("mem_used_bytes") is not None:
         out["train/mem_used_gib"] = record["mem_used_bytes"] / GiB
     return out
@@ -76,7 +78,9 @@ def scalars(record: Mapping[str, Any]) -> dict[str, float]:
 class Trackers:
     """The spec's trackers, started on the main rank (a no-op elsewhere and when none is configured)."""
 
-    def __init__(self, spec: JobSpec, run_dir: Path, *, enabled: bool, config: Mapping[str, Any]):
+    def __init__(self, spec: JobSpec, run_dir: Path, *, enabled: bool, config: Mapping[str, Any],
+                 extra: Sequence[str] = ()):  # fmt: skip
+        self.extra = tuple(extra)  # `scalars`' extra train fields
         self.trackers: list[Any] = []
         if not enabled or not wanted(spec):
             return
@@ -104,7 +108,7 @@ class Trackers:
         log.info("trackers: %s", ", ".join(tr.name for tr in self.trackers))
 
     def log(self, record: Mapping[str, Any]) -> None:
-        values = scalars(record)
+        values = scalars(record, self.extra)
         if not values:
             return
         for tracker in self.trackers:

@@ -161,7 +161,10 @@ class Recipe:
         self.first_step = self.step
         self.status.update(tier=self.plan.tier, step=self.step, reason="running")
         config = {"spec": spec.to_yaml_dict(), "plan": {k: v for k, v in self.plan.to_dict().items() if k != "reasons"}}
-        trackers = tracking.Trackers(spec, self.root, enabled=env.is_main, config=config)
+        objective = self.stepper.objective
+        extra = (*(objective.metric_names if objective else ()), *(("router_aux_loss",) if self.stepper.router_aux_coef
+                                                                      else ()))  # fmt: skip
+        trackers = tracking.Trackers(spec, self.root, enabled=env.is_main, config=config, extra=extra)
         self.metrics = Metrics(self.root / METRICS_FILE, enabled=env.is_main, trackers=trackers)
         self._write_plan(resumed=resume is not None)
         self.gpu_util = GpuUtil(self.device)
@@ -637,7 +640,12 @@ class Recipe:
                  f"x{ratio:.2f}" if ratio is not None else "no prediction")  # fmt: skip
 
     def _log_step(self, r: StepResult, tokens_per_s: float) -> None:
-        sums = self.ctrl.all_reduce([r.loss_sum.item(), *([] if r.preference is None else r.preference.tolist())])
+        # a mixture of experts (the same on every rank): its router's load-balancing loss, each rank's mean summed
+        router = [0.0 if r.router_aux is None else float(r.router_aux)] if self.stepper.router_aux_coef else []
+        preference = [] if r.preference is None else r.preference.tolist()
+        sums = self.ctrl.all_reduce([r.loss_sum.item(), *router, *preference])
+        routed = {"router_aux_loss": sums[1] / self.ctrl.world_size} if router else {}
+        sums = [sums[0], *sums[1 + len(router) :]]
         loss = sums[0] / max(r.targets, 1)  # global per-token mean (preference objectives: per-pair)
         obj = self.stepper.objective
         self.status.update(step=self.step, loss=loss)
@@ -665,6 +673,7 @@ class Recipe:
                 "mem_total_bytes": total,
                 "gpu_util": self.gpu_util(),
                 **self._mix(),
+                **routed,
                 **({} if r.preference is None or obj is None else obj.metrics(sums[1:], r.targets)),
             }
         )

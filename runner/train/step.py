@@ -87,16 +87,21 @@ def summed_loss(
 
 
 def token_losses(model: torch.nn.Module, head: ChunkedLossHead | None, input_ids: torch.Tensor,
-                 labels: torch.Tensor) -> torch.Tensor:  # fmt: skip
+                 labels: torch.Tensor, router: list[torch.Tensor] | None = None) -> torch.Tensor:  # fmt: skip
     """(B, T) fp32: each position's token cross-entropy (minus the log-prob of its label), 0 at IGNORE, by the same
-    loss head as `summed_loss`."""
+    loss head as `summed_loss`; `router` as there."""
+    kwargs: dict[str, Any] = {"output_router_logits": True} if router is not None else {}
     if head is not None:
         with head.targets(labels):
-            losses = model(input_ids=input_ids, use_cache=False).logits.float()  # (B, T, 1), 0 at IGNORE
-        return losses.flatten(1)
-    logits = model(input_ids=input_ids, use_cache=False).logits.float()
-    losses = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=IGNORE, reduction="none")
-    return losses.view(labels.shape)
+            out = model(input_ids=input_ids, use_cache=False, **kwargs)
+        losses = out.logits.float().flatten(1)  # (B, T, 1) -> (B, T), 0 at IGNORE
+    else:
+        out = model(input_ids=input_ids, use_cache=False, **kwargs)
+        losses = F.cross_entropy(out.logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE,
+                                 reduction="none").view(labels.shape)  # fmt: skip
+    if router is not None and getattr(out, "aux_loss", None) is not None:
+        router.append(out.aux_loss.float())
+    return losses
 
 
 def sequence_logps(model: torch.nn.Module, head: ChunkedLossHead | None, input_ids: torch.Tensor,
@@ -184,6 +189,8 @@ class StepResult:
     # a preference objective: this rank's sums behind its metrics over its pairs (runner/train/objectives.py, fp32);
     # None for SFT
     preference: torch.Tensor | None = None
+    # a mixture-of-experts model: its router's load-balancing loss (unweighted), the mean over this rank's micro-batches
+    router_aux: torch.Tensor | None = None
 
 
 class Stepper:
@@ -208,6 +215,7 @@ class Stepper:
         self.objective = objective  # a preference objective, for batches of pairs (runner/train/objectives.py)
         self.rows = rows  # sequences a sample is: a pair's 2 rows, which a probe step of its micro-batch runs
         self.preference_sums: list[torch.Tensor] = []  # pairs: each micro-batch's metric sums in this step
+        self.router_losses: list[torch.Tensor] = []  # a mixture of experts: each micro-batch's load-balancing loss
         self.nll_scale = 1.0  # ORPO: the step's (or evaluation's) pairs over its chosen chats' positions
         self.data, self.ctrl, self.stop = data, ctrl, stop
         self.max_grad_norm = max_grad_norm
@@ -262,13 +270,13 @@ class Stepper:
         pairs: the preference objective's loss summed over its pairs (runner/train/objectives.py), its metric sums
         kept in `preference_sums`."""
         if batch.pairs:
-            return self._pair_loss(batch)
+            return self._pair_loss(batch, router)
         positions = None if batch.position_ids is None else self._to_device(batch.position_ids)
         return summed_loss(
             self.model, self.head, self._to_device(batch.input_ids), self._to_device(batch.labels), positions, router
         )
 
-    def _pair_loss(self, batch: Batch) -> torch.Tensor:
+    def _pair_loss(self, batch: Batch, router: list[torch.Tensor] | None = None) -> torch.Tensor:
         """One forward over the batch's 2B rows; ORPO scores its chosen rows on every next token (its NLL term)."""
         objective = self.objective
         if objective is None:
@@ -279,7 +287,7 @@ class Stepper:
         if objective.scores_chosen_chat and batch.chosen_labels is not None:
             chosen = self._to_device(batch.chosen_labels)
             scored = torch.cat([chosen, y[len(chosen) :]])
-        losses = token_losses(self.model, self.head, x, scored)
+        losses = token_losses(self.model, self.head, x, scored, router)
         loss, sums = objective.loss(losses, y, reference=batch.reference, chosen_labels=chosen,
                                     nll_scale=self.nll_scale)  # fmt: skip
         self.preference_sums.append(sums)
@@ -312,7 +320,7 @@ class Stepper:
 
     def _train_step(self, sample_ids: Sequence[int], micro_batch: int, lr: float) -> StepResult:
         self.inner.zero_grad(set_to_none=True)
-        self.preference_sums = []
+        self.preference_sums, self.router_losses = [], []
         baseline = allocated_bytes()  # what the step starts with: an OOM's numbers are read against it
         if self.prefetch is not None:
             batches = self.prefetch.batches(sample_ids, micro_batch)
@@ -342,7 +350,8 @@ class Stepper:
         norm, loss_sum = self._finish(oom, room, losses, lr)
         self.inner.zero_grad(set_to_none=True)
         preference = torch.stack(self.preference_sums).sum(0) if self.preference_sums else None
-        return StepResult(loss_sum, int(targets), int(tokens), norm, seen, preference)
+        router_aux = torch.stack(self.router_losses).mean() if self.router_losses else None
+        return StepResult(loss_sum, int(targets), int(tokens), norm, seen, preference, router_aux)
 
     def _finish(self, oom: str, room: Headroom | None, losses: Sequence[torch.Tensor],
                 lr: float) -> tuple[torch.Tensor | None, torch.Tensor]:  # fmt: skip
@@ -423,6 +432,7 @@ class Stepper:
         loss = ce * scale
         if router:
             loss = loss + router[0] * (self.router_aux_coef * share)
+            self.router_losses.append(router[0].detach())
         self.accelerator.backward(loss)
         return ce.detach()
 

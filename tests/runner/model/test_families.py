@@ -9,6 +9,7 @@ The full-size table (formula vs trace at each family's published shape, every ti
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -89,6 +90,8 @@ def test_a_mixture_of_experts_trains_at_every_tier_with_its_router_loss(tmp_path
         assert worker.stepper.router_aux_coef == 0.02
         losses = [r["loss"] for r in records(run)]
         assert losses[-1] < losses[0], (tier, lora, losses)
+        aux = [r["router_aux_loss"] for r in records(run)]  # reported beside the loss, as TRL/Megatron log it
+        assert all(0 < a < 100 for a in aux), aux
         if lora:
             net = worker.accelerator.unwrap_model(worker.model)
             trained = {n for n, p in net.named_parameters() if p.requires_grad}
@@ -96,6 +99,23 @@ def test_a_mixture_of_experts_trains_at_every_tier_with_its_router_loss(tmp_path
             shape = shape_from_config(json.loads((base / "config.json").read_text()))
             want = memory.trainable_params(shape, memory.LoraShape(4, tuple(model["lora"]["targets"])))
             assert sum(p.numel() for p in net.parameters() if p.requires_grad) == want
+
+
+def test_a_preference_stage_on_a_mixture_of_experts_keeps_its_router_loss(tmp_path):
+    """DPO on a Mixtral-shaped model: the pair loss starts at ln 2, and the router's load-balancing loss is in the step
+    (and its metric), as in SFT."""
+    from tests.runner.train.test_dpo import text_pairs
+    from tests.runner.train_helpers import write_jsonl
+
+    base = local_model(tmp_path, "mixtral-8x7b")
+    data = write_jsonl(tmp_path / "p.jsonl", text_pairs(12))
+    spec = tiny_spec(tmp_path / "run", model={"preset": None, "path": str(base)}, data={"path": str(data),
+                     "max_seq_len": 48}, training={"objective": "dpo", "beta": 0.1, "global_batch": 4, "steps": 2,
+                     "warmup_steps": 0, "learning_rate": 1e-3})  # fmt: skip
+    code, _ = train_in_process(spec)
+    assert code == EXIT_OK
+    train = records(tmp_path / "run")
+    assert abs(train[0]["loss"] - math.log(2)) < 1e-4 and all(0 < r["router_aux_loss"] < 100 for r in train)
 
 
 def test_the_router_loss_is_in_the_gradient_as_transformers_weighs_it():

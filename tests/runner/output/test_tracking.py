@@ -81,3 +81,23 @@ def test_tracker_values_are_the_records_numbers():
                             "train/micro_batch": 4.0, "train/grad_accum": 2.0, "train/mem_used_gib": 2.0}  # fmt: skip
     assert scalars({"kind": "eval", "step": 3, "eval_loss": 2.0}) == {"eval/loss": 2.0}
     assert scalars({"kind": "plan", "step": 0}) == {} and scalars({"kind": "event", "step": 1}) == {}
+
+
+def test_a_preference_run_gives_the_trackers_trls_metrics(tmp_path):
+    """DPO's TRL-named metrics reach TensorBoard as train/<name>, with the records' values."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from tests.runner.train.test_dpo import dpo, text_pairs
+    from tests.runner.train_helpers import write_jsonl
+
+    data = write_jsonl(tmp_path / "p.jsonl", text_pairs(12))
+    spec = dpo(tmp_path, data, steps=3, eval_every=None)
+    spec = type(spec).model_validate({**spec.model_dump(mode="json", exclude_unset=True),
+                                      "tracking": {"tensorboard": True}})  # fmt: skip
+    assert train_in_process(spec)[0] == EXIT_OK
+    acc = EventAccumulator(str(next((tmp_path / "run" / "tensorboard").iterdir()))).Reload()
+    margins = {e.step: e.value for e in acc.Scalars("train/rewards/margins")}
+    assert margins == pytest.approx({r["step"]: r["rewards/margins"] for r in records(tmp_path / "run")}, rel=1e-5)
+    assert {"train/rewards/accuracies", "train/logps/chosen"} <= set(acc.Tags()["scalars"])
+    assert scalars({"kind": "train", "step": 1, "router_aux_loss": 2.5}, ("router_aux_loss",)) == {
+        "train/router_aux_loss": 2.5}
