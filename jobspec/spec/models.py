@@ -763,10 +763,10 @@ def _checkpoint_dir(value: Any) -> Any:
 
 class CheckpointSpec(Section):
     dir: Annotated[
-        PathStr,
+        str,
+        StringConstraints(min_length=1, max_length=MAX_PATH_CHARS),  # in the string's schema: a string's error
         BeforeValidator(_checkpoint_dir),
         Field(
-            min_length=1,
             description="Run directory: checkpoints, metrics.jsonl and tier state; or `s3://bucket/prefix`: "
             "checkpoints published to object storage (staged in `local_dir`; credentials as AWS_* variables from "
             "a Secret).",
