@@ -47,16 +47,31 @@ def _plant(run: Path, names: list[Path], outside: Path, hard: bool) -> list[Path
     return victims
 
 
-@pytest.mark.parametrize("streaming", [False, True], ids=["prepared", "streamed"])
-def test_a_link_at_every_name_the_runner_writes_moves_nothing_outside(tmp_path, streaming):
-    data = write_jsonl(tmp_path / "d.jsonl", ROWS)
-    code, _ = train_in_process(_spec(tmp_path / "learn", data, streaming))
+PAIRS = [{"prompt": f"q{i} hello", "chosen": f"a{i} kenobi", "rejected": f"no {i}"} for i in range(24)]
+
+
+def _dpo(run: Path, data: Path, _streaming: bool):
+    """A DPO run: its reference log-probs (and, under a key, their signature) are written beside the cache entry."""
+    return tiny_spec(run, data={"path": str(data), "max_seq_len": 64}, checkpoints={"every_steps": 2},
+                     training={"steps": 2, "warmup_steps": 0, "objective": "dpo", "global_batch": 4})  # fmt: skip
+
+
+@pytest.mark.parametrize("streaming, dpo", [(False, False), (True, False), (False, True)],
+                         ids=["prepared", "streamed", "dpo"])  # fmt: skip
+def test_a_link_at_every_name_the_runner_writes_moves_nothing_outside(tmp_path, monkeypatch, streaming, dpo):
+    if dpo:
+        monkeypatch.setenv("JOBSPEC_CHECKPOINT_KEY", "k" * 64)
+    data = write_jsonl(tmp_path / "d.jsonl", PAIRS if dpo else ROWS)
+    spec = _dpo if dpo else _spec
+    code, _ = train_in_process(spec(tmp_path / "learn", data, streaming))
     assert code == EXIT_OK
     # metrics.jsonl: the next test; DONE: a step with one is complete, and a forged complete step is damage (exit 2
     # when none is intact: tests/runner/checkpoint/test_untrusted.py), so it is planted without it (written last)
     names = [n for n in _written(tmp_path / "learn") if n.name not in ("metrics.jsonl", "DONE")]
     assert any(n.parts[0].startswith("step-") for n in names) and any(n.parts[0] == "model" for n in names)
-    if streaming:
+    if dpo:
+        assert {".npy", ".json"} <= {n.suffix for n in names if ".reference-" in n.name}, names
+    elif streaming:
         assert any(n.parts[:2] == ("data-cache", "stream") for n in names), names
     else:
         assert any(n.name.endswith(".lock") for n in names) and any(n.name.endswith(".stamp") for n in names)
@@ -66,7 +81,7 @@ def test_a_link_at_every_name_the_runner_writes_moves_nothing_outside(tmp_path, 
     outside.mkdir()
     victims = _plant(tmp_path / "run", names, outside, hard=False)
     before = _state(victims)
-    code, _ = train_in_process(_spec(tmp_path / "run", data, streaming))
+    code, _ = train_in_process(spec(tmp_path / "run", data, streaming))
     assert code == EXIT_OK
     assert _state(victims) == before  # nothing written through a link, nothing truncated or appended
     assert sorted(os.listdir(outside)) == sorted(v.name for v in victims)  # nothing created outside either
