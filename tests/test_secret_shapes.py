@@ -180,10 +180,10 @@ def test_the_commands_refuse_without_printing(command: str, shape: str, tmp_path
 ORDINARY = {
     ("model", "path"): ["meta-llama/Meta-Llama-3-8B-Instruct", "/models/Qwen2.5-0.5B", "hf://org/model@main"],
     ("data", "path"): [
-        "s3://bucket/train.jsonl", "gs://bucket/data/train-00000-of-00001.parquet",
-        "https://huggingface.co/datasets/org/name/resolve/0123456789abcdef0123456789abcdef01234567/train.jsonl",
-        "https://data.example.com/x.jsonl?revision=main&format=jsonl", "hf://datasets/org/name@v1/train.jsonl",
-    ],
+        "s3://bucket/train.jsonl", "s3://bucket/data/train-00000-of-00001.parquet",
+        "s3://bucket/sets/date=2024-01-01/owner@team/train.jsonl", "s3://bucket/datasets/org--name/v1/",
+        "/data/0123456789abcdef0123456789abcdef01234567/train.jsonl", "org/name",
+    ],  # other URLs (gs://, https://, hf://) are refused as data sources (tests/runner/process/test_remote_data.py)
     ("tracking", "mlflow", "tracking_uri"): ["https://mlflow.internal:5000", "file:///runs/mlruns", "databricks"],
     ("env", "HF_HUB_TOKEN_FROM"): ["$(HF_TOKEN)"],
     ("env", "ARGS"): ["--hf-token=$(HF_TOKEN) --max_tokens=512 --auth=none", "--token=${HF_TOKEN}"],

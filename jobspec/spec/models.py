@@ -397,8 +397,10 @@ class ModelSpec(Section):
 
 def _data_source(value: Any) -> Any:
     """A data path, a hub id, or an object in an object store (`s3://bucket/key.jsonl`, `s3://bucket/prefix/`)."""
-    if isinstance(value, str) and (why := object_store.data_problem(value)):
-        raise ValueError(why)
+    if isinstance(value, str):
+        check_length(value, MAX_PATH_CHARS)
+        if why := object_store.data_problem(value):
+            raise ValueError(why)
     return value
 
 
@@ -414,9 +416,10 @@ DataPath = Annotated[PathStr, BeforeValidator(_data_source)]
 
 class DataSource(Section):
     path: Annotated[
-        DataPath,
+        str,
+        StringConstraints(min_length=1, max_length=MAX_PATH_CHARS),  # in the string's schema: a string's error
+        BeforeValidator(_data_source),
         Field(
-            min_length=1,
             description="One source: any file, directory, hub id or s3:// object `data.path` takes (relative to the "
             "working dir).",
         ),

@@ -76,6 +76,12 @@ def problem(text: str) -> str | None:
 def data_problem(text: str) -> str | None:
     """Why the URL `text` cannot be a data source, or None (a path is not this module's): an object-store location
     (`problem`) naming one object with a data file suffix, or a prefix ending in '/' (a directory of files)."""
+    scheme = text.split("://", 1)[0] if is_url(text) else ""
+    if scheme == "hf":
+        return "hf:// is not read as a URL: give the hub dataset id (org/name), or the file after downloading it"
+    if scheme in ("http", "https"):
+        return (f"{scheme}:// is not downloaded by the runner: copy the file into a bucket (s3://BUCKET/KEY.jsonl) or "
+                "onto a volume (data.pvc), or give a hub dataset id (org/name)")  # fmt: skip
     why = problem(text)
     if why or not is_url(text):
         return why

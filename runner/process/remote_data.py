@@ -15,14 +15,14 @@ holds the object's version: a resume across a changed object is refused as a cha
 
 The version digest is over the URL and every object's (name, size, ETag, VersionId), read with one HEAD (or one
 listing) at every start: an unchanged object is not read again (no GET), a changed one (new ETag) is downloaded into a
-new entry and the entries of its older versions are removed. A copy is used only when object.json is this version's
-and every file has the identity recorded when it was written (a file written over since has another ctime); anything
-else is downloaded again. The cache is shared: the download runs under an exclusive lock on
-`objects/<entry>.lock` (runner/data/cache.py `locked`): the first process downloads, the others (another pod on a
-shared cache volume, another job) wait and then use its copy. Files are written through jobspec.shared_dir: an
-exclusively created temp directory, each object fetched by ranged GETs with `If-Match: <ETag>` (and the VersionId)
-so an object replaced meanwhile is never mixed (412: listed again and downloaded again, at most ATTEMPTS times),
-fsynced, then renamed into place; no link followed.
+new entry and the entries of its older versions are removed (those no job chose in the last OLDER_KEPT_S). A copy is
+used only when object.json is this version's and every file has the identity recorded when it was written (a file
+written over since has another ctime); anything else is downloaded again. The cache is shared: the download runs under
+an exclusive lock on `objects/<entry>.lock` (runner/data/cache.py `locked`): the first process downloads, the others
+(another pod on a shared cache volume, another job) wait and then use its copy. Files are written through
+jobspec.shared_dir: an exclusively created temp directory, each object fetched by ranged GETs with `If-Match: <ETag>`
+(and the VersionId) so an object replaced meanwhile is never mixed (412: listed again and downloaded again, at most
+ATTEMPTS times), fsynced, then renamed into place; no link followed.
 
 Bounds: one source has at most MAX_BYTES (and a prefix MAX_OBJECTS objects), and the cache's volume must have room
 for it before a byte is written. Errors: no bucket, no object, access denied, too large: ConfigError (exit 2) naming
@@ -32,6 +32,7 @@ failing after s3fs's retries: RemoteUnavailable (exit 1, retried by the Job, as 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -63,6 +64,7 @@ OBJECTS = "objects"  # under the data cache root
 META = "object.json"
 MAX_META_BYTES = 4 * 2**20  # MAX_OBJECTS names, sizes and ETags
 FORMAT = 1
+OLDER_KEPT_S = 3600.0  # a copy of an older version chosen more recently is left (a job may be about to open it)
 _NAME = re.compile(r"^[A-Za-z0-9_.=+@,-][A-Za-z0-9_.=+@, -]*$")  # one part of an object's name under a prefix
 
 
@@ -140,14 +142,17 @@ def _fetch_version(fs: Any, where: object_store.ObjectUrl, url: str, field: str,
     shown = f"{field} {url} ({_version(objs)}, {total:,} bytes)"
     if _intact(entry, ident, name, quiet=True):
         log.info("%s: this node's copy %s, not downloaded again", shown, entry / name)
+        _used(entry)
         return entry / name
     if total > MAX_BYTES:
-        raise ConfigError(f"{field} {url} holds {total / 2**30:.1f} GiB, more than the {MAX_BYTES // 2**30} GiB a node "
-                          "downloads before it trains (MAX_BYTES): split it into several objects (data.sources), or "
-                          "put it on a volume (data.pvc) and read it from there (data.streaming)")  # fmt: skip
+        raise ConfigError(f"{field} {url} holds {total:,} bytes, more than {MAX_BYTES:,} ({MAX_BYTES / 2**30:g} "
+                          "GiB, MAX_BYTES) a node downloads before it trains: split it into several objects "
+                          "(data.sources), or put it on a volume (data.pvc) and read it from there "
+                          "(data.streaming)")  # fmt: skip
     with locked(root / f"{entry.name}.lock", LOCK_WAIT_S, doing=f"downloading {url}"):
         if _intact(entry, ident, name, quiet=False):  # downloaded by another process while this one waited
             log.info("%s: this node's copy %s, downloaded by another process", shown, entry / name)
+            _used(entry)
             return entry / name
         for stale in root.glob(f".tmp-{entry.name}-*"):  # a download that died: the lock says none is running
             shutil.rmtree(stale, ignore_errors=True)
@@ -349,9 +354,18 @@ def _intact(entry: Path, ident: dict[str, Any], name: str, *, quiet: bool) -> bo
 
 
 def _remove_older(root: Path, url_digest: str, keep: Path) -> None:
-    """The copies of older versions of the same URL (the object changed): a job still reading one keeps its open
-    files (POSIX); a restart lists the object again and finds this version."""
+    """The copies of older versions of the same URL (the object changed) neither written nor chosen (`_used`) in the
+    last OLDER_KEPT_S: a job that chose one just now (its workers about to open it) keeps it; one reading it keeps its
+    open files (POSIX), and its restart lists the object again and finds this version."""
     for old in root.glob(f"{url_digest}-*"):
-        if old != keep and old.suffix != ".lock" and old.is_dir() and not old.is_symlink():
-            log.info("data cache: removing %s, an older version of the same object", old)
-            shutil.rmtree(old, ignore_errors=True)
+        st = shared_dir.lstat_regular(old / META)
+        if old == keep or old.is_symlink() or not old.is_dir() or (st and time.time() - st.st_mtime < OLDER_KEPT_S):
+            continue
+        log.info("data cache: removing %s, an older version of the same object", old)
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def _used(entry: Path) -> None:
+    """Mark the copy as chosen now (its record's mtime: what _remove_older reads)."""
+    with contextlib.suppress(OSError):
+        os.utime(entry / META, follow_symlinks=False)

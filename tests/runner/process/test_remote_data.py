@@ -39,7 +39,7 @@ def _gets(key: str) -> int:
     return s3_server.requests.count("GET", f"/{BUCKET}/{key}")
 
 
-def test_a_run_on_s3_data_equals_the_local_run_and_downloads_once(tmp_path, s3):
+def test_a_run_on_s3_data_equals_the_local_run_and_downloads_once(tmp_path, s3, monkeypatch):
     data = b"".join(LINES[:400])
     (tmp_path / "chat.jsonl").write_bytes(data)
     s3.put_object(Bucket=BUCKET, Key="sets/chat.jsonl", Body=data)
@@ -70,11 +70,15 @@ def test_a_run_on_s3_data_equals_the_local_run_and_downloads_once(tmp_path, s3):
     spec = tiny_spec(tmp_path / "s3", data={"path": url}, training={"steps": 3})
     [before] = remote_data.localize(spec)
     s3.put_object(Bucket=BUCKET, Key="sets/chat.jsonl", Body=b"".join(LINES[:300]))
+    [kept] = remote_data.localize(spec)  # the older copy, chosen a moment ago, is left: its job may open it yet
+    assert Path(yaml.safe_load(before.split("=", 1)[1])).is_file()
+    monkeypatch.setattr(remote_data, "OLDER_KEPT_S", 0.0)
+    s3.put_object(Bucket=BUCKET, Key="sets/chat.jsonl", Body=b"".join(LINES[:300]) + b"\n")  # a newer ETag still
     [after] = remote_data.localize(spec)
-    assert _gets("sets/chat.jsonl") == 2
-    old, new = (yaml.safe_load(o.split("=", 1)[1]) for o in (before, after))
-    assert old != new and new.endswith("/chat.jsonl") and Path(new).read_bytes() == b"".join(LINES[:300])
-    assert not Path(old).exists()
+    assert _gets("sets/chat.jsonl") == 3
+    old, middle, new = (yaml.safe_load(o.split("=", 1)[1]) for o in (before, kept, after))
+    assert len({old, middle, new}) == 3 and Path(new).read_bytes() == b"".join(LINES[:300]) + b"\n"
+    assert not Path(old).exists() and not Path(middle).exists()  # older versions, removed
 
 
 def test_two_processes_on_one_cache_download_once(tmp_path, s3):
@@ -102,7 +106,27 @@ def test_a_missing_object_or_bucket_exits_2_naming_the_field(tmp_path, s3):
     assert "Traceback" not in result.stderr and "testing" not in result.stderr  # no credential shown
     spec = tiny_spec(tmp_path / "run", data={"sources": [{"path": str(ROOT / "runner/data/sft_synthetic.jsonl")},
                                                          {"path": "s3://no-such-bucket/a.jsonl"}]})  # fmt: skip
-    with pytest.raises(ConfigError, match=r"data\.sources\.1\.path s3://no-such-bucket/a\.jsonl: no bucket"):
+    with pytest.raises(ConfigError, match=r"^data\.sources\.1\.path s3://no-such-bucket/a\.jsonl: no bucket"):
+        remote_data.localize(spec)
+
+
+def test_an_object_replaced_while_read_is_read_again_and_a_large_one_refused(tmp_path, s3, monkeypatch, caplog):
+    s3.put_object(Bucket=BUCKET, Key="sets/moving.jsonl", Body=b"".join(LINES[:50]))
+    spec = tiny_spec(tmp_path / "run", data={"path": f"s3://{BUCKET}/sets/moving.jsonl"})
+    listing, seen = remote_data._listing, []
+
+    def stale_first(*args):  # the first listing is of a version replaced before its GET: 412 on If-Match
+        objs = listing(*args)
+        seen.append(objs)
+        return [o._replace(etag='"0123456789abcdef0123456789abcdef"') for o in objs] if len(seen) == 1 else objs
+
+    monkeypatch.setattr(remote_data, "_listing", stale_first)
+    [override] = remote_data.localize(spec)
+    assert len(seen) == 2 and "changed while it was downloaded (attempt 1 of 3)" in caplog.text
+    assert Path(yaml.safe_load(override.split("=", 1)[1])).read_bytes() == b"".join(LINES[:50])
+    monkeypatch.setattr(remote_data, "MAX_BYTES", 1000)
+    s3.put_object(Bucket=BUCKET, Key="sets/moving.jsonl", Body=b"".join(LINES[:60]))
+    with pytest.raises(ConfigError, match=r"^data\.path s3://data/sets/moving\.jsonl holds [\d,]+ bytes, more than 1,"):
         remote_data.localize(spec)
 
 
@@ -139,7 +163,9 @@ def test_data_urls_are_validated_and_render_no_volume_and_no_secret(tmp_path):
                       ({"eval_path": "s3://data/chat.txt"}, "must end in .jsonl"),
                       ({"sources": [{"path": "s3://data/../x.jsonl"}]}, "no '..'"),
                       ({"path": "s3://data"}, "names a bucket, not data"),
-                      ({"cache_dir": "s3://data/cache"}, "a local path")]:  # fmt: skip
+                      ({"cache_dir": "s3://data/cache"}, "a local path"),
+                      ({"path": "hf://datasets/org/name/train.jsonl"}, "give the hub dataset id"),
+                      ({"path": "https://example.com/x.jsonl"}, "copy the file into a bucket")]:  # fmt: skip
         with pytest.raises(Exception, match=said) as err:
             parse_spec(yaml.safe_dump({**spec, "data": bad}))
         assert "secret@" not in str(err.value)
