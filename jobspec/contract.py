@@ -6,16 +6,22 @@ paths and the CLI all read the same numbers, so they cannot drift apart.
 
 from __future__ import annotations
 
-# Runner and CLI exit codes (see README "Exit codes").
+# Runner and CLI exit codes (docs/reference/errors.md is generated from these lines: a comment line after a code,
+# indented `#   `, continues its meaning).
 EXIT_OK = 0  # done
-EXIT_FAILED = 1  # the job (or the training process) failed for a reason not listed below
-EXIT_CONFIG = 2  # bad spec, bad flag, bad input file: retrying cannot help (podFailurePolicy FailJob)
-EXIT_CLUSTER = 3  # CLI only: the Kubernetes API refused or could not be reached
-EXIT_NO_FIT = 4  # CLI only: `jobspec plan` found no tier that fits the GPU (not even micro-batch 1)
-EXIT_STORAGE = 74  # checkpoint volume full, read-only or not writable: retrying cannot help (FailJob)
+EXIT_FAILED = 1  # the job (or the training process) failed for a reason not listed below: a runner crash, an object
+#   store or hub that did not answer (retried by the Job), `jobspec status` of a failed job
+EXIT_CONFIG = 2  # bad spec, bad flag, bad input file; run directory in use by another run; no intact checkpoint;
+#   a data object missing: retrying cannot help (podFailurePolicy FailJob)
+EXIT_CLUSTER = 3  # CLI only: the Kubernetes API refused or could not be reached (RBAC refused, not found, conflict,
+#   unreachable, timed out)
+EXIT_NO_FIT = 4  # CLI only: `jobspec plan` found no tier that fits the GPU (not even micro-batch 1 at `minimal`)
+EXIT_STORAGE = 74  # checkpoint volume full (ENOSPC, EDQUOT, or too little free space for the next checkpoint),
+#   read-only or not writable; a data cache without room for an s3:// source: retrying cannot help (FailJob)
 EXIT_OOM_RETRY_TIER = 75  # OOM at micro-batch 1: retry at the next memory tier (podFailurePolicy Count)
 EXIT_OOM_LAST_TIER = 76  # OOM at the last tier: nothing left to try (podFailurePolicy FailJob)
-EXIT_PREEMPTED = 143  # SIGTERM: the steps trained are checkpointed (if any), then exit (128 + SIGTERM)
+EXIT_PREEMPTED = 143  # SIGTERM (or Ctrl-C, SIGINT, in `jobspec run`): the steps trained since the last checkpoint
+#   are checkpointed (none before the first step), then exit (128 + SIGTERM); a second Ctrl-C stops at once
 
 # Where the rendered pod finds things.
 SPEC_MOUNT_DIR = "/etc/jobspec"

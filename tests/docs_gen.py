@@ -112,11 +112,14 @@ def cli_page() -> str:
 
 def exit_codes() -> list[tuple[str, int, str]]:
     """(name, code, meaning) of every EXIT_* constant in jobspec/contract.py, the meaning from its comment."""
-    rows = []
+    rows: list[tuple[str, int, str]] = []
     for line in (ROOT / "jobspec" / "contract.py").read_text().splitlines():
         m = re.match(r"(EXIT_\w+) = (\d+)\s*(?:#\s*(.*))?$", line)
         if m:
             rows.append((m[1], int(m[2]), m[3] or ""))
+        elif rows and line.startswith("#   "):  # the meaning goes on
+            name, code, meaning = rows[-1]
+            rows[-1] = (name, code, f"{meaning} {line[4:].strip()}")
     return rows
 
 
