@@ -445,19 +445,25 @@ def _write(root: Path, entry: Path, key: CacheKey, streams: Streams) -> None:
             f.flush()
             os.fsync(f.fileno())
         shared_dir.fsync_dir(tmp)
-        if os.path.lexists(entry):  # a damaged entry (or a name planted there): moved aside whole, then removed
-            aside = root / f".tmp-{key.digest}-damaged-{shared_dir.temp_name('entry')[1:]}"
-            shared_dir.replace(entry, aside)
-            if aside.is_dir() and not aside.is_symlink():
-                shutil.rmtree(aside, ignore_errors=True)
-            else:
-                aside.unlink()
-        os.rename(tmp, entry)  # a directory renamed onto a free name: nothing there to follow
-        shared_dir.fsync_dir(root)
+        install(root, tmp, entry)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     log.info("data %s: cached %d records, %d tokens in %s", key.source, len(streams), len(streams.ids), entry)
+
+
+def install(root: Path, tmp: Path, entry: Path) -> None:
+    """The finished temp directory `tmp` renamed to `entry` (both in `root`, under the entry's lock): what is there
+    (a damaged entry, a name planted there) moved aside whole first, then removed; never followed."""
+    if os.path.lexists(entry):
+        aside = root / f".tmp-{entry.name}-damaged-{shared_dir.temp_name('entry')[1:]}"
+        shared_dir.replace(entry, aside)
+        if aside.is_dir() and not aside.is_symlink():
+            shutil.rmtree(aside, ignore_errors=True)
+        else:
+            aside.unlink()
+    os.rename(tmp, entry)  # a directory renamed onto a free name: nothing there to follow
+    shared_dir.fsync_dir(root)
 
 
 @contextlib.contextmanager

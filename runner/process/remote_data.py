@@ -52,7 +52,7 @@ from jobspec.spec.models import JobSpec
 from jobspec.untrusted import json_loads, read_bounded
 from runner.checkpoint.remote import RemoteUnavailable, brief, error_code
 from runner.checkpoint.storage import MARGIN, StorageError, free_bytes
-from runner.data.cache import LOCK_WAIT_S, locked, usable_root
+from runner.data.cache import LOCK_WAIT_S, install, locked, usable_root
 
 log = logging.getLogger("jobspec.runner")
 MAX_BYTES = 64 * 2**30  # one source: what a node downloads before it trains (larger: a volume, data.pvc)
@@ -169,15 +169,7 @@ def _fetch_version(fs: Any, where: object_store.ObjectUrl, url: str, field: str,
             secret = signing.key()
             shared_dir.write_atomic(tmp / META, _canonical(signing.sign(record, secret) if secret else record))
             shared_dir.fsync_dir(tmp)
-            if os.path.lexists(entry):  # a damaged copy, or a name planted there: moved aside whole, then removed
-                aside = root / f".tmp-{entry.name}-old-{shared_dir.temp_name('entry')[1:]}"
-                shared_dir.replace(entry, aside)
-                if aside.is_dir() and not aside.is_symlink():
-                    shutil.rmtree(aside, ignore_errors=True)
-                else:
-                    aside.unlink()
-            os.rename(tmp, entry)  # a directory renamed onto a free name: nothing there to follow
-            shared_dir.fsync_dir(root)
+            install(root, tmp, entry)  # a damaged copy there, or a name planted there: moved aside, removed
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
