@@ -197,10 +197,10 @@ def test_documented_tags_follow_the_naming_scheme() -> None:
     for vendor, path in DOCKERFILES.items():  # the usage comment at the top of each file
         header = _documented_builds(path.read_text())
         assert header == {str(path.relative_to(REPO)): expected_tag(vendor)}
-    readme = REPO / "README.md"
-    if readme.exists():  # whatever the main README documents must be one of these
-        mentioned = set(re.findall(r"ghcr\.io/jobspec/runner:[\w.\-]+", readme.read_text()))
-        assert mentioned <= set(expected.values())
+    pages = [REPO / "README.md", *(REPO / "docs").rglob("*.md")]  # whatever the README and docs name is one of these
+    mentioned = {tag for page in pages if page.exists()
+                 for tag in re.findall(r"ghcr\.io/jobspec/runner:[\w.\-]+", page.read_text())}  # fmt: skip
+    assert mentioned <= set(expected.values())
 
 
 def _renderer(module: str = "jobspec.render") -> ModuleType:

@@ -108,6 +108,7 @@ def test_startup_bench_interleaves_and_reports_cpu_time(monkeypatch: pytest.Monk
 
 @pytest.mark.parametrize(("package", "most"), [("runner", 6), ("jobspec", 8)])
 def test_few_modules_at_the_top(package: str, most: int) -> None:
-    """Concepts live in folders (README, "How the code is laid out"); the top holds entry points and base modules."""
+    """Concepts live in folders (docs/development.md, "How the code is laid out"); the top holds entry points and base
+    modules."""
     top = sorted(p.name for p in (ROOT / package).glob("*.py"))
     assert len(top) <= most, f"{package}/ has {len(top)} top-level modules: {top}; put the new one in a folder"

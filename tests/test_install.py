@@ -18,6 +18,7 @@ PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
 # Text a user reads or runs: the docs, the package's messages, the image build.
 SOURCES = [
     ROOT / "README.md",
+    *sorted((ROOT / "docs").rglob("*.md")),
     ROOT / "images" / "README.md",
     ROOT / "images" / "jobspec-image.sh",
     ROOT / "Dockerfile",
@@ -54,11 +55,13 @@ def test_the_image_build_finds_the_wheel_of_this_distribution() -> None:
     assert f'"$dist"/{wheel}-*.whl' in script
 
 
-def test_readme_installs_this_project_and_cpu_torch() -> None:
+def test_the_docs_install_this_project_and_cpu_torch() -> None:
     readme = (ROOT / "README.md").read_text()
-    assert "pip install ." in readme
-    assert "git+https://" not in readme  # no public repository to install from yet: no URL that does not exist
-    assert "--index-url https://download.pytorch.org/whl/cpu" in readme
+    install = (ROOT / "docs" / "getting-started" / "one-machine.md").read_text()  # the install page
+    assert "pip install -e '.[runner]'" in readme and "pip install ." in install
+    for text in (readme, install):
+        assert "git+https://" not in text  # no public repository to install from yet: no URL that does not exist
+        assert "--index-url https://download.pytorch.org/whl/cpu" in text
 
 
 def test_the_command_reports_the_package_version() -> None:

@@ -1,4 +1,7 @@
-"""The README stays true: its spec reference is the generated one, its commands exist."""
+"""The README stays short and true: what jobspec is, the two commands CI runs, links into the docs site that resolve.
+Everything else lives in docs/ (tests/test_docs.py keeps its generated pages current: the spec reference, the CLI,
+the errors, the layout of the code). `python tests/test_readme.py` regenerates those pages, as it regenerated the
+README's sections before they moved there."""
 
 from __future__ import annotations
 
@@ -12,18 +15,21 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
-from jobspec.spec.reference import markdown
-
 ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # `python tests/test_readme.py`
+    sys.path.insert(0, str(ROOT))
+
 README = (ROOT / "README.md").read_text()
+MAX_LINES = 200  # a front page: what it is, the two commands, an example, links; the rest is docs/
+# The text a reader is pointed to: the README and every page of the site.
+DOCS_TEXT = {"README.md": README} | {
+    str(p.relative_to(ROOT)): p.read_text() for p in sorted((ROOT / "docs").rglob("*.md"))
+}
 
 
-def test_spec_reference_is_generated() -> None:
-    section = re.search(r"<!-- SPEC-REFERENCE:START -->\n(.*)<!-- SPEC-REFERENCE:END -->", README, re.S)
-    assert section, "README lost its spec reference markers"
-    assert section.group(1).strip() == markdown().strip(), (
-        "README spec reference is stale: run `python tests/test_readme.py` to regenerate it"
-    )
+def test_readme_stays_short() -> None:
+    lines = len(README.splitlines())
+    assert lines < MAX_LINES, f"README.md has {lines} lines: keep it under {MAX_LINES}, move the detail to docs/"
 
 
 def test_quick_start_commands_come_first() -> None:
@@ -34,6 +40,31 @@ def test_quick_start_commands_come_first() -> None:
     assert "pytest" in ci and "torch==2.13.0" in ci
 
 
+def test_readme_links_into_the_docs_resolve() -> None:
+    """Every `docs/PAGE.md#anchor` link of the README names a page and a heading that exist (mkdocs checks the
+    site's own links; the README is not part of the site)."""
+    from tests.test_docs import anchors
+
+    links = re.findall(r"\]\((docs/[\w/.-]+\.md)(?:#([\w-]+))?\)", README)
+    assert len(links) >= 10, "the README should point into the docs for everything it leaves out"
+    for page, frag in links:
+        assert (ROOT / page).is_file(), page
+        assert not frag or frag in anchors(ROOT / page), f"{page}#{frag}"
+    pages = {str(p.relative_to(ROOT)) for p in (ROOT / "docs").rglob("*.md")}
+    for must in ("docs/getting-started/one-machine.md", "docs/getting-started/cluster.md", "docs/reference/spec.md",
+                 "docs/troubleshooting.md", "docs/benchmarks.md"):  # fmt: skip
+        assert must in pages and must in {p for p, _ in links}, must
+
+
+def test_spec_reference_is_generated() -> None:
+    """The spec reference moved from the README to docs/reference/spec.md, generated from the models."""
+    from jobspec.spec.reference import markdown
+
+    page = (ROOT / "docs" / "reference" / "spec.md").read_text()
+    assert markdown().strip() in page, "docs/reference/spec.md is stale: run `python tests/test_readme.py`"
+    assert "SPEC-REFERENCE" not in README and "LAYOUT:START" not in README
+
+
 def _summary(path: Path) -> str:
     """The first sentence of a module's (or a package's __init__) docstring."""
     doc = ast.get_docstring(ast.parse(path.read_text())) or ""
@@ -42,8 +73,9 @@ def _summary(path: Path) -> str:
 
 
 def layout() -> str:
-    """README's "How the code is laid out", from the import-linter layers in pyproject.toml and the docstrings:
-    every package and top-level module, top layer first; a layer's siblings (`|`) may not import each other."""
+    """docs/development.md's "How the code is laid out", from the import-linter layers in pyproject.toml and the
+    docstrings: every package and top-level module, top layer first; a layer's siblings (`|`) may not import each
+    other."""
     config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]
     lines = []
     for root in config["root_packages"]:
@@ -68,9 +100,10 @@ def layout() -> str:
 
 
 def test_layout_section_is_the_generated_one() -> None:
-    section = re.search(r"<!-- LAYOUT:START -->\n(.*)<!-- LAYOUT:END -->", README, re.S)
-    assert section, "README lost its layout markers"
-    assert section.group(1).strip() == layout(), "README layout is stale: run `python tests/test_readme.py`"
+    page = (ROOT / "docs" / "development.md").read_text()
+    section = re.search(r"<!-- LAYOUT:START -->\n(.*)<!-- LAYOUT:END -->", page, re.S)
+    assert section, "docs/development.md lost its layout markers"
+    assert section.group(1).strip() == layout(), "the layout is stale: run `python tests/test_readme.py`"
 
 
 def test_every_package_is_in_a_layer() -> None:
@@ -81,29 +114,26 @@ def test_every_package_is_in_a_layer() -> None:
             assert f" {pkg.name}/ " in text, f"{root}/{pkg.name}/ is in no import-linter layer"
 
 
-def test_source_files_named_in_readme_exist() -> None:
-    """A file the README points a reader to is where it says (the layout moves; the prose must follow)."""
-    named = set(re.findall(r"\b((?:runner|jobspec|tests|bench|images|\.ci)/[\w/.-]+\.(?:py|sh|json))\b", README))
-    missing = sorted(n for n in named if not (ROOT / n).is_file() and "/out/" not in n)
+def test_source_files_named_in_the_docs_exist() -> None:
+    """A file the README or a docs page points a reader to is where it says (the layout moves; the prose must
+    follow)."""
+    pattern = r"\b((?:runner|jobspec|tests|bench|images|\.ci)/[\w/.-]+\.(?:py|sh|json))\b"
+    named = {(page, n) for page, text in DOCS_TEXT.items() for n in re.findall(pattern, text)}
+    missing = sorted(f"{page}: {n}" for page, n in named if not (ROOT / n).is_file() and "/out/" not in n)
     assert not missing, missing
 
 
-def test_examples_named_in_readme_exist() -> None:
-    for name in set(re.findall(r"examples/([\w.]+\.yaml)", README)):
-        assert (ROOT / "examples" / name).is_file(), name
+def test_examples_named_in_the_docs_exist() -> None:
+    for page, text in DOCS_TEXT.items():
+        for name in set(re.findall(r"examples/([\w.]+\.yaml)", text)):
+            assert (ROOT / "examples" / name).is_file(), f"{page}: examples/{name}"
 
 
-if __name__ == "__main__":  # regenerate the section
-    text = re.sub(
-        r"(<!-- SPEC-REFERENCE:START -->\n).*(<!-- SPEC-REFERENCE:END -->)",
-        lambda m: m.group(1) + markdown().strip() + "\n" + m.group(2),
-        README,
-        flags=re.S,
-    )
-    text = re.sub(
-        r"(<!-- LAYOUT:START -->\n).*(<!-- LAYOUT:END -->)",
-        lambda m: m.group(1) + layout() + "\n" + m.group(2),
-        text,
-        flags=re.S,
-    )
-    (ROOT / "README.md").write_text(text)
+if __name__ == "__main__":  # regenerate the docs' generated pages (spec reference, CLI, errors, layout)
+    from tests import docs_gen
+
+    written = docs_gen.write()
+    for path in written:
+        print(f"wrote {path.relative_to(ROOT)}")
+    if not written:
+        print("the docs' generated pages are current")

@@ -441,11 +441,10 @@ def test_pods_leave_a_lost_node_after_node_loss_toleration_seconds() -> None:
             load_spec(MULTINODE, [f"scheduling.node_loss_toleration_seconds={bad}"])
 
 
-def test_the_lost_node_arithmetic_in_the_readme() -> None:
-    """README "A lost node": the table's rows add up, its toleration row is the default the renderer uses, and the
-    sum with Kubernetes' default toleration is stated right."""
-    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    section = text.split("### A lost node", 1)[1].split("\n### ", 1)[0]
+def test_the_lost_node_arithmetic_in_the_docs() -> None:
+    """docs/how-to/lost-node.md: the table's rows add up, its toleration row is the default the renderer uses, and
+    the sum with Kubernetes' default toleration is stated right."""
+    section = (Path(__file__).resolve().parents[1] / "docs" / "how-to" / "lost-node.md").read_text()
     rows = re.findall(r"^\| (.+?) \| (\d+) \|$", section, re.M)
     *steps, (_, total) = rows
     seconds = {label.split(":")[0].strip("`"): int(n) for label, n in steps}

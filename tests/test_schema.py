@@ -1,7 +1,7 @@
 """The JSON Schema editors use: shipped as a file, equal to the models', and true to the loader.
 
 Every spelling the loader accepts must be valid in the schema (an editor must not flag `gpus: H100:8`),
-and every spec the project shows (examples/, the README) must validate against it.
+and every spec the project shows (examples/, the README and the docs pages) must validate against it.
 
     python tests/test_schema.py      # regenerate jobspec/schema/jobspec.schema.json
 """
@@ -26,9 +26,11 @@ EXAMPLES = sorted((ROOT / "examples").glob("*.yaml"))
 SCHEMA_COMMENT = "# yaml-language-server: $schema=../jobspec/schema/jobspec.schema.json"
 
 
-def _readme_specs() -> list[str]:
-    blocks = re.findall(r"```yaml\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
-    return [b for b in blocks if re.search(r"^name:", b, re.M)]
+def _shown_specs() -> list[tuple[str, str]]:
+    """(page, spec) for every whole spec (a YAML block with a top-level `name:`) of the README and docs/."""
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+    blocks = [(page, b) for page in pages for b in re.findall(r"```yaml\n(.*?)```", page.read_text(), re.S)]
+    return [(str(page.relative_to(ROOT)), b) for page, b in blocks if re.search(r"^name:", b, re.M)]
 
 
 @pytest.fixture(scope="module")
@@ -62,12 +64,12 @@ def test_examples_validate_and_name_the_schema(path: Path, validator: jsonschema
     assert _errors(validator, yaml.safe_load(text)) == []
 
 
-def test_readme_specs_validate(validator: jsonschema.protocols.Validator) -> None:
-    specs = _readme_specs()
-    assert specs, "the README shows no spec"
-    for text in specs:
+def test_specs_in_the_docs_validate(validator: jsonschema.protocols.Validator) -> None:
+    specs = _shown_specs()
+    assert len(specs) >= 5, "the docs show no specs"
+    for page, text in specs:
         parse_spec(text)  # the loader accepts it too
-        assert _errors(validator, yaml.safe_load(text)) == []
+        assert _errors(validator, yaml.safe_load(text)) == [], page
 
 
 BASE = yaml.safe_load((ROOT / "examples" / "sft_fast.yaml").read_text())
