@@ -2,8 +2,10 @@
 
 A CPU run whose data.path is s3://bucket/chat.jsonl trains loss for loss as the same run on the local file; run again
 (it resumes from its checkpoint) it reads this node's copy without a GET of the object; a changed object (new ETag) is
-downloaded again and its older copy removed; a missing object or bucket exits 2 naming the field and the fix; a
-prefix (a datasets save_to_disk directory) comes down whole. The spec side: URLs validated as checkpoints.dir's, and
+downloaded again and its older copy removed; a missing object or bucket exits 2 naming the field and the fix, a
+store that does not answer is retryable (exit 1); an object replaced between listing and GET is read again, one over
+the size bound refused; two processes on one cache download once; a prefix (a datasets save_to_disk directory) comes
+down whole. The spec side: URLs validated as checkpoints.dir's, and
 the rendered pod has no data volume and no credentials.
 """
 
@@ -16,8 +18,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from jobspec.contract import EXIT_CONFIG, EXIT_OK
+from jobspec.contract import EXIT_CONFIG, EXIT_FAILED, EXIT_OK
 from jobspec.errors import ConfigError
+from runner.checkpoint.remote import RemoteUnavailable
 from runner.process import remote_data
 from tests.runner import s3_server
 from tests.runner.train_helpers import ROOT, records, run_supervisor, tiny_spec, tiny_spec_dict, write_spec
@@ -98,7 +101,7 @@ def test_two_processes_on_one_cache_download_once(tmp_path, s3):
     assert local.read_bytes() == b"".join(LINES[:200]) and local.is_relative_to(tmp_path / "cache" / "objects")
 
 
-def test_a_missing_object_or_bucket_exits_2_naming_the_field(tmp_path, s3):
+def test_a_missing_object_or_bucket_exits_2_naming_the_field_and_no_answer_is_retried(tmp_path, s3, monkeypatch):
     spec = tiny_spec_dict(tmp_path / "run", data={"path": f"s3://{BUCKET}/sets/none.jsonl"})
     result = run_supervisor([str(write_spec(tmp_path / "spec.yaml", spec))])
     assert result.returncode == EXIT_CONFIG, result.stderr[-4000:]
@@ -108,6 +111,11 @@ def test_a_missing_object_or_bucket_exits_2_naming_the_field(tmp_path, s3):
                                                          {"path": "s3://no-such-bucket/a.jsonl"}]})  # fmt: skip
     with pytest.raises(ConfigError, match=r"^data\.sources\.1\.path s3://no-such-bucket/a\.jsonl: no bucket"):
         remote_data.localize(spec)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:1")  # nothing listens: retryable, not a config error
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")
+    with pytest.raises(RemoteUnavailable, match=r"^data\.sources\.1\.path .* did not answer") as err:
+        remote_data.localize(spec)
+    assert err.value.exit_code == EXIT_FAILED
 
 
 def test_an_object_replaced_while_read_is_read_again_and_a_large_one_refused(tmp_path, s3, monkeypatch, caplog):
