@@ -406,7 +406,8 @@ def matrix(rows: list[Point], lengths: dict[str, int]) -> str:
 
 
 def summary(rows: list[dict[str, Any]]) -> str:
-    """Markdown: regions x (tier, ranks), each cell `recovered/points` and the outcomes seen (the README's table)."""
+    """Markdown: regions x (tier, ranks), each cell `recovered/points` and the outcomes seen
+    (docs/concepts/tiers.md's table)."""
     short = {"shrink": "S", "retry": "R", "step-down": "D", "absorbed": "A", "eval-shrink": "E", "eval-skipped": "E0",
              "save-again": "W", "save-skipped": "W0", "probe-smaller": "P", "failed": "F"}  # fmt: skip
     cols: dict[str, None] = {}

@@ -422,7 +422,7 @@ def build_parser() -> argparse.ArgumentParser:
 # environment) in a command that builds its models once and exits. These commands run in this process
 # alone, so they skip the search unless the user set the variable (then their value stands); `run` and
 # `export` start the runner, and the cluster commands the client's credential plugins: those get the
-# environment as the user gave it. See README, "CLI start-up".
+# environment as the user gave it. See docs/benchmarks.md, "CLI start-up".
 PYDANTIC_PLUGINS_ENV = "PYDANTIC_DISABLE_PLUGINS"
 _NO_PYDANTIC_PLUGINS = frozenset({cmd_validate, cmd_render, cmd_plan, cmd_schema, cmd_init})
 

@@ -188,7 +188,7 @@ def _volumes(spec: JobSpec) -> tuple[list[Obj], list[Obj]]:
 
 def _node_loss_tolerations(spec: JobSpec) -> list[Obj]:
     """Evicted `scheduling.node_loss_toleration_seconds` after the node is marked lost, not Kubernetes' default 300 s
-    (README "A lost node"). A spec's own NoExecute toleration of one of these keys wins."""
+    (docs/how-to/lost-node.md). A spec's own NoExecute toleration of one of these keys wins."""
     own = {t.key for t in spec.scheduling.tolerations if t.effect in (None, "NoExecute")}
     seconds = spec.scheduling.node_loss_toleration_seconds
     return [{"key": key, "operator": "Exists", "effect": "NoExecute", "tolerationSeconds": seconds}

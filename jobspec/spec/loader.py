@@ -381,7 +381,7 @@ def _describe(e: dict[str, Any], loc: Loc) -> tuple[str, str | None]:
         hint = f"did you mean `{close[0]}`?" if close else f"known fields here: {', '.join(fields)}"
         return f"unknown field {loc[-1]!r}", hint
     if kind == "missing":
-        return "required field is missing", "add it (see `jobspec schema` or the README's spec reference)"
+        return "required field is missing", "add it (see `jobspec schema` or docs/reference/spec.md)"
     if kind.endswith("_parsing") or kind.endswith("_type"):
         return msg, "check the value's type (quote strings that look like numbers)"
     return msg, None

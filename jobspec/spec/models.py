@@ -1,7 +1,7 @@
 """The job spec: Pydantic models for one training job, as written in YAML.
 
-Every field carries a description (they feed `jobspec schema` and the README's spec
-reference). Sections forbid unknown keys, so a typo fails at `jobspec validate`, not in
+Every field carries a description (they feed `jobspec schema` and the spec
+reference, docs/reference/spec.md). Sections forbid unknown keys, so a typo fails at `jobspec validate`, not in
 the pod. Cross-field rules live in `JobSpec._check` and name every field involved.
 
 No `from __future__ import annotations` here: with it, pydantic compiles and evaluates each of the
@@ -185,7 +185,7 @@ class ImageSpec(Section):
         BeforeValidator(lambda v: _image_reference(v) if isinstance(v, str) else v),
         Field(
             description="Container image, e.g. `repo:tag` or pinned `repo@sha256:<digest>`. "
-            "Default: the jobspec runner image for `hardware.vendor` (see README)."
+            "Default: the jobspec runner image for `hardware.vendor` (docs/getting-started/one-machine.md)."
         ),
     ] = None
     pull_policy: Annotated[
@@ -719,7 +719,7 @@ class HardwareSpec(Section):
 
 class MemorySpec(Section):
     tier: Annotated[
-        Tier, Field(description="Memory tier; auto = the fastest the memory model says fits (see README, Tiers).")
+        Tier, Field(description="Memory tier; auto = the fastest the memory model says fits (docs/concepts/tiers.md).")
     ] = "auto"
     fallback: Annotated[bool, Field(description="On OOM at micro-batch 1, resume at the next tier.")] = True
     target_utilization: Annotated[

@@ -1,8 +1,8 @@
 """The spec's JSON Schema (`jobspec schema`) and its reference in Markdown (`--markdown`), from the models.
 
 The schema ships as `jobspec/schema/jobspec.schema.json` (editors name it in
-`# yaml-language-server: $schema=...`); the README carries the Markdown between markers. Tests keep
-both equal to what the models generate.
+`# yaml-language-server: $schema=...`); docs/reference/spec.md carries the Markdown (tests/docs_gen.py).
+Tests keep both equal to what the models generate.
 """
 
 from __future__ import annotations
