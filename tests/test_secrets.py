@@ -296,7 +296,8 @@ def test_redact_leaves_ordinary_text_alone() -> None:
 
 def test_debug_keeps_exit_codes_and_prints_the_traceback(tmp_path: Path) -> None:
     code, out = cli("--debug", "validate", str(tmp_path / "missing.yaml"))
-    assert code == 2 and "Traceback" in out and out.rstrip().splitlines()[-1].startswith("error: ")
+    *_, said, see = out.rstrip().splitlines()  # the error, then the page that explains it
+    assert code == 2 and "Traceback" in out and said.startswith("error: ") and see.startswith("see: docs/")
     bad = tmp_path / "bad.yaml"
     bad.write_text(GOOD + "env:\n  HF_TOKEN: hf_" + "k" * 30 + "\n")
     code, out = cli("validate", "--debug", str(bad))
