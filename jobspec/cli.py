@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 from jobspec import __version__, install_hint
 from jobspec.cli_parser import Parser as _Parser  # exits 2, and never echoes an argument (it may be a token)
 from jobspec.contract import EXIT_CONFIG, EXIT_FAILED, EXIT_NO_FIT, EXIT_OK
-from jobspec.errors import ConfigError, JobspecError, docs_link
+from jobspec.errors import ConfigError, JobspecError, see
 from jobspec.spec.credentials import redact
 
 if TYPE_CHECKING:  # the spec module costs pydantic's import; commands load it when they need it
@@ -461,7 +461,7 @@ def _report(err: Exception, code: int, debug: bool) -> int:
 
         sys.stderr.write(redact(traceback.format_exc()))  # messages are scrubbed; this covers the frames' text
     print(f"error: {redact(str(err))}", file=sys.stderr)
-    print(f"see: {docs_link(err)}", file=sys.stderr)  # the troubleshooting section of its class
+    print(see(err), file=sys.stderr)  # the troubleshooting section of its class
     return code
 
 

@@ -7,7 +7,14 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-from jobspec.contract import EXIT_CLUSTER, EXIT_CONFIG, EXIT_FAILED
+from jobspec.contract import (
+    EXIT_CLUSTER,
+    EXIT_CONFIG,
+    EXIT_FAILED,
+    EXIT_OOM_LAST_TIER,
+    EXIT_OOM_RETRY_TIER,
+    EXIT_STORAGE,
+)
 
 # The docs page of symptoms (mkdocs builds it as troubleshooting/); each error class has a section whose anchor is
 # `anchor(class name)`, and tests/test_docs.py fails when one is missing.
@@ -22,6 +29,23 @@ def anchor(name: str) -> str:
 def docs_link(err: BaseException) -> str:
     """Where the docs explain `err` and its fix: the troubleshooting section named after its class."""
     return f"{TROUBLESHOOTING}#{anchor(type(err).__name__)}"
+
+
+# A runner's exit code -> its troubleshooting section, for an ending whose error class is not known (a worker that
+# failed before it could report one, a crash): the supervisor's last line then still points somewhere.
+EXIT_DOCS = {
+    EXIT_FAILED: "runner-crash",
+    EXIT_CONFIG: "config-error",
+    EXIT_STORAGE: "storage-error",
+    EXIT_OOM_RETRY_TIER: "tier-oom",
+    EXIT_OOM_LAST_TIER: "oom-last-tier",
+}
+
+
+def see(where: BaseException | str) -> str:
+    """The line every error message ends with, the CLI's and the runner's: `see: docs/troubleshooting.md#<anchor>`
+    for an error (its class's section) or a docs link already made."""
+    return f"see: {where if isinstance(where, str) else docs_link(where)}"
 
 
 class JobspecError(Exception):

@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from jobspec.contract import EXIT_OK, METRICS_FILE
-from jobspec.errors import ConfigError, JobspecError
+from jobspec.errors import ConfigError, JobspecError, see
 from jobspec.spec.benchmarks import check_task_files, hub_tasks, is_task_file
 from jobspec.spec.models import EvalSpec, JobSpec
 
@@ -276,6 +276,7 @@ def main(argv: list[str] | None = None) -> int:
         print(table(evaluate_run(parser.parse_args(argv))))
     except JobspecError as err:
         print(f"error: {err}", file=sys.stderr)
+        print(see(err), file=sys.stderr)  # as the CLI's errors end
         return err.exit_code
     return EXIT_OK
 

@@ -45,7 +45,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from jobspec import __version__, shared_dir
 from jobspec.contract import EXIT_OK
-from jobspec.errors import ConfigError, JobspecError
+from jobspec.errors import ConfigError, JobspecError, see
 from jobspec.spec import object_store, safe_yaml
 from jobspec.spec.hub import hub_origin
 from jobspec.spec.loader import parse_spec
@@ -367,6 +367,7 @@ def main(argv: list[str] | None = None) -> int:
         out = export(args.checkpoint, args.out, merge=args.merge or None, base=args.base, dtype=args.dtype)
     except JobspecError as err:
         print(f"error: {err}", file=sys.stderr)
+        print(see(err), file=sys.stderr)  # as the CLI's errors end
         return err.exit_code
     print(out)
     return EXIT_OK

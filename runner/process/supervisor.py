@@ -20,6 +20,7 @@ import argparse
 import json
 import logging
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -47,7 +48,7 @@ from jobspec.contract import (
     RDZV_PORT,
     TERMINATION_MESSAGE_PATH,
 )
-from jobspec.errors import ConfigError, JobspecError
+from jobspec.errors import EXIT_DOCS, TROUBLESHOOTING, ConfigError, JobspecError, docs_link, see
 from jobspec.spec.loader import load_spec
 from jobspec.spec.models import JobSpec
 from runner.oom import relaunch
@@ -83,6 +84,14 @@ class Outcome:
     exit_code: int
     reason: str
     status: dict[str, Any] = field(default_factory=dict)  # rank 0's tier, step, loss, reason
+
+    def docs(self) -> str | None:
+        """The troubleshooting section of this ending: the error class's, when a worker (or this process) named
+        one, else its exit code's; None for a success or a preemption."""
+        named = self.status.get("docs")
+        if isinstance(named, str) and re.fullmatch(rf"{re.escape(TROUBLESHOOTING)}#[a-z0-9-]{{1,80}}", named):
+            return named
+        return f"{TROUBLESHOOTING}#{EXIT_DOCS[self.exit_code]}" if self.exit_code in EXIT_DOCS else None
 
     def message(self) -> str:
         """One JSON line of at most MESSAGE_LIMIT bytes: the reason is shortened, never the JSON cut."""
@@ -388,10 +397,12 @@ def main(argv: list[str] | None = None) -> int:
             outcome = supervise(spec, str(Path(args.spec).resolve()), overrides, args.nproc)
     except JobspecError as err:
         print(redaction.scrubbed(str(err)), file=sys.stderr)
-        outcome = Outcome(err.exit_code, str(err).splitlines()[0])
+        outcome = Outcome(err.exit_code, str(err).splitlines()[0], {"docs": docs_link(err)})
     if outcome.exit_code != EXIT_OK:
         level = logging.WARNING if outcome.exit_code == EXIT_PREEMPTED else logging.ERROR
         log.log(level, "exit %d: %s", outcome.exit_code, outcome.reason)
+        if outcome.docs():  # the last line, as the CLI's errors end: where the fix is explained
+            print(see(outcome.docs()), file=sys.stderr)
     path = termination_log()
     if path is not None:
         try:

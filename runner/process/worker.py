@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from jobspec.contract import EXIT_FAILED, EXIT_PREEMPTED, EXIT_STORAGE
-from jobspec.errors import JobspecError
+from jobspec.errors import EXIT_DOCS, TROUBLESHOOTING, JobspecError, docs_link, see
 from jobspec.spec.benchmarks import check_task_files
 from jobspec.spec.loader import load_spec
 from jobspec.spec.models import JobSpec
@@ -120,8 +120,9 @@ def main(argv: list[str] | None = None) -> int:
         worker.setup()
         code = worker.train()
     except NoFit as err:  # probe steps: micro-batch 1 does not fit this tier; persist it for the OOM ladder
-        log.error("%s", err)
+        log.error("%s\n%s", err, see(err))
         assert worker is not None  # NoFit comes from Recipe.setup()
+        worker.status["docs"] = docs_link(err)
         code, worker.status["reason"] = tier_failed(
             worker.root,
             err.tier,
@@ -135,20 +136,26 @@ def main(argv: list[str] | None = None) -> int:
         code = EXIT_PREEMPTED
         if worker is not None:
             worker.status["reason"] = str(err)
-    except JobspecError as err:  # bad spec or data (2): message, no traceback
-        log.error("%s", err)
+    except JobspecError as err:  # bad spec or data (2): message and its docs link, no traceback
+        log.error("%s\n%s", err, see(err))
         code = err.exit_code
         if worker is not None:
             worker.status["reason"] = str(err).splitlines()[0]
+            worker.status["docs"] = docs_link(err)  # the supervisor's last line points there too
     except Exception as err:
         volume = volume_error(err, worker.root) if worker is not None else None
+        code = EXIT_STORAGE if volume is not None else EXIT_FAILED
+        link = f"{TROUBLESHOOTING}#{EXIT_DOCS[code]}"
         if worker is not None and volume is not None:  # e.g. metrics.jsonl on a full volume
-            code, worker.status["reason"] = EXIT_STORAGE, describe(volume, worker.root)
-            log.error("%s", worker.status["reason"])
+            worker.status["reason"] = describe(volume, worker.root)
+            log.error("%s\n%s", worker.status["reason"], see(link))
         else:
             log.exception("training failed")
+            log.error("%s", see(link))
             if worker is not None:
                 worker.status["reason"] = redaction.scrubbed(f"{type(err).__name__}: {err}")[:300]
+        if worker is not None:
+            worker.status["docs"] = link
     finally:
         if gang is not None:  # before the process group goes: rank 0's store stays up until all have said goodbye
             if not gang.fresh():  # woken up after the gang moved on (a collective failed on the way out)
