@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
 import sys
@@ -249,3 +250,24 @@ def test_links_planted_at_the_report_files_are_replaced_never_written_through(ru
     assert all(v.read_bytes() == data for v, data in victims.items())
     assert not (out / "report.html").is_symlink() and (out / "report.html").read_text().startswith("<")
     assert out / "report.md" in report.files
+
+
+def test_a_dpo_run_reports_trls_rewards(tmp_path: Path):
+    """A real tiny DPO run: the report's summary has its last rewards/accuracies and margins, the rewards and accuracy
+    plots are drawn; an SFT run's report has neither and says nothing of them."""
+    from tests.runner.train.test_dpo import dpo, text_pairs
+    from tests.runner.train_helpers import records, train_in_process, write_jsonl
+
+    data = write_jsonl(tmp_path / "p.jsonl", text_pairs(12))
+    assert train_in_process(dpo(tmp_path, data, steps=4, eval_every=None))[0] == 0
+    run_dir = tmp_path / "run"
+    assert main(["report", str(run_dir)]) == 0
+    out = run_dir / "report"
+    if importlib.util.find_spec("matplotlib") is not None:
+        for name in ("rewards.png", "accuracies.png"):
+            assert_not_blank(out / name)
+    md = (out / "report.md").read_text()
+    last = records(run_dir)[-1]
+    assert (f"Preference (last step) | rewards/accuracies {last['rewards/accuracies']:.3f}, "
+            f"rewards/margins {last['rewards/margins']:.4f} (step 4)") in md  # fmt: skip
+    assert "router" not in md and "rewards.png skipped" not in md

@@ -93,6 +93,10 @@ FIELDS: dict[str, Rule] = {
     "from_micro_batch": _SIZE, "to_micro_batch": _SIZE, "from_grad_accum": _SIZE, "to_grad_accum": _SIZE,
     "checkpointing": _BOOL, "resumed": _BOOL, "pin_memory": _BOOL,
     "task": Rule((str,), 1, 256), "limit": _COUNT, "num_fewshot": _COUNT, "seconds": Rule(_NUM, 0, 1e9),
+    # a preference objective's TRL-named metrics (runner/train/objectives.py) and a mixture of experts' router loss
+    "rewards/chosen": _LOSS, "rewards/rejected": _LOSS, "rewards/margins": _LOSS,
+    "rewards/accuracies": Rule(_NUM, 0, 1), "logps/chosen": _LOSS, "logps/rejected": _LOSS,
+    "nll_loss": _LOSS, "log_odds_ratio": _LOSS, "log_odds_chosen": _LOSS, "router_aux_loss": Rule(_NUM, 0, 1e30),
 }  # fmt: skip
 # Fields that hold an object: its keys names (of at most key_chars characters), its values held to a rule.
 MAPS: dict[str, tuple[int, int, Rule]] = {  # field: (most entries, key_chars, rule of each value)

@@ -82,7 +82,26 @@ def charts(run: Run) -> list[Chart]:
         Chart("memory.png", "Memory (GPU allocator peak; process RSS on CPU)", "GiB", "mem_used_bytes",
               [Series("used (peak since the previous record)", train.points("mem_used_bytes", 1 / GiB)),
                Series("total", train.points("mem_total_bytes", 1 / GiB), "--")]),
+        *_objective_charts(run),
     ]  # fmt: skip
+
+
+def _objective_charts(run: Run) -> list[Chart]:
+    """A preference objective's rewards and accuracy (TRL's names), a mixture of experts' router loss: only for the
+    runs that log them (an SFT run's report does not list them as skipped)."""
+    train, out = run.train_series, []
+    if train.points("rewards/margins"):
+        out += [
+            Chart("rewards.png", "Preference rewards (TRL's rewards/*)", "reward (beta x log-ratio)", "rewards/margins",
+                  [Series("margins", train.points("rewards/margins")), Series("chosen", train.points("rewards/chosen")),
+                   Series("rejected", train.points("rewards/rejected"), "--")], from_zero=False),
+            Chart("accuracies.png", "Preference accuracy (rewards/accuracies)", "chosen preferred",
+                  "rewards/accuracies", [Series("accuracy", train.points("rewards/accuracies"))]),
+        ]  # fmt: skip
+    if train.points("router_aux_loss"):
+        out.append(Chart("router.png", "Router load-balancing loss", "aux loss (unweighted)", "router_aux_loss",
+                         [Series("router_aux_loss", train.points("router_aux_loss"))], from_zero=False))  # fmt: skip
+    return out
 
 
 def markers(run: Run) -> list[Marker]:
@@ -202,6 +221,11 @@ def summary_rows(run: Run) -> list[list[str]]:
     rows.append(["Steps (last logged / total)", f"{done} / {total} ({state})"])
     if _is_number(last.get("loss")):
         rows.append(["Final train loss", f"{last['loss']:.4f} (step {last['step']})"])
+    if _is_number(last.get("rewards/accuracies")):  # a preference objective (DPO, SimPO, ORPO): TRL's names
+        rows.append(["Preference (last step)", f"rewards/accuracies {last['rewards/accuracies']:.3f}, "
+                     f"rewards/margins {last.get('rewards/margins', float('nan')):.4f} (step {last['step']})"])
+    if _is_number(last.get("router_aux_loss")):
+        rows.append(["Router load-balancing loss (last step)", f"{last['router_aux_loss']:.4f}"])
     rows.append(["Eval loss", _eval_text(run)])
     rows.append(["Median throughput", _throughput_text(run)])
     rows.append(["Peak memory", _memory_text(run)])
