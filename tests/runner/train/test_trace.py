@@ -250,3 +250,52 @@ def test_the_formula_is_within_10_percent_with_lora(name, tier):
         model[mbs] = e.gpu_bytes - e.overhead
     assert abs(model[4] / peaks[4] - 1) < 0.10, (model, peaks)
     assert abs((model[4] - model[2]) / (peaks[4] - peaks[2]) - 1) < 0.15, (model, peaks)  # the per-sample slope
+
+
+def _saved_bytes(q, k, v) -> int:
+    """Bytes autograd keeps for backward of one causal SDPA call (inputs it already holds included)."""
+    import torch
+
+    saved: list[int] = []
+
+    def pack(t):
+        saved.append(t.numel() * t.element_size())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    return sum(saved)
+
+
+def test_narrow_values_are_traced_as_a_fused_kernel_keeps_them():
+    """DeepSeek-V2's latent attention: q/k 192 wide a head, v 128. The CPU's flash kernel refuses them and SDPA's math
+    path would keep (b, h, s, s) probabilities; the trace (gpu_decisions) runs them as CUDA's memory-efficient kernel
+    does: no (s, s) tensor among what backward keeps, the output as wide as v."""
+    import torch
+
+    from runner.train.trace import gpu_decisions
+
+    b, h, s = 1, 4, 2048  # long enough that one (s, s) matrix outweighs q, k, v and the output
+    q, k = (torch.randn(b, h, s, 192, dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
+    v = torch.randn(b, h, s, 128, dtype=torch.bfloat16, requires_grad=True)
+    scores = b * h * s * s * 2
+    assert _saved_bytes(q, k, v) >= scores  # what the plain CPU run keeps
+    with gpu_decisions():
+        assert _saved_bytes(q, k, v) < scores / 2
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    ref = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=True)
+    assert out.shape == (b, h, s, 128) and torch.allclose(out.float(), ref, atol=3e-2)
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_narrow_values_keep_no_score_matrix():
+    """The assumption the trace makes above, checked where a GPU is lent: CUDA's SDPA takes q/k 192 and v 128 in a
+    fused kernel (memory-efficient or cuDNN), keeping no (b, h, s, s) tensor for backward."""
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA or ROCm GPU")
+    b, h, s = 1, 16, 2048
+    q, k = (torch.randn(b, h, s, 192, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
+    v = torch.randn(b, h, s, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    assert _saved_bytes(q, k, v) < b * h * s * s * 2 / 2
