@@ -160,6 +160,15 @@ class _Checker:
     def missing(self, text: str) -> None:
         self.result.missing.append(text)
 
+    def require(self, what: str, kind: Kind, namespace: str | None, name: str, *, absent: str, found: str) -> None:
+        """`absent` (the problem and its fix) when the object is not there, `found` noted when it is; nothing when
+        RBAC refuses the read (`read` warned)."""
+        obj = self.find(what, kind, namespace, name)
+        if obj is None or isinstance(obj, NotFound):
+            self.missing(absent)
+        elif obj is not _UNREAD:
+            self.result.found.append(found)
+
     # -- the checks ---------------------------------------------------------------------------
 
     def namespace(self, pod: dict[str, Any], *, pod_security: bool = True) -> bool:
@@ -197,15 +206,12 @@ class _Checker:
         )
 
     def priority_class(self, name: str) -> None:
-        pc = self.find(f'PriorityClass "{name}"', PRIORITY_CLASS, None, name)
-        if pc is None or isinstance(pc, NotFound):
-            self.missing(
-                f'PriorityClass "{name}" (scheduling.priority_class) does not exist: the Job controller '
-                "could create no pod. `kubectl apply -f k8s/base/priority-classes.yaml` makes training and "
-                "training-low; or name one of `kubectl get priorityclass`, or drop the field"
-            )
-        elif pc is not _UNREAD:
-            self.result.found.append(f"priorityclass {name}")
+        self.require(
+            f'PriorityClass "{name}"', PRIORITY_CLASS, None, name, found=f"priorityclass {name}",
+            absent=f'PriorityClass "{name}" (scheduling.priority_class) does not exist: the Job controller '
+            "could create no pod. `kubectl apply -f k8s/base/priority-classes.yaml` makes training and "
+            "training-low; or name one of `kubectl get priorityclass`, or drop the field",
+        )  # fmt: skip
 
     def queue(self, name: str) -> None:
         lq = self.find(f'LocalQueue "{name}"', LOCAL_QUEUE, self.ns, name)
@@ -228,29 +234,23 @@ class _Checker:
         cq_name = (lq.get("spec") or {}).get("clusterQueue")
         if not isinstance(cq_name, str) or not cq_name:
             return
-        cq = self.find(f'ClusterQueue "{cq_name}"', CLUSTER_QUEUE, None, cq_name)
-        if cq is None or isinstance(cq, NotFound):
-            self.missing(
-                f'LocalQueue "{name}" points to ClusterQueue "{cq_name}", which does not exist: Kueue '
-                "admits nothing from it. Create it (k8s/components/kueue/cluster-queue.yaml) or point the "
-                f"LocalQueue at one of `kubectl get clusterqueue`"
-            )
-        elif cq is not _UNREAD:
-            self.result.found.append(f"localqueue {name} -> clusterqueue {cq_name}")
+        self.require(
+            f'ClusterQueue "{cq_name}"', CLUSTER_QUEUE, None, cq_name, found=f"localqueue {name} -> clusterqueue "
+            f"{cq_name}", absent=f'LocalQueue "{name}" points to ClusterQueue "{cq_name}", which does not exist: '
+            "Kueue admits nothing from it. Create it (k8s/components/kueue/cluster-queue.yaml) or point the "
+            "LocalQueue at one of `kubectl get clusterqueue`",
+        )  # fmt: skip
 
     def claims(self, claims: dict[str, str], created: Iterable[str]) -> None:
         for claim, spec_field in claims.items():
             if claim in created:
                 continue  # the hub cache: submit creates it when missing
-            pvc = self.find(f'PersistentVolumeClaim "{claim}"', CLAIM, self.ns, claim)
-            if pvc is None or isinstance(pvc, NotFound):
-                self.missing(
-                    f'PersistentVolumeClaim "{claim}" ({spec_field}) does not exist in namespace "{self.ns}": '
-                    "the pods would wait in Pending. Create it (ReadWriteMany when several nodes share it), "
-                    f"or name one of `kubectl get pvc -n {self.ns}`"
-                )
-            elif pvc is not _UNREAD:
-                self.result.found.append(f"pvc {claim}")
+            self.require(
+                f'PersistentVolumeClaim "{claim}"', CLAIM, self.ns, claim, found=f"pvc {claim}",
+                absent=f'PersistentVolumeClaim "{claim}" ({spec_field}) does not exist in namespace "{self.ns}": '
+                "the pods would wait in Pending. Create it (ReadWriteMany when several nodes share it), "
+                f"or name one of `kubectl get pvc -n {self.ns}`",
+            )  # fmt: skip
 
     def secrets(self, secrets: dict[str, dict[str, str]], refs: _Refs | None = None) -> None:
         for name, wanted in secrets.items():
@@ -286,15 +286,12 @@ class _Checker:
             self.result.found.append(f"secret {name} (keys {', '.join(sorted(k for k in wanted if k)) or '-'})")
 
     def service_account(self, name: str) -> None:
-        sa = self.find(f'ServiceAccount "{name}"', SERVICE_ACCOUNT, self.ns, name)
-        if sa is None or isinstance(sa, NotFound):
-            self.missing(
-                f'ServiceAccount "{name}" (scheduling.service_account) does not exist in namespace '
-                f'"{self.ns}": the Job controller could create no pod. `kubectl apply -k k8s/` makes '
-                f"jobspec-runner; or `kubectl create serviceaccount {name} -n {self.ns}`"
-            )
-        elif sa is not _UNREAD:
-            self.result.found.append(f"serviceaccount {name}")
+        self.require(
+            f'ServiceAccount "{name}"', SERVICE_ACCOUNT, self.ns, name, found=f"serviceaccount {name}",
+            absent=f'ServiceAccount "{name}" (scheduling.service_account) does not exist in namespace '
+            f'"{self.ns}": the Job controller could create no pod. `kubectl apply -k k8s/` makes '
+            f"jobspec-runner; or `kubectl create serviceaccount {name} -n {self.ns}`",
+        )  # fmt: skip
 
     def gpus(self, refs: _Refs) -> None:
         nodes = self.read("GPU resources on the nodes", lambda: self.client.list(NODE, None))
