@@ -160,7 +160,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
 def cmd_init(args: argparse.Namespace) -> int:
     from jobspec.plan.starter import Request, init_spec
 
-    req = Request(args.model, args.gpus, args.data, args.objective, args.name, args.nodes, args.lora, args.max_seq_len)
+    out_file = None if args.out in (None, "-") else args.out
+    req = Request(args.model, args.gpus, args.data, args.objective, args.name, args.nodes, args.lora, args.max_seq_len,
+                  file=out_file)  # fmt: skip
     text = init_spec(req)
     if args.out in (None, "-"):
         sys.stdout.write(text)
@@ -299,7 +301,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser(
         "render",
         parents=[common],
-        help="print the Kubernetes objects (ConfigMap, Service, Indexed Job) for kubectl apply -f -",
+        help="print the Kubernetes objects (ConfigMap, Service, NetworkPolicy, Indexed Job) for kubectl apply -f -",
         description="Render the spec to Kubernetes objects. Pure: talks to no cluster.",
     )
     add_spec_args(p)

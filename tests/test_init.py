@@ -46,6 +46,8 @@ def test_the_written_spec_validates_and_plans_to_its_tier(tmp_path: Path, args: 
     # the comment gives the plan's micro-batch and accumulation for that tier
     assert f"micro-batch {report.chosen.micro_batch} x {report.chosen.grad_accum} accumulation" in text
     assert cli("validate", str(out))[0] == EXIT_OK
+    # its header's commands name the file it was written to, not a name of its own
+    assert text.splitlines()[1] == f"#   jobspec validate {out} && jobspec plan {out}"
     assert spec.training.objective == args[args.index("--objective") + 1] if "--objective" in args else "sft"
     assert (spec.model.lora is not None) == ("--lora" in args)
 

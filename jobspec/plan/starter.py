@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,6 +38,7 @@ class Request:
     lora: bool = False
     max_seq_len: int = 2048
     global_batch: int | None = None
+    file: str | None = None  # where the spec is written (-o): its header's commands name it
 
 
 def hub_config(repo: str) -> Path | None:
@@ -99,9 +101,10 @@ def _text(req: Request, name: str, seq: int, lora: bool, gpus: str, nodes: int, 
     lr = "5.0e-7" if dpo and not lora else ("2.0e-4" if lora else "2.0e-5")
     model_lines, family = _model_lines(req.model)
     where = gpus + (f" x {nodes} nodes" if nodes > 1 else "")
+    file = shlex.quote(req.file) if req.file and req.file.isprintable() else f"{name}.yaml"
     lines = [
         f"# Written by `jobspec init`: {req.objective} of {req.model} on {where}. Check it with",
-        f"#   jobspec validate {name}.yaml && jobspec plan {name}.yaml",
+        f"#   jobspec validate {file} && jobspec plan {file}",
         f"name: {name}",
         "model:",
         *model_lines,
