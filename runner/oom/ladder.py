@@ -179,7 +179,7 @@ def termination_message(run_dir: str | Path, *, fallback: bool = True) -> str:
         "set memory.fallback: true to step down to the next tier, or "
         if not fallback
         else "fix: a GPU with more memory, more GPUs, "
-    ) + "a shorter data.max_seq_len, LoRA (model.lora), or a smaller model"
+    ) + "a shorter data.max_seq_len, LoRA (model.lora) and a 4-bit base (model.quantize: nf4), or a smaller model"
     text = "\n".join(x for x in (head, f"tiers tried before: {tried}" if tried else "", fix) if x)
     data = text.encode()
     return text if len(data) <= MESSAGE_LIMIT else data[: MESSAGE_LIMIT - 3].decode(errors="ignore") + "..."

@@ -116,6 +116,7 @@ def test_termination_message(tmp_path: Path) -> None:
     text = termination_message(tmp_path)
     assert text.startswith("out of memory at the last memory tier (minimal) with micro-batch 1")
     assert "fast: CUDA out of memory at fast" in text and "max_seq_len" in text
+    assert "model.quantize: nf4" in text  # the next knob for a run already on LoRA
     off = tmp_path / "off"
     record_failure(off, "fast", "x" * 10_000, fallback=False)
     text = termination_message(off, fallback=False)
