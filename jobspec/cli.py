@@ -288,7 +288,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--objective", default="sft", metavar="sft|dpo", help="training objective (default sft)")
     p.add_argument("--nodes", type=int, default=1, metavar="N", help="nodes (default 1)")
     p.add_argument("--lora", action="store_true", help="train LoRA adapters (rank 16) instead of all weights")
-    p.add_argument("--max-seq-len", type=int, default=2048, metavar="N", help="data.max_seq_len (default 2048)")
+    p.add_argument("--max-seq-len", type=int, default=2048, metavar="N",
+                   help="data.max_seq_len (default 2048; capped at the model's positions)")  # fmt: skip
     p.add_argument("--name", metavar="NAME", help="the job's name (default: from the model and objective)")
     p.add_argument("-o", "--out", metavar="FILE", help="write the spec here (default: print it)")
     p.add_argument("--force", action="store_true", help="overwrite FILE if it exists")

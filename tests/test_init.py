@@ -103,3 +103,20 @@ def test_init_does_not_import_torch(tmp_path: Path) -> None:
         "assert 'torch' not in sys.modules, 'torch imported'"
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
+
+
+def test_a_sequence_longer_than_the_model_takes_is_capped_and_said(tmp_path: Path) -> None:
+    """--max-seq-len (default 2048) beyond a local model's positions: the spec takes the model's, and says so."""
+    config = json.loads((ROOT / "bench" / "families.json").read_text())["llama-3.2-1b"]
+    config.update(max_position_embeddings=512, num_hidden_layers=2)
+    (tmp_path / "short").mkdir()
+    (tmp_path / "short" / "config.json").write_text(json.dumps(config))
+    out = tmp_path / "spec.yaml"
+    code, said = cli("init", "--model", str(tmp_path / "short"), "--gpus", "L4:1", "--data", "/d.jsonl", "-o", str(out))
+    assert code == EXIT_OK, said
+    assert "max_seq_len: 512  " in out.read_text() and "(--max-seq-len 2048 is longer)" in out.read_text()
+    assert load_spec(out).data.max_seq_len == 512
+    # a sequence the model takes is written as asked, without the note
+    code, said = cli("init", "--model", str(tmp_path / "short"), "--gpus", "L4:1", "--data", "/d.jsonl",
+                     "--max-seq-len", "256")  # fmt: skip
+    assert code == EXIT_OK and "max_seq_len: 256\n" in said and "is longer" not in said, said

@@ -50,17 +50,19 @@ def hub_config(repo: str) -> Path | None:
     return found[0] if found else None
 
 
-def _model_lines(model: str) -> tuple[list[str], str]:
-    """The `model:` section's lines for a preset, a local directory or a cached hub model, and its block family
-    (gpt2 or llama: the LoRA targets' names)."""
+def _model_lines(model: str) -> tuple[list[str], str, int | None]:
+    """The `model:` section's lines for a preset, a local directory or a cached hub model, its block family
+    (gpt2 or llama: the LoRA targets' names) and its positions (the longest sequence it takes; None: unknown)."""
     from jobspec.catalog.model_config import read_config, shape_from_config
 
     if model in PRESETS:
-        return [f"  preset: {model}  # built from its config: no download"], PRESETS[model].family
+        preset = PRESETS[model]
+        return [f"  preset: {model}  # built from its config: no download"], preset.family, preset.max_positions
     local = Path(model).expanduser()
     if (local / "config.json").is_file():
         shape = shape_from_config(read_config(local), where=str(local / "config.json"))
-        return [f"  path: {local}  # local model directory (config.json, weights, tokenizer)"], shape.family
+        lines = [f"  path: {local}  # local model directory (config.json, weights, tokenizer)"]
+        return lines, shape.family, shape.max_positions
     if local.exists():
         raise ConfigError(f"--model {model}: {local} has no config.json: name a Hugging Face model directory")
     if not is_hub_id(model):
@@ -86,11 +88,15 @@ def _model_lines(model: str) -> tuple[list[str], str]:
         "kv_heads": shape.kv_heads,
         "tie_embeddings": shape.tie_embeddings,
     }
-    return [
-        f"  path: {model}  # downloaded by the pod into the hub cache (model.hub_cache)",
-        f"  # Its shape, from snapshot {config.parent.name[:12]}'s config.json, for `jobspec plan`:",
-        f"  architecture: {json.dumps({k: v for k, v in arch.items() if v is not None})}",
-    ], shape.family
+    return (
+        [
+            f"  path: {model}  # downloaded by the pod into the hub cache (model.hub_cache)",
+            f"  # Its shape, from snapshot {config.parent.name[:12]}'s config.json, for `jobspec plan`:",
+            f"  architecture: {json.dumps({k: v for k, v in arch.items() if v is not None})}",
+        ],
+        shape.family,
+        shape.max_positions,
+    )
 
 
 def _text(req: Request, name: str, seq: int, lora: bool, gpus: str, nodes: int, tier: str, note: list[str]) -> str:
@@ -99,7 +105,7 @@ def _text(req: Request, name: str, seq: int, lora: bool, gpus: str, nodes: int, 
     dpo = req.objective != "sft"
     batch = req.global_batch or (32 if dpo else 64)
     lr = "5.0e-7" if dpo and not lora else ("2.0e-4" if lora else "2.0e-5")
-    model_lines, family = _model_lines(req.model)
+    model_lines, family, positions = _model_lines(req.model)
     where = gpus + (f" x {nodes} nodes" if nodes > 1 else "")
     file = shlex.quote(req.file) if req.file and req.file.isprintable() else f"{name}.yaml"
     lines = [
@@ -117,12 +123,17 @@ def _text(req: Request, name: str, seq: int, lora: bool, gpus: str, nodes: int, 
             "    alpha: 32",
             f"    targets: {targets}",
         ]
+    capped = (
+        f"  # the model's positions (--max-seq-len {req.max_seq_len} is longer)"
+        if seq == positions < req.max_seq_len
+        else ""
+    )
     fmt = "  # records: " + ("{prompt, chosen, rejected} pairs" if dpo else "{prompt, response} or {messages: [...]}")
     lines += [
         "data:",
         f"  path: {req.data}",
         fmt,
-        f"  max_seq_len: {seq}",
+        f"  max_seq_len: {seq}" + capped,
         "training:",
         f"  objective: {req.objective}",
         f"  global_batch: {batch}  # the effective batch: fixed, whatever micro-batch fits",
@@ -188,8 +199,10 @@ def init_spec(req: Request) -> str:
         raise ConfigError(f"--gpus {req.gpus}: expected TYPE:COUNT of a known GPU type ({names}), e.g. A100-80GB:2")
     gpu_type, count = req.gpus.partition(":")[0], int(count_text)
     name = req.name or _name(req.model, req.objective)
+    positions = _model_lines(req.model)[2]  # a longer sequence than the model takes is capped, and the spec says so
+    first_seq = min(req.max_seq_len, positions or req.max_seq_len)
 
-    def build(seq: int = req.max_seq_len, lora: bool = req.lora, n: int = count, nodes: int = req.nodes) -> str:
+    def build(seq: int = first_seq, lora: bool = req.lora, n: int = count, nodes: int = req.nodes) -> str:
         return _text(req, name, seq, lora, f"{gpu_type}:{n}", nodes, "auto", [])
 
     spec = parse_spec(build(), "<init>")  # a bad value of the request fails here, named by the loader
@@ -198,7 +211,7 @@ def init_spec(req: Request) -> str:
     except ConfigError as err:  # the model fits no GPU of the catalogue at any tier (capacity.check)
         report, why = None, str(err)
     if report is not None and report.runs is not None:
-        return _text(req, name, req.max_seq_len, req.lora, f"{gpu_type}:{count}", req.nodes, report.runs.tier,
+        return _text(req, name, first_seq, req.lora, f"{gpu_type}:{count}", req.nodes, report.runs.tier,
                      _explain(report))  # fmt: skip
     if report is not None:
         smallest = min(report.plans, key=lambda p: p.estimate.gpu_bytes)
@@ -208,10 +221,10 @@ def init_spec(req: Request) -> str:
         )
     where = f"{gpu_type}:{count}" + (f" x {req.nodes} nodes" if req.nodes > 1 else "")
     head = f"{req.model} ({req.objective}) does not fit {where}: {why}"
-    raise ConfigError(_refusal(req, head, build, gpu_type, count))
+    raise ConfigError(_refusal(req, head, build, gpu_type, count, first_seq))
 
 
-def _refusal(req: Request, head: str, build, gpu_type: str, count: int) -> str:  # type: ignore[no-untyped-def]
+def _refusal(req: Request, head: str, build, gpu_type: str, count: int, seq: int) -> str:  # type: ignore[no-untyped-def]
     """Nothing fits: the changes that would, smallest first (more GPUs of the same type, LoRA, a shorter sequence)."""
     fixes: list[str] = []
     n = count
@@ -226,7 +239,6 @@ def _refusal(req: Request, head: str, build, gpu_type: str, count: int) -> str: 
             fixes.append(f"--nodes {nodes}")
     if not req.lora and _fits(build(lora=True)):
         fixes.append("--lora (train rank-16 adapters: the base's gradients and optimizer states go away)")
-    seq = req.max_seq_len
     while seq > 256:
         seq //= 2
         if _fits(build(seq=seq)):
