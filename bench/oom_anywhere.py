@@ -5,8 +5,9 @@ training going on, as an OOM-free run would have trained.
                                  [--budget-s S] [--json OUT] [--keep DIR]
 
 For every configuration (tier x ranks {1, 2 on gloo, the OOM on rank 1 or on all} x {full, LoRA} x activation
-checkpointing {on, off} x region) a first run counts the region's allocating ops (`JOBSPEC_FAULT_OOM=...,op=<huge>`
-records how many it had: runner/oom/faults.py), then each chosen op k gets its own run with
+checkpointing {on, off} x region; the objective is SFT, or a preference objective on pairs where a Config says so)
+a first run counts the region's allocating ops (`JOBSPEC_FAULT_OOM=...,op=<huge>` records how many it had:
+runner/oom/faults.py), then each chosen op k gets its own run with
 `JOBSPEC_FAULT_OOM="step=S,op=k[,during=R][,rank=1]"`: a real `torch.OutOfMemoryError` raised by a dispatch mode
 before the k-th allocating op (runner/oom/anywhere.py), wherever it is (forward, FSDP2's hooks and collective
 buffers, the loss, backward, DDP's exchange, clipping, the optimizer step, evaluation, checkpoint staging, a probe
@@ -73,6 +74,7 @@ REGIONS = {  # name -> (step, during)
     "save": (2, "save"),
     "probe": (1, "probe"),
 }
+PAIRS = [{"prompt": f"name a colour {i}", "chosen": f"blue {i}.", "rejected": f"no {i}, I won't."} for i in range(40)]
 COUNT_OP = 10**9  # an op no region reaches: the run records the region's length
 WEIGHT_RTOL = 1e-3  # per tensor: ||faulted - clean|| <= WEIGHT_RTOL * ||clean|| (see the module docstring)
 TWO_RANK_TIMEOUT_S = 300.0
@@ -86,22 +88,32 @@ class Config:
     lora: bool = False
     checkpointing: bool = False
     region: str = "train"
+    objective: str = "sft"  # or a preference objective (dpo, simpo, orpo) on PAIRS: a micro-batch of pairs
 
     @property
     def name(self) -> str:
         who = "" if self.ranks == 1 else f" oom:{self.oom_on}"
-        return (f"{self.tier} x{self.ranks}{who} {'lora' if self.lora else 'full'} "
+        what = "" if self.objective == "sft" else f" {self.objective}"
+        return (f"{self.tier} x{self.ranks}{who} {'lora' if self.lora else 'full'}{what} "
                 f"ckpt:{'on' if self.checkpointing else 'off'} {self.region}")  # fmt: skip
 
     def spec(self, run_dir: Path, device: str = "cpu") -> dict[str, Any]:
         model: dict[str, Any] = {"preset": "tiny"}
         if self.lora:
             model["lora"] = {"rank": 4, "targets": ["c_attn", "mlp.c_proj"]}
+        data: dict[str, Any] = {"max_seq_len": 64}
+        objective: dict[str, Any] = {}
+        if self.objective != "sft":
+            pairs = run_dir.parent / "pairs.jsonl"
+            if not pairs.exists():
+                pairs.parent.mkdir(parents=True, exist_ok=True)
+                pairs.write_text("".join(json.dumps(r) + "\n" for r in PAIRS))
+            data["path"], objective = str(pairs), {"objective": self.objective, "beta": 0.1}
         return {
             "name": "oom-anywhere",
             "model": model,
-            "data": {"max_seq_len": 64},
-            "training": {"global_batch": GLOBAL_BATCH,
+            "data": data,
+            "training": {**objective, "global_batch": GLOBAL_BATCH,
                          "micro_batch": 1 if self.region == "train-mb1" else MICRO_BATCH,
                          "learning_rate": 3e-3,
                          "warmup_steps": 2, "steps": STEPS, "precision": "fp32", "log_every": 1, "eval_every": 2,

@@ -307,3 +307,12 @@ def test_an_oom_raised_by_a_collective_call_on_one_rank_joins_the_others(tmp_pat
     assert "out of memory issuing" in errs[1] and "issuing it again" in errs[1]
     w0, w1 = (torch.load(tmp_path / f"w{r}.pt") for r in (0, 1))
     assert all(torch.equal(w0[k], w1[k]) for k in w0)
+
+
+@pytest.mark.parametrize(("objective", "tier", "region"), [("dpo", "fast", "train"), ("dpo", "zero3", "train-mb1"),
+                                                            ("orpo", "fast", "eval"), ("simpo", "zero2", "train-1")])
+def test_a_preference_objective_recovers_at_a_sampled_op(tmp_path, objective, tier, region):
+    """The same matrix on preference pairs (a micro-batch of 2m rows, the pair loss, DPO's cached reference): an OOM at
+    a sampled op ends with the clean run's pairs at every step and its weights."""
+    out = _matrix([sweep.Config(tier, 1, "all", region=region, objective=objective)], tmp_path)
+    _assert_recovered(out)
