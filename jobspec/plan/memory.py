@@ -19,13 +19,15 @@ w the weights held, t the trainable ones, f = w - t the frozen ones (LoRA), N da
 
     at the peak    FSDP2 tiers peak at one of five moments (`_fsdp_peak`): forward at the loss (the output
                    layer gathered, its 16-bit gradient the fused loss makes, one chunk of logits), backward
-                   at the output layer (its gradient reduce-scattered in fp32), backward at the last block
-                   (the block gathered, its fp32 gradient, the layer checkpointing recomputes, every saved
-                   activation) or at the first (one layer's activations left, the root's embedding gathered
-                   ahead), or the end of backward (the root's embedding and its gradients, no activations); a
-                   gathered module is 2 bytes a parameter, twice over where forward reshards (zero3: the
-                   parameters and the all-gather buffer; none on one rank; a tied embedding has no buffer of
-                   its own); zero2's kept weights reshard unit by unit after their backward
+                   at the output layer (its gradient reduce-scattered in fp32; a tied embedding's unit, which
+                   holds the final norm, gathered again for the norm: its all-gather buffer on top),
+                   backward at the last block (the block gathered, its fp32 gradient, the layer checkpointing
+                   recomputes, every saved activation) or at the first (one layer's activations left, the
+                   root's embedding gathered ahead), or the end of backward (the root's embedding and its
+                   gradients, no activations); a gathered module is 2 bytes a parameter, twice over where
+                   forward reshards (zero3: the parameters and the all-gather buffer; none on one rank; a tied
+                   embedding has no buffer of its own at the loss); zero2's kept weights reshard unit by unit
+                   after their backward
     activations    per layer and token: ACT_BYTES[family, residual] (c_h * hidden + c_q * q width + c_kv *
                    kv width + c_i * intermediate), the residual stream fp32 under autocast (`fast`: fp32
                    parameters) and bf16 under FSDP2's mixed precision; with checkpointing each layer keeps
@@ -369,7 +371,9 @@ def _fsdp_peak(
       embedding lives in the root unit), the fused loss's 16-bit gradient of it, the loss's hidden states and chunk,
       and where forward reshards, the last block's all-gather buffer, prefetched for backward;
     - backward, at the output layer: the same gather and the head's gradient, reduce-scattered in fp32 (a tied
-      embedding's stays 16-bit);
+      embedding's stays 16-bit); a fully trained tied embedding shares its unit with the final norm (accelerate's
+      tail unit), which reshards after the output layer's backward and is gathered again for the norm's: its
+      all-gather buffer and the copied-out weights are alive together, beside every saved activation;
     - backward, at the last block (the first run, every activation saved) and at the first (one layer's left, the
       root's embedding gathered ahead: `_block_gathers`): the block gathered, its gradient reduce-scattered in fp32,
       with activation checkpointing the block being recomputed; a tied embedding's 16-bit gradient;
@@ -403,9 +407,14 @@ def _fsdp_peak(
     # unit backward does not run (traced: 2-layer Phi-3, Mistral, Qwen2.5-7B, 4-layer Llama with LoRA at micro-batch 1
     # were 3-21 % over with it, within 2.3 % without)
     prefetch = buffer * block if reshard and (full or tied) else 0
+    # a tied tail (final norm, embedding, output layer) gathered again for the norm's backward, after resharding at the
+    # output layer's: during the copy-out its all-gather buffer is alive beside its weights (traced: gemma-2b and
+    # gemma-2-2b at zero2_offload, 8 ranks, peaked there 0.60 GiB above the loss, whatever the micro-batch, sequence
+    # length or rank count; FSDP2 frees a backward all-gather's buffer only after the copy-out, on a GPU too)
+    regather = buffer * head if tied and full else 0
     moments = (
         (gather_head + head_grad + prefetch, acts, loss_hidden + chunk),
-        (gather_head + (head_grad if tied else reduced * head + offloaded), acts, loss_hidden),
+        (gather_head + (head_grad + regather if tied else reduced * head + offloaded), acts, loss_hidden),
         (last + block_grads, acts + recompute, 0),
         (first + block_grads, acts // max(1, shape.layers) + recompute, 0),  # one layer's saved inputs left
         (end + (head_grad + reduced * head + offloaded if full else 0), 0, 0),
