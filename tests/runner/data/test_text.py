@@ -90,6 +90,7 @@ def test_cached_mixed_and_streamed_like_sft(tmp_path, caplog):
     cache = str(tmp_path / "cache")
     first = load_data(text_spec(tmp_path, text, cache_dir=cache), B())
     with caplog.at_level("INFO", logger="jobspec.runner"):
+        caplog.clear()  # the first load's lines too, where an earlier test left the logger at INFO
         again = load_data(text_spec(tmp_path, text, cache_dir=cache), B())
     assert "tokens from the cache" in caplog.text and "tokenizing once" not in caplog.text
     same_rows(list(first.train), list(again.train))
