@@ -231,7 +231,8 @@ def test_a_tied_tail_gathered_again_for_the_final_norms_backward_is_counted():
     from jobspec.plan import memory
 
     cfg = {"model_type": "llama", "hidden_size": 1024, "intermediate_size": 4096, "num_hidden_layers": 12,
-           "num_attention_heads": 8, "num_key_value_heads": 8, "vocab_size": 128000, "tie_word_embeddings": True}  # fmt: skip
+           "num_attention_heads": 8, "num_key_value_heads": 8, "vocab_size": 128000,
+           "tie_word_embeddings": True}  # fmt: skip
     traced = trace_step(cfg, tier="zero2_offload", world_size=8, micro_batch=1, seq_len=256, loss=runner_loss)
     assert traced.raw["All Gather"] == 2 * (128000 + 1) * 1024  # at the peak: the tail's (embedding, norm) buffer
     e = memory.estimate(shape_from_config(cfg), tier="zero2_offload", seq_len=256, micro_batch=1, world_size=8)
