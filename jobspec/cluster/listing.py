@@ -92,11 +92,7 @@ def _namespace_status(client: ClusterClient, namespace: str, jobs: list[dict[str
     for job in jobs:
         md = job["metadata"]
         uid = md.get("uid")
-        own = [
-            w
-            for w in workloads or []
-            if ((w.get("metadata") or {}).get("labels") or {}).get(KUEUE_JOB_UID_LABEL) == uid
-        ]
+        own = [w for w in workloads or [] if _labels(w).get(KUEUE_JOB_UID_LABEL) == uid]
         mine = pods.get(uid, [])
         st = explained(job, mine, events.get(uid, []) + events.get(md["name"], []), None if workloads is None else own)
         out.append((job, st, mine))
@@ -105,7 +101,6 @@ def _namespace_status(client: ClusterClient, namespace: str, jobs: list[dict[str
 
 def list_jobs(client: ClusterClient, namespace: str | None) -> list[JobSummary]:
     """Jobs made by jobspec in `namespace` (None: every namespace), oldest first."""
-
     jobs = client.list(JOB, namespace, MANAGED)
     by_ns: dict[str, list[dict[str, Any]]] = defaultdict(list)
     for job in jobs:

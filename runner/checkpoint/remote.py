@@ -67,15 +67,15 @@ class RemoteUnavailable(JobspecError):
     exit_code = EXIT_FAILED
 
 
-def filesystem() -> Any:
+def filesystem(needed_by: str = "checkpoints.dir s3://...") -> Any:
     """A fresh s3fs filesystem (no instance or listing cache: the bucket is read as it is now). Credentials, region
-    and endpoint come from the AWS_* variables, as boto reads them."""
+    and endpoint come from the AWS_* variables, as boto reads them. Without s3fs: ConfigError naming `needed_by`
+    (the field and URL that asked for it: runner/process/remote_data.py names a data source)."""
     try:
         import s3fs
     except ImportError:
         raise ConfigError(
-            "checkpoints.dir s3://... needs s3fs (the s3 extra): pip install 'jobspec-k8s[s3]' (the runner image "
-            "carries it)"
+            f"{needed_by} needs s3fs (the s3 extra): pip install 'jobspec-k8s[s3]' (the runner image carries it)"
         ) from None
     return s3fs.S3FileSystem(skip_instance_cache=True, use_listings_cache=False)
 

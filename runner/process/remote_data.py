@@ -50,7 +50,7 @@ from jobspec.shared_dir import signing
 from jobspec.spec import object_store
 from jobspec.spec.models import JobSpec
 from jobspec.untrusted import json_loads, read_bounded
-from runner.checkpoint.remote import RemoteUnavailable, brief, error_code
+from runner.checkpoint.remote import RemoteUnavailable, brief, error_code, filesystem
 from runner.checkpoint.storage import MARGIN, StorageError, free_bytes
 from runner.data.cache import LOCK_WAIT_S, install, locked, usable_root
 
@@ -96,21 +96,12 @@ def localize(spec: JobSpec) -> list[str]:
                           "usable (see the warning above), and object-store data is downloaded there: set "
                           "data.cache_dir to a directory of its own")  # fmt: skip
     root = shared_dir.directory(Path(root).absolute() / OBJECTS)
-    fs = _filesystem(named[0])
+    fs = filesystem(f"{named[0][0]} {named[0][1]}")
     local: dict[str, Path] = {}
     for field, url in named:
         if url not in local:
             local[url] = fetch(fs, url, field, root)
     return [f"{field}={json.dumps(str(local[url]))}" for field, url in named]  # quoted: read as YAML
-
-
-def _filesystem(named: tuple[str, str]) -> Any:
-    try:
-        import s3fs
-    except ImportError:
-        raise ConfigError(f"{named[0]} {named[1]} needs s3fs (the s3 extra): pip install 'jobspec-k8s[s3]' (the "
-                          "runner image carries it)") from None  # fmt: skip
-    return s3fs.S3FileSystem(skip_instance_cache=True, use_listings_cache=False)
 
 
 def fetch(fs: Any, url: str, field: str, root: Path) -> Path:
