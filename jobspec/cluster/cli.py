@@ -15,6 +15,7 @@ import shlex
 import sys
 from typing import Any
 
+from jobspec.cluster.resources import PREFLIGHT_CHECKS
 from jobspec.contract import EXIT_CLUSTER, EXIT_CONFIG, EXIT_FAILED, EXIT_OK
 from jobspec.errors import ConfigError
 
@@ -27,8 +28,6 @@ EXIT_CODES = f"""exit codes:
   {EXIT_CLUSTER}  cluster or API error: refused (RBAC), not found, unreachable, timed out, conflict
 """
 DRY_RUN_MODES = ("client", "server", "none")
-# preflight.CHECKS, spelled out here: importing preflight at parse time would load the renderer for --help
-PREFLIGHT_CHECKS = ("namespace", "podsecurity", "priorityclass", "queue", "claims", "secrets", "serviceaccount", "gpu")
 
 
 def add_cluster_commands(subparsers: Any, common_parent: argparse.ArgumentParser) -> None:

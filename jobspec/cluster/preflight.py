@@ -34,6 +34,7 @@ from jobspec.cluster.resources import (
     LOCAL_QUEUE,
     NAMESPACE,
     NODE,
+    PREFLIGHT_CHECKS,
     PRIORITY_CLASS,
     SECRET,
     SERVICE_ACCOUNT,
@@ -49,7 +50,6 @@ if TYPE_CHECKING:  # the client module pulls in urllib3 and tenacity: only for c
 
 log = logging.getLogger(__name__)
 
-CHECKS = ("namespace", "podsecurity", "priorityclass", "queue", "claims", "secrets", "serviceaccount", "gpu")
 # The spec field behind a volume or a reference, for the message (render/pod.py, render/hub.py names them).
 VOLUME_FIELDS = {"checkpoints": "checkpoints.pvc", "data": "data.pvc", "hf-cache": "hub.cache"}
 _UNREAD = object()  # a read refused (403): the check is a warning
@@ -70,7 +70,7 @@ class Preflight:
             lines = "\n".join(f"  - {m}" for m in self.missing)
             raise Missing(
                 f'the cluster lacks what this job needs (namespace "{namespace}"); nothing was applied:\n{lines}\n'
-                "Fix each, or leave a check out with --skip-check NAME (one of: " + ", ".join(CHECKS) + ")"
+                "Fix each, or leave a check out with --skip-check NAME (one of: " + ", ".join(PREFLIGHT_CHECKS) + ")"
             )
 
 

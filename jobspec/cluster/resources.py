@@ -57,6 +57,9 @@ SUBMITTED_KINDS = (CLAIM, CONFIGMAP, SERVICE, NETWORK_POLICY, JOB)
 # Deleted in this order by `cancel` (the Job first, so no new pod mounts a missing ConfigMap; the
 # NetworkPolicy last: it guards the job's pods while they stop). Never the hub cache's claim: jobs share it.
 OWNED_KINDS = (JOB, SERVICE, CONFIGMAP, NETWORK_POLICY)
+# What `submit` checks the cluster has before it applies (cluster/preflight.py), by the names `--skip-check` takes;
+# here, light to import, so that the CLI's parser offers them without loading the checks (and the renderer)
+PREFLIGHT_CHECKS = ("namespace", "podsecurity", "priorityclass", "queue", "claims", "secrets", "serviceaccount", "gpu")
 
 
 def kind_of(obj: dict[str, Any]) -> Kind:
