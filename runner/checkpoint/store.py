@@ -191,17 +191,17 @@ def verify(path: str | Path, *, full: bool = False) -> str | None:
         problem = manifest.check(path, step, required=required, full=full)
         if problem:
             return problem
-    return _pickles_problem(path, step, type(written_as) is int and written_as >= 3) or (
-        _shards_problem(path, step, meta) if type(written_as) is int and written_as >= 4 else None
-    )
+    known = type(written_as) is int
+    return _pickles_problem(path, step, known and written_as >= 3, meta if known and written_as >= 4 else None)
 
 
-def _pickles_problem(path: Path, step: int, holds_step: bool) -> str | None:
+def _pickles_problem(path: Path, step: int, holds_step: bool, meta: dict[str, Any] | None = None) -> str | None:
     """Why the pickles of checkpoint `path` cannot be read without trusting them: `.metadata` (restricted
     unpickler, checked against the shards), every item in the shards (a torch.save zip that inflates
     nothing; the non-tensor ones read with weights_only=True) and every rank's RNG state (weights_only,
     checked for shape). The tensors' values are DCP's to read, with weights_only=True, at load. Then the step the
-    shards say they hold (STEP_ITEM, `holds_step`: written since FORMAT 3) must be the directory's `step`."""
+    shards say they hold (STEP_ITEM, `holds_step`: written since FORMAT 3) must be the directory's `step`, and with
+    `meta` (meta.json, FORMAT 4 and later) every shard file's own (`_shards_problem`)."""
     try:
         metadata = unpickle.read_metadata(path)
     except FileNotFoundError:
@@ -213,6 +213,8 @@ def _pickles_problem(path: Path, step: int, holds_step: bool) -> str | None:
     except ValueError as err:
         return str(err)
     problem = unpickle.items_problem(path, metadata) or _step_problem(path, metadata, step, holds_step)
+    if problem is None and meta is not None:
+        problem = _shards_problem(path, step, meta, metadata)
     if problem:
         return problem
     for name in sorted(n for n in os.listdir(path) if _RNG.match(n)):
@@ -236,13 +238,14 @@ def _step_problem(path: Path, metadata: Any, step: int, holds_step: bool) -> str
     return None
 
 
-def _shards_problem(path: Path, step: int, meta: dict[str, Any]) -> str | None:
+def _shards_problem(path: Path, step: int, meta: dict[str, Any], metadata: Any = None) -> str | None:
     """Why the shard files of checkpoint `path` (FORMAT 4 or later, its pickles already checked) are not all of step
     `step`: each file must hold its writer's RANK_STEP item saying `step`, and the optimizer's step counters stored
     across the files must add up to meta.json's OPTIMIZER_STEPS. One rank's file of an older step, copied under this
     step's .metadata and manifest, fails both (a forger who can also rewrite the counters needs the key: the
-    manifest's MAC, jobspec/shared_dir/signing.py)."""
-    metadata = unpickle.read_metadata(path)
+    manifest's MAC, jobspec/shared_dir/signing.py). `metadata`: the checkpoint's .metadata, already read and checked
+    (`_pickles_problem`); read here when not given."""
+    metadata = unpickle.read_metadata(path) if metadata is None else metadata
     prefix = f"{STEP_ITEM[0]}.{RANK_STEP}."
     held: dict[str, Any] = {}
     counters: list[Any] = []
