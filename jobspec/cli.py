@@ -61,6 +61,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
     spec = _load(args)
     model_attention(spec)  # a local model's config.json (family, sizes) and the attention kernel its family takes
     tasks = _task_files(args.spec, spec, absent_absolute_ok=True)
+    _shipped_task_files(args.spec, spec)  # what a cluster job carries: under the spec's directory, within bounds
     print(f"{args.spec}: ok ({spec.name}: {spec.world_size} rank(s), tier {spec.memory.tier})")
     for note in _notes(spec) + tasks:
         print(f"  note: {note}", file=sys.stderr)
@@ -74,6 +75,16 @@ def _task_files(spec_file: str, spec: JobSpec, *, absent_absolute_ok: bool = Fal
     from jobspec.spec.benchmarks import check_task_files
 
     return check_task_files(spec.eval.benchmarks, Path(spec_file).parent, absent_absolute_ok=absent_absolute_ok)
+
+
+def _shipped_task_files(spec_file: str, spec: JobSpec) -> dict[str, str]:
+    """The relative task files' texts, for the job's ConfigMap (ConfigError for one outside the spec's directory,
+    missing, no task, or over the bound)."""
+    from pathlib import Path
+
+    from jobspec.spec.benchmarks import ship_task_files
+
+    return ship_task_files(spec.eval.benchmarks, Path(spec_file).parent)
 
 
 def _notes(spec: JobSpec) -> list[str]:
@@ -107,7 +118,8 @@ def _notes(spec: JobSpec) -> list[str]:
 def cmd_render(args: argparse.Namespace) -> int:
     from jobspec.render import render, to_json, to_yaml
 
-    objects = render(_load(args))
+    spec = _load(args)
+    objects = render(spec, _shipped_task_files(args.spec, spec))
     sys.stdout.write(to_json(objects) if args.output == "json" else to_yaml(objects))
     return EXIT_OK
 
@@ -162,7 +174,7 @@ def cmd_init(args: argparse.Namespace) -> int:
 
     out_file = None if args.out in (None, "-") else args.out
     req = Request(args.model, args.gpus, args.data, args.objective, args.name, args.nodes, args.lora, args.max_seq_len,
-                  file=out_file)  # fmt: skip
+                  file=out_file, config=args.config, data_format=args.format, quantize=args.quantize)  # fmt: skip
     text = init_spec(req)
     if args.out in (None, "-"):
         sys.stdout.write(text)
@@ -282,12 +294,16 @@ def build_parser() -> argparse.ArgumentParser:
         "change that would: more GPUs, LoRA, a shorter max_seq_len.",
     )
     p.add_argument("--model", required=True, metavar="MODEL", help="a preset, a local model directory, or a hub id "
-                   "whose config.json is in this machine's Hugging Face cache")  # fmt: skip
+                   "whose config.json is in this machine's Hugging Face cache or given with --config")  # fmt: skip
+    p.add_argument("--config", metavar="FILE", help="a hub model's config.json as a local file (where the hub cannot "
+                   "be reached): written into the spec as model.architecture")  # fmt: skip
     p.add_argument("--gpus", required=True, metavar="TYPE:COUNT", help="GPU type and count per node, e.g. A100-80GB:2")
     p.add_argument("--data", required=True, metavar="PATH", help="training data (data.path): file, directory or hub id")
-    p.add_argument("--objective", default="sft", metavar="sft|dpo", help="training objective (default sft)")
+    p.add_argument("--objective", default="sft", metavar="sft|dpo|simpo|orpo", help="training objective (default sft)")
+    p.add_argument("--format", metavar="FORMAT", help="data.format, e.g. text: raw documents for continued pretraining")
     p.add_argument("--nodes", type=int, default=1, metavar="N", help="nodes (default 1)")
     p.add_argument("--lora", action="store_true", help="train LoRA adapters (rank 16) instead of all weights")
+    p.add_argument("--quantize", metavar="nf4|auto", help="with --lora: the frozen base in 4 bits (model.quantize)")
     p.add_argument("--max-seq-len", type=int, default=2048, metavar="N",
                    help="data.max_seq_len (default 2048; capped at the model's positions)")  # fmt: skip
     p.add_argument("--name", metavar="NAME", help="the job's name (default: from the model and objective)")

@@ -72,7 +72,7 @@ def test_bad_requests_are_named(tmp_path: Path) -> None:
     code, said = cli("init", "--model", "tiny", "--gpus", "Z80:1", "--data", "x")
     assert code == EXIT_CONFIG and "known GPU type" in said
     code, said = cli("init", "--model", "Org/not-cached", "--gpus", "A10G:1", "--data", "x")
-    assert code == EXIT_CONFIG and "huggingface-cli download Org/not-cached config.json" in said
+    assert code == EXIT_CONFIG and "huggingface-cli download Org/not-cached config.json" in said and "--config" in said
     out = tmp_path / "s.yaml"
     out.write_text("keep")
     code, said = cli("init", "--model", "tiny", "--gpus", "A10G:1", "--data", "x", "-o", str(out))
@@ -89,8 +89,55 @@ def test_a_cached_hub_model_gets_its_shape(tmp_path: Path, monkeypatch: pytest.M
     code, said = cli("init", "--model", "Org/Small", "--gpus", "L4:1", "--data", "/d.jsonl", "--lora", "-o", str(out))
     assert code == EXIT_OK, said
     spec = load_spec(out)
-    assert spec.model.path == "Org/Small" and spec.model.architecture.hidden == config["hidden_size"]
+    assert spec.model.path == "Org/Small" and spec.model.architecture.config() == config  # the config.json, inline
     assert plan_spec(spec, rows=1000).chosen.fits
+
+
+@pytest.mark.parametrize("family", ["qwen3-30b-a3b", "deepseek-v2-lite", "gemma-2-2b", "phi-3-mini"])
+def test_a_hub_model_config_given_as_a_file_is_written_inline_and_planned_as_the_local_one(
+    tmp_path: Path, family: str
+) -> None:
+    """No hub and no cache: --config FILE. The spec carries the config.json as model.architecture, and `jobspec plan`
+    of it says what it says of the same model as a local directory (mixture of experts, latent attention, Gemma 2's
+    eager attention, Phi-3's fused projections as LoRA targets)."""
+    config = json.loads((ROOT / "bench" / "families.json").read_text())[family]
+    config["architectures"] = ["SomethingForCausalLM"]  # file metadata: not written into the spec
+    (tmp_path / "local").mkdir()
+    (tmp_path / "local" / "config.json").write_text(json.dumps(config))
+    (tmp_path / "downloaded.json").write_text(json.dumps(config))
+    out = tmp_path / "spec.yaml"
+    args = ["--gpus", "H100:8", "--data", "/d.jsonl", "--lora", "--max-seq-len", "1024"]
+    downloaded = str(tmp_path / "downloaded.json")
+    code, said = cli("init", "--model", "Org/Model", "--config", downloaded, *args, "-o", str(out))
+    assert code == EXIT_OK, said
+    text = out.read_text()
+    assert "architectures" not in text and f"--config {tmp_path / 'downloaded.json'}" in text.splitlines()[2]
+    hub = load_spec(out)
+    del config["architectures"]
+    assert hub.model.path == "Org/Model" and hub.model.architecture.config() == config
+    local = load_spec(out, [f"model.path={tmp_path / 'local'}", "model.architecture=null"])
+    from jobspec.plan.planner import model_attention, model_shape
+
+    assert model_shape(hub) == model_shape(local) and model_shape(hub).model_type == config["model_type"]
+    assert model_attention(hub) == model_attention(local) == ("eager" if family == "gemma-2-2b" else "sdpa")
+    hub_plan, local_plan = plan_spec(hub, rows=1000), plan_spec(local, rows=1000)
+    assert [(p.tier, p.micro_batch, p.estimate.gpu_bytes) for p in hub_plan.plans] == [
+        (p.tier, p.micro_batch, p.estimate.gpu_bytes) for p in local_plan.plans
+    ]
+    assert hub_plan.chosen is not None and hub_plan.chosen.tier == hub.memory.tier
+    assert cli("validate", str(out))[0] == EXIT_OK and cli("render", str(out))[0] == EXIT_OK
+
+
+def test_a_missing_or_bad_config_file_is_named(tmp_path: Path) -> None:
+    base = ["init", "--model", "Org/Model", "--gpus", "H100:1", "--data", "/d.jsonl"]
+    code, said = cli(*base, "--config", str(tmp_path / "nope.json"))
+    assert code == EXIT_CONFIG and "no such file" in said and "huggingface.co/Org/Model/blob/main/config.json" in said
+    (tmp_path / "c.json").write_text(json.dumps({"model_type": "falcon", "hidden_size": 64}))
+    code, said = cli(*base, "--config", str(tmp_path / "c.json"))
+    assert code == EXIT_CONFIG and "model_type 'falcon'" in said and "qwen3_moe" in said, said  # the supported list
+    code, said = cli("init", "--model", "tiny", "--gpus", "H100:1", "--data", "x", "--config", str(tmp_path / "c.json"))
+    assert code == EXIT_CONFIG and "only for a hub id" in said
+    assert "Traceback" not in said
 
 
 def test_init_does_not_import_torch(tmp_path: Path) -> None:

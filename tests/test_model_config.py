@@ -60,9 +60,7 @@ def plan(tmp_path: Path, model: Path) -> tuple[int, str, float]:
     return code, out, time.perf_counter() - t0
 
 
-@pytest.mark.parametrize(
-    ("change", "named"),
-    [
+HOSTILE = [
         ({"num_attention_heads": 0}, "num_attention_heads: 0 is not positive"),
         ({"hidden_size": 1e9}, "hidden_size: 1000000000.0 is not an integer"),
         ({"num_hidden_layers": 10**12}, "num_hidden_layers: 1000000000000 is above"),
@@ -75,8 +73,10 @@ def plan(tmp_path: Path, model: Path) -> tuple[int, str, float]:
         ({"num_key_value_heads": 8}, "num_key_value_heads 8 does not divide num_attention_heads 4"),
         ({"num_attention_heads": 6}, "num_attention_heads 6 does not divide hidden_size 64"),
         ({"vocab_size": None}, "vocab_size: missing"),
-    ],
-)
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("change", "named"), HOSTILE)
 def test_hostile_llama_configs_exit_2_naming_the_key(tmp_path, change, named):
     cfg = {k: v for k, v in {**LLAMA, **change}.items() if v is not None}
     code, out, seconds = plan(tmp_path, model_dir(tmp_path, cfg))
@@ -231,3 +231,40 @@ def test_the_parameter_count_follows_a_configs_head_dim(model_type, hidden, head
     built = sum(p.numel() for p in model.parameters())
     biases = 2 * (shape.q_width + 2 * shape.kv_width) if model_type == "qwen2" else 0
     assert shape.params + biases == built
+
+
+@pytest.mark.parametrize(("change", "named"), HOSTILE)
+def test_a_config_written_inline_as_the_architecture_gets_the_same_checks(tmp_path, change, named):
+    """A hub model's config.json written into the spec (`model.architecture: {model_type: ..., ...}`): `jobspec
+    validate` refuses what `plan` refuses in a local config.json, naming the spec file and model.architecture.KEY."""
+    cfg = {k: v for k, v in {**LLAMA, **change}.items() if v is not None}
+    spec = spec_for(tmp_path, "Org/Model", architecture=cfg)
+    code, out = cli("validate", str(spec))
+    key, _, why = named.replace(" ", ": ", 1).partition(": ") if ":" not in named else named.partition(": ")
+    assert code == 2 and f"{spec}:" in out and f"model.architecture.{key}: " in out and "Traceback" not in out, out
+    # the YAML reader refuses a number beyond 64 bits before the config is read
+    assert (why in out and "config.json on the hub" in out) or "integer out of range" in out, out
+
+
+def test_an_inline_config_of_every_family_plans_as_its_local_config_json(tmp_path):
+    """Each family's config.json at its published shape (bench/families.json), inline or in a local model directory:
+    the same shape, so the same plan."""
+    from jobspec.plan.planner import model_shape
+
+    families = json.loads((Path(__file__).parent.parent / "bench" / "families.json").read_text())
+    for name, cfg in families.items():
+        inline = load_spec(spec_for(tmp_path, "Org/Model", architecture=cfg))
+        local = load_spec(spec_for(tmp_path, model_dir(tmp_path, cfg)))
+        assert model_shape(inline) == model_shape(local), name
+
+
+def test_an_inline_config_outside_the_families_or_with_bad_experts_is_refused(tmp_path):
+    code, out = cli("validate", str(spec_for(tmp_path, "Org/Model", architecture={**LLAMA, "model_type": "falcon"})))
+    assert code == 2 and "model.architecture.model_type" in out and "'qwen3_moe'" in out, out  # the supported list
+    moe = {**LLAMA, "model_type": "mixtral", "num_local_experts": 2, "num_experts_per_tok": 4}
+    code, out = cli("validate", str(spec_for(tmp_path, "Org/Model", architecture=moe)))
+    assert code == 2 and "model.architecture.num_experts_per_tok: 4 is above num_local_experts 2" in out, out
+    # the short form is for dense gpt2/llama blocks: another family is pointed at the config.json form
+    short = {"family": "mixtral", "layers": 2, "hidden": 64, "heads": 4, "vocab": 512, "intermediate": 128}
+    code, out = cli("validate", str(spec_for(tmp_path, "Org/Model", architecture=short)))
+    assert code == 2 and "model.architecture.family" in out and "model_type: mixtral" in out, out

@@ -45,13 +45,25 @@ _LLAMA_KEYS = {"layers": "num_hidden_layers", "hidden": "hidden_size", "heads": 
                "intermediate": "intermediate_size", "head_dim": "head_dim"}  # fmt: skip
 
 
+class ConfigProblems(ConfigError):
+    """A config.json's numbers that no model can be built from: `problems` holds (key, what is wrong with it), so a
+    config written inline in a spec (`model.architecture`) can name each of its fields."""
+
+    def __init__(self, message: str, problems: list[tuple[str, str]]):
+        super().__init__(message)
+        self.problems = problems
 
 
 def read_config(model_dir: str | Path) -> dict[str, Any]:
     """The config.json of a local model directory: a regular file inside it (a Hugging Face cache snapshot's
     link into its repository's blobs included), bounded, a JSON object."""
-    path = Path(model_dir) / "config.json"
-    text = read_bounded(path, CONFIG_MAX_BYTES, what="model config", root=_repo_root(Path(model_dir)))
+    return read_config_file(Path(model_dir) / "config.json", root=_repo_root(Path(model_dir)))
+
+
+def read_config_file(path: Path, root: Path | None = None) -> dict[str, Any]:
+    """A config.json file (any name: `jobspec init --config FILE`), bounded, a JSON object; it may link only inside
+    `root` (default: its own folder)."""
+    text = read_bounded(path, CONFIG_MAX_BYTES, what="model config", root=root or path.resolve().parent)
     try:
         cfg = json_loads(text)
     except (ValueError, RecursionError) as err:  # RecursionError: nesting deeper than the parser's stack
@@ -113,12 +125,13 @@ def _experts(cfg: dict[str, Any], fam: Family, layers: int, intermediate: int, w
     names = {"experts": count, "top_k": keys.top_k, "expert_width": keys.width}
     v = _checked(cfg, names, tuple(names), where)
     if v["top_k"] > v["experts"]:
-        raise ConfigError(f"{where}: {keys.top_k} {v['top_k']} is above {count} {v['experts']}: fix the file")
+        raise ConfigProblems(f"{where}: {keys.top_k} {v['top_k']} is above {count} {v['experts']}: fix the file",
+                             [(keys.top_k, f"{v['top_k']} is above {count} {v['experts']}")])
     shared = 0
     if keys.shared:
         raw = cfg.get(keys.shared) or 0
-        if _bad_int(raw, BOUNDS["expert_width"]) and raw != 0:
-            raise ConfigError(f"{where}: {keys.shared}: {_bad_int(raw, BOUNDS['expert_width'])}: fix the file")
+        if (why := _bad_int(raw, BOUNDS["expert_width"])) and raw != 0:
+            raise ConfigProblems(f"{where}: {keys.shared}: {why}: fix the file", [(keys.shared, why)])
         shared = raw * v["expert_width"] if keys.shared_is_count else raw
     return {"experts": v["experts"], "experts_per_token": v["top_k"], "expert_intermediate": v["expert_width"],
             "shared_intermediate": shared, "shared_gate": keys.shared_gate and shared > 0, "expert_bias": keys.bias,
@@ -145,13 +158,14 @@ def _mla(cfg: dict[str, Any], where: str) -> tuple[int, int, int, int, int]:
     names = {"kv_rank": "kv_lora_rank", "nope": "qk_nope_head_dim", "rope": "qk_rope_head_dim", "v": "v_head_dim"}
     bounds = {"kv_rank": BOUNDS["rank"], "nope": BOUNDS["head_dim"], "rope": BOUNDS["head_dim"],
               "v": BOUNDS["head_dim"]}  # fmt: skip
-    problems = [f"{key}: {why}" for name, key in names.items()
+    problems = [(key, why) for name, key in names.items()
                 if (why := _bad_int(cfg.get(key), bounds[name]) if cfg.get(key) is not None else "missing")]
     q_rank = cfg.get("q_lora_rank") or 0
-    if q_rank and _bad_int(q_rank, BOUNDS["rank"]):
-        problems.append(f"q_lora_rank: {_bad_int(q_rank, BOUNDS['rank'])}")
+    if q_rank and (why := _bad_int(q_rank, BOUNDS["rank"])):
+        problems.append(("q_lora_rank", why))
     if problems:
-        raise ConfigError(f"{where}: the model config cannot be built ({'; '.join(problems)}): fix the file")
+        shown = "; ".join(f"{key}: {why}" for key, why in problems)
+        raise ConfigProblems(f"{where}: the model config cannot be built ({shown}): fix the file", problems)
     return (q_rank, *(cfg[names[k]] for k in ("kv_rank", "nope", "rope", "v")))  # type: ignore[return-value]
 
 
@@ -170,24 +184,28 @@ def check_config(cfg: dict[str, Any], where: str) -> None:
 def _checked(cfg: dict[str, Any], keys: dict[str, str], required: tuple[str, ...], where: str) -> dict[str, int | None]:
     """The values of `keys` in `cfg` (None where absent), every present one an integer in bounds."""
     values: dict[str, int | None] = {}
-    problems: list[str] = []
+    problems: list[tuple[str, str]] = []  # (key, what is wrong)
     for name, key in keys.items():
         raw = cfg.get(key)
         if raw is None:
             if name in required:
-                problems.append(f"{key}: missing")
+                problems.append((key, "missing"))
             values[name] = None
             continue
         why = _bad_int(raw, BOUNDS[name])
         if why:
-            problems.append(f"{key}: {why}")
+            problems.append((key, why))
         values[name] = raw if not why else None
+    shown = [f"{key}: {why}" for key, why in problems]
     if not problems:
-        problems += _consistency(values, keys)
+        for key, why in _consistency(values, keys):
+            problems.append((key, why))
+            shown.append(f"{key} {why}")
     if problems:
-        raise ConfigError(
-            f"{where}: the model config cannot be built ({'; '.join(problems)}): fix the file, or point "
-            "model.path at a model directory whose config.json transformers wrote"
+        raise ConfigProblems(
+            f"{where}: the model config cannot be built ({'; '.join(shown)}): fix the file, or point "
+            "model.path at a model directory whose config.json transformers wrote",
+            problems,
         )
     return values
 
@@ -204,12 +222,12 @@ def _bad_int(value: Any, bound: int) -> str | None:
     return None
 
 
-def _consistency(v: dict[str, int | None], keys: dict[str, str]) -> list[str]:
-    """Head counts that split the width and each other (what the attention reshapes need)."""
+def _consistency(v: dict[str, int | None], keys: dict[str, str]) -> list[tuple[str, str]]:
+    """Head counts that split the width and each other (what the attention reshapes need): (key, why)."""
     out = []
     hidden, heads, kv = v.get("hidden"), v.get("heads"), v.get("kv_heads")
     if v.get("head_dim") is None and hidden and heads and hidden % heads:
-        out.append(f"{keys['heads']} {heads} does not divide {keys['hidden']} {hidden} (and there is no head_dim)")
+        out.append((keys["heads"], f"{heads} does not divide {keys['hidden']} {hidden} (and there is no head_dim)"))
     if kv and heads and (kv > heads or heads % kv):
-        out.append(f"{keys['kv_heads']} {kv} does not divide {keys['heads']} {heads}")
+        out.append((keys["kv_heads"], f"{kv} does not divide {keys['heads']} {heads}"))
     return out

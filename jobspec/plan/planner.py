@@ -20,7 +20,7 @@ from jobspec.catalog.presets import PRESETS, ModelShape
 from jobspec.errors import ConfigError
 from jobspec.plan import calibration, capacity, memory, throughput
 from jobspec.plan.job_length import JobLength, job_length, rows_per_sample
-from jobspec.spec.models import JobSpec
+from jobspec.spec.models import ArchitectureConfig, JobSpec
 from jobspec.spec.units import is_bare_number, parse_bytes
 
 GiB = 1024**3
@@ -28,11 +28,14 @@ GiB = 1024**3
 
 def model_shape(spec: JobSpec) -> ModelShape:
     """Preset, the config.json of a local `model.path` (a hub model's too, once the runner has its snapshot: the
-    model's own family and sizes, experts included), or else the spec's `model.architecture`."""
+    model's own family and sizes, experts included), or else the spec's `model.architecture`: a config.json written
+    inline (read as the local one is) or the short dense form."""
     model = spec.model
     if model.preset:
         return PRESETS[model.preset]
     local = Path(model.path or "") / "config.json"
+    if isinstance(model.architecture, ArchitectureConfig) and not local.is_file():
+        return shape_from_config(model.architecture.config(), where="model.architecture")
     if model.architecture and not local.is_file():
         a = model.architecture
         return ModelShape(
@@ -49,8 +52,9 @@ def model_shape(spec: JobSpec) -> ModelShape:
     config = local
     if not config.exists():
         raise ConfigError(
-            f"model.path {model.path!r}: no local config.json to size the model from; "
-            "add model.architecture {family, layers, hidden, heads, vocab, intermediate} to the spec"
+            f"model.path {model.path!r}: no local config.json to size the model from; add the model's config.json "
+            "to the spec as model.architecture (a mapping with its model_type; `jobspec init --model ID --config "
+            "config.json` writes it), or for a dense model {family, layers, hidden, heads, vocab, intermediate}"
         )
     return shape_from_config(read_config(config.parent), where=str(config))
 
@@ -58,11 +62,13 @@ def model_shape(spec: JobSpec) -> ModelShape:
 def model_attention(spec: JobSpec) -> str:
     """The attention kernel the model runs: `model.attention`, or, where the spec leaves it at its default and the
     model's family refuses sdpa (Gemma 2, gpt-oss: jobspec/catalog/families.py), eager. ConfigError (exit 2) when
-    the spec names a kernel the family refuses. A hub model whose config is not local keeps the spec's kernel. A local
-    config.json is read and checked on the way (family and sizes: what `jobspec validate` says of the model)."""
+    the spec names a kernel the family refuses. A hub model whose config is neither local nor inline
+    (`model.architecture`'s config.json form) keeps the spec's kernel. A local config.json is read and checked on the
+    way (family and sizes: what `jobspec validate` says of the model)."""
     model = spec.model
     model_type = ""
-    if model.preset is None and (Path(model.path or "") / "config.json").is_file():
+    inline = isinstance(model.architecture, ArchitectureConfig)
+    if model.preset is None and (inline or (Path(model.path or "") / "config.json").is_file()):
         model_type = model_shape(spec).model_type
     fam = FAMILIES.get(model_type)
     if fam is None:

@@ -2,8 +2,10 @@
 names the smallest change that would fit.
 
 The model is a preset, a local directory with a config.json, or a hub id whose config.json is in this machine's
-Hugging Face cache (no network here: the planner needs the model's shape). The spec is built as text, parsed by the
-same loader as any spec file and planned by `plan_spec`; what is written is what `jobspec plan` then says.
+Hugging Face cache or in a file given with `--config` (no network here: the planner needs the model's shape). A hub
+model's config.json is written into the spec as `model.architecture`, so `jobspec plan` reads it as it would read the
+local file. The spec is built as text, parsed by the same loader as any spec file and planned by `plan_spec`; what
+is written is what `jobspec plan` then says.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from jobspec.catalog import gpus as gpu_catalogue
-from jobspec.catalog.presets import PRESETS
+from jobspec.catalog.presets import PRESETS, ModelShape
 from jobspec.errors import ConfigError
 from jobspec.plan.planner import PlanReport, plan_spec
 from jobspec.spec.hub import is_hub_id
@@ -39,6 +41,9 @@ class Request:
     max_seq_len: int = 2048
     global_batch: int | None = None
     file: str | None = None  # where the spec is written (-o): its header's commands name it
+    config: str | None = None  # a hub model's config.json, as a local file (--config): the hub cache's otherwise
+    data_format: str | None = None  # data.format (text: raw documents, continued pretraining)
+    quantize: str | None = None  # model.quantize with LoRA (nf4: QLoRA)
 
 
 def hub_config(repo: str) -> Path | None:
@@ -50,53 +55,83 @@ def hub_config(repo: str) -> Path | None:
     return found[0] if found else None
 
 
-def _model_lines(model: str) -> tuple[list[str], str, int | None]:
-    """The `model:` section's lines for a preset, a local directory or a cached hub model, its block family
-    (gpt2 or llama: the LoRA targets' names) and its positions (the longest sequence it takes; None: unknown)."""
-    from jobspec.catalog.model_config import read_config, shape_from_config
+# Keys of a config.json that describe the files and tools rather than the model (what the trace drops too)
+_NOT_SHAPE = ("architectures", "auto_map", "torch_dtype", "dtype", "transformers_version", "_name_or_path")
 
+
+def _model_lines(model: str, config_file: str | None = None) -> tuple[list[str], ModelShape, int | None]:
+    """The `model:` section's lines for a preset, a local directory or a hub model (its config.json from `config_file`
+    or the hub cache), its shape (the LoRA targets' names) and its positions (the longest sequence it takes)."""
+    from jobspec.catalog.model_config import read_config, read_config_file, shape_from_config
+
+    local = Path(model).expanduser()
+    if config_file and (model in PRESETS or local.exists() or not is_hub_id(model)):
+        raise ConfigError(f"--config {config_file}: only for a hub id (org/name); --model {model} is a preset or a "
+                          "local path, whose config jobspec reads itself: remove --config")  # fmt: skip
     if model in PRESETS:
         preset = PRESETS[model]
-        return [f"  preset: {model}  # built from its config: no download"], preset.family, preset.max_positions
-    local = Path(model).expanduser()
+        return [f"  preset: {model}  # built from its config: no download"], preset, preset.max_positions
     if (local / "config.json").is_file():
         shape = shape_from_config(read_config(local), where=str(local / "config.json"))
         lines = [f"  path: {local}  # local model directory (config.json, weights, tokenizer)"]
-        return lines, shape.family, shape.max_positions
+        return lines, shape, shape.max_positions
     if local.exists():
         raise ConfigError(f"--model {model}: {local} has no config.json: name a Hugging Face model directory")
     if not is_hub_id(model):
         raise ConfigError(
             f"--model {model}: not a preset ({', '.join(PRESETS)}), a local model directory or a hub id (org/name)"
         )
-    config = hub_config(model)
-    if config is None:
-        presets = "" if "/" in model else f"not a preset ({', '.join(PRESETS)}), and as a hub id "
-        raise ConfigError(
-            f"--model {model}: {presets}its config.json is not on this machine, and the plan needs the model's shape: "
-            f"`huggingface-cli download {model} config.json` (or `jobspec init --model DIR` with a local copy)"
-        )
-    shape = shape_from_config(read_config(config.parent), where=str(config))
-    arch = {
-        "family": "gpt2" if shape.family == "gpt2" else "llama",
-        "layers": shape.layers,
-        "hidden": shape.hidden,
-        "heads": shape.heads,
-        "vocab": shape.vocab,
-        "intermediate": shape.intermediate,
-        "max_positions": shape.max_positions,
-        "kv_heads": shape.kv_heads,
-        "tie_embeddings": shape.tie_embeddings,
-    }
-    return (
-        [
-            f"  path: {model}  # downloaded by the pod into the hub cache (model.hub_cache)",
-            f"  # Its shape, from snapshot {config.parent.name[:12]}'s config.json, for `jobspec plan`:",
-            f"  architecture: {json.dumps({k: v for k, v in arch.items() if v is not None})}",
-        ],
-        shape.family,
-        shape.max_positions,
-    )
+    if config_file:
+        config, source = Path(config_file).expanduser(), f"--config {config_file}"
+        if config.is_dir():
+            config = config / "config.json"
+        if not config.is_file():
+            raise ConfigError(f"--config {config_file}: no such file: give the model's config.json, downloaded from "
+                              f"huggingface.co/{model}/blob/main/config.json")  # fmt: skip
+    else:
+        found = hub_config(model)
+        if found is None:
+            presets = "" if "/" in model else f"not a preset ({', '.join(PRESETS)}), and as a hub id "
+            raise ConfigError(
+                f"--model {model}: {presets}its config.json is not on this machine, and the plan needs the model's "
+                f"shape: `huggingface-cli download {model} config.json`, or download "
+                f"huggingface.co/{model}/blob/main/config.json elsewhere and pass it with --config FILE"
+            )
+        config, source = found, f"snapshot {found.parent.name[:12]}'s config.json"
+    cfg = read_config_file(config)
+    shape = shape_from_config(cfg, where=str(config))
+    lines = [
+        f"  path: {model}  # downloaded by the pod into the hub cache (model.hub_cache)",
+        f"  # Its config.json ({source}), read by `jobspec plan` as a local one is:",
+        "  architecture:",
+        *(f"    {_yaml_key(key)}: {_yaml_value(value)}" for key, value in cfg.items() if key not in _NOT_SHAPE),
+    ]
+    return lines, shape, shape.max_positions
+
+
+def _yaml_key(key: str) -> str:
+    return key if key.isidentifier() else json.dumps(key)
+
+
+def _yaml_value(value: object) -> str:
+    """One config.json value as a YAML flow scalar or collection that reads back as the JSON value (YAML 1.1 reads
+    json.dumps' `1e-05` as a string: PyYAML writes `1.0e-05`)."""
+    import yaml
+
+    text = yaml.safe_dump(value, default_flow_style=True, width=1_000_000, allow_unicode=False)
+    return text.removesuffix("\n...\n").removesuffix("\n")
+
+
+def lora_targets(shape: ModelShape) -> str:
+    """The attention projections of the model's block, as LoRA targets (peft's module names)."""
+    if shape.family == "gpt2":
+        return "[c_attn]"
+    if shape.fused_projections:  # Phi-3: one q/k/v projection
+        return "[qkv_proj, o_proj]"
+    if shape.mla:  # DeepSeek-V2: q (or its low-rank pair), the k/v latent and its expansion
+        q = "q_a_proj, q_b_proj" if shape.mla[0] else "q_proj"
+        return f"[{q}, kv_a_proj_with_mqa, kv_b_proj, o_proj]"
+    return "[q_proj, k_proj, v_proj, o_proj]"
 
 
 def _text(req: Request, name: str, seq: int, lora: bool, gpus: str, nodes: int, tier: str, note: list[str]) -> str:
@@ -105,34 +140,39 @@ def _text(req: Request, name: str, seq: int, lora: bool, gpus: str, nodes: int, 
     dpo = req.objective != "sft"
     batch = req.global_batch or (32 if dpo else 64)
     lr = "5.0e-7" if dpo and not lora else ("2.0e-4" if lora else "2.0e-5")
-    model_lines, family, positions = _model_lines(req.model)
+    model_lines, shape, positions = _model_lines(req.model, req.config)
     where = gpus + (f" x {nodes} nodes" if nodes > 1 else "")
     file = shlex.quote(req.file) if req.file and req.file.isprintable() else f"{name}.yaml"
     lines = [
         f"# Written by `jobspec init`: {req.objective} of {req.model} on {where}. Check it with",
         f"#   jobspec validate {file} && jobspec plan {file}",
+        f"# Made by: {command(req)}",
         f"name: {name}",
         "model:",
         *model_lines,
     ]
     if lora:
-        targets = "[c_attn]" if family == "gpt2" else "[q_proj, k_proj, v_proj, o_proj]"
         lines += [
             "  lora:  # train adapters; the base stays frozen (16 bytes only per adapter weight)",
             "    rank: 16",
             "    alpha: 32",
-            f"    targets: {targets}",
+            f"    targets: {lora_targets(shape)}",
         ]
+        if req.quantize:
+            lines.append(f"  quantize: {req.quantize}  # the frozen base's block weights in 4 bits (QLoRA)")
     capped = (
         f"  # the model's positions (--max-seq-len {req.max_seq_len} is longer)"
         if seq == positions < req.max_seq_len
         else ""
     )
-    fmt = "  # records: " + ("{prompt, chosen, rejected} pairs" if dpo else "{prompt, response} or {messages: [...]}")
+    fmt = ["  # records: " + ("{prompt, chosen, rejected} pairs" if dpo else "{prompt, response} or {messages: [...]}")]
+    if req.data_format:
+        what = "raw documents {text}: loss on every token, packed" if req.data_format == "text" else "its layout"
+        fmt = [f"  format: {req.data_format}  # {what}"]
     lines += [
         "data:",
         f"  path: {req.data}",
-        fmt,
+        *fmt,
         f"  max_seq_len: {seq}" + capped,
         "training:",
         f"  objective: {req.objective}",
@@ -148,6 +188,21 @@ def _text(req: Request, name: str, seq: int, lora: bool, gpus: str, nodes: int, 
         lines.append(f"  nodes: {nodes}")
     lines += ["memory:", *(f"  # {n}" for n in note), f"  tier: {tier}", "checkpoints:", f"  pvc: {name}-checkpoints"]
     return "".join(_aligned(line) + "\n" for line in lines)
+
+
+def command(req: Request) -> str:
+    """The `jobspec init` command line that writes this spec again (the header says it)."""
+    args = ["jobspec", "init", "--model", req.model, "--gpus", req.gpus, "--data", req.data]
+    args += ["--objective", req.objective] if req.objective != "sft" else []
+    args += ["--config", req.config] if req.config else []
+    args += ["--format", req.data_format] if req.data_format else []
+    args += ["--lora"] if req.lora else []
+    args += ["--quantize", req.quantize] if req.quantize else []
+    args += ["--nodes", str(req.nodes)] if req.nodes > 1 else []
+    args += ["--max-seq-len", str(req.max_seq_len)] if req.max_seq_len != 2048 else []
+    args += ["--name", req.name] if req.name else []
+    args += ["-o", req.file] if req.file else []
+    return " ".join(shlex.quote(a if a.isprintable() else ascii(a)) for a in args)  # one line, whatever it holds
 
 
 def _aligned(line: str, column: int = 34) -> str:
@@ -199,7 +254,9 @@ def init_spec(req: Request) -> str:
         raise ConfigError(f"--gpus {req.gpus}: expected TYPE:COUNT of a known GPU type ({names}), e.g. A100-80GB:2")
     gpu_type, count = req.gpus.partition(":")[0], int(count_text)
     name = req.name or _name(req.model, req.objective)
-    positions = _model_lines(req.model)[2]  # a longer sequence than the model takes is capped, and the spec says so
+    if req.quantize and not req.lora:
+        raise ConfigError(f"--quantize {req.quantize}: quantizes the frozen base LoRA trains on: add --lora")
+    positions = _model_lines(req.model, req.config)[2]  # a longer sequence than the model takes is capped, and said
     first_seq = min(req.max_seq_len, positions or req.max_seq_len)
 
     def build(seq: int = first_seq, lora: bool = req.lora, n: int = count, nodes: int = req.nodes) -> str:

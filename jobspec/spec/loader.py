@@ -344,7 +344,8 @@ def _data_loc(loc: Loc) -> Loc:
 def _is_internal_tag(step: Any) -> bool:
     return isinstance(step, str) and (
         step.startswith(("literal[", "function-", "constrained-", "lax-", "json-or-python"))
-        or step in {"int", "str", "float", "bool", "none", "SecretRef", "GpuRequest", "LoraSpec", "Architecture"}
+        or step in {"int", "str", "float", "bool", "none", "SecretRef", "GpuRequest", "LoraSpec", "Architecture",
+                    "ArchitectureConfig"}
         or step.endswith("Spec")
     )
 

@@ -20,8 +20,10 @@ from pydantic import (
     BaseModel,
     BeforeValidator,
     ConfigDict,
+    Discriminator,
     Field,
     StringConstraints,
+    Tag,
     ValidationInfo,
     field_validator,
     model_validator,
@@ -30,9 +32,12 @@ from pydantic_core import PydanticCustomError
 
 from jobspec.catalog import gpus as gpu_catalogue
 from jobspec.catalog import tiers
+from jobspec.catalog.families import FAMILIES
 from jobspec.catalog.model_config import BOUNDS as ARCH_BOUNDS
+from jobspec.catalog.model_config import ConfigProblems, shape_from_config
 from jobspec.catalog.presets import PRESETS
 from jobspec.contract import RESERVED_ENV_PREFIX
+from jobspec.errors import HintedValueError
 from jobspec.spec import object_store
 from jobspec.spec.credentials import SECRET_REF_HINT, credential_kind, inline_credentials, is_secret_name
 from jobspec.spec.rules import CrossFieldError, cross_field_problems
@@ -212,9 +217,13 @@ class LoraSpec(Section):
 
 
 class Architecture(Section):
-    """Shape of a model given by `path`, so `jobspec plan` can estimate memory without loading it."""
+    """Shape of a dense model given by `path`, so `jobspec plan` can estimate memory without loading it (the short
+    form; any other family: the model's config.json inline, `ArchitectureConfig`)."""
 
-    family: Annotated[Literal["gpt2", "llama"], Field(description="Model family of the architecture.")]
+    family: Annotated[
+        Literal["gpt2", "llama"],
+        Field(description="Block of a dense model: gpt2 or llama (any other family: write its config.json inline)."),
+    ]
     layers: Annotated[int, Field(ge=1, le=ARCH_BOUNDS["layers"], description="Number of transformer blocks.")]
     hidden: Annotated[int, Field(ge=1, le=ARCH_BOUNDS["hidden"], description="Hidden size.")]
     heads: Annotated[int, Field(ge=1, le=ARCH_BOUNDS["heads"], description="Attention heads (divide `hidden`).")]
@@ -233,6 +242,18 @@ class Architecture(Section):
         bool, Field(description="Output head shares the input embedding (always true for gpt2).")
     ] = False
 
+    @field_validator("family", mode="before")
+    @classmethod
+    def _dense_family(cls, value: Any) -> Any:
+        if isinstance(value, str) and value in FAMILIES and value not in ("gpt2", "llama"):
+            raise HintedValueError(
+                f"{value} is not a dense gpt2 or llama block the short form describes",
+                f"write the model's config.json inline instead: `architecture: {{model_type: {value}, ...}}` with "
+                "the keys of its config.json on the hub (`jobspec init --model ORG/NAME --config config.json` "
+                "writes it)",
+            )
+        return value
+
     @model_validator(mode="after")
     def _heads_split(self) -> "Architecture":
         if self.hidden % self.heads:
@@ -240,6 +261,54 @@ class Architecture(Section):
         if self.kv_heads is not None and (self.kv_heads > self.heads or self.heads % self.kv_heads):
             raise ValueError(f"kv_heads {self.kv_heads} does not divide heads {self.heads}")
         return self
+
+
+ModelType = Literal[tuple(FAMILIES)]  # type: ignore[valid-type]
+ARCHITECTURE_FIX = (
+    "copy the value from the model's config.json on the hub (huggingface.co/ORG/NAME/blob/main/config.json), or let "
+    "`jobspec init --model ORG/NAME --config config.json` write the section"
+)
+
+
+class ArchitectureConfig(BaseModel):
+    """A model's config.json written inline (the same keys as on the hub): what `jobspec plan` reads of a `path` it
+    cannot open here, read and checked as a local config.json is (jobspec/catalog/model_config.py), for every family
+    jobspec plans: mixtures of experts, latent attention, soft caps, sliding windows."""
+
+    # extra: any key of a config.json; only those the plan reads are checked (numbers: integers in bounds)
+    model_config = ConfigDict(extra="allow", frozen=True, allow_inf_nan=False)
+
+    model_type: Annotated[
+        ModelType,
+        Field(description=f"transformers' model_type, one of the families jobspec plans: {', '.join(FAMILIES)}."),
+    ]
+
+    def config(self) -> dict[str, Any]:
+        """The config.json as a dict (model_type and every other key as written)."""
+        return {"model_type": self.model_type, **(self.model_extra or {})}
+
+    @model_validator(mode="after")
+    def _buildable(self) -> "ArchitectureConfig":
+        try:
+            shape_from_config(self.config(), where="model.architecture")
+        except ConfigProblems as err:
+            raise CrossFieldError(
+                [(f"model.architecture.{key}", why, ARCHITECTURE_FIX) for key, why in err.problems]
+            ) from None
+        return self
+
+
+def _architecture_form(value: Any) -> str:
+    """Which form `model.architecture` is written in: a config.json (it names a `model_type`) or the short dense one."""
+    if isinstance(value, dict):
+        return "ArchitectureConfig" if "model_type" in value else "Architecture"
+    return type(value).__name__ if isinstance(value, (Architecture, ArchitectureConfig)) else "Architecture"
+
+
+ArchitectureField = Annotated[
+    Annotated[Architecture, Tag("Architecture")] | Annotated[ArchitectureConfig, Tag("ArchitectureConfig")],
+    Discriminator(_architecture_form),
+]
 
 
 class SecretRef(Section):
@@ -329,8 +398,13 @@ class ModelSpec(Section):
         Field(description="Local directory (or hub id, where the pod can reach the hub) of a causal LM to fine-tune."),
     ] = None
     architecture: Annotated[
-        Architecture | None,
-        Field(description="Shape of the `path` model for memory planning; read from its config.json when local."),
+        ArchitectureField | None,
+        Field(
+            description="Shape of the `path` model for memory planning, where its config.json is not on this machine "
+            "(a hub id): the model's config.json inline (a mapping with its `model_type`, the same keys as on the "
+            "hub; any family jobspec plans), or for a dense model the short form {family: gpt2|llama, layers, "
+            "hidden, heads, vocab, intermediate}. A local model's config.json is read instead."
+        ),
     ] = None
     dtype: Annotated[
         Literal["auto", "bf16", "fp16", "fp32"],
