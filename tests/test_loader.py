@@ -17,7 +17,7 @@ from jobspec.errors import ConfigError, SpecError
 from jobspec.spec.loader import apply_override, load_spec, parse_spec
 
 ROOT = Path(__file__).resolve().parents[1]
-EXAMPLES = sorted((ROOT / "examples").glob("*.yaml"))
+EXAMPLES = sorted((ROOT / "examples").rglob("*.yaml"))  # examples/families/ and examples/objectives/ too
 
 GOOD = """\
 name: demo
@@ -37,10 +37,19 @@ def write(tmp_path: Path, text: str) -> Path:
     return path
 
 
-@pytest.mark.parametrize("example", EXAMPLES, ids=lambda p: p.name)
-def test_every_example_loads(example: Path) -> None:
+@pytest.mark.parametrize("example", EXAMPLES, ids=lambda p: str(p.relative_to(ROOT / "examples")))
+def test_every_example_loads_and_plans_to_its_tier(example: Path) -> None:
+    """Every example validates (a hub model's inline config.json included) and `jobspec plan` fits a tier: the one it
+    names where it names one."""
+    from jobspec.plan.planner import model_attention, plan_spec
+
     spec = load_spec(example)
     assert spec.training.global_batch % spec.world_size == 0
+    model_attention(spec)  # what `jobspec validate` checks of the model beyond the spec
+    # a CPU example (the quick start) has no GPU to plan against: the runner plans against host memory there
+    report = plan_spec(spec, "24Gi" if spec.hardware.vendor == "cpu" else None, rows=1000)
+    assert report.runs is not None, f"{example}: no tier fits"
+    assert spec.memory.tier in ("auto", report.runs.tier), f"{example}: {spec.memory.tier}, plan {report.runs.tier}"
 
 
 def test_good_spec_and_shorthand(tmp_path: Path) -> None:

@@ -62,7 +62,7 @@ from jobspec.spec.models import JobSpec
 from jobspec.spec.units import format_bytes
 
 ROOT = Path(__file__).resolve().parents[1]
-EXAMPLES = sorted((ROOT / "examples").glob("*.yaml"))
+EXAMPLES = sorted((ROOT / "examples").rglob("*.yaml"))  # examples/families/ and examples/objectives/ too
 SFT = ROOT / "examples" / "sft_fast.yaml"
 ROCM = ROOT / "examples" / "rocm.yaml"
 MULTINODE = ROOT / "examples" / "multinode.yaml"
@@ -143,7 +143,7 @@ def test_versions_cover_oldest_supported_and_newest_shipped() -> None:
 
 
 @pytest.mark.parametrize("version", K8S_VERSIONS)
-@pytest.mark.parametrize("example", EXAMPLES, ids=lambda p: p.stem)
+@pytest.mark.parametrize("example", EXAMPLES, ids=lambda p: str(p.relative_to(ROOT / "examples")))
 def test_example_renders_to_strictly_valid_objects(example: Path, version: str) -> None:
     for obj in render(load_spec(example)):
         # Returns the schema version it used: it must be the one asked for, not an older fallback.
@@ -167,7 +167,7 @@ def test_strict_validation_catches_a_misspelt_field() -> None:
 # --- objects, names, labels ----------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("example", EXAMPLES, ids=lambda p: p.stem)
+@pytest.mark.parametrize("example", EXAMPLES, ids=lambda p: str(p.relative_to(ROOT / "examples")))
 def test_objects_come_in_apply_order_with_labels_and_hash(example: Path) -> None:
     spec = load_spec(example)
     objs = render(spec)
@@ -202,7 +202,7 @@ def test_user_labels_and_annotations_everywhere_but_ours_win() -> None:
 # --- Pod Security "restricted" --------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("example", EXAMPLES, ids=lambda p: p.stem)
+@pytest.mark.parametrize("example", EXAMPLES, ids=lambda p: str(p.relative_to(ROOT / "examples")))
 def test_pod_meets_pod_security_restricted(example: Path) -> None:
     pod = pod_of(by_kind(render(load_spec(example))))
     context = pod["securityContext"]
@@ -380,7 +380,7 @@ def test_kueue_queue_labels_and_suspends_the_job() -> None:
     assert KUEUE_QUEUE_LABEL not in plain["metadata"]["labels"] and "suspend" not in plain["spec"]
 
 
-@pytest.mark.parametrize("example", EXAMPLES, ids=lambda p: p.stem)
+@pytest.mark.parametrize("example", EXAMPLES, ids=lambda p: str(p.relative_to(ROOT / "examples")))
 def test_pod_failure_policy_follows_the_exit_code_contract(example: Path) -> None:
     spec = load_spec(example)
     job = by_kind(render(spec))["Job"]["spec"]
@@ -510,7 +510,7 @@ def test_termination_message_for_the_failure_reason() -> None:
 # --- round trip, purity, output -------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("example", EXAMPLES, ids=lambda p: p.stem)
+@pytest.mark.parametrize("example", EXAMPLES, ids=lambda p: str(p.relative_to(ROOT / "examples")))
 def test_configmap_spec_reads_back_equal(example: Path) -> None:
     spec = load_spec(example)
     text = by_kind(render(spec))["ConfigMap"]["data"][SPEC_FILE_NAME]

@@ -22,8 +22,8 @@ from jobspec.spec.loader import parse_spec
 from jobspec.spec.reference import SCHEMA_FILE, json_schema_text
 
 ROOT = Path(__file__).resolve().parents[1]
-EXAMPLES = sorted((ROOT / "examples").glob("*.yaml"))
-SCHEMA_COMMENT = "# yaml-language-server: $schema=../jobspec/schema/jobspec.schema.json"
+EXAMPLES = sorted((ROOT / "examples").rglob("*.yaml"))  # examples/families/ and examples/objectives/ too
+SCHEMA_COMMENT = "# yaml-language-server: $schema=../jobspec/schema/jobspec.schema.json"  # from examples/
 
 
 def _shown_specs() -> list[tuple[str, str]]:
@@ -56,11 +56,13 @@ def test_schema_ships_as_package_data() -> None:
     assert re.search(r'^jobspec = \[[^\]]*"schema/\*\.json"', pyproject, re.M)
 
 
-@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: str(p.relative_to(ROOT / "examples")))
 def test_examples_validate_and_name_the_schema(path: Path, validator: jsonschema.protocols.Validator) -> None:
     text = path.read_text()
-    assert text.splitlines()[0] == SCHEMA_COMMENT
-    assert (path.parent / SCHEMA_COMMENT.partition("$schema=")[2]).resolve() == SCHEMA_FILE.resolve()
+    up = "../" * (len(path.relative_to(ROOT / "examples").parts) - 1)  # examples/families/x.yaml: one more level
+    comment = SCHEMA_COMMENT.replace("$schema=", f"$schema={up}")
+    assert text.splitlines()[0] == comment
+    assert (path.parent / comment.partition("$schema=")[2]).resolve() == SCHEMA_FILE.resolve()
     assert _errors(validator, yaml.safe_load(text)) == []
 
 

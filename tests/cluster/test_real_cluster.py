@@ -121,7 +121,7 @@ def test_submit_status_logs_cancel(cluster: tuple[Any, str]) -> None:
             cancel(client, namespace, name)
 
 
-EXAMPLES = sorted(p.name for p in (REPO / "examples").glob("*.yaml"))
+EXAMPLES = sorted(str(p.relative_to(REPO / "examples")) for p in (REPO / "examples").rglob("*.yaml"))
 # seconds for the control plane to create (or refuse) the pods and say why they wait
 EXPLAIN_WITHIN = float(os.environ.get("JOBSPEC_TEST_EXPLAIN_S", "60"))
 
