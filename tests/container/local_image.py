@@ -241,7 +241,11 @@ class Wheelhouse:
 
 
 def ensure_wheelhouse(torch_version: str) -> Wheelhouse:
-    """Download every wheel the offline builds need, once per requirement set (~1 min, ~300 MB)."""
+    """Download every wheel the offline builds need, once per requirement set (~1 min, ~300 MB).
+
+    `pip download` for another interpreter and platform takes wheels only. A requirement published only as an
+    sdist (lm-eval's rouge-score, sqlitedict, word2number) is built here into a wheel (`pip wheel --no-deps`),
+    which must come out pure Python (`-none-any`), and offered to the download through --find-links."""
     runtime, build_requires = _project_requirements()
     python, platforms = _base_python()
     torch_req = f"torch=={torch_version}"
@@ -257,36 +261,90 @@ def ensure_wheelhouse(torch_version: str) -> Wheelhouse:
     shutil.rmtree(root, ignore_errors=True)  # older requirement sets
     house.deps.mkdir(parents=True)
     house.torch.mkdir()
-    _run_logged(
-        [
-            sys.executable,
-            "-m",
-            "pip",
-            "download",
-            "--disable-pip-version-check",
-            "--dest",
-            str(house.deps),
-            "--only-binary=:all:",
-            "--python-version",
-            python,
-            "--implementation",
-            "cp",
-            *(arg for tag in platforms for arg in ("--platform", tag)),
-            *extra,
-            *runtime,
-            *build_requires,
-            torch_req,
-        ],
-        cache_dir() / "logs" / "pip-download.log",
-        timeout=1800,
-    )
+    built = home / "built"  # wheels built here from pure-Python sdists
+    built.mkdir()
+    download = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--disable-pip-version-check",
+        "--dest",
+        str(house.deps),
+        "--only-binary=:all:",
+        "--find-links",
+        str(built),
+        "--python-version",
+        python,
+        "--implementation",
+        "cp",
+        *(arg for tag in platforms for arg in ("--platform", tag)),
+        *extra,
+        *runtime,
+        *build_requires,
+        torch_req,
+    ]
+    logfile = cache_dir() / "logs" / "pip-download.log"
+    tried: set[str] = set()
+    while True:
+        try:
+            _run_logged(download, logfile, timeout=1800)
+            break
+        except CommandFailed:
+            sdist = _wheel_missing(logfile.read_text(errors="replace"))
+            if sdist is None or sdist in tried or len(tried) >= MAX_SDIST_BUILDS:
+                raise
+            tried.add(sdist)
+            _build_pure_wheel(sdist, built, extra)
     torch_wheels = list(house.deps.glob("torch-*.whl"))
     if not torch_wheels:
         raise CommandFailed(f"pip download brought no torch wheel for {torch_req} into {house.deps}")
     for wheel in torch_wheels:
         wheel.rename(house.torch / wheel.name)
-    (home / "complete").write_text(json.dumps({"runtime": runtime, "torch": torch_req, "python": python}))
+    built_names = sorted(p.name for p in built.glob("*.whl"))
+    (home / "complete").write_text(
+        json.dumps({"runtime": runtime, "torch": torch_req, "python": python, "built_from_sdist": built_names})
+    )
     return house
+
+
+MAX_SDIST_BUILDS = 12  # sdist-only requirements built into wheels before the download gives up
+_NO_WHEEL = re.compile(r"No matching distribution found for (\S+)")
+
+
+def _wheel_missing(log_text: str) -> str | None:
+    """The requirement `pip download --only-binary` found no wheel for ("rouge-score>=0.0.4"), or None."""
+    found = _NO_WHEEL.findall(log_text)
+    return found[-1] if found else None
+
+
+def _build_pure_wheel(requirement: str, built: Path, extra: Sequence[str]) -> None:
+    """Build `requirement`'s wheel from its sdist into `built`; it must be pure Python to serve another platform."""
+    before = set(built.glob("*.whl"))
+    name = re.split(r"[<>=!~;\[ ]", requirement, maxsplit=1)[0]
+    _run_logged(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--disable-pip-version-check",
+            "--no-deps",
+            "--no-binary",
+            name,
+            "--wheel-dir",
+            str(built),
+            *extra,
+            requirement,
+        ],
+        cache_dir() / "logs" / f"pip-wheel-{re.sub(r'[^A-Za-z0-9]+', '-', name)}.log",
+        timeout=600,
+    )
+    new = sorted(set(built.glob("*.whl")) - before)
+    if not new or any(not p.name.endswith("-none-any.whl") for p in new):
+        raise CommandFailed(f"{requirement} has no wheel for the base image's platform and its sdist did not build "
+                            f"a pure-Python wheel ({', '.join(p.name for p in new) or 'none'}): the offline image "
+                            "build cannot install it")  # fmt: skip
 
 
 def build(name: str) -> str:

@@ -16,6 +16,7 @@ import uuid
 from pathlib import Path
 
 import pytest
+import yaml
 
 from jobspec import __version__, contract
 from jobspec.render.env import SCRATCH_ENV
@@ -175,3 +176,44 @@ def test_sigterm_checkpoints_and_exits_143(runner_ready: None, cpu_image: str, t
         assert _done_steps(out), f"no complete checkpoint after SIGTERM: {sorted(map(str, out.rglob('*')))}"
     finally:
         local_image.podman("rm", "--force", name)
+
+
+def test_end_of_job_benchmarks_run_in_the_image(runner_ready: None, cpu_image: str, tmp_path: Path) -> None:
+    """eval.benchmarks in the image (lm-eval is installed there): a local multiple-choice task YAML beside the spec,
+    relative to it as the pod's ConfigMap mounts it, runs offline on the job's export; its metrics reach
+    metrics.jsonl as eval/<task>/<metric>."""
+    spec = yaml.safe_load(QUICKSTART.read_text())
+    spec["eval"] = {"benchmarks": ["tasks/tiny_mc.yaml"], "limit": 4, "batch_size": 4}
+    mounts, out = _mounts(tmp_path, yaml.safe_dump(spec))
+    tasks = tmp_path / "spec" / "tasks"
+    tasks.mkdir()
+    docs = [("2 + 3 =", ["5", "7"], 0), ("The sky is", ["green", "blue"], 1), ("Ice is", ["hot", "cold"], 1),
+            ("A cat says", ["meow", "moo"], 0)]  # fmt: skip
+    (tasks / "tiny_mc.jsonl").write_text("".join(json.dumps({"q": q, "choices": c, "answer": a}) + "\n"
+                                                 for q, c, a in docs))  # fmt: skip
+    task = {
+        "task": "tiny_mc",
+        "dataset_path": "json",
+        "dataset_kwargs": {"data_files": {"test": f"{contract.SPEC_MOUNT_DIR}/tasks/tiny_mc.jsonl"}},
+        "test_split": "test",
+        "output_type": "multiple_choice",
+        "doc_to_text": "Question: {{q}}\nAnswer:",
+        "doc_to_choice": "{{choices}}",
+        "doc_to_target": "answer",
+        "metric_list": [{"metric": "acc", "aggregation": "mean", "higher_is_better": True}],
+    }
+    (tasks / "tiny_mc.yaml").write_text(yaml.safe_dump(task, sort_keys=False))
+
+    steps = {**FEW_STEPS, "training.steps": "3", "checkpoints.every_steps": "3"}
+    proc = local_image.run(
+        cpu_image,
+        [contract.SPEC_PATH, *_sets(steps)],
+        options=[*POD_LIKE, "--env", "HF_HUB_OFFLINE=1", "--env", "HF_DATASETS_OFFLINE=1", *mounts],
+    )
+    assert proc.returncode == contract.EXIT_OK, _output(proc)
+    bench = [r for r in _metrics(out) if r.get("kind") == "benchmark"]
+    assert [r["task"] for r in bench] == ["tiny_mc"], _output(proc)
+    rec = bench[0]
+    assert rec["step"] == 3 and rec["samples"] == 4
+    assert rec["metrics"]["eval/tiny_mc/acc"] in {0.0, 0.25, 0.5, 0.75, 1.0}
+    assert "eval/tiny_mc/acc_stderr" in rec["metrics"]
