@@ -61,6 +61,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
     spec = _load(args)
     model_attention(spec)  # a local model's config.json (family, sizes) and the attention kernel its family takes
     tasks = _task_files(args.spec, spec, absent_absolute_ok=True)
+    _shipped_task_files(args.spec, spec)  # what a cluster job carries: under the spec's directory, within bounds
     print(f"{args.spec}: ok ({spec.name}: {spec.world_size} rank(s), tier {spec.memory.tier})")
     for note in _notes(spec) + tasks:
         print(f"  note: {note}", file=sys.stderr)
@@ -74,6 +75,16 @@ def _task_files(spec_file: str, spec: JobSpec, *, absent_absolute_ok: bool = Fal
     from jobspec.spec.benchmarks import check_task_files
 
     return check_task_files(spec.eval.benchmarks, Path(spec_file).parent, absent_absolute_ok=absent_absolute_ok)
+
+
+def _shipped_task_files(spec_file: str, spec: JobSpec) -> dict[str, str]:
+    """The relative task files' texts, for the job's ConfigMap (ConfigError for one outside the spec's directory,
+    missing, no task, or over the bound)."""
+    from pathlib import Path
+
+    from jobspec.spec.benchmarks import ship_task_files
+
+    return ship_task_files(spec.eval.benchmarks, Path(spec_file).parent)
 
 
 def _notes(spec: JobSpec) -> list[str]:
@@ -107,7 +118,8 @@ def _notes(spec: JobSpec) -> list[str]:
 def cmd_render(args: argparse.Namespace) -> int:
     from jobspec.render import render, to_json, to_yaml
 
-    objects = render(_load(args))
+    spec = _load(args)
+    objects = render(spec, _shipped_task_files(args.spec, spec))
     sys.stdout.write(to_json(objects) if args.output == "json" else to_yaml(objects))
     return EXIT_OK
 

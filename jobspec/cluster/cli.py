@@ -250,11 +250,14 @@ def _dry_run_mode(args: argparse.Namespace) -> str:
 
 
 def cmd_submit(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
     from jobspec.cluster.kubeconfig import context_namespace, load_connection, validate_namespace
     from jobspec.cluster.output import format_submit
     from jobspec.cluster.preflight import preflight
     from jobspec.cluster.submit import in_namespace, submit
     from jobspec.render import render, to_yaml
+    from jobspec.spec.benchmarks import ship_task_files
     from jobspec.spec.loader import load_spec
 
     mode = _dry_run_mode(args)
@@ -272,7 +275,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
     namespace = validate_namespace(chosen or spec.namespace or "default")
     if spec.namespace != namespace:
         spec = load_spec(args.spec, [*args.overrides, f'namespace="{namespace}"'])  # quoted: "no" is no bool
-    objects = in_namespace(render(spec), namespace)
+    objects = in_namespace(render(spec, ship_task_files(spec.eval.benchmarks, Path(args.spec).parent)), namespace)
     if mode == "client":
         sys.stdout.write(to_yaml(objects))
         return EXIT_OK

@@ -11,6 +11,7 @@ Pure: no I/O, no cluster, no torch, no kubernetes client; the same spec always g
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from jobspec.render.env import (
@@ -77,14 +78,18 @@ __all__ = [
 ]
 
 
-def render(spec: JobSpec) -> list[dict[str, Any]]:
+def render(spec: JobSpec, task_files: Mapping[str, str] | None = None) -> list[dict[str, Any]]:
     """The objects for one job, in apply order: the hub cache's PersistentVolumeClaim (`model.hub_cache`,
     when the model or data come from the hub), ConfigMap (the spec), headless Service, NetworkPolicy,
     Indexed Job. The policy comes before the Job, so that no pod is ever reachable from outside its job.
 
+    `task_files`: the text of each relative `eval.benchmarks` task file by its path (read beside the spec file by
+    jobspec.spec.benchmarks.ship_task_files): the ConfigMap carries them and the pod mounts them beside the spec.
+
     Raises ConfigError for a spec that validates but cannot become a pod: a checkpoints.dir on top of
-    one of the pod's own mounts (the same path is fine on one machine, so the spec allows it).
+    one of the pod's own mounts (the same path is fine on one machine, so the spec allows it), a relative task
+    file outside the spec's directory or whose text `task_files` lacks.
     """
     policy = [network_policy(spec)] if spec.scheduling.network_policy else []
     claim = [c] if (c := cache_claim(spec)) is not None else []  # the hub cache, before the Job that mounts it
-    return [*claim, spec_configmap(spec), headless_service(spec), *policy, indexed_job(spec)]
+    return [*claim, spec_configmap(spec, task_files), headless_service(spec), *policy, indexed_job(spec)]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import yaml
@@ -20,17 +21,26 @@ from jobspec.contract import (
     RDZV_PORT,
     SPEC_FILE_NAME,
 )
+from jobspec.errors import ConfigError
 from jobspec.render.pod import CONTAINER_NAME, configmap_name, pod_spec
+from jobspec.spec.benchmarks import shipped_paths
 from jobspec.spec.models import JobSpec
 
 Obj = dict[str, Any]
 
 
-def spec_configmap(spec: JobSpec) -> Obj:
-    """The spec as YAML under `spec.yaml`; the pod mounts it and the runner reads back an equal spec."""
-    text = yaml.safe_dump(spec_document(spec), sort_keys=False)
-    return {"apiVersion": "v1", "kind": "ConfigMap", "metadata": _metadata(spec, configmap_name(spec)),
-            "data": {SPEC_FILE_NAME: text}}  # fmt: skip
+def spec_configmap(spec: JobSpec, task_files: Mapping[str, str] | None = None) -> Obj:
+    """The spec as YAML under `spec.yaml`; the pod mounts it and the runner reads back an equal spec. Beside it, each
+    relative `eval.benchmarks` task file (`task_files`: its path -> its text, jobspec.spec.benchmarks.ship_task_files)
+    under its own key, which the pod mounts at the same path relative to the spec."""
+    data = {SPEC_FILE_NAME: yaml.safe_dump(spec_document(spec), sort_keys=False)}
+    for key, path in shipped_paths(spec.eval.benchmarks):
+        if task_files is None or path not in task_files:
+            raise ConfigError(f"eval.benchmarks: {path} is a task file relative to the spec file, and its text was not "
+                              "given to render: render the spec file (`jobspec render SPEC_FILE`), which reads it "
+                              "beside the spec")  # fmt: skip
+        data[key] = task_files[path]
+    return {"apiVersion": "v1", "kind": "ConfigMap", "metadata": _metadata(spec, configmap_name(spec)), "data": data}
 
 
 def headless_service(spec: JobSpec) -> Obj:

@@ -14,6 +14,7 @@ from jobspec.contract import (
     RUN_AS_UID,
     SCRATCH_DIR,
     SHM_MOUNT,
+    SPEC_FILE_NAME,
     SPEC_MOUNT_DIR,
     SPEC_PATH,
     TERMINATION_MESSAGE_PATH,
@@ -23,6 +24,7 @@ from jobspec.errors import ConfigError
 from jobspec.render.env import container_env
 from jobspec.render.hub import cache_volume
 from jobspec.render.images import image_for
+from jobspec.spec.benchmarks import shipped_paths
 from jobspec.spec.models import JobSpec, Toleration
 from jobspec.spec.units import format_bytes
 
@@ -161,8 +163,13 @@ def _volumes(spec: JobSpec) -> tuple[list[Obj], list[Obj]]:
     pvc = spec.checkpoints.pvc
     # Without a PVC the checkpoints live (and die) with the pod, but the run directory stays writable.
     checkpoints = {"persistentVolumeClaim": {"claimName": pvc}} if pvc else {"emptyDir": {}}
+    spec_volume: Obj = {"name": configmap_name(spec)}
+    shipped = shipped_paths(spec.eval.benchmarks)
+    if shipped:  # the task files at their paths relative to the spec (a key alone cannot hold a `/`)
+        spec_volume["items"] = [{"key": SPEC_FILE_NAME, "path": SPEC_FILE_NAME},
+                                *({"key": key, "path": path} for key, path in shipped)]  # fmt: skip
     volumes = [
-        {"name": "spec", "configMap": {"name": configmap_name(spec)}},
+        {"name": "spec", "configMap": spec_volume},
         # Docker's 64 MB /dev/shm breaks DataLoader workers and NCCL: memory-backed, with a limit.
         {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": format_bytes(spec.hardware.shm_size)}},
         {"name": "scratch", "emptyDir": {}},

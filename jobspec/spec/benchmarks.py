@@ -9,10 +9,19 @@ MAX_TASK_BYTES, YAML, and a mapping with a `task` key (what lm-eval's task index
 safe_yaml's bounds and only looked at: no tag (such as lm-eval's `!function utils.process_docs`) is constructed or
 run here. The runner then builds the tasks with lm-eval (runner/output/benchmarks.py), which reads the rest
 (dataset, prompts, metrics).
+
+Shipped with a job (`jobspec render`/`submit`): every relative task file travels in the job's spec ConfigMap, under
+a key of its own (`shipped_paths`), and the pod mounts it at the same path relative to the spec
+(/etc/jobspec/<path>), so a relative entry resolves there as it does on one machine. Such a file must lie under the
+spec file's directory (no `..`), and together they hold at most MAX_SHIPPED_BYTES (a ConfigMap holds 1 MiB).
+Files the task YAML itself names (its data_files, an `include:`) are not shipped: give those as absolute paths in
+the pod (the image or a volume), or use a hub data set.
 """
 
 from __future__ import annotations
 
+import posixpath
+import re
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -24,6 +33,8 @@ from jobspec.untrusted import read_bounded
 
 TASK_FILE_SUFFIXES = (".yaml", ".yml")
 MAX_TASK_BYTES = 1 << 20  # a task YAML is a page; its data lives in files of its own
+MAX_SHIPPED_BYTES = 512 << 10  # the task files of one job's ConfigMap, together (Kubernetes caps one at 1 MiB)
+_KEY_CHARS = re.compile(r"[^-._A-Za-z0-9]")  # what a ConfigMap key may not hold
 
 
 def is_task_file(entry: str) -> bool:
@@ -93,3 +104,45 @@ def check_task_files(entries: Sequence[str], base: str | Path, field: str = "eva
             raise ConfigError(f"{field}[{i}] {entries[i]}: {path}{where}: {why}; give the path of an "
                               "lm-evaluation-harness task YAML, or a task name such as arc_easy")  # fmt: skip
     return notes
+
+
+def shipped_paths(entries: Sequence[str], field: str = "eval.benchmarks") -> list[tuple[str, str]]:
+    """(ConfigMap key, path relative to the spec's directory) of each relative task file among `entries`, once
+    each: what the job's ConfigMap carries and the pod mounts beside the spec. ConfigError for one outside the
+    spec's directory (the pod's mount holds nothing above it)."""
+    out: dict[str, str] = {}
+    for i, entry in enumerate(entries):
+        if not is_task_file(entry) or Path(entry).is_absolute():
+            continue
+        path = posixpath.normpath(entry)
+        if path == ".." or path.startswith("../"):
+            raise ConfigError(f"{field}[{i}] {entry}: a task file shipped with the job must be under the spec file's "
+                              "directory (the pod mounts the task files beside the spec, in /etc/jobspec); move it "
+                              "there, or give an absolute path that exists in the pod (image or volume)")  # fmt: skip
+        out.setdefault(path, f"task-{len(out)}-{_KEY_CHARS.sub('_', posixpath.basename(path))}")
+    return [(key, path) for path, key in out.items()]
+
+
+def ship_task_files(entries: Sequence[str], base: str | Path, field: str = "eval.benchmarks") -> dict[str, str]:
+    """{relative path: text} of the relative task files among `entries`, read from under `base` (the spec file's
+    directory) for the job's ConfigMap: each one a task (as check_task_files), all of them within
+    MAX_SHIPPED_BYTES. ConfigError naming the field, the entry and the fix otherwise."""
+    given = {posixpath.normpath(e): (i, e) for i, e in reversed(list(enumerate(entries))) if is_task_file(e)}
+    texts: dict[str, str] = {}
+    total = 0
+    for _, path in shipped_paths(entries, field):
+        i, entry = given[path]
+        file = Path(base) / path
+        why = task_file_problem(file)
+        if why is not None:
+            raise ConfigError(f"{field}[{i}] {entry}: {file} (relative to {Path(base).resolve()}): {why}; "
+                              "give the path of an lm-evaluation-harness task YAML, or a task name such as "
+                              "arc_easy")  # fmt: skip
+        texts[path] = read_bounded(file, MAX_TASK_BYTES, what="task file").decode("utf-8")
+        total += len(texts[path].encode("utf-8"))
+        if total > MAX_SHIPPED_BYTES:
+            raise ConfigError(f"{field}[{i}] {entry}: the task files shipped in the job's ConfigMap come to "
+                              f"{total:,} bytes with this one, over the {MAX_SHIPPED_BYTES:,} allowed (Kubernetes "
+                              "holds a ConfigMap to 1 MiB); put large task files in the image or on a volume and "
+                              "give their absolute paths")  # fmt: skip
+    return texts
