@@ -200,3 +200,45 @@ def test_planned_as_two_rows_a_pair_and_validated(tmp_path):
         th.tiny_spec(tmp_path, training={"objective": "simpo", "simpo_gamma": -1})
     with pytest.raises(ConfigError, match=r"data\.streaming: false"):
         th.tiny_spec(tmp_path, data={"path": str(data), "streaming": True}, training={"objective": "orpo"})
+
+
+@pytest.mark.parametrize("objective", OBJECTIVES)
+def test_with_lora_it_trains_the_adapter_and_exports_one_peft_loads(tmp_path, objective):
+    """model.lora: no reference is needed (none is scored or stored), the loss is finite and falls, TRL's metrics are
+    logged, ORPO's loss is still its NLL minus beta * logsigmoid(log odds), and the exported adapter, loaded by peft
+    on the base that ships with it, is the trained policy (not the base)."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    data = th.write_jsonl(tmp_path / "p.jsonl", text_pairs())
+    lora = {"rank": 4, "targets": ["c_attn", "mlp.c_proj"]}
+    spec = th.tiny_spec(tmp_path / "run", model={"lora": lora}, data={"path": str(data), "max_seq_len": 64},
+                        training=_training(objective, steps=8, learning_rate=1e-2),
+                        checkpoints={"every_steps": 8})  # fmt: skip
+    code, worker = th.train_in_process(spec)
+    assert code == EXIT_OK
+    assert not list((tmp_path / "run").rglob("*.reference-*.npy"))
+    train = th.records(tmp_path / "run")
+    assert len(train) == 8 and all(math.isfinite(r["loss"]) for r in train)
+    assert set(worker.stepper.objective.metric_names) <= train[0].keys()
+    first, last = train[0], train[-1]
+    if objective == "simpo":  # LoRA's B starts at 0: the policy is the base, indifferent between the members
+        assert first["loss"] == pytest.approx(-math.log(1 / (1 + math.exp(0.7))), abs=0.05)
+    else:
+        for r in train:
+            assert r["loss"] == pytest.approx(r["nll_loss"] - 0.2 * r["log_odds_ratio"], abs=1e-5)
+        assert last["nll_loss"] < first["nll_loss"]
+    assert last["loss"] < first["loss"], [r["loss"] for r in train]
+    assert last["rewards/margins"] > first["rewards/margins"], [r["rewards/margins"] for r in train]
+
+    adapter = tmp_path / "run" / "model"
+    assert (adapter / "adapter_config.json").is_file() and (adapter / "base" / "config.json").is_file()
+    ids = torch.tensor([[5, 17, 42, 9, 77, 3, 64]])
+    trained = worker.accelerator.unwrap_model(worker.model).eval()
+    base = AutoModelForCausalLM.from_pretrained(adapter / "base", dtype=torch.float32).eval()
+    with torch.no_grad():
+        want = trained(input_ids=ids).logits.float()
+        before = base(input_ids=ids).logits.float()
+        got = PeftModel.from_pretrained(base, adapter).eval()(input_ids=ids).logits.float()
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    assert (got - before).abs().max() > 1e-3  # the adapter moved the policy
