@@ -176,11 +176,14 @@ def _chunk_grads(
 
 
 def _liger_chunk(logits: torch.Tensor, target: torch.Tensor, loss: torch.Tensor | None, grads: bool,
-                 tf: LogitTransform) -> torch.Tensor:  # fmt: skip
+                 tf: LogitTransform, mean: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
     """One chunk through Liger's kernel (`internals.liger_rows`), which leaves d loss / d logits in `logits`. With a
     transform the kernel reads the transformed logits (fp32) and their gradient is taken back through it here (Liger's
-    own soft cap takes its cap as a kernel scalar, which Triton's interpreter cannot pass: one path for both)."""
+    own soft cap takes its cap as a kernel scalar, which Triton's interpreter cannot pass: one path for both).
+    `mean` (n,): each row's mean logit, taken before the kernel overwrites them."""
     z, slope = tf.apply(logits) if tf else (logits, 1.0)
+    if mean is not None:
+        mean.copy_(z.mean(dim=-1, dtype=torch.float32))
     internals.liger_rows(z, target, torch.empty(z.shape[0], device=z.device) if loss is None else loss, IGNORE, grads)
     return z.mul_(slope) if grads and tf else z
 
@@ -189,16 +192,19 @@ def _forward_plain(
     h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, target: torch.Tensor, scale: torch.Tensor,
     lse: torch.Tensor, loss: torch.Tensor, chunk: int,
     grads: tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None] | None, dtype: torch.dtype,
-    tf: LogitTransform = NO_TRANSFORM,
+    tf: LogitTransform = NO_TRANSFORM, means: torch.Tensor | None = None,
 ) -> None:  # fmt: skip
     """Each chunk's loss and log-sum-exp into `loss` and `lse` (N,); with `grads`, (softmax - onehot) * scale added
-    to them while the chunk's fp32 logits exist (times `tf`'s derivative: the loss is of the transformed logits)."""
+    to them while the chunk's fp32 logits exist (times `tf`'s derivative: the loss is of the transformed logits).
+    `means` (N,): each token's mean logit over the vocabulary (TRL's `mean_logits`), from the same chunk."""
     for s in range(0, h.shape[0], chunk):
         hc, t = h[s : s + chunk], target[s : s + chunk, None]
         logits, slope = tf.apply(_logits(hc, w, b)) if tf else (_logits(hc, w, b), 1.0)
         top = logits.amax(dim=-1).float()  # (n,)
         x = _minus(logits, top)  # (n, V) fp32, the only large tensor; logsumexp in place:
         del logits
+        if means is not None:  # one reduction over the chunk: sum(logit - top) / V + top
+            means[s : s + chunk] = x.sum(dim=-1).div_(x.shape[1]).add_(top)
         picked = x.gather(1, t).squeeze(1)  # target logit - top
         total = x.exp_().sum(dim=-1)  # x now holds exp(logit - top)
         lse[s : s + chunk] = total.log().add_(top)
@@ -213,13 +219,15 @@ def _forward_plain(
 def _forward_liger(
     h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, labels: torch.Tensor, loss: torch.Tensor, chunk: int,
     grads: tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None] | None, dtype: torch.dtype,
-    tf: LogitTransform = NO_TRANSFORM,
+    tf: LogitTransform = NO_TRANSFORM, means: torch.Tensor | None = None,
 ) -> None:  # fmt: skip
     """Each chunk's loss into `loss` (N,) by Liger's kernel; with `grads`, the (softmax - onehot) it leaves in the
-    chunk's logits (0 at IGNORE rows, which it skips) added to them."""
+    chunk's logits (0 at IGNORE rows, which it skips) added to them. `means`: as `_forward_plain`'s."""
     for s in range(0, h.shape[0], chunk):
         hc = h[s : s + chunk]
-        logits = _liger_chunk(_logits(hc, w, b), labels[s : s + chunk], loss[s : s + chunk], grads is not None, tf)
+        mean = None if means is None else means[s : s + chunk]
+        logits = _liger_chunk(_logits(hc, w, b), labels[s : s + chunk], loss[s : s + chunk], grads is not None, tf,
+                              mean)  # fmt: skip
         if grads is not None:
             _accumulate(logits, hc, w, s, chunk, grads, dtype)
         del logits
@@ -238,11 +246,15 @@ class LinearCrossEntropy(torch.autograd.Function):
 
     `kernel` "liger": each chunk's loss and (softmax - onehot) come from Liger Kernel's Triton kernel
     (`internals.liger_rows`), which reads the chunk's logits at the compute width and overwrites them with their
-    gradient: no fp32 copy of the chunk, one pass over it instead of the eight tensor ops below."""
+    gradient: no fp32 copy of the chunk, one pass over it instead of the eight tensor ops below.
+
+    `means` (a list, or None): each token's mean logit over the vocabulary, fp32 and shaped like `labels`, is appended
+    to it (a detached by-product of the chunks: TRL's `logits/chosen|rejected`)."""
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, labels, chunk: int, dtype: torch.dtype, fused: bool = False,  # type: ignore[override]
-                kernel: LossKernel = "chunked", tf: LogitTransform = NO_TRANSFORM):  # fmt: skip
+                kernel: LossKernel = "chunked", tf: LogitTransform = NO_TRANSFORM,
+                means: list[torch.Tensor] | None = None):  # fmt: skip
         # hidden (..., H), weight (V, H), bias (V,) or None, labels (...) int64; N tokens
         with torch.autocast(hidden.device.type, enabled=False):  # the casts are explicit
             h = hidden.reshape(-1, hidden.shape[-1]).to(dtype)  # (N, H), saved at the compute width, as autocast would
@@ -255,11 +267,16 @@ class LinearCrossEntropy(torch.autograd.Function):
             loss = out.view(-1)
             grads = _new_grads(ctx.needs_input_grad[:3], h, weight, hidden.dtype) if fused else (None, None, None)
             scale = valid.float()  # fused: each token's loss has gradient 1 (0 at IGNORE) until backward scales it
+            mean = None if means is None else torch.empty(labels.shape, device=h.device, dtype=torch.float32)
+            flat_mean = None if mean is None else mean.view(-1)
             if liger:
                 _forward_liger(h, w, b, labels.reshape(-1).contiguous(), loss, chunk, grads if fused else None, dtype,
-                               tf)  # fmt: skip
+                               tf, flat_mean)  # fmt: skip
             else:
-                _forward_plain(h, w, b, target, scale, lse, loss, chunk, grads if fused else None, dtype, tf)
+                _forward_plain(h, w, b, target, scale, lse, loss, chunk, grads if fused else None, dtype, tf,
+                               flat_mean)  # fmt: skip
+            if means is not None:
+                means.append(mean)
             loss.masked_fill_(~valid, 0.0)
             ctx.fused = grads if fused else None
         ctx.save_for_backward(h, weight, bias, target, valid, lse)
@@ -289,7 +306,7 @@ class LinearCrossEntropy(torch.autograd.Function):
             grad_b = grad_b.to(bias.dtype)
         if grad_h is not None:
             grad_h = grad_h.view(ctx.hidden_shape)
-        return grad_h, grad_w, grad_b, None, None, None, None, None, None
+        return grad_h, grad_w, grad_b, None, None, None, None, None, None, None
 
 
 def _new_grads(
@@ -313,9 +330,10 @@ def linear_cross_entropy(
     chunk: int | None = None,
     kernel: LossKernel = "chunked",
     transform: LogitTransform = NO_TRANSFORM,
+    means: list[torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Per-token cross-entropy of `transform(hidden @ weight.T + bias)` against `labels` (IGNORE: 0), shaped like
-    `labels`, fp32.
+    `labels`, fp32; `means`: see `LinearCrossEntropy`.
 
     hidden (..., H), labels (...); `chunk`: tokens per chunk (default `kernel_chunk_tokens`; fewer for a soft cap:
     `LogitTransform.tokens`); `kernel`: what computes each chunk's softmax, loss and gradient (`LinearCrossEntropy`)."""
@@ -325,7 +343,7 @@ def linear_cross_entropy(
     n = chunk or kernel_chunk_tokens(weight.shape[0], kernel, dtype)
     n = max(1, transform.tokens(n, kernel))
     fused = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
-    return LinearCrossEntropy.apply(hidden, weight, bias, labels, n, dtype, fused, kernel, transform)
+    return LinearCrossEntropy.apply(hidden, weight, bias, labels, n, dtype, fused, kernel, transform, means)
 
 
 class ChunkedLossHead:
@@ -342,21 +360,23 @@ class ChunkedLossHead:
         self.transform = transform  # what the model does to the logits, done here chunk by chunk
         self._config, self._off = config, off or {}  # the config values that make the model do it, off meanwhile
         self._labels: torch.Tensor | None = None
+        self._means: list[torch.Tensor] | None = None
         self._probe: torch.Tensor | None = None
         linear.forward = self.forward  # shadows nn.Linear.forward on this instance only
 
     @contextmanager
-    def targets(self, labels: torch.Tensor) -> Iterator[None]:
+    def targets(self, labels: torch.Tensor, means: list[torch.Tensor] | None = None) -> Iterator[None]:
         """While open, the layer returns the loss of each token against `labels` (B, T) (shifted; IGNORE masked), and
-        the model's own soft cap or logit scale is off (the head applies it to each chunk)."""
-        self._labels = labels
+        the model's own soft cap or logit scale is off (the head applies it to each chunk). `means`: each forward
+        appends its tokens' mean logits (B, T, 1) fp32 to it (`LinearCrossEntropy`)."""
+        self._labels, self._means = labels, means
         kept = {key: getattr(self._config, key) for key in self._off}
         for key, value in self._off.items():
             setattr(self._config, key, value)
         try:
             yield
         finally:
-            self._labels = None
+            self._labels = self._means = None
             for key, value in kept.items():
                 setattr(self._config, key, value)
 
@@ -371,7 +391,7 @@ class ChunkedLossHead:
         # (B, T, 1, H) against (B, T, 1): the per-token loss comes out (B, T, 1), allocated so (not a view)
         h, y = hidden.unsqueeze(-2), labels.unsqueeze(-1)
         return linear_cross_entropy(h, linear.weight, linear.bias, y, chunk=self.chunk, kernel=self.kernel,
-                                    transform=self.transform)  # fmt: skip
+                                    transform=self.transform, means=self._means)  # fmt: skip
 
     def remove(self) -> None:
         if self.linear.__dict__.get("forward") == self.forward:

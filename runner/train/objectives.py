@@ -20,8 +20,11 @@ Normalised over the global step, whatever the micro-batch: each pair's term by t
 and ORPO's NLL by the step's chosen positions (`nll_scale` = pairs / chosen positions, set by the step), so a step of
 one micro-batch is TRL's loss on that batch and a shrunk step is the same step. The metric sums (fp32, detached) are
 all-reduced by the recipe and divided by the step's pairs (`metrics`), ORPO's `nll_loss` by its chosen positions.
-Not logged: TRL's `logits/chosen` and `logits/rejected` (the mean of the whole logits, which the chunked loss head
-never holds), and CPOTrainer's `nll_loss`, always 0 for SimPO.
+`logits/chosen` and `logits/rejected`, for every objective, as TRL 1.16's DPOTrainer computes them: each completion
+token's mean logit over the vocabulary (the loss head's by-product, runner/train/loss.py), averaged over the global
+step's chosen (rejected) completion tokens. (TRL's CPO and ORPO trainers instead average their whole padded logits
+tensor, padding and prompt included; that depends on their padding, so it is not copied.) Not logged: CPOTrainer's
+`nll_loss`, always 0 for SimPO.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ from runner.train import dpo
 REWARDS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies", "logps/chosen",
            "logps/rejected")  # fmt: skip
 ORPO_EXTRA = ("nll_loss", "log_odds_ratio", "log_odds_chosen")
+LOGITS = ("logits/chosen", "logits/rejected")  # the last 4 sums: chosen and rejected mean-logit sums and token counts
 
 
 def log1mexp(x: torch.Tensor) -> torch.Tensor:
@@ -87,7 +91,7 @@ class Objective:
 
     @property
     def metric_names(self) -> tuple[str, ...]:
-        return REWARDS + ORPO_EXTRA if self.name == "orpo" else REWARDS
+        return (REWARDS + ORPO_EXTRA if self.name == "orpo" else REWARDS) + LOGITS
 
     @property
     def scores_chosen_chat(self) -> bool:
@@ -95,11 +99,25 @@ class Objective:
         return self.name == "orpo"
 
     def loss(self, token_losses: torch.Tensor, labels: torch.Tensor, *, reference: torch.Tensor | None = None,
-             chosen_labels: torch.Tensor | None = None, nll_scale: float = 1.0) -> tuple[torch.Tensor, ...]:
+             chosen_labels: torch.Tensor | None = None, nll_scale: float = 1.0,
+             mean_logits: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
         """(summed loss over the B pairs, the sums behind `metrics`: fp32, detached) from the (2B, T) fp32 token
         losses of the micro-batch's rows and their completion `labels` (2B, T); `reference`: DPO's (B, 2) log-probs.
         ORPO: the chosen rows were scored at `chosen_labels` (B, T), and their NLL's sum times `nll_scale` (the step's
-        pairs over its chosen positions) joins the loss."""
+        pairs over its chosen positions) joins the loss. `mean_logits` (2B, T): each position's mean logit, summed
+        over the completion tokens into the last 4 sums (0 without it)."""
+        loss, sums = self._loss(token_losses, labels, reference, chosen_labels, nll_scale)
+        completion = (labels != IGNORE).float()
+        pairs = len(labels) // 2
+        if mean_logits is None:
+            logit = torch.zeros(4, device=sums.device)
+        else:
+            m = mean_logits.detach().float() * completion
+            logit = torch.stack([m[:pairs].sum(), completion[:pairs].sum(), m[pairs:].sum(), completion[pairs:].sum()])
+        return loss, torch.cat([sums.float(), logit.to(sums.device)])
+
+    def _loss(self, token_losses: torch.Tensor, labels: torch.Tensor, reference: torch.Tensor | None,
+              chosen_labels: torch.Tensor | None, nll_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
         completion = labels != IGNORE
         logps = -(token_losses * completion).sum(1)  # (2B,) summed completion log-probs
         if self.name == "dpo":
@@ -124,11 +142,14 @@ class Objective:
     def metrics(self, sums: list[float], pairs: float) -> dict[str, float]:
         """TRL's metric names, each the mean over the global step's `pairs` of the all-reduced sums; ORPO's nll_loss
         the mean over its chosen positions."""
+        sums, (chosen_sum, chosen_n, rejected_sum, rejected_n) = sums[:-4], sums[-4:]
+        logits = {"logits/chosen": chosen_sum / max(chosen_n, 1.0),
+                  "logits/rejected": rejected_sum / max(rejected_n, 1.0)}  # fmt: skip
         if self.name == "dpo":
-            return dpo.metrics(sums, pairs)
+            return dpo.metrics(sums, pairs) | logits
         out = {name: value / max(pairs, 1.0) for name, value in zip(REWARDS, sums, strict=False)}
         if self.name == "orpo":
             nll, ratio, log_odds, positions = sums[len(REWARDS) :]
             out |= {"nll_loss": nll / max(positions, 1.0), "log_odds_ratio": ratio / max(pairs, 1.0),
                     "log_odds_chosen": log_odds / max(pairs, 1.0)}  # fmt: skip
-        return out
+        return out | logits

@@ -87,18 +87,25 @@ def summed_loss(
 
 
 def token_losses(model: torch.nn.Module, head: ChunkedLossHead | None, input_ids: torch.Tensor,
-                 labels: torch.Tensor, router: list[torch.Tensor] | None = None) -> torch.Tensor:  # fmt: skip
+                 labels: torch.Tensor, router: list[torch.Tensor] | None = None,
+                 means: list[torch.Tensor] | None = None) -> torch.Tensor:  # fmt: skip
     """(B, T) fp32: each position's token cross-entropy (minus the log-prob of its label), 0 at IGNORE, by the same
-    loss head as `summed_loss`; `router` as there."""
+    loss head as `summed_loss`; `router` as there. `means`: each position's mean logit over the vocabulary (B, T)
+    fp32, detached, is appended to it (TRL's `mean_logits`, for `logits/chosen|rejected`)."""
     kwargs: dict[str, Any] = {"output_router_logits": True} if router is not None else {}
     if head is not None:
-        with head.targets(labels):
+        found: list[torch.Tensor] | None = None if means is None else []
+        with head.targets(labels, found):
             out = model(input_ids=input_ids, use_cache=False, **kwargs)
         losses = out.logits.float().flatten(1)  # (B, T, 1) -> (B, T), 0 at IGNORE
+        if means is not None and found:
+            means.append(found[-1].detach().reshape(labels.shape))
     else:
         out = model(input_ids=input_ids, use_cache=False, **kwargs)
         losses = F.cross_entropy(out.logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE,
                                  reduction="none").view(labels.shape)  # fmt: skip
+        if means is not None:
+            means.append(out.logits.detach().mean(dim=-1, dtype=torch.float32))
     if router is not None and getattr(out, "aux_loss", None) is not None:
         router.append(out.aux_loss.float())
     return losses
@@ -287,9 +294,10 @@ class Stepper:
         if objective.scores_chosen_chat and batch.chosen_labels is not None:
             chosen = self._to_device(batch.chosen_labels)
             scored = torch.cat([chosen, y[len(chosen) :]])
-        losses = token_losses(self.model, self.head, x, scored, router)
+        means: list[torch.Tensor] = []
+        losses = token_losses(self.model, self.head, x, scored, router, means)
         loss, sums = objective.loss(losses, y, reference=batch.reference, chosen_labels=chosen,
-                                    nll_scale=self.nll_scale)  # fmt: skip
+                                    nll_scale=self.nll_scale, mean_logits=means[0] if means else None)  # fmt: skip
         self.preference_sums.append(sums)
         return loss
 

@@ -97,6 +97,33 @@ def test_both_kernels_apply_the_familys_logit_transform_as_autograd_does(scale, 
                 torch.testing.assert_close(a, b, **FP32)
 
 
+@pytest.mark.parametrize(("scale", "cap"), [(1.0, None), (3.0, 2.0)])
+def test_both_kernels_give_each_tokens_mean_logit_and_the_same_loss_with_it(scale, cap):
+    """`means` (logits/chosen|rejected): each token's mean over the vocabulary of the transformed logits, IGNORE
+    positions included, from the chunks (no whole logits); asking for it changes neither the loss nor its gradient."""
+    from runner.train.loss import LogitTransform
+
+    tf = LogitTransform(scale, cap)
+    g = torch.Generator().manual_seed(5)
+    hidden, weight = torch.randn(3, 7, 16, generator=g), torch.randn(300, 16, generator=g) * 2
+    labels = torch.randint(0, 300, (3, 7), generator=g)
+    labels[0, :2] = IGNORE
+    z = F.linear(hidden, weight) * scale
+    want = (cap * torch.tanh(z / cap) if cap else z).mean(-1)
+    for kernel in ("chunked", "liger"):
+        means: list[torch.Tensor] = []
+        h = hidden.clone().requires_grad_()
+        got = linear_cross_entropy(h, weight, None, labels, chunk=5, kernel=kernel, transform=tf, means=means)
+        (grad,) = torch.autograd.grad(got.sum(), h)
+        h2 = hidden.clone().requires_grad_()
+        plain = linear_cross_entropy(h2, weight, None, labels, chunk=5, kernel=kernel, transform=tf)
+        (grad2,) = torch.autograd.grad(plain.sum(), h2)
+        assert len(means) == 1 and means[0].shape == labels.shape and means[0].dtype == torch.float32
+        torch.testing.assert_close(means[0], want, **FP32)
+        torch.testing.assert_close(got, plain, rtol=0, atol=0)
+        torch.testing.assert_close(grad, grad2, rtol=0, atol=0)
+
+
 def test_a_per_token_incoming_gradient_recomputes_through_the_kernel():
     g = torch.Generator().manual_seed(3)
     hidden, weight = torch.randn(10, 8, generator=g), torch.randn(50, 8, generator=g)

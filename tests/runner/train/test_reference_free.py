@@ -95,11 +95,69 @@ def test_the_loss_and_metrics_equal_trls_trainer_on_a_real_batch(tmp_path, objec
     finally:
         worker.cleanup()
     assert loss == pytest.approx(float(trl_loss), abs=1e-5)
-    assert set(ours) == set(trl_metrics) - {"logits/chosen", "logits/rejected", "nll_loss"} | (
-        {"nll_loss"} if objective == "orpo" else set())  # fmt: skip
-    for name, value in ours.items():
-        assert value == pytest.approx(float(trl_metrics[name]), abs=1e-5), name
+    assert set(ours) == set(trl_metrics) - {"nll_loss"} | ({"nll_loss"} if objective == "orpo" else set())
+    for name, value in ours.items():  # logits/*: DPOTrainer's definition (the next test), not these trainers'
+        if not name.startswith("logits/"):
+            assert value == pytest.approx(float(trl_metrics[name]), abs=1e-5), name
     assert ours["logps/chosen"] > -20  # length-normalised: a per-token mean, not a sum
+
+
+def _dpo_inputs(data, ids, pad_id):
+    """The pairs `ids` as TRL's DPOTrainer collates them: the chosen then the rejected chats right-padded to one
+    width, their attention mask and completion mask (1 on the completion's tokens, unshifted)."""
+    seqs = [data.train.streams[int(data.train.records[2 * i + member])] for member in (0, 1) for i in ids]
+    width = max(len(tokens) for tokens, _ in seqs)
+    x = torch.full((len(seqs), width), pad_id, dtype=torch.long)
+    attention, completion = torch.zeros_like(x), torch.zeros_like(x)
+    for b, (tokens, flags) in enumerate(seqs):
+        x[b, : len(tokens)] = torch.from_numpy(tokens.astype(np.int64))
+        attention[b, : len(tokens)] = 1
+        completion[b, : len(tokens)] = torch.from_numpy(flags.astype(np.int64))
+    zeros = torch.zeros(len(ids))
+    return {"input_ids": x, "attention_mask": attention, "completion_mask": completion, "ref_chosen_logps": zeros,
+            "ref_rejected_logps": zeros}  # fmt: skip
+
+
+@pytest.mark.parametrize("objective", OBJECTIVES)
+def test_logits_metrics_equal_trls_dpo_trainer_on_a_real_batch(tmp_path, objective):
+    """logits/chosen|rejected: the mean over the completion tokens of each token's mean logit, from the chunked loss
+    head; TRL 1.16's DPOTrainer._compute_loss (its own fused LM head's mean_logits and its averaging) on the same
+    model and pairs."""
+    import copy
+    from collections import defaultdict
+
+    trl = pytest.importorskip("trl")
+    from trl.trainer.utils import add_fused_lm_head
+
+    from runner.train.recipe import Recipe
+
+    worker = Recipe(_spec(tmp_path, objective, th.write_jsonl(tmp_path / "p.jsonl", text_pairs(12)), steps=1))
+    try:
+        worker.setup()
+        stepper, data = worker.stepper, worker.data
+        assert stepper.head is not None  # the chunked head computes them, not whole logits
+        ids = [0, 3, 5, 7]
+        stepper.preference_sums = []
+        stepper._set_nll_scale(ids, [], "train")
+        stepper.loss_sum(data.collate(ids))
+        ours = stepper.objective.metrics(stepper.preference_sums[0].tolist(), len(ids))
+        model = copy.deepcopy(worker.accelerator.unwrap_model(worker.model))
+    finally:
+        worker.cleanup()
+    add_fused_lm_head(model, outputs=("log_probs", "entropy", "mean_logits", "is_top1"))
+    same = lambda t: t  # noqa: E731  # one process: gather is the identity
+    trainer = SimpleNamespace(
+        model=SimpleNamespace(training=True), accelerator=SimpleNamespace(device="cpu", gather=same,
+                                                                          gather_for_metrics=same),
+        aux_loss_enabled=False, ld_alpha=None, precompute_ref_logps=True, f_divergence_type="reverse_kl",
+        loss_types=["sigmoid"], loss_weights=[1.0], beta=0.1, label_smoothing=0.0, use_weighting=False,
+        _metrics={"train": defaultdict(list)}, _total_train_tokens=0, _tp_size=1,
+    )  # fmt: skip
+    with torch.no_grad():
+        trl.DPOTrainer._compute_loss(trainer, model, _dpo_inputs(data, ids, data.pad_id), False)
+    for name in ("logits/chosen", "logits/rejected"):
+        assert ours[name] == pytest.approx(trainer._metrics["train"][name][0], rel=1e-3, abs=1e-7), name
+    assert ours["logits/chosen"] != ours["logits/rejected"]
 
 
 @pytest.mark.parametrize("objective", OBJECTIVES)
