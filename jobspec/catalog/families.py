@@ -72,6 +72,10 @@ class Family:
     # memory.MOE_ROUTED_BYTES (gpt-oss's clamped, biased experts)
     softmax_16bit: float | None = None  # eager attention's bytes per head and token pair under 16-bit weights (the
     # FSDP2 tiers) where the family takes its softmax at the weights' width (gpt-oss, with its sinks; traced 2.0)
+    score_backward: float = 0.0  # eager attention's bytes per head and token pair alive in its own backward beyond
+    # what it keeps (the scores' gradients, the softmax's and the sinks' copies): with checkpointing the recomputed
+    # layer peaks there once the sequence is long (gpt-oss: 6.0-6.5 in all at 1-4k tokens, kept 2.0; 0: not traced,
+    # the layer's activations and gradients are its peak)
 
 
 _ROUTED = ("num_local_experts", "num_experts")  # transformers' name, and the alias a config.json may use
@@ -117,7 +121,7 @@ FAMILIES: dict[str, Family] = {
         ),
         Family("gpt_oss", "gpt-oss", experts=ExpertKeys(_ROUTED, "intermediate_size", bias=True),
                attentions=frozenset({"eager"}), act_extra=((4, (0.0, 4.0)), (2, (0.0, 4.0))), routed_extra=(0.0, 5.3),
-               softmax_16bit=2.0),
+               softmax_16bit=2.0, score_backward=4.25),
     )
 }  # fmt: skip
 

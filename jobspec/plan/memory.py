@@ -328,13 +328,15 @@ def _states(
     w = shape.params + (t if lora else 0)  # weights held: base (frozen with LoRA) + adapters
     f, n = w - t, world_size
     saved = quantized_saving(shape, quantize)  # bytes the 4-bit blocks save against 16 bits
-    shards = (MASTER_BYTES * t + FROZEN_BYTES * f - saved) // n
-    grads, adam = GRAD_BYTES * t // n, ADAM_BYTES * t // n
-    host_offload = HOST_TRAINABLE_BYTES * t // n
     if tier == "fast":
         buckets = DDP_BUCKET_BYTES * t if n > 1 else 0
         weights = MASTER_BYTES * t + FROZEN_BYTES * f - saved
         return _States(weights, GRAD_BYTES * t, ADAM_BYTES * t, buckets, HALF_BYTES * t, 0, t)
+    pad = fsdp_padding(shape, n)  # the experts' rows FSDP2 pads its shards with: trained, or frozen under LoRA
+    ts, fs = (t + pad, f) if lora is None else (t, f + pad)
+    shards = (MASTER_BYTES * ts + FROZEN_BYTES * fs - saved) // n
+    grads, adam = GRAD_BYTES * ts // n, ADAM_BYTES * ts // n
+    host_offload = HOST_TRAINABLE_BYTES * ts // n
     # FSDP2 tiers: what stays gathered the whole step (every weight in 16 bits where forward does not reshard);
     # the module gathered at the peak, and its gradient, depend on the moment (_fsdp_peak)
     kept = HALF_BYTES * w - gathered_saving(shape, quantize, n) if tier in ("zero2", "zero2_offload") else 0
@@ -348,7 +350,21 @@ def _states(
     # minimal: shards, gradients and the optimizer on the host; the GPU keeps only the gathered modules (and on one
     # rank a 4-bit base's linear layers, which FSDP2 leaves alone there: runner/model/quantize.py)
     whole = quantized_params(shape, quantize) * 2 - saved if n == 1 else 0
-    return _States(whole, 0, 0, 0, kept, host_offload + (FROZEN_BYTES * f - saved) // n - whole, t)
+    return _States(whole, 0, 0, 0, kept, host_offload + (FROZEN_BYTES * fs - saved) // n - whole, t)
+
+
+def fsdp_padding(shape: ModelShape, world_size: int) -> int:
+    """Parameters FSDP2 adds to the shards by padding each tensor's first dimension to a multiple of the ranks:
+    noticeable only where that dimension is a mixture-of-experts layer's expert count (the routed experts' 3-D
+    weights and biases, the router's rows), which need not divide by the ranks: Qwen1.5-MoE's 60 experts on 8 ranks
+    are sharded as 64 (traced: 7.05 GiB of shards where 14.3 B parameters make 6.67; the plan was 5 % under at zero3).
+    Every other tensor's first dimension is a width, a multiple of 8 in every published shape (0 on one rank)."""
+    if not shape.moe or world_size <= 1:
+        return 0
+    rows = -shape.experts % world_size
+    h, e, bias = shape.hidden, shape.expert_intermediate, shape.expert_bias
+    per_expert = h + (1 if bias else 0) + 3 * h * e + ((2 * e + h) if bias else 0)  # router row, weights, biases
+    return shape.moe_layers * rows * per_expert
 
 
 def _fsdp_peak(
@@ -396,8 +412,10 @@ def _fsdp_peak(
     offloaded = GRAD_BYTES * head if full and world_size == 1 else 0
     gather_head = (half * head if reshard else 0) + (0 if tied else buffer * head)
     head_grad = half * head if full else 0  # made by the fused loss in forward
-    last, first = _block_gathers(head, block, kept, tied=tied, reshard=reshard, full=full, buffer=buffer)
-    block_grads = reduced * block + (head_grad if tied else 0)
+    padded = block + fsdp_padding(shape, world_size) // max(1, shape.moe_layers)  # a MoE block's buffers, padded
+    last, first = _block_gathers(head, block, kept, tied=tied, reshard=reshard, full=full, buffer=buffer,
+                                 padded=padded)  # fmt: skip
+    block_grads = reduced * padded + (head_grad if tied else 0)
     if full and shape.moe:  # the routed experts' weight gradient leaves the grouped matmul transposed: a 16-bit copy
         block_grads += HALF_BYTES * shape.experts * 3 * shape.hidden * shape.expert_intermediate  # of all of them
     # the end: the root's embedding gathered again where forward reshards, a tied root's last block still reducing
@@ -406,7 +424,7 @@ def _fsdp_peak(
     # the last block's all-gather, issued for backward at the loss; not with an untied frozen output layer (LoRA), whose
     # unit backward does not run (traced: 2-layer Phi-3, Mistral, Qwen2.5-7B, 4-layer Llama with LoRA at micro-batch 1
     # were 3-21 % over with it, within 2.3 % without)
-    prefetch = buffer * block if reshard and (full or tied) else 0
+    prefetch = buffer * padded if reshard and (full or tied) else 0
     # a tied tail (final norm, embedding, output layer) gathered again for the norm's backward, after resharding at the
     # output layer's: during the copy-out its all-gather buffer is alive beside its weights (traced: gemma-2b and
     # gemma-2-2b at zero2_offload, 8 ranks, peaked there 0.60 GiB above the loss, whatever the micro-batch, sequence
@@ -429,7 +447,7 @@ def _end_kept(kept: int, embedding: int, world_size: int) -> int:
 
 
 def _block_gathers(
-    head: int, block: int, kept: int, *, tied: bool, reshard: bool, full: bool, buffer: int
+    head: int, block: int, kept: int, *, tied: bool, reshard: bool, full: bool, buffer: int, padded: int
 ) -> tuple[int, int]:
     """16-bit weights gathered beyond `kept` (what forward left gathered: zero2's) at the last block's backward (the
     first one run, all activations saved) and at the first block's (the last one run, one layer's left), traced:
@@ -438,9 +456,11 @@ def _block_gathers(
       block the root's embedding is all-gathered ahead into a buffer, for the embedding's backward;
     - where it does not, nothing needs gathering until the root: an untied output layer has resharded after its own
       backward, and so has a fully trained tied embedding's root (its gradient came from the output layer), which
-      the first block's backward then gathers ahead again; every other block reshards after its backward."""
+      the first block's backward then gathers ahead again; every other block reshards after its backward.
+
+    `padded`: the block's parameters with FSDP2's padding (`fsdp_padding`), what its all-gather buffer holds."""
     if reshard:  # the next block's all-gather is issued ahead; at the first block, the root's
-        return HALF_BYTES * block + buffer * block, HALF_BYTES * block + buffer * head
+        return HALF_BYTES * block + buffer * padded, HALF_BYTES * block + buffer * head
     root_kept = not (tied and full)
     last = -HALF_BYTES * head * ((not tied) + (not root_kept))
     return last, HALF_BYTES * block + (HALF_BYTES * head if root_kept else buffer * head) - kept
@@ -561,7 +581,13 @@ def _recompute(shape: ModelShape, tier: str, tokens: int, seq_len: int, attentio
     c_h, c_i = RECOMPUTE_GRAD_BYTES[kind]
     per_token = _layer_bytes(shape, tier, precision, lora) + c_h * shape.hidden + c_i * shape.intermediate
     if attention == "eager":
-        per_token += _eager_scores(shape, tier, precision) * shape.heads * seq_len
+        scores = _eager_scores(shape, tier, precision)
+        per_token += scores * shape.heads * seq_len
+        fam = FAMILIES.get(shape.model_type)
+        if fam and fam.score_backward:  # or at the attention's own backward, the MLP's activations freed by then: the
+            # scores kept and what their backward makes (traced on gpt-oss at 512-4096 tokens: 0.78 of the trace at
+            # 4096 without it, 1.00 with it)
+            per_token = max(per_token, (scores + fam.score_backward) * shape.heads * seq_len)
     return int(per_token * tokens)
 
 

@@ -516,9 +516,13 @@ def packed_positions(micro_batch: int, seq_len: int, device: torch.device) -> to
 
 
 def spec_model(spec: Any) -> ModelShape | Any:
-    """What `trace_step` builds for a spec: the preset's or architecture's shape, else the local config.json."""
+    """What `trace_step` builds for a spec: the preset's or short-form architecture's shape, an inline config.json
+    as written (its family's own blocks: experts, latent attention, soft caps), else the local config.json."""
     from jobspec.plan.planner import model_shape
 
+    config = getattr(spec.model.architecture, "config", None)
+    if callable(config):  # the inline config.json form (jobspec/spec/models.py ArchitectureConfig)
+        return config()
     if spec.model.preset or spec.model.architecture:
         return model_shape(spec)
     from transformers import AutoConfig

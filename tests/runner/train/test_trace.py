@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from bench.memory_model import MODELS
@@ -317,3 +319,16 @@ def test_on_a_gpu_narrow_values_keep_no_score_matrix():
     q, k = (torch.randn(b, h, s, 192, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
     v = torch.randn(b, h, s, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     assert _saved_bytes(q, k, v) < b * h * s * s * 2 / 2
+
+
+def test_an_inline_config_json_is_traced_as_its_own_family():
+    """`model.architecture` written as a hub model's config.json (examples/families/): the trace builds that family's
+    blocks, every expert included, not a dense Llama of the same width."""
+    from jobspec.plan.planner import model_shape
+    from jobspec.spec.loader import load_spec
+    from runner.train.trace import spec_model
+
+    spec = load_spec(Path(__file__).parents[3] / "examples" / "families" / "olmoe-1b-7b.yaml")
+    model = spec_model(spec)
+    assert isinstance(model, dict) and model["model_type"] == "olmoe" and model["num_experts"] == 64
+    assert model_shape(spec).experts == 64
