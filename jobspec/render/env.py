@@ -44,6 +44,12 @@ SCRATCH_ENV: Mapping[str, str] = MappingProxyType({
 })  # fmt: skip
 
 
+# gcs_credentials: the service-account key's Secret, mounted read-only here (render/pod.py), the file Google's
+# application default credentials read (gcsfs, google-auth): the key is never in the manifest or the environment.
+GCS_KEY_DIR = "/var/run/secrets/jobspec/gcs"
+GCS_KEY_PATH = f"{GCS_KEY_DIR}/key.json"
+
+
 def master_addr(spec: JobSpec) -> str:
     # Index 0's pod hostname is `<job>-0`; the headless Service, named like the Job, is its subdomain.
     return f"{spec.name}-0.{spec.name}"
@@ -54,6 +60,8 @@ def container_env(spec: JobSpec) -> list[dict[str, Any]]:
     env = {name: _plain(name, value) for name, value in {**SCRATCH_ENV, **VENDOR_ENV[spec.hardware.vendor]}.items()}
     env.update({name: _user_var(name, value) for name, value in tracker_env(spec).items()})
     env.update({name: _user_var(name, value) for name, value in hub_env(spec).items()})
+    if spec.gcs_credentials is not None:
+        env["GOOGLE_APPLICATION_CREDENTIALS"] = _plain("GOOGLE_APPLICATION_CREDENTIALS", GCS_KEY_PATH)
     env.update({name: _user_var(name, value) for name, value in spec.env.items()})
     index_path = f"metadata.annotations['{COMPLETION_INDEX_ANNOTATION}']"
     env[ENV_NODE_RANK] = {"name": ENV_NODE_RANK, "valueFrom": {"fieldRef": {"fieldPath": index_path}}}

@@ -21,7 +21,7 @@ from jobspec.contract import (
     WORKDIR,
 )
 from jobspec.errors import ConfigError
-from jobspec.render.env import container_env
+from jobspec.render.env import GCS_KEY_DIR, GCS_KEY_PATH, container_env
 from jobspec.render.hub import cache_volume
 from jobspec.render.images import image_for
 from jobspec.spec.benchmarks import shipped_paths
@@ -152,7 +152,7 @@ def checkpoint_mount_path(spec: JobSpec) -> str:
 
 
 def _volumes(spec: JobSpec) -> tuple[list[Obj], list[Obj]]:
-    """Volumes and their mounts, of the types Pod Security "restricted" allows (configMap, emptyDir, PVC)."""
+    """Volumes and their mounts, of the types Pod Security "restricted" allows (configMap, emptyDir, PVC, secret)."""
     checkpoint_dir = checkpoint_mount_path(spec)
     if checkpoint_dir in (SPEC_MOUNT_DIR, SHM_MOUNT, SCRATCH_DIR, HF_CACHE_MOUNT):
         raise ConfigError(
@@ -186,6 +186,12 @@ def _volumes(spec: JobSpec) -> tuple[list[Obj], list[Obj]]:
     if spec.data.pvc:  # training data, read-only: a bug in the runner cannot damage the data set
         volumes.append({"name": "data", "persistentVolumeClaim": {"claimName": spec.data.pvc, "readOnly": True}})
         mounts.append({"name": "data", "mountPath": spec.data.mount_path, "readOnly": True})
+    key = spec.gcs_credentials
+    if key is not None:  # a service-account key for gs://, as a file (GOOGLE_APPLICATION_CREDENTIALS names it)
+        secret: Obj = {"secretName": key.secret, "items": [{"key": key.key, "path": posixpath.basename(GCS_KEY_PATH)}],
+                       "defaultMode": 0o440, **({"optional": True} if key.optional else {})}  # fmt: skip
+        volumes.append({"name": "gcs-credentials", "secret": secret})
+        mounts.append({"name": "gcs-credentials", "mountPath": GCS_KEY_DIR, "readOnly": True})
     cache = cache_volume(spec)  # HF_HOME, when the model or data come from the hub
     if cache is not None:
         volumes.append(cache[0])

@@ -470,7 +470,7 @@ class ModelSpec(Section):
 
 
 def _data_source(value: Any) -> Any:
-    """A data path, a hub id, or an object in an object store (`s3://bucket/key.jsonl`, `s3://bucket/prefix/`)."""
+    """A data path, a hub id, or an object in an object store (`s3://bucket/key.jsonl`, `gs://bucket/prefix/`)."""
     if isinstance(value, str):
         check_length(value, MAX_PATH_CHARS)
         if why := object_store.data_problem(value):
@@ -494,8 +494,8 @@ class DataSource(Section):
         StringConstraints(min_length=1, max_length=MAX_PATH_CHARS),  # in the string's schema: a string's error
         BeforeValidator(_data_source),
         Field(
-            description="One source: any file, directory, hub id or s3:// object `data.path` takes (relative to the "
-            "working dir).",
+            description="One source: any file, directory, hub id or s3:// / gs:// object `data.path` takes "
+            "(relative to the working dir).",
         ),
     ]
     weight: Annotated[
@@ -518,8 +518,8 @@ class DataSpec(Section):
         Field(
             description="Training data: a .jsonl, .json (array) or .parquet file, a datasets save_to_disk directory "
             "(a DatasetDict gives its train split) or a hub dataset id (org/name); relative to the working dir; "
-            "or such a file (directory) in object storage, s3://bucket/key.jsonl (s3://bucket/prefix/), downloaded "
-            "once per node into the data cache; omit for the bundled synthetic set."
+            "or such a file (directory) in object storage, s3://bucket/key.jsonl (s3://bucket/prefix/) or gs://..., "
+            "downloaded once per node into the data cache; omit for the bundled synthetic set."
         ),
     ] = None
     format: Annotated[
@@ -579,7 +579,8 @@ class DataSpec(Section):
         BeforeValidator(_local_cache_dir),
         Field(
             description="Where the tokenized data is cached, content-addressed, for every rank and restart (and "
-            "s3:// data sources downloaded); default `<checkpoints.dir>/data-cache` (the local run directory's)."
+            "s3:// and gs:// data sources downloaded); default `<checkpoints.dir>/data-cache` (the local run "
+            "directory's)."
         ),
     ] = None
     pvc: Annotated[
@@ -844,16 +845,16 @@ class CheckpointSpec(Section):
         StringConstraints(min_length=1, max_length=MAX_PATH_CHARS),  # in the string's schema: a string's error
         BeforeValidator(_checkpoint_dir),
         Field(
-            description="Run directory: checkpoints, metrics.jsonl and tier state; or `s3://bucket/prefix`: "
-            "checkpoints published to object storage (staged in `local_dir`; credentials as AWS_* variables from "
-            "a Secret).",
+            description="Run directory: checkpoints, metrics.jsonl and tier state; or `s3://bucket/prefix` "
+            "(`gs://bucket/prefix`): checkpoints published to object storage (staged in `local_dir`; credentials as "
+            "AWS_* variables from a Secret, or for gs:// `gcs_credentials` or workload identity).",
         ),
     ] = "/checkpoints"
     local_dir: Annotated[
         PathStr | None,
         Field(
-            description="With an `s3://` dir: the local run directory in the pod (staging, metrics, data cache); "
-            "default /checkpoints, an emptyDir."
+            description="With an `s3://` or `gs://` dir: the local run directory in the pod (staging, metrics, "
+            "data cache); default /checkpoints, an emptyDir."
         ),
     ] = None
     pvc: Annotated[
@@ -1125,6 +1126,14 @@ class JobSpec(Section):
         Field(description="Environment: NAME: value, or NAME: {secret, key} for credentials (never inline)."),
     ] = {}
     env_from_secrets: Annotated[list[DnsLabel], Field(description="Secrets whose keys all become env vars.")] = []
+    gcs_credentials: Annotated[
+        SecretOnly | None,
+        Field(
+            description="For gs:// locations: a Google service-account key (its JSON) by Secret reference, "
+            "`{secret, key}`, mounted read-only into the pod and named by GOOGLE_APPLICATION_CREDENTIALS; unset: "
+            "the pod's workload identity (GKE) or the node's service account."
+        ),
+    ] = None
 
     @field_validator("env")
     @classmethod

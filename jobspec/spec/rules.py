@@ -264,8 +264,8 @@ def _checkpoint_dir(spec: SpecView) -> list[Problem]:
             return [("checkpoints.local_dir", f"{ck.local_dir!r} must be an absolute path", "e.g. /checkpoints")]
         return []
     if ck.local_dir is not None:
-        return [("checkpoints.local_dir", "applies only to an object-store checkpoints.dir (s3://bucket/prefix)",
-                 "remove it, or set checkpoints.dir to s3://...")]  # fmt: skip
+        return [("checkpoints.local_dir", "applies only to an object-store checkpoints.dir (s3:// or gs://bucket/prefix)",
+                 "remove it, or set checkpoints.dir to s3://... or gs://...")]  # fmt: skip
     if spec.checkpoints.pvc and not spec.checkpoints.dir.startswith("/"):
         return [
             (

@@ -1,6 +1,7 @@
-"""Checkpoints in an object store (`checkpoints.dir: s3://bucket/prefix`): staged on local disk, published there.
+"""Checkpoints in an object store (`checkpoints.dir: s3://bucket/prefix`, or `gs://`): staged on local disk,
+published there through the store's requests (stores.py: S3 and GCS behind one interface).
 
-    s3://bucket/prefix/
+    s3://bucket/prefix/  (gs://bucket/prefix/)
         step-<N>/<file>   the files of a local step-N (store.py): shards, rng-<rank>.pt, .metadata, meta.json,
                           spec.yaml; then manifest.json, once every other file is there; then DONE, last
         lease.json        the run's lease (lease.py), written with conditional requests (`RemoteLeaseFile`)
@@ -22,7 +23,7 @@ checks the copy exactly as a local checkpoint (sizes, checksums, signature when 
 pickles without running code). A damaged step is logged and skipped (left in the bucket: a later save of that step
 replaces it, a prune removes it once older than the kept ones) and the next older one tried. Every local step
 directory but the chosen one is removed: the bucket is the truth. Ranks on other nodes then download that step and
-verify it too. `export_source` does the same for `jobspec export s3://...`.
+verify it too. `export_source` does the same for `jobspec export s3://...` (or gs://).
 
 What the store cannot give: a rename. A writer that passed its last fence and then stalled past the lease timeout
 can still overwrite objects of a step (the fence is a check before each phase, not a token the store enforces);
@@ -46,7 +47,7 @@ from jobspec.contract import EXIT_FAILED
 from jobspec.errors import ConfigError, JobspecError
 from jobspec.spec.object_store import ObjectUrl, parse
 from jobspec.untrusted import json_loads
-from runner.checkpoint import lease, manifest, storage, store
+from runner.checkpoint import lease, manifest, storage, store, stores
 from runner.checkpoint.files import plain_name
 from runner.checkpoint.storage import StorageError
 from runner.dist import Control
@@ -61,53 +62,21 @@ MODEL_DIR = "model"
 
 
 class RemoteUnavailable(JobspecError):
-    """The object store did not answer, or failed, after s3fs's retries: retryable (the Job restarts the pod, which
-    resumes from the newest step the bucket holds)."""
+    """The object store did not answer, or failed, after its client's retries: retryable (the Job restarts the pod,
+    which resumes from the newest step the bucket holds)."""
 
     exit_code = EXIT_FAILED
-
-
-def filesystem(needed_by: str = "checkpoints.dir s3://...") -> Any:
-    """A fresh s3fs filesystem (no instance or listing cache: the bucket is read as it is now). Credentials, region
-    and endpoint come from the AWS_* variables, as boto reads them. Without s3fs: ConfigError naming `needed_by`
-    (the field and URL that asked for it: runner/process/remote_data.py names a data source)."""
-    try:
-        import s3fs
-    except ImportError:
-        raise ConfigError(
-            f"{needed_by} needs s3fs (the s3 extra): pip install 'jobspec-k8s[s3]' (the runner image carries it)"
-        ) from None
-    return s3fs.S3FileSystem(skip_instance_cache=True, use_listings_cache=False)
-
-
-def error_code(err: BaseException) -> str:
-    """The S3 error code behind an s3fs error ("PreconditionFailed", "NoSuchKey", "412", ...), or ""."""
-    for e in (err, err.__cause__, err.__context__):
-        response = getattr(e, "response", None)
-        if isinstance(response, dict):
-            error = response.get("Error") or {}
-            return str(error.get("Code") or response.get("ResponseMetadata", {}).get("HTTPStatusCode") or "")
-    return ""
-
-
-def _conflict(err: BaseException) -> bool:
-    """A conditional request the store refused: the object changed (412), or a concurrent one won (409)."""
-    return isinstance(err, FileExistsError) or error_code(err) in ("PreconditionFailed", "412",
-                                                                   "ConditionalRequestConflict", "409")  # fmt: skip
-
-
-def _missing(err: BaseException) -> bool:
-    return isinstance(err, FileNotFoundError) or error_code(err) in ("NoSuchKey", "404")
 
 
 class Bucket:
     """`checkpoints.dir` in its object store: the few operations the checkpoints need, every read bounded."""
 
-    def __init__(self, url: ObjectUrl | str, fs: Any = None):
+    def __init__(self, url: ObjectUrl | str, store: stores.Store | None = None):
         self.url = parse(url) if isinstance(url, str) else url
         if self.url is None:
             raise ValueError(f"{url!r} is not an object-store URL")
-        self.fs = fs if fs is not None else filesystem()
+        self.store = store if store is not None else stores.open_store(self.url.scheme, f"checkpoints.dir {self.url}")
+        self.fs = self.store.fs  # fsspec's generic calls: put_file, open, exists, rm, find
 
     def __str__(self) -> str:
         return str(self.url)
@@ -118,61 +87,34 @@ class Bucket:
     def key(self, *parts: str) -> str:
         return "/".join(p for p in (self.url.key, *parts) if p)
 
-    def _sync(self, func: Any, *args: Any) -> Any:
-        from fsspec.asyn import sync
-
-        return sync(self.fs.loop, func, *args)
-
     def check(self) -> None:
         """ConfigError when the bucket is not there or these credentials may not use it (names neither secret)."""
         try:
-            self.fs.call_s3("head_bucket", Bucket=self.url.bucket)
+            self.store.check_bucket(self.url.bucket)
         except PermissionError:
-            raise ConfigError(f"checkpoints.dir {self}: access denied to bucket {self.url.bucket!r}: check the AWS_* "
-                              "credentials the pod gets from its Secret (env_from_secrets)") from None  # fmt: skip
+            raise ConfigError(f"checkpoints.dir {self}: access denied to bucket {self.url.bucket!r}: check "
+                              f"{self.store.credentials}") from None  # fmt: skip
         except FileNotFoundError:
             raise ConfigError(f"checkpoints.dir {self}: no bucket {self.url.bucket!r} at this endpoint "
-                              "(AWS_ENDPOINT_URL): create it, or fix the name") from None  # fmt: skip
-        except OSError as err:
-            why = brief(err)
-            raise RemoteUnavailable(f"checkpoints.dir {self}: the object store did not answer ({why})") from None
+                              f"({self.store.endpoint}): create it, or fix the name") from None  # fmt: skip
+        except Exception as err:  # OSError, the clients' connection errors: after their retries
+            raise RemoteUnavailable(f"checkpoints.dir {self}: the object store did not answer ({brief(err)})") from None
 
     # --- objects ----------------------------------------------------------------------------------------------
 
     def put_bytes(self, data: bytes, *parts: str, if_none_match: bool = False,
                   if_match: str | None = None) -> str | None:  # fmt: skip
-        """Write the object; its ETag, or None when a condition (`if_none_match`: none there; `if_match`: that ETag
-        there) did not hold."""
-        cond: dict[str, str] = {"IfNoneMatch": "*"} if if_none_match else {}
-        if if_match is not None:
-            cond["IfMatch"] = if_match
-        try:
-            out = self.fs.call_s3("put_object", Bucket=self.url.bucket, Key=self.key(*parts), Body=data, **cond)
-        except OSError as err:
-            if cond and (_conflict(err) or (if_match is not None and _missing(err))):
-                return None
-            raise
-        return str(out.get("ETag", ""))
+        """Write the object; its tag (ETag, generation), or None when a condition (`if_none_match`: none there;
+        `if_match`: that tag there) did not hold."""
+        return self.store.put(self.url.bucket, self.key(*parts), data, if_absent=if_none_match, if_tag=if_match)
 
     def get_bytes(self, limit: int, *parts: str) -> tuple[bytes, str] | None:
-        """(content, ETag) of the object, read in one GET and no further than `limit` bytes (ValueError beyond);
-        None when there is none."""
-        key = self.key(*parts)
+        """(content, tag) of the object, read no further than `limit` bytes (ValueError beyond); None when there is
+        none."""
         try:
-            resp = self.fs.call_s3("get_object", Bucket=self.url.bucket, Key=key)
-        except FileNotFoundError:
-            return None
-        body = resp["Body"]  # aiobotocore's: read on s3fs's event loop
-        try:
-            size = int(resp.get("ContentLength", 0))
-            if size > limit:
-                raise ValueError(f"{self.uri(*parts)} has {size:,} bytes, more than it may have ({limit:,})")
-            data = self._sync(body.read, limit + 1)
-        finally:
-            body.close()
-        if len(data) > limit:
-            raise ValueError(f"{self.uri(*parts)} has more than {limit:,} bytes")
-        return data, str(resp.get("ETag", ""))
+            return self.store.get(self.url.bucket, self.key(*parts), limit)
+        except ValueError as err:
+            raise ValueError(f"{self.uri(*parts)} {err}") from None
 
     def put_file(self, local: Path, *parts: str) -> None:
         self.fs.put_file(str(local), self.url.join(*parts))
@@ -201,16 +143,7 @@ class Bucket:
         return bool(self.fs.exists(self.url.join(*parts)))
 
     def delete(self, *parts: str, if_match: str | None = None) -> None:
-        kwargs = {"IfMatch": if_match} if if_match else {}
-        try:
-            self.fs.call_s3("delete_object", Bucket=self.url.bucket, Key=self.key(*parts), **kwargs)
-        except OSError as err:
-            if _missing(err) or _conflict(err):
-                return
-            if kwargs and error_code(err) in ("NotImplemented", "501", "InvalidArgument", "400"):
-                self.delete(*parts)  # a store without conditional deletes
-                return
-            raise
+        self.store.delete(self.url.bucket, self.key(*parts), if_tag=if_match)
 
     def delete_tree(self, *parts: str) -> None:
         with contextlib.suppress(FileNotFoundError):
@@ -242,10 +175,10 @@ def brief(err: BaseException) -> str:
 
 
 def _failure(err: BaseException, bucket: Bucket) -> JobspecError:
-    """An s3fs error while writing the checkpoint, as what it means for the Job."""
+    """An object-store client's error while writing the checkpoint, as what it means for the Job."""
     if isinstance(err, JobspecError):
         return err
-    if isinstance(err, PermissionError) or (isinstance(err, FileNotFoundError) and error_code(err) == "NoSuchBucket"):
+    if isinstance(err, PermissionError) or bucket.store.no_bucket(err, bucket.url.bucket):
         return StorageError(f"cannot write checkpoints to {bucket}: {brief(err)}. Check the bucket exists and the "
                             "credentials from the pod's Secret may write it")  # fmt: skip
     return RemoteUnavailable(f"publishing a checkpoint to {bucket} failed after retries: {brief(err)}")
@@ -255,9 +188,10 @@ def _failure(err: BaseException, bucket: Bucket) -> JobspecError:
 
 
 class RemoteLeaseFile(lease.LeaseFile):
-    """The lease record as the object `<prefix>/lease.json`: created with `If-None-Match: *` (one of two runs that
-    start at once wins), renewed and taken over with `If-Match: <the ETag it read>` (a renewal after a takeover, or
-    two takeovers at once, fail instead of overwriting), removed with `If-Match`."""
+    """The lease record as the object `<prefix>/lease.json`: created with `If-None-Match: *` (GCS:
+    `ifGenerationMatch=0`; one of two runs that start at once wins), renewed and taken over with `If-Match: <the ETag
+    it read>` (GCS: `ifGenerationMatch=<the generation it read>`; a renewal after a takeover, or two takeovers at once,
+    fail instead of overwriting), removed with the same condition. `etag` holds the tag: ETag or generation."""
 
     def __init__(self, bucket: Bucket):
         super().__init__(Path(lease.LEASE_FILE))
@@ -272,6 +206,8 @@ class RemoteLeaseFile(lease.LeaseFile):
         self.bucket.check()
 
     def create(self, data: bytes) -> bool:
+        if not self.honoured and self.exists():  # a store not known to honour the condition would overwrite it
+            return False
         etag = self.bucket.put_bytes(data, lease.LEASE_FILE, if_none_match=True)
         if etag is None:
             return False
@@ -280,8 +216,8 @@ class RemoteLeaseFile(lease.LeaseFile):
             self.honoured = self.bucket.put_bytes(data, lease.LEASE_FILE, if_none_match=True) is None
             if not self.honoured:
                 self.etag = self._read_etag()
-                log.warning("%s ignores If-None-Match (conditional writes): the lease cannot keep two runs that start "
-                            "within the same second out of one prefix", self.bucket)  # fmt: skip
+                log.warning("%s ignores conditional writes (%s): the lease cannot keep two runs that start within "
+                            "the same second out of one prefix", self.bucket, self.bucket.store.create_condition)
         return True
 
     def _read_etag(self) -> str | None:
@@ -467,7 +403,7 @@ def newest_intact(bucket: Bucket, root: Path) -> int | None:
         listed = "; ".join(f"step-{s}: {why}" for s, why in damaged)
         raise store.DamagedCheckpoint(
             f"no intact checkpoint in {bucket} ({listed}). Restore the damaged steps, or start over from step 0 by "
-            f"removing them (aws s3 rm --recursive {bucket.uri('step-N')}/)"
+            f"removing them ({bucket.store.cli} rm --recursive {bucket.uri('step-N')}/)"
         )
     return chosen
 

@@ -1,16 +1,18 @@
-"""Data sources in an object store (`data.path: s3://bucket/chat.jsonl`), downloaded once per node by the supervisor.
+"""Data sources in an object store (`data.path: s3://bucket/chat.jsonl`, or `gs://`), downloaded once per node by the
+supervisor, through the store's requests (runner/checkpoint/stores.py: S3 and GCS behind one interface).
 
 `localize(spec)` runs in the supervisor before any worker starts (as runner/process/hub.py does for a hub model): every
-`s3://` source of the spec (`data.path`, `data.sources[i].path`, `data.eval_path`; one object, or a prefix ending in
-'/': every object under it, a datasets save_to_disk directory) is downloaded into the node's data cache
+`s3://` or `gs://` source of the spec (`data.path`, `data.sources[i].path`, `data.eval_path`; one object, or a prefix
+ending in '/': every object under it, a datasets save_to_disk directory) is downloaded into the node's data cache
 (`data.cache_dir`, default `<run dir>/data-cache`, runner/data/cache.py) and the workers get the local copy's path as
 `--set` overrides. From there the local file is read as any other: the tokenized-data cache (keyed by content),
 several sources, streaming, exact resume and the lineage work unchanged (the lineage names the local copy, whose name
 holds the object's version: a resume across a changed object is refused as a change of data).
 
     <cache root>/objects/<url digest>-<version digest>/
-        object.json   the URL, each object's name, size, ETag and VersionId, and each local file's identity
-                      (device, inode, size, mtime, ctime); signed with JOBSPEC_CHECKPOINT_KEY when it is set
+        object.json   the URL, each object's name, size, tag (ETag; GCS: generation) and VersionId, and each local
+                      file's identity (device, inode, size, mtime, ctime); signed with JOBSPEC_CHECKPOINT_KEY when
+                      it is set
         <name>        the object (chat.jsonl), or the prefix's objects under a directory named as the prefix
 
 The version digest is over the URL and every object's (name, size, ETag, VersionId), read with one HEAD (or one
@@ -21,13 +23,15 @@ written over since has another ctime); anything else is downloaded again. The ca
 an exclusive lock on `objects/<entry>.lock` (runner/data/cache.py `locked`): the first process downloads, the others
 (another pod on a shared cache volume, another job) wait and then use its copy. Files are written through
 jobspec.shared_dir: an exclusively created temp directory, each object fetched by ranged GETs with `If-Match: <ETag>`
-(and the VersionId) so an object replaced meanwhile is never mixed (412: listed again and downloaded again, at most
-ATTEMPTS times), fsynced, then renamed into place; no link followed.
+(and the VersionId; GCS: `generation=<generation>`) so an object replaced meanwhile is never mixed (412, or the
+generation gone: listed again and downloaded again, at most ATTEMPTS times), fsynced, then listed once more (a store
+that ignores the pin is caught there: a version not the one read is downloaded again), then renamed into place; no
+link followed.
 
 Bounds: one source has at most MAX_BYTES (and a prefix MAX_OBJECTS objects), and the cache's volume must have room
 for it before a byte is written. Errors: no bucket, no object, access denied, too large: ConfigError (exit 2) naming
 the field, the URL (which never holds credentials) and the fix; no room: StorageError; the store unreachable or
-failing after s3fs's retries: RemoteUnavailable (exit 1, retried by the Job, as for checkpoints).
+failing after its client's retries: RemoteUnavailable (exit 1, retried by the Job, as for checkpoints).
 """
 
 from __future__ import annotations
@@ -50,7 +54,8 @@ from jobspec.shared_dir import signing
 from jobspec.spec import object_store
 from jobspec.spec.models import JobSpec
 from jobspec.untrusted import json_loads, read_bounded
-from runner.checkpoint.remote import RemoteUnavailable, brief, error_code, filesystem
+from runner.checkpoint import stores
+from runner.checkpoint.remote import RemoteUnavailable, brief
 from runner.checkpoint.storage import MARGIN, StorageError, free_bytes
 from runner.data.cache import LOCK_WAIT_S, install, locked, usable_root
 
@@ -96,41 +101,40 @@ def localize(spec: JobSpec) -> list[str]:
                           "usable (see the warning above), and object-store data is downloaded there: set "
                           "data.cache_dir to a directory of its own")  # fmt: skip
     root = shared_dir.directory(Path(root).absolute() / OBJECTS)
-    fs = filesystem(f"{named[0][0]} {named[0][1]}")
+    clients: dict[str, stores.Store] = {}  # one per scheme: sources may be on S3 and on GCS
     local: dict[str, Path] = {}
     for field, url in named:
+        scheme = url.split("://", 1)[0]
+        if scheme not in clients:
+            clients[scheme] = stores.open_store(scheme, f"{field} {url}")
         if url not in local:
-            local[url] = fetch(fs, url, field, root)
+            local[url] = fetch(clients[scheme], url, field, root)
     return [f"{field}={json.dumps(str(local[url]))}" for field, url in named]  # quoted: read as YAML
 
 
-def fetch(fs: Any, url: str, field: str, root: Path) -> Path:
+def fetch(store: stores.Store, url: str, field: str, root: Path) -> Path:
     """The local copy of the source `url` (`field` names it in errors) under the objects directory `root`."""
     where = object_store.parse(url)
-    assert where is not None  # the spec's validation: an s3:// URL without credentials
+    assert where is not None  # the spec's validation: an s3:// or gs:// URL without credentials
     for attempt in range(1, ATTEMPTS + 1):
-        objs = _listing(fs, where, url, field)
+        objs = _listing(store, where, url, field)
         try:
-            return _fetch_version(fs, where, url, field, root, objs)
-        except _Changed:
+            return _fetch_version(store, where, url, field, root, objs)
+        except stores.Changed:
             log.warning("%s %s changed while it was downloaded (attempt %d of %d): reading it again", field, url,
                         attempt, ATTEMPTS)  # fmt: skip
     raise RemoteUnavailable(f"{field} {url} kept changing while it was downloaded ({ATTEMPTS} attempts): upload it "
                             "once and leave it, or point the spec at a versioned copy")  # fmt: skip
 
 
-class _Changed(Exception):
-    """An object's ETag is not the listed one any more (412 on If-Match)."""
-
-
-def _fetch_version(fs: Any, where: object_store.ObjectUrl, url: str, field: str, root: Path,
+def _fetch_version(store: stores.Store, where: object_store.ObjectUrl, url: str, field: str, root: Path,
                    objs: list[Obj]) -> Path:  # fmt: skip
     ident = {"format": FORMAT, "url": url, "objects": [list(o[:1]) + list(o[2:]) for o in objs]}
     url_digest = hashlib.sha256(url.encode()).hexdigest()[:16]
     entry = root / f"{url_digest}-{hashlib.sha256(_canonical(ident)).hexdigest()[:32]}"
     name = where.key.rsplit("/", 1)[-1]
     total = sum(o.size for o in objs)
-    shown = f"{field} {url} ({_version(objs)}, {total:,} bytes)"
+    shown = f"{field} {url} ({_version(objs, store.tag_name)}, {total:,} bytes)"
     if _intact(entry, ident, name, quiet=True):
         log.info("%s: this node's copy %s, not downloaded again", shown, entry / name)
         _used(entry)
@@ -155,7 +159,7 @@ def _fetch_version(fs: Any, where: object_store.ObjectUrl, url: str, field: str,
         start = time.perf_counter()
         tmp = shared_dir.make_temp_dir(root, f".tmp-{entry.name}-")
         try:
-            _download(fs, where, field, url, objs, tmp / name)
+            _download(store, where, field, url, objs, tmp / name)
             record = {**ident, "files": _identities(tmp / name, objs)}
             secret = signing.key()
             shared_dir.write_atomic(tmp / META, _canonical(signing.sign(record, secret) if secret else record))
@@ -170,10 +174,10 @@ def _fetch_version(fs: Any, where: object_store.ObjectUrl, url: str, field: str,
     return entry / name
 
 
-def _version(objs: list[Obj]) -> str:
+def _version(objs: list[Obj], tag_name: str) -> str:
     if len(objs) == 1:
         v = f", VersionId {objs[0].version}" if objs[0].version else ""
-        return f"ETag {objs[0].etag}{v}"
+        return f"{tag_name} {objs[0].etag}{v}"
     return f"{len(objs)} objects"
 
 
@@ -184,34 +188,31 @@ def _canonical(record: dict[str, Any]) -> bytes:
 # --- the store ----------------------------------------------------------------------------------------------------
 
 
-def _call(fs: Any, op: str, field: str, url: str, **kwargs: Any) -> Any:
-    """One S3 request through s3fs (its retries): a refusal as ConfigError naming `field`, `url` and the fix, a store
-    that cannot be reached as RemoteUnavailable, a failed If-Match as _Changed."""
-    bucket = kwargs["Bucket"]
+def _call(store: stores.Store, field: str, url: str, bucket: str, key: str, request: Any, *args: Any) -> Any:
+    """`request(*args)`, one of the store's requests (its client's retries): a refusal as ConfigError naming `field`,
+    `url` and the fix, a store that cannot be reached as RemoteUnavailable, a pinned read of a replaced version as
+    stores.Changed."""
     try:
-        return fs.call_s3(op, **kwargs)
+        return request(*args)
     except PermissionError:
-        raise ConfigError(f"{field} {url}: access denied: the AWS_* credentials the pod gets from its Secret "
-                          f"(env_from_secrets) must be allowed to read bucket {bucket!r} (s3:GetObject, "
-                          "s3:ListBucket)") from None  # fmt: skip
+        raise ConfigError(f"{field} {url}: access denied: {store.credentials} must be allowed to read bucket "
+                          f"{bucket!r} ({store.read_rights})") from None  # fmt: skip
     except FileNotFoundError as err:
-        if op == "list_objects_v2" or error_code(err) == "NoSuchBucket" or not _bucket_exists(fs, bucket):
-            raise ConfigError(f"{field} {url}: no bucket {bucket!r} at this endpoint (AWS_ENDPOINT_URL, else AWS's): "
-                              "create it and upload the data, or fix the URL") from None  # fmt: skip
-        raise ConfigError(f"{field} {url}: no object {kwargs['Key']!r} in bucket {bucket!r}: upload it, or fix the "
-                          f"URL (aws s3 ls s3://{bucket}/ lists what is there)") from None  # fmt: skip
-    except JobspecError:
+        if not key or store.no_bucket(err, bucket) or not _bucket_exists(store, bucket):
+            raise ConfigError(f"{field} {url}: no bucket {bucket!r} at this endpoint ({store.endpoint}): create it "
+                              "and upload the data, or fix the URL") from None  # fmt: skip
+        raise ConfigError(f"{field} {url}: no object {key!r} in bucket {bucket!r}: upload it, or fix the URL "
+                          f"({store.cli} ls {store.scheme}://{bucket}/ lists what is there)") from None  # fmt: skip
+    except (JobspecError, stores.Changed):
         raise
-    except Exception as err:  # OSError from s3fs, botocore's connection errors: after their retries
-        if error_code(err) in ("PreconditionFailed", "412"):
-            raise _Changed() from None
+    except Exception as err:  # OSError from the clients, their connection errors: after their retries
         raise RemoteUnavailable(f"{field} {url}: the object store did not answer or failed ({brief(err)}); the "
                                 "Job retries") from None  # fmt: skip
 
 
-def _bucket_exists(fs: Any, bucket: str) -> bool:
+def _bucket_exists(store: stores.Store, bucket: str) -> bool:
     try:
-        fs.call_s3("head_bucket", Bucket=bucket)
+        store.check_bucket(bucket)
     except FileNotFoundError:
         return False
     except Exception:  # forbidden, or not answering: the object's own error is the one to tell
@@ -219,41 +220,41 @@ def _bucket_exists(fs: Any, bucket: str) -> bool:
     return True
 
 
-def _listing(fs: Any, where: object_store.ObjectUrl, url: str, field: str) -> list[Obj]:
+def _listing(store: stores.Store, where: object_store.ObjectUrl, url: str, field: str) -> list[Obj]:
     """The objects of the source as the store has them now: one HEAD, or the listing of a prefix (bounded)."""
     if not url.endswith("/"):
-        head = _call(fs, "head_object", field, url, Bucket=where.bucket, Key=where.key)
-        return [Obj("", where.key, int(head.get("ContentLength", 0)), str(head.get("ETag", "")),
-                    head.get("VersionId") or None)]  # fmt: skip
-    prefix, objs, token = where.key + "/", [], None
-    while True:
-        page = _call(fs, "list_objects_v2", field, url, Bucket=where.bucket, Prefix=prefix,
-                     **({"ContinuationToken": token} if token else {}))  # fmt: skip
-        for item in page.get("Contents", []):
-            name = str(item["Key"])[len(prefix) :]
+        head = _call(store, field, url, where.bucket, where.key, store.head, where.bucket, where.key)
+        return [Obj("", where.key, head.size, head.tag, head.version)]
+    prefix, objs = where.key + "/", []
+
+    def listed() -> None:
+        for key, head in store.listing(where.bucket, prefix):
+            name = key[len(prefix) :]
             if not name or name.endswith("/"):  # the prefix's own marker, a "folder"
                 continue
             parts = name.split("/")
             if any(p in (".", "..") or not _NAME.match(p) for p in parts):
-                raise ConfigError(f"{field} {url}: object {item['Key'][:200]!r} has a name that cannot be a local "
-                                  "file (letters, digits and _ . = + @ , - only, no '..'): rename it, or give one "
+                raise ConfigError(f"{field} {url}: object {key[:200]!r} has a name that cannot be a local file "
+                                  "(letters, digits and _ . = + @ , - only, no '..'): rename it, or give one "
                                   "object's URL")  # fmt: skip
-            objs.append(Obj(name, str(item["Key"]), int(item.get("Size", 0)), str(item.get("ETag", "")), None))
+            objs.append(Obj(name, key, head.size, head.tag, None))
             if len(objs) > MAX_OBJECTS:
                 raise ConfigError(f"{field} {url}: more than {MAX_OBJECTS:,} objects under the prefix: a data set of "
                                   "fewer, larger files (save_to_disk's shards), or several sources")  # fmt: skip
-        token = page.get("NextContinuationToken") if page.get("IsTruncated") else None
-        if not token:
-            break
+
+    _call(store, field, url, where.bucket, "", listed)
     if not objs:
         raise ConfigError(f"{field} {url}: no objects under the prefix in bucket {where.bucket!r}: upload the data "
                           "set (Dataset.save_to_disk's directory), or fix the URL")  # fmt: skip
     return sorted(objs)
 
 
-def _download(fs: Any, where: object_store.ObjectUrl, field: str, url: str, objs: list[Obj], local: Path) -> None:
+def _download(store: stores.Store, where: object_store.ObjectUrl, field: str, url: str, objs: list[Obj],
+              local: Path) -> None:  # fmt: skip
     """Each object into its new file under `local` (the file itself for a single object), by ranged GETs pinned to
-    the listed ETag (and VersionId), THREADS at once; each file fsynced."""
+    the listed version (S3: If-Match on the ETag, and the VersionId; GCS: the generation), THREADS at once; each file
+    fsynced. Then the listing again: an object whose version is not the listed one now may have been mixed on a store
+    that ignores the pin (stores.Changed, as a refused pin: listed and downloaded again)."""
     files: dict[str, Any] = {}
     try:
         for o in objs:
@@ -265,17 +266,8 @@ def _download(fs: Any, where: object_store.ObjectUrl, field: str, url: str, objs
         def part(item: tuple[Obj, int]) -> None:
             o, start = item
             end = min(start + PART, o.size)
-            pin = {"IfMatch": o.etag, **({"VersionId": o.version} if o.version else {})}
-            resp = _call(fs, "get_object", field, url, Bucket=where.bucket, Key=o.key, Range=f"bytes={start}-{end - 1}",
-                         **pin)  # fmt: skip
-            body = resp["Body"]
-            try:
-                data = _read(fs, body, end - start + 1)
-            except Exception as err:  # the connection broke mid-body
-                why = f"{field} {url}: reading {o.key!r} failed ({brief(err)}); the Job retries"
-                raise RemoteUnavailable(why) from None
-            finally:
-                body.close()
+            pin = stores.Head(o.size, o.etag, o.version)
+            data = _call(store, field, url, where.bucket, o.key, store.read_range, where.bucket, o.key, start, end, pin)
             if len(data) != end - start:
                 raise RemoteUnavailable(f"{field} {url}: {o.key!r} gave {len(data):,} bytes at {start:,}, "
                                         f"{end - start:,} were asked; the Job retries")  # fmt: skip
@@ -288,12 +280,8 @@ def _download(fs: Any, where: object_store.ObjectUrl, field: str, url: str, objs
     finally:
         for f in files.values():
             f.close()
-
-
-def _read(fs: Any, body: Any, limit: int) -> bytes:
-    from fsspec.asyn import sync
-
-    return bytes(sync(fs.loop, body.read, limit))  # aiobotocore's stream: read on s3fs's event loop
+    if _listing(store, where, url, field) != objs:  # replaced after its last part was read, or on a store that
+        raise stores.Changed()  # serves the current version whatever the pin names (gcp-storage-emulator does)
 
 
 # --- the local copy -----------------------------------------------------------------------------------------------

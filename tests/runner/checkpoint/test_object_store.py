@@ -1,15 +1,18 @@
-"""Checkpoints in an object store (runner/checkpoint/remote.py) against a real S3 API server on loopback (moto's).
+"""Checkpoints in an object store (runner/checkpoint/remote.py) against a real S3 API server on loopback (moto's)
+and a GCS JSON API emulator (gcp-storage-emulator; it ignores preconditions and generation pins: gcs_server.py).
 
-A two-rank CPU run publishes its checkpoints to a bucket; the bucket is then left as a killed run leaves it (the
-holder's lease still there, the newest steps torn: one with DONE but no manifest, one with a truncated shard); a run
-in a fresh local directory (another pod) takes the stale lease over, skips the torn steps, resumes from the newest
-intact one and trains the same losses and weights as the uninterrupted run; the model exported from the bucket is
-that model. The lease's conditional writes are checked on their own.
+A two-rank CPU run publishes its checkpoints to a bucket (s3:// and gs://); the bucket is then left as a killed run
+leaves it (the holder's lease still there, the newest steps torn: one with DONE but no manifest, one with a truncated
+shard); a run in a fresh local directory (another pod) takes the stale lease over, skips the torn steps, resumes from
+the newest intact one and trains the same losses and weights as the uninterrupted run; `jobspec export URL` writes
+that model from the bucket. The lease's conditional writes are checked on their own: S3's honoured by moto, GCS's
+sent (ifGenerationMatch) and, the emulator ignoring them, detected and logged.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import time
@@ -19,11 +22,9 @@ import yaml
 
 from jobspec.contract import EXIT_OK
 from runner.checkpoint import lease, remote
-from tests.runner import s3_server
-from tests.runner.train_helpers import records, run_supervisor, tiny_spec_dict, write_spec
+from tests.runner import gcs_server, s3_server
+from tests.runner.train_helpers import ROOT, records, run_supervisor, tiny_spec_dict, write_spec
 
-moto_server = pytest.importorskip("moto.server", reason="moto[server] (the dev extra) runs the S3 API on loopback")
-pytest.importorskip("s3fs", reason="s3fs (the s3 extra) is the runner's object-store client")
 safetensors = pytest.importorskip("safetensors.torch")
 
 BUCKET = "ckpt"
@@ -32,13 +33,35 @@ BUCKET = "ckpt"
 @pytest.fixture(scope="module")
 def s3():
     """An S3 API server on 127.0.0.1 (a free port), the AWS_* variables pointing at it, a bucket; a boto3 client."""
+    pytest.importorskip("moto.server", reason="moto[server] (the dev extra) runs the S3 API on loopback")
+    pytest.importorskip("s3fs", reason="s3fs (the s3 extra) is the runner's object-store client")
     with s3_server.serve(BUCKET) as client:
         yield client
 
 
-def _keys(client, prefix: str) -> set[str]:
-    pages = client.get_paginator("list_objects_v2").paginate(Bucket=BUCKET, Prefix=prefix)
-    return {o["Key"][len(prefix):] for page in pages for o in page.get("Contents", [])}
+@pytest.fixture(scope="module")
+def gcs():
+    """A GCS emulator on 127.0.0.1, STORAGE_EMULATOR_HOST pointing at it, a bucket; a gcsfs filesystem."""
+    pytest.importorskip("gcp_storage_emulator", reason="gcp-storage-emulator (the dev extra) runs GCS on loopback")
+    pytest.importorskip("gcsfs", reason="gcsfs (the gcs extra) is the runner's GCS client")
+    with gcs_server.serve(BUCKET) as fs:
+        yield fs
+
+
+@pytest.fixture(params=["s3", "gs"])
+def store(request):
+    """(scheme, an fsspec filesystem on the bucket's store): what the test reads and damages the bucket with."""
+    if request.param == "s3":
+        request.getfixturevalue("s3")
+        import s3fs
+
+        return "s3", s3fs.S3FileSystem(skip_instance_cache=True, use_listings_cache=False)
+    return "gs", request.getfixturevalue("gcs")
+
+
+def _keys(fs, prefix: str) -> set[str]:
+    root = f"{BUCKET}/{prefix}"
+    return {p[len(root):] for p in fs.find(root)}
 
 
 def _weights(model_dir) -> dict:
@@ -55,10 +78,11 @@ def _dead_pid() -> int:
     return proc.pid
 
 
-def test_two_ranks_checkpoint_to_a_bucket_are_killed_resume_exactly_and_export(tmp_path, s3):
+def test_two_ranks_checkpoint_to_a_bucket_are_killed_resume_exactly_and_export(tmp_path, store):
+    scheme, fs = store
     prefix = "runs/a"
     spec = tiny_spec_dict(tmp_path / "unused", training={"micro_batch": 2, "steps": 6},
-                          checkpoints={"dir": f"s3://{BUCKET}/{prefix}", "every_steps": 2})  # fmt: skip
+                          checkpoints={"dir": f"{scheme}://{BUCKET}/{prefix}", "every_steps": 2})  # fmt: skip
 
     def run(local: str) -> subprocess.CompletedProcess:
         s = {**spec, "checkpoints": {**spec["checkpoints"], "local_dir": str(tmp_path / local)}}
@@ -66,24 +90,30 @@ def test_two_ranks_checkpoint_to_a_bucket_are_killed_resume_exactly_and_export(t
         assert result.returncode == EXIT_OK, result.stderr[-4000:]
         return result
 
-    run("a")  # uninterrupted: steps 1..6, checkpoints 2, 4, 6 in the bucket, the model exported and uploaded
+    first = run("a")  # uninterrupted: steps 1..6, checkpoints 2, 4, 6 in the bucket, the model exported and uploaded
+    if scheme == "gs":  # the emulator ignores ifGenerationMatch: found out at the lease's first create, and said
+        assert "ignores conditional writes (ifGenerationMatch=0)" in first.stderr
+        sent = gcs_server.requests.matching(r"ifGenerationMatch=\d+")  # the conditions GCS itself would enforce
+        assert any("&ifGenerationMatch=0 " in line for line in sent)  # create
+        assert any(re.search(r"&ifGenerationMatch=[1-9]\d* ", line) for line in sent)  # renew
+        assert any(re.search(r"DELETE .*lease\.json\?ifGenerationMatch=[1-9]", line) for line in sent)  # release
     full = {r["step"]: r["loss"] for r in records(tmp_path / "a")}
-    keys = _keys(s3, f"{prefix}/")
+    keys = _keys(fs, f"{prefix}/")
     for step in (2, 4, 6):
         assert {f"step-{step}/DONE", f"step-{step}/manifest.json", f"step-{step}/rng-0.pt",
                 f"step-{step}/rng-1.pt", f"step-{step}/meta.json"} <= keys  # fmt: skip
     assert "model/config.json" in keys and "lease.json" not in keys  # released at exit
 
     # As a killed run leaves the bucket: its lease (a process that is gone), and torn steps past the last good one.
-    step6 = f"{prefix}/step-6/"
-    for name in _keys(s3, step6) - {"manifest.json"}:  # step-8: DONE, but its manifest never arrived
-        s3.copy_object(Bucket=BUCKET, Key=f"{prefix}/step-8/{name}", CopySource={"Bucket": BUCKET, "Key": step6 + name})
-    shard = next(n for n in _keys(s3, step6) if n.endswith(".distcp"))
-    body = s3.get_object(Bucket=BUCKET, Key=step6 + shard)["Body"].read()
-    s3.put_object(Bucket=BUCKET, Key=step6 + shard, Body=body[: len(body) // 2])  # step-6: a truncated shard
+    step6 = f"{BUCKET}/{prefix}/step-6/"
+    for name in _keys(fs, f"{prefix}/step-6/") - {"manifest.json"}:  # step-8: DONE, but its manifest never arrived
+        fs.pipe_file(f"{BUCKET}/{prefix}/step-8/{name}", fs.cat_file(step6 + name))
+    shard = next(n for n in _keys(fs, f"{prefix}/step-6/") if n.endswith(".distcp"))
+    body = fs.cat_file(step6 + shard)
+    fs.pipe_file(step6 + shard, body[: len(body) // 2])  # step-6: a truncated shard
     holder = {**lease._identity(), "pid": _dead_pid(), "pid_start": None, "holder": "f" * 32, "job": spec["name"],
               "since": time.time(), "heartbeat": time.time()}  # fmt: skip
-    s3.put_object(Bucket=BUCKET, Key=f"{prefix}/lease.json", Body=json.dumps(holder).encode())
+    fs.pipe_file(f"{BUCKET}/{prefix}/lease.json", json.dumps(holder).encode())
 
     result = run("b")  # another pod: an empty local directory, the same bucket
     log = result.stderr
@@ -99,10 +129,14 @@ def test_two_ranks_checkpoint_to_a_bucket_are_killed_resume_exactly_and_export(t
     assert trained.keys() == uninterrupted.keys()
     assert all((trained[k] == uninterrupted[k]).all() for k in trained)
 
-    # Export from the bucket: step-8 is still torn and skipped, step-6 was written again whole.
+    # `jobspec export URL`: step-8 is still torn and skipped, step-6 was written again whole.
     from runner.output import export
 
-    out = export.export(f"s3://{BUCKET}/{prefix}", tmp_path / "exported")
+    url = f"{scheme}://{BUCKET}/{prefix}"
+    done = subprocess.run([sys.executable, "-m", "jobspec", "export", url, "--out", str(tmp_path / "exported")],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert done.returncode == EXIT_OK, done.stderr[-4000:]
+    out = tmp_path / "exported"
     assert json.loads((out / export.PROVENANCE).read_text())["step"] == 6
     exported = _weights(out)
     assert all((exported[k] == trained[k]).all() for k in trained)
@@ -144,10 +178,10 @@ def test_the_lease_in_a_bucket_is_one_writer_by_conditional_writes(s3, monkeypat
     assert not second.file.exists()
 
 
-def test_a_torn_upload_is_never_a_checkpoint(tmp_path, s3):
+def test_a_torn_upload_is_never_a_checkpoint(tmp_path, store):
     """No DONE: not listed at all; DONE without the manifest, or a shard shorter than the manifest says: skipped, and
     with nothing intact the resume is refused (exit 2), never trained on."""
-    bucket = remote.Bucket(f"s3://{BUCKET}/runs/torn")
+    bucket = remote.Bucket(f"{store[0]}://{BUCKET}/runs/torn")
     files = {"a.bin": b"x" * 1000}
     listed = {"format": 1, "step": 3, "checksum": "crc32", "files": {"a.bin": {"bytes": 1000, "crc32": "0"}}}
     for name, data in {**files, "manifest.json": json.dumps(listed).encode()}.items():
@@ -180,7 +214,7 @@ def test_spec_with_a_bucket_renders_no_volume_claim_and_no_secret(tmp_path):
     mounts = pod["containers"][0]["volumeMounts"]
     assert {"name": "checkpoints", "mountPath": "/checkpoints"} in mounts
     for bad, said in [({"pvc": "vol"}, "a volume cannot be mounted at s3://"),
-                      ({"dir": "gs://b/x"}, "GCS's S3-compatible endpoint"),
+                      ({"dir": "gs://Bad/x"}, "not a GCS bucket name"),
                       ({"dir": "s3://AKIA:secret@ckpt/x"}, "checkpoints.dir")]:  # fmt: skip
         wrong = {**spec, "checkpoints": {**spec["checkpoints"], **bad}}
         with pytest.raises(Exception, match=said) as err:

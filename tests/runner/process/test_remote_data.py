@@ -130,7 +130,8 @@ def test_an_object_replaced_while_read_is_read_again_and_a_large_one_refused(tmp
 
     monkeypatch.setattr(remote_data, "_listing", stale_first)
     [override] = remote_data.localize(spec)
-    assert len(seen) == 2 and "changed while it was downloaded (attempt 1 of 3)" in caplog.text
+    # listed: the stale version (its GET refused), the current one, and once more after its download (unchanged)
+    assert len(seen) == 3 and "changed while it was downloaded (attempt 1 of 3)" in caplog.text
     assert Path(yaml.safe_load(override.split("=", 1)[1])).read_bytes() == b"".join(LINES[:50])
     monkeypatch.setattr(remote_data, "MAX_BYTES", 1000)
     s3.put_object(Bucket=BUCKET, Key="sets/moving.jsonl", Body=b"".join(LINES[:60]))
@@ -166,7 +167,7 @@ def test_data_urls_are_validated_and_render_no_volume_and_no_secret(tmp_path):
     pod = next(o for o in objects if o["kind"] == "Job")["spec"]["template"]["spec"]
     assert "persistentVolumeClaim" not in text and "s3-credentials" in text and "AWS_SECRET" not in text
     assert not any(v["name"] == "data" for v in pod["volumes"])
-    for bad, said in [({"path": "gs://data/chat.jsonl"}, "GCS's S3-compatible endpoint"),
+    for bad, said in [({"path": "ftp://data/chat.jsonl"}, "not an object store jobspec reads"),
                       ({"path": "s3://AKIA:secret@data/chat.jsonl"}, "data.path"),
                       ({"eval_path": "s3://data/chat.txt"}, "must end in .jsonl"),
                       ({"sources": [{"path": "s3://data/../x.jsonl"}]}, "no '..'"),
