@@ -128,3 +128,27 @@ def test_a_missing_relative_task_file_fails_render_naming_it(tmp_path: Path) -> 
     code, out = cli("render", str(spec_file))
     assert code == EXIT_CONFIG, out
     assert "eval.benchmarks[0] tasks/mc.yaml" in out and "no such file" in out, out
+
+
+def test_an_edited_task_file_changes_the_jobs_spec_hash(tmp_path: Path) -> None:
+    """`jobspec submit` compares the Job's spec-hash to decide "unchanged" (apply nothing): a task file edited beside
+    an unchanged spec must change it, in the Job's and its pods' annotations and in the container's env alike."""
+    from jobspec.contract import ANNOTATION_SPEC_HASH
+    from jobspec.render import ENV_SPEC_HASH
+
+    spec_file = job_dir(tmp_path, ["tasks/mc.yaml"])
+
+    def hashes() -> set[str]:
+        job = rendered(spec_file)["Job"]
+        pod = job["spec"]["template"]
+        env = {e["name"]: e.get("value") for e in pod["spec"]["containers"][0]["env"]}
+        return {job["metadata"]["annotations"][ANNOTATION_SPEC_HASH], pod["metadata"]["annotations"][
+            ANNOTATION_SPEC_HASH], env[ENV_SPEC_HASH]}  # fmt: skip
+
+    before = hashes()
+    assert len(before) == 1 and before != {load_spec(spec_file).spec_hash()}
+    task_file = spec_file.parent / "tasks" / "mc.yaml"
+    task_file.write_text(task_file.read_text() + "# edited\n")
+    after = hashes()
+    assert len(after) == 1 and after != before
+    assert hashes() == after  # the same files, the same hash

@@ -11,9 +11,11 @@ Pure: no I/O, no cluster, no torch, no kubernetes client; the same spec always g
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Mapping
 from typing import Any
 
+from jobspec.contract import ANNOTATION_SPEC_HASH
 from jobspec.render.env import (
     ENV_MASTER_ADDR,
     ENV_MASTER_PORT,
@@ -92,4 +94,31 @@ def render(spec: JobSpec, task_files: Mapping[str, str] | None = None) -> list[d
     """
     policy = [network_policy(spec)] if spec.scheduling.network_policy else []
     claim = [c] if (c := cache_claim(spec)) is not None else []  # the hub cache, before the Job that mounts it
-    return [*claim, spec_configmap(spec, task_files), headless_service(spec), *policy, indexed_job(spec)]
+    objs = [*claim, spec_configmap(spec, task_files), headless_service(spec), *policy, indexed_job(spec)]
+    if task_files:
+        _stamp_shipped(objs, spec.spec_hash(), shipped_hash(spec, task_files))
+    return objs
+
+
+def shipped_hash(spec: JobSpec, task_files: Mapping[str, str]) -> str:
+    """The spec-hash of a job that ships files beside its spec: the spec's and every shipped file's path and text,
+    so that `jobspec submit` sees an edited task file as a changed job (not "unchanged", which applies nothing)."""
+    digest = hashlib.sha256(spec.spec_hash().encode())
+    for path in sorted(task_files):
+        for part in (path, task_files[path]):
+            digest.update(len(part.encode()).to_bytes(8, "big") + part.encode())
+    return digest.hexdigest()[:16]
+
+
+def _stamp_shipped(node: Any, spec_hash: str, job_hash: str) -> None:
+    """The spec-hash annotations and env value of rendered objects replaced by `job_hash`, in place."""
+    if isinstance(node, list):
+        for item in node:
+            _stamp_shipped(item, spec_hash, job_hash)
+    elif isinstance(node, dict):
+        for key, value in node.items():
+            ours = key == ANNOTATION_SPEC_HASH or (key == "value" and node.get("name") == ENV_SPEC_HASH)
+            if ours and value == spec_hash:
+                node[key] = job_hash
+            else:
+                _stamp_shipped(value, spec_hash, job_hash)
