@@ -22,7 +22,7 @@ COPY . .
 # `offload`: torchao for zero2_offload (GPU only; the CPU image leaves it out); `liger`: Liger Kernel for
 # training.loss_kernel: liger (its triton is the one CUDA torch brings); `eval`: lm-evaluation-harness for
 # eval.benchmarks at the end of a job
-RUN sh images/jobspec-image.sh wheel /src /dist "runner offload liger data tracking s3 eval"
+RUN sh images/jobspec-image.sh wheel /src /dist "runner offload liger data tracking s3 gcs eval"
 
 FROM ${BASE_IMAGE}
 ARG BASE_IMAGE

@@ -4,7 +4,7 @@
 # CPU image's venv):
 #
 #   jobspec-image.sh wheel SRC DIST [EXTRAS]   build stage: SRC -> DIST/jobspec_k8s-*.whl + DIST/requirements.txt
-#                                     (EXTRAS: the extras the image carries, default "runner data tracking s3 eval")
+#                                     (EXTRAS: the extras the image carries, default "runner data tracking s3 gcs eval")
 #   jobspec-image.sh user UID GID     runtime: the non-root user the pod runs as (contract.RUN_AS_UID/GID)
 #   jobspec-image.sh deps DIST        runtime: install DIST/requirements.txt, keeping the base's torch
 #   jobspec-image.sh project DIST     runtime: install the wheel itself (no deps) and import it
@@ -29,7 +29,7 @@ pip_install() {
 }
 
 cmd_wheel() {
-    src=$1 dist=$2 extras=${3:-runner data tracking s3 eval}
+    src=$1 dist=$2 extras=${3:-runner data tracking s3 gcs eval}
     mkdir -p "$dist"
     python -m pip wheel --no-cache-dir --disable-pip-version-check --no-deps --wheel-dir "$dist" "$src"
     # Runtime requirements (base + the image's extras), straight from pyproject.toml: the runtime stage

@@ -214,7 +214,9 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 def add_export_args(parser: argparse.ArgumentParser) -> None:
     """`jobspec export`'s arguments (runner/output/export.py parses the same ones)."""
-    parser.add_argument("checkpoint", metavar="CHECKPOINT", help="a step-N checkpoint directory, or a run directory")
+    parser.add_argument("checkpoint", metavar="CHECKPOINT", help="a step-N checkpoint directory, or a run directory; "
+                        "either may be in object storage (s3://bucket/prefix, gs://bucket/prefix: downloaded and "
+                        "verified first)")  # fmt: skip
     parser.add_argument("--out", metavar="DIR", help="where to write (default: the spec's output.dir)")
     parser.add_argument("--merge", action="store_true", help="LoRA: write merged full weights, not an adapter")
     parser.add_argument("--base", metavar="PATH", help="where model.path's base model is now (it moved or was copied)")

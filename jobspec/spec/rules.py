@@ -15,7 +15,7 @@ from __future__ import annotations
 import posixpath
 import re
 from collections.abc import Callable, Mapping, Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
 from jobspec.catalog import gpus as gpu_catalogue
 from jobspec.catalog.presets import PRESETS
@@ -403,8 +403,26 @@ def _benchmarks_export(spec: SpecView) -> list[Problem]:
     return []
 
 
+def _gcs_credentials(spec: Any) -> list[Problem]:
+    """`gcs_credentials` serves gs:// locations only, and names the pods' GOOGLE_APPLICATION_CREDENTIALS: with none
+    it is a Secret mounted into every pod for nothing (a typo'd location, or one moved to s3://); beside
+    env.GOOGLE_APPLICATION_CREDENTIALS (a Secret's value) one of the two would be dropped without a word."""
+    if spec.gcs_credentials is None:
+        return []
+    if "GOOGLE_APPLICATION_CREDENTIALS" in spec.env:
+        why = "is given twice, here and as env.GOOGLE_APPLICATION_CREDENTIALS: both name the pods' key file, and one "
+        return [("gcs_credentials", why + "would be dropped", "keep gcs_credentials and remove the env entry")]
+    data = spec.data
+    places = [spec.checkpoints.dir, data.path, data.eval_path, *(source.path for source in data.sources or ())]
+    if not any(isinstance(place, str) and place.startswith("gs://") for place in places):
+        return [("gcs_credentials", "no gs:// location uses it (checkpoints.dir, data.path, data.eval_path and "
+                 "data.sources[].path name none): the key would be mounted into every pod for nothing",
+                 "point one of them at gs://bucket/..., or remove gcs_credentials")]  # fmt: skip
+    return []
+
+
 _RULES: tuple[Callable[[SpecView], list[Problem]], ...] = (
-    _benchmarks_export,
+    _benchmarks_export, _gcs_credentials,
     _objective, _batch, _image_vendor, _gpu_type, _preset_positions, _checkpoint_dir, _shm_size, _data_mount,
     _scheduling_keys, _cpu_precision, flash_attention_problems, liger_problems, _source_names, _streaming_length,
     hub_id_problems, hub_token_problems,

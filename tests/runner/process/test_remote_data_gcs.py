@@ -126,3 +126,26 @@ def test_gcs_credentials_are_a_secret_mounted_as_a_file_never_inline(tmp_path):
     with pytest.raises(Exception, match=r"gcs_credentials: invalid value \(not shown: it may be a credential\)") as err:
         parse_spec(yaml.safe_dump({**spec, "gcs_credentials": inline}))
     assert "BEGIN PRIVATE KEY" not in str(err.value)
+
+
+def test_gcs_credentials_without_a_gs_location_or_beside_the_env_variable_exit_2(tmp_path):
+    """A key mounted for no gs:// location (a typo, or a bucket moved to s3://) and a key named twice (the explicit
+    env entry from a Secret would win silently) are refused by `jobspec validate`, naming the field and the fix."""
+    from jobspec.contract import EXIT_CONFIG
+    from tests.cli_helpers import cli
+
+    key = {"secret": "gcs-key", "key": "sa.json"}
+    base = {**tiny_spec_dict(tmp_path), "name": "gs-job", "gcs_credentials": key}
+    cases = {
+        "s3": ({**base, "checkpoints": {"dir": "s3://ckpt/runs/gs-job"}}, "no gs:// location uses it"),
+        "twice": ({**base, "data": {"path": "gs://data/chat.jsonl"},
+                   "env": {"GOOGLE_APPLICATION_CREDENTIALS": {"secret": "k", "key": "sa.json"}}}, "is given twice"),
+    }  # fmt: skip
+    for name, (spec, why) in cases.items():
+        path = tmp_path / f"{name}.yaml"
+        path.write_text(yaml.safe_dump(spec))
+        code, out = cli("validate", str(path))
+        assert code == EXIT_CONFIG and "gcs_credentials" in out and why in out, (name, out)
+    ok = tmp_path / "ok.yaml"
+    ok.write_text(yaml.safe_dump({**base, "data": {"sources": [{"path": "gs://data/chat.jsonl"}]}}))
+    assert cli("validate", str(ok))[0] == 0
