@@ -17,26 +17,13 @@ create; the data download's listing after the download).
 from __future__ import annotations
 
 import contextlib
-import logging
 import os
-import re
 from collections.abc import Iterator
 from typing import Any
 
+from tests.runner.request_log import RequestLog
 
-class _Requests(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.INFO)
-        self.lines: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.lines.append(record.getMessage())
-
-    def matching(self, pattern: str) -> list[str]:
-        return [line for line in self.lines if re.search(pattern, line)]
-
-
-requests = _Requests()
+requests = RequestLog()
 
 
 @contextlib.contextmanager
@@ -44,11 +31,7 @@ def serve(bucket: str) -> Iterator[Any]:
     from gcp_storage_emulator.server import create_server
     from gcsfs.core import GCSFileSystem
 
-    server_log = logging.getLogger("gcp_storage_emulator.server")  # one INFO line per request: kept, never printed
-    server_log.setLevel(logging.INFO)
-    server_log.propagate = False
-    if requests not in server_log.handlers:
-        server_log.addHandler(requests)
+    requests.listen("gcp_storage_emulator.server")  # one INFO line per request: kept, never printed
     server = create_server("127.0.0.1", 0, in_memory=True, default_bucket=bucket)
     server.start()
     host, port = server._api._httpd.server_address  # port 0: the one the OS chose

@@ -9,29 +9,13 @@ what a test counts to tell a download from a cache hit.
 from __future__ import annotations
 
 import contextlib
-import logging
 import os
-import re
 from collections.abc import Iterator
 from typing import Any
 
-_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+from tests.runner.request_log import RequestLog
 
-
-class _Requests(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.INFO)
-        self.lines: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.lines.append(_ANSI.sub("", record.getMessage()))
-
-    def count(self, method: str, path: str) -> int:
-        """Requests `METHOD /path` (the path without its query) logged so far."""
-        return sum(1 for line in self.lines if re.search(rf'"{method} {re.escape(path)}(\?[^ ]*)? HTTP', line))
-
-
-requests = _Requests()
+requests = RequestLog()
 
 
 @contextlib.contextmanager
@@ -39,11 +23,7 @@ def serve(bucket: str) -> Iterator[Any]:
     import boto3
     from moto.server import ThreadedMotoServer
 
-    werkzeug = logging.getLogger("werkzeug")  # one INFO line per request: counted, never printed
-    werkzeug.setLevel(logging.INFO)
-    werkzeug.propagate = False
-    if requests not in werkzeug.handlers:
-        werkzeug.addHandler(requests)
+    requests.listen("werkzeug")  # one INFO line per request: kept, never printed
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
     server.start()
     host, port = server.get_host_and_port()
