@@ -68,7 +68,8 @@ from runner.data.tokenizer import Tokenizer
 from runner.data.tokens import Streams
 
 log = logging.getLogger("jobspec.runner")
-FORMAT_VERSION = 2  # of this layout and of the key's parts: raise it when either changes
+FORMAT_VERSION = 3  # of this layout and of the key's parts: raise it when either changes (3: a preference pair's
+# prompt turns are not targets)
 ARRAYS = {"ids": ("uint16", "int32"), "flags": ("bool",), "bounds": ("int64",), "trainable": ("bool",)}
 META = "meta.json"
 VERIFIED = "verified.stamp"  # the files a reader checked whole, by identity (read_entry)

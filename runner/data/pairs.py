@@ -5,11 +5,14 @@ Two layouts, as TRL's DPOTrainer reads them, so a user's data set works unchange
 - text: `{"prompt": str, "chosen": str, "rejected": str}`: the prompt a user turn, each answer the assistant's;
   without "prompt", TRL's implicit prompt: the text both answers start with (`implicit_prompt`);
 - conversational: `{"chosen": [messages], "rejected": [messages]}` with an optional `"prompt": [messages]`
-  put before each (without it, the shared turns are simply the first messages of both lists); a text prompt is a user
-  turn put before each, unless both lists already open with it (UltraFeedback-binarized's layout).
+  put before each; without it, TRL's implicit prompt of dialogues: the turns both lists start with
+  (`implicit_turns`); a text prompt is a user turn put before each, unless both lists already open with it
+  (UltraFeedback-binarized's layout, whose shared turns are then the implicit prompt, as TRL takes them).
 
-Each pair becomes two chats rendered with the tokenizer's chat template (runner/data/tokenizer.py) under SFT's
-masking: only the assistant's turns are targets, so the summed log-prob of a chat is that of its completion. In the
+Each pair becomes two chats rendered with the tokenizer's chat template (runner/data/tokenizer.py). The targets are
+the completion's assistant turns only, as TRL scores them: an assistant turn of the prompt (a multi-turn
+conversation's earlier replies) is marked `PROMPT_TURN` and its tokens are not targets (runner/data/prepare.py
+`unscore_prompt_turns`), so the summed log-prob of a chat is that of its completion alone. In the
 tokenized store a pair is two consecutive records, chosen then rejected (runner/data/preference.py keeps them
 together). The prompt field is `data.prompt_field` ("prompt"); `chosen` and `rejected` are TRL's names.
 """
@@ -22,6 +25,7 @@ from runner.data.records import as_message_list
 from runner.data.tokenizer import Message
 
 CHOSEN, REJECTED = "chosen", "rejected"
+PROMPT_TURN = "jobspec_prompt_turn"  # key of an assistant message of a pair's prompt: rendered, never a target
 
 
 def check_objective(fmt: str, pairs: bool, where: object) -> None:
@@ -58,6 +62,21 @@ def implicit_prompt(chosen: str, rejected: str) -> tuple[str, str, str]:
     return chosen[:n], chosen[n:], rejected[n:]
 
 
+def implicit_turns(chosen: list, rejected: list) -> tuple[list, list, list]:
+    """(prompt, chosen, rejected) of two dialogues whose prompt is implicit, split as TRL's `extract_prompt` splits
+    them: the turns both start with are the prompt; where one list is the start of the other, the prompt stops a turn
+    short of it (TRL's loop ends there)."""
+    shorter = min(len(chosen), len(rejected))
+    n = next((i for i in range(shorter) if chosen[i] != rejected[i]), max(shorter - 1, 0))
+    return chosen[:n], chosen[n:], rejected[n:]
+
+
+def _prompt_turn(message: object) -> object:
+    if isinstance(message, dict) and message.get("role") == "assistant":
+        return {**message, PROMPT_TURN: True}
+    return message
+
+
 def pair_chats(record: dict, spec: DataSpec) -> tuple[list[Message], list[Message]]:
     """(chosen chat, rejected chat) of a preference record; ValueError naming the field that is wrong."""
     prompt_field = spec.prompt_field
@@ -83,10 +102,12 @@ def pair_chats(record: dict, spec: DataSpec) -> tuple[list[Message], list[Messag
                 f"{prompt_field!r} is {_kind(prompt)}: with {CHOSEN!r} and {REJECTED!r} message lists it must be a "
                 "message list or a text (or left out)"
             )
+        if not prompt:  # TRL's implicit prompt of dialogues: the turns both start with
+            prompt, chosen, rejected = implicit_turns(chosen, rejected)
         for name, messages in ((CHOSEN, chosen), (REJECTED, rejected)):
             if not any(isinstance(m, dict) and m.get("role") == "assistant" for m in messages):
-                raise ValueError(f"{name!r} holds no assistant message: nothing to score")
-        head = list(prompt or [])
+                raise ValueError(f"{name!r} holds no assistant message after the prompt: nothing to score")
+        head = [_prompt_turn(m) for m in prompt]
         return head + chosen, head + rejected
     raise ValueError(
         f"{CHOSEN!r} is {_kind(chosen)} and {REJECTED!r} is {_kind(rejected)}: both must be strings (with a text "

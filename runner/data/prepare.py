@@ -25,6 +25,7 @@ from concurrent.futures import Future, ProcessPoolExecutor
 
 import numpy as np
 
+from runner.data.pairs import PROMPT_TURN
 from runner.data.tokenizer import Message, Tokenizer, segment_arrays
 
 CHUNK_RECORDS = 512  # chats per render_batch call (one batched tokenizer call; a few MB in flight)
@@ -45,11 +46,26 @@ def render_chunk(tokenizer: Tokenizer, chats: Sequence[Chat], limit: int) -> Chu
     else:  # never from one source (its first record fixes its format); kept in order all the same
         rendered = [render_chunk_one(tokenizer, c) for c in chats]
     ids = [i[:limit] for i, _ in rendered]
-    flags = [f[:limit] for _, f in rendered]
+    flags = [unscore_prompt_turns(chat, f)[:limit] for chat, (_, f) in zip(chats, rendered, strict=True)]
     lengths = np.fromiter((len(i) for i in ids), dtype=np.int64, count=len(ids))
     if not ids:
         return np.zeros(0, np.int64), np.zeros(0, bool), lengths
     return np.concatenate(ids).astype(np.int64, copy=False), np.concatenate(flags).astype(bool, copy=False), lengths
+
+
+def unscore_prompt_turns(chat: Chat, flags: np.ndarray) -> np.ndarray:
+    """`flags` without the targets of a preference pair's prompt turns (assistant messages marked PROMPT_TURN,
+    runner/data/pairs.py): they come first, each one run of targets (its reply and end-of-turn), so every target
+    before the completion's first run is cleared."""
+    if isinstance(chat, str):
+        return flags
+    turns = sum(1 for m in chat if isinstance(m, dict) and m.get(PROMPT_TURN))
+    if not turns:
+        return flags
+    starts = np.flatnonzero(flags & ~np.concatenate(([False], flags[:-1])))  # where each run of targets begins
+    out = flags.copy()
+    out[: starts[turns] if turns < len(starts) else len(out)] = False
+    return out
 
 
 def render_chunk_one(tokenizer: Tokenizer, chat: Chat) -> tuple[np.ndarray, np.ndarray]:
