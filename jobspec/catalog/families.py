@@ -72,6 +72,8 @@ class Family:
     # memory.MOE_ROUTED_BYTES (gpt-oss's clamped, biased experts)
     softmax_16bit: float | None = None  # eager attention's bytes per head and token pair under 16-bit weights (the
     # FSDP2 tiers) where the family takes its softmax at the weights' width (gpt-oss, with its sinks; traced 2.0)
+    qk_norm_extra: float = 0.0  # bytes per token and unit of q and kv width a layer keeps beyond memory.QK_NORM_BYTES
+    # (OLMo 2 normalizes its whole q and k projections: traced 2.0 at both residual widths, with and without GQA)
     score_backward: float = 0.0  # eager attention's bytes per head and token pair alive in its own backward beyond
     # what it keeps (the scores' gradients, the softmax's and the sinks' copies): with checkpointing the recomputed
     # layer peaks there once the sequence is long (gpt-oss: 6.0-6.5 in all at 1-4k tokens, kept 2.0; 0: not traced,
@@ -89,7 +91,8 @@ FAMILIES: dict[str, Family] = {
         Family("qwen2", "Qwen 2 / 2.5"),
         Family("qwen3", "Qwen 3", qk_norm=True),
         Family("smollm3", "SmolLM3", tie_default=True),
-        Family("olmo2", "OLMo 2", qk_norm=True),
+        Family("olmo2", "OLMo 2", qk_norm=True, qk_norm_extra=2.0,
+               act_extra=((4, (1.1, 0.0)), (2, (5.1, 0.0)))),  # its post-norms keep their inputs, traced at 512 wide
         Family("granite", "Granite", scale_key="logits_scaling", scale_divides=True),
         Family("phi3", "Phi-3 / Phi-4", block="phi3"),
         Family("gemma", "Gemma", tie_default=True, act_extra=((4, (1.0, 2.0)), (2, (5.0, 2.0)))),

@@ -560,7 +560,8 @@ def _activations(
 ) -> int:
     per_token = _layer_bytes(shape, tier, precision, lora)
     if shape.qk_norm:
-        per_token += QK_NORM_BYTES * (shape.q_width + shape.kv_width)
+        fam = FAMILIES.get(shape.model_type)
+        per_token += (QK_NORM_BYTES + (fam.qk_norm_extra if fam else 0.0)) * (shape.q_width + shape.kv_width)
     if attention == "eager":  # the scores and their softmax stay in memory, per head and token pair
         per_token += _eager_scores(shape, tier, precision) * shape.heads * seq_len
     elif attention not in ("sdpa", "flash", "flash_attention_2"):
@@ -580,10 +581,13 @@ def _recompute(shape: ModelShape, tier: str, tokens: int, seq_len: int, attentio
     kind = "full" if lora is None else "lora_mlp" if MLP_TARGETS & set(lora.targets) else "lora"
     c_h, c_i = RECOMPUTE_GRAD_BYTES[kind]
     per_token = _layer_bytes(shape, tier, precision, lora) + c_h * shape.hidden + c_i * shape.intermediate
+    fam = FAMILIES.get(shape.model_type)
+    if shape.qk_norm and fam and fam.qk_norm_extra:  # norms over whole projections keep theirs in the recomputed
+        # layer too (OLMo 2, traced at zero3 and minimal; per-head norms, Qwen3's, add nothing there)
+        per_token += (QK_NORM_BYTES + fam.qk_norm_extra) * (shape.q_width + shape.kv_width)
     if attention == "eager":
         scores = _eager_scores(shape, tier, precision)
         per_token += scores * shape.heads * seq_len
-        fam = FAMILIES.get(shape.model_type)
         if fam and fam.score_backward:  # or at the attention's own backward, the MLP's activations freed by then: the
             # scores kept and what their backward makes (traced on gpt-oss at 512-4096 tokens: 0.78 of the trace at
             # 4096 without it, 1.00 with it)
