@@ -6,7 +6,8 @@ Each hub model's config.json is its entry in bench/families.json (the keys of th
 the same file the family benchmark reads), handed to `jobspec init --config`, as a user without network would hand
 the downloaded file. The hardware of each is one that `jobspec plan` says fits, chosen by hand from its refusals.
 The CI tests load, validate, plan and render every file (tests/test_loader.py, tests/test_render.py,
-tests/test_schema.py); nothing here is run by them.
+tests/test_schema.py), and tests/test_loader.py fails when a file is not what this writes now (the memory model
+changed the plan in its comments: run this again).
 """
 
 from __future__ import annotations
@@ -59,8 +60,8 @@ OBJECTIVES = {
 }
 
 
-def _write(out: Path, entry: str, req: Request, what: str) -> None:
-    """`jobspec init` of `req` with the entry's config.json, written to `out` with the schema line and a header
+def _text(out: Path, entry: str, req: Request, what: str) -> str:
+    """`jobspec init` of `req` with the entry's config.json, as written to `out`: the schema line and a header
     saying how it was made."""
     configs = json.loads((ROOT / "bench" / "families.json").read_text())
     with tempfile.TemporaryDirectory() as tmp:
@@ -72,19 +73,28 @@ def _write(out: Path, entry: str, req: Request, what: str) -> None:
         f"# Example ({what}): made by tests/examples_gen.py with the command below, config.json being\n"
         f'# bench/families.json\'s "{entry}" entry (the hub file\'s keys at the published shape).\n'
     )
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(SCHEMA + made + text)
-    print(f"wrote {out.relative_to(ROOT)}")
+    return SCHEMA + made + text
+
+
+def examples() -> dict[Path, str]:
+    """Every generated example's path and the text `jobspec init` writes for it now."""
+    out: dict[Path, str] = {}
+    for stem, (entry, hub, gpus, lora, quantize) in FAMILIES.items():
+        req = Request(hub, gpus, SFT, lora=lora, quantize=quantize, name=stem.replace(".", "-"))
+        path = ROOT / "examples" / "families" / f"{stem}.yaml"
+        out[path] = _text(path, entry, req, f"the {entry} family")
+    for stem, (entry, hub, gpus, lora, objective, data, fmt) in OBJECTIVES.items():
+        req = Request(hub, gpus, data, objective=objective, lora=lora, data_format=fmt, name=stem)
+        path = ROOT / "examples" / "objectives" / f"{stem}.yaml"
+        out[path] = _text(path, entry, req, f"objective {objective}" + (f", data.format {fmt}" if fmt else ""))
+    return out
 
 
 def main() -> int:
-    for stem, (entry, hub, gpus, lora, quantize) in FAMILIES.items():
-        req = Request(hub, gpus, SFT, lora=lora, quantize=quantize, name=stem.replace(".", "-"))
-        _write(ROOT / "examples" / "families" / f"{stem}.yaml", entry, req, f"the {entry} family")
-    for stem, (entry, hub, gpus, lora, objective, data, fmt) in OBJECTIVES.items():
-        req = Request(hub, gpus, data, objective=objective, lora=lora, data_format=fmt, name=stem)
-        _write(ROOT / "examples" / "objectives" / f"{stem}.yaml", entry, req, f"objective {objective}"
-               + (f", data.format {fmt}" if fmt else ""))  # fmt: skip
+    for path, text in examples().items():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+        print(f"wrote {path.relative_to(ROOT)}")
     return 0
 
 

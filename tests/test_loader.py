@@ -52,6 +52,15 @@ def test_every_example_loads_and_plans_to_its_tier(example: Path) -> None:
     assert spec.memory.tier in ("auto", report.runs.tier), f"{example}: {spec.memory.tier}, plan {report.runs.tier}"
 
 
+def test_generated_examples_are_what_jobspec_init_writes_now() -> None:
+    """examples/families/ and examples/objectives/ carry `jobspec init`'s plan in their comments (micro-batch, GiB):
+    when the memory model moves, `python tests/examples_gen.py` writes them again, and this fails until it has."""
+    from tests.examples_gen import examples
+
+    stale = [str(path.relative_to(ROOT)) for path, text in examples().items() if path.read_text() != text]
+    assert not stale, f"stale examples (run `python tests/examples_gen.py`): {stale}"
+
+
 def test_good_spec_and_shorthand(tmp_path: Path) -> None:
     spec = load_spec(write(tmp_path, GOOD + "  shm_size: 2Gi\n"))
     assert spec.hardware.shm_size == 2 * 1024**3
