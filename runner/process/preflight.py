@@ -25,7 +25,7 @@ log = logging.getLogger("jobspec.runner")
 RUNNER_PACKAGES = ("torch", "transformers", "accelerate", "peft", "safetensors")
 RUNNER_EXTRA = "pip install 'jobspec-k8s[runner]'  (from a checkout: pip install -e '.[runner]')"
 DATA_EXTRA = "pip install 'jobspec-k8s[data]'"
-EVAL_EXTRA = "pip install 'jobspec-k8s[eval]' (the jobspec runner images carry it; an image of your own needs it)"
+EVAL_EXTRA = "pip install 'jobspec-k8s[eval]' (the runner images carry it; an image of your own needs it)"
 # What each kind of data source needs beyond the runner extra.
 DATA_PACKAGES = {"parquet": ("pyarrow",), "datasets": ("datasets",), "hub": ("datasets",)}
 LIGER_FIX = (
