@@ -51,6 +51,7 @@ from jobspec.contract import (
 from jobspec.errors import EXIT_DOCS, TROUBLESHOOTING, ConfigError, JobspecError, docs_link, see
 from jobspec.spec.loader import load_spec
 from jobspec.spec.models import JobSpec
+from runner.checkpoint import run_files
 from runner.oom import relaunch
 from runner.oom.ladder import MESSAGE_LIMIT
 from runner.process import hub, preflight, redaction
@@ -335,6 +336,9 @@ def supervise(spec: JobSpec, spec_path: str, overrides: list[str], nproc: int | 
             last[:] = [run_attempt(spec_path, overrides, topo, stopping, grace)]
         return last[0].exit_code
 
+    # a pod with a bucket and an empty run directory (another node, a pod the Job created again): the ladder's state
+    # and the metrics an earlier pod kept beside the steps, before the ladder reads them (runner/checkpoint/run_files)
+    run_files.get(spec.checkpoints.dir, Path(spec.run_dir))
     previous = {s: signal.signal(s, between) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
         r = relaunch.supervise(launch, spec.run_dir, spec.memory.tier, world_size=topo.world_size,

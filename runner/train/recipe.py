@@ -34,7 +34,7 @@ from jobspec.plan.planner import rows_per_sample
 from jobspec.spec.models import JobSpec
 from jobspec.spec.units import human_bytes
 from runner import internals
-from runner.checkpoint import remote, store
+from runner.checkpoint import remote, run_files, store
 from runner.checkpoint.lease import Lease, LeaseHeld, check_holder
 from runner.checkpoint.lineage import check_resume, lineage
 from runner.data.dataset import PAD_MULTIPLE, data_order, load_data, rank_slice, total_steps
@@ -379,6 +379,8 @@ class Recipe:
                 oom_at, t0 = time.time(), time.perf_counter()
                 code = self.guard.give_up(err)
                 if code != EXIT_OOM_RETRY_TIER or not self._can_step_down(err):
+                    if self.bucket is not None and self.env.is_main:  # the ladder's state, for a pod created again
+                        run_files.put(self.spec.checkpoints.dir, self.root)
                     return code  # 76, or the relaunch fallback (75)
                 self._step_down(err, oom_at, give_up_s=time.perf_counter() - t0)
 
@@ -769,6 +771,8 @@ class Recipe:
             if self.bucket is not None:  # shards, then the rest, manifest.json, DONE (runner/checkpoint/remote.py)
                 remote.publish(self.bucket, self.root, self.step, rank=self.env.rank, ctrl=self.ctrl,
                                keep=self.spec.checkpoints.keep, attempt=self.attempt, fence=self.fence)  # fmt: skip
+                if self.env.is_main:  # the metrics and the ladder's state beside the step (runner/checkpoint/run_files)
+                    run_files.put(self.spec.checkpoints.dir, self.root)
         self.saved_step = self.step
 
     def _record_samples(self, ids: list[int]) -> None:

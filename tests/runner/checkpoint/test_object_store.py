@@ -103,6 +103,7 @@ def test_two_ranks_checkpoint_to_a_bucket_are_killed_resume_exactly_and_export(t
         assert {f"step-{step}/DONE", f"step-{step}/manifest.json", f"step-{step}/rng-0.pt",
                 f"step-{step}/rng-1.pt", f"step-{step}/meta.json"} <= keys  # fmt: skip
     assert "model/config.json" in keys and "lease.json" not in keys  # released at exit
+    assert "metrics.jsonl" in keys  # the run's records beside the steps (runner/checkpoint/run_files.py)
 
     # As a killed run leaves the bucket: its lease (a process that is gone), and torn steps past the last good one.
     step6 = f"{BUCKET}/{prefix}/step-6/"
@@ -120,8 +121,11 @@ def test_two_ranks_checkpoint_to_a_bucket_are_killed_resume_exactly_and_export(t
     assert "taking over the lease" in log and "has exited" in log
     assert "step-8 is damaged (manifest.json is missing)" in log
     assert "step-6 is damaged" in log and "were written (truncated or overwritten)" in log
-    resumed = {r["step"]: r["loss"] for r in records(tmp_path / "b")}
-    assert sorted(resumed) == [5, 6] and records(tmp_path / "b", "plan")[0]["step"] == 4
+    # its records: the first run's, restored from the bucket (kept after step 6), then the steps it redid from step 4
+    assert "restored metrics.jsonl from" in log
+    steps = [r["step"] for r in records(tmp_path / "b")]
+    assert steps == [1, 2, 3, 4, 5, 6, 5, 6] and records(tmp_path / "b", "plan")[-1]["step"] == 4
+    resumed = {r["step"]: r["loss"] for r in records(tmp_path / "b")[-2:]}
     assert resumed == {s: full[s] for s in (5, 6)}  # exact: the same bits as the uninterrupted run
 
     trained = _weights(tmp_path / "b" / "model")
@@ -140,6 +144,49 @@ def test_two_ranks_checkpoint_to_a_bucket_are_killed_resume_exactly_and_export(t
     assert json.loads((out / export.PROVENANCE).read_text())["step"] == 6
     exported = _weights(out)
     assert all((exported[k] == trained[k]).all() for k in trained)
+
+
+def test_a_pod_created_again_starts_at_the_tier_the_ladder_reached_and_keeps_the_records(tmp_path, s3, caplog):
+    """With a bucket the run directory is the pod's own disk. The ladder's state and the metrics an earlier pod kept
+    beside the steps come back into a new pod's empty run directory before the ladder reads them: a gang whose tier
+    ran out of memory starts at the next one, instead of trying it again on every pod the Job creates."""
+    from jobspec.contract import METRICS_FILE, TIER_STATE_FILE
+    from runner.checkpoint import run_files
+    from runner.oom import ladder
+
+    url = f"s3://{BUCKET}/runs/ladder"
+    earlier = tmp_path / "earlier"
+    ladder.save_state(earlier, ladder.TierState("zero2", [ladder.TierFailure("fast", "OOM at micro-batch 1", 1.0)]))
+    (earlier / METRICS_FILE).write_text('{"kind": "train", "step": 1, "loss": 9.0}\n')
+    run_files.put(url, earlier)  # what rank 0 did before its 75
+
+    spec = tiny_spec_dict(tmp_path / "unused", training={"micro_batch": 2, "steps": 3},
+                          checkpoints={"dir": url, "every_steps": 3, "local_dir": str(tmp_path / "pod")})  # fmt: skip
+    result = run_supervisor([str(write_spec(tmp_path / "job.yaml", spec))])
+    assert result.returncode == EXIT_OK, result.stderr[-4000:]
+    assert "restored tier_state.json, metrics.jsonl from" in result.stderr
+    assert re.search(r"memory tier zero2 from \S+/pod/tier_state\.json \(spec: fast; failed: fast\)", result.stderr)
+    assert "plan: tier zero2" in result.stderr
+    steps = [(r["step"], r["loss"]) for r in records(tmp_path / "pod")]
+    assert steps[0] == (1, 9.0) and [s for s, _ in steps[1:]] == [1, 2, 3]
+
+    # a local file is never replaced; one over its bound is not read; a link planted there is not written through
+    local = tmp_path / "local"
+    ladder.save_state(local, ladder.TierState("zero3"))
+    (local / METRICS_FILE).symlink_to(tmp_path / "elsewhere")
+    assert run_files.get(url, local) == [] and ladder.load_state(local).tier == "zero3"
+    assert not (tmp_path / "elsewhere").exists()
+    fresh = tmp_path / "fresh"
+    monkey = {**run_files.LIMITS, METRICS_FILE: 8}
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(run_files, "LIMITS", monkey)
+        assert run_files.get(url, fresh) == [TIER_STATE_FILE]
+    assert "metrics.jsonl not restored" in caplog.text
+    # what anyone who can write the bucket put there is checked by its reader
+    s3.put_object(Bucket=BUCKET, Key="runs/damaged/tier_state.json", Body=b'{"tier": "warp9"}')
+    assert run_files.get(f"s3://{BUCKET}/runs/damaged", tmp_path / "damaged") == [TIER_STATE_FILE]
+    with pytest.raises(Exception, match="unknown tier 'warp9'"):
+        ladder.load_state(tmp_path / "damaged")
 
 
 def _lease(url: str, job: str = "job") -> lease.Lease:
