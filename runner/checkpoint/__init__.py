@@ -9,6 +9,9 @@
     storage.py   room on the volume for the next checkpoint; write errors that retrying cannot fix
     lease.py     one writer per run directory (a lease file rank 0 renews)
     lineage.py   which checkpoints a run may continue (same job, model, data and global batch)
+    stores.py    the object stores behind s3:// and gs:// (s3fs, gcsfs): conditional writes, pinned reads
+    remote.py    checkpoints in a bucket: staged locally, published whole (manifest, then DONE), fetched and verified
+    run_files.py the run's metrics and OOM-ladder state kept beside the steps, for a pod created again
 
 The volume is not trusted: whatever its files hold, reading a checkpoint runs no code and cannot hang.
 """
