@@ -50,6 +50,7 @@ from jobspec.untrusted import json_loads
 from runner.checkpoint import lease, manifest, storage, store, stores
 from runner.checkpoint.files import plain_name
 from runner.checkpoint.storage import StorageError
+from runner.checkpoint.stores import brief
 from runner.dist import Control
 
 log = logging.getLogger("jobspec.runner")
@@ -168,10 +169,6 @@ class Bucket:
                 if m.group(2) == store.DONE:
                     done.add(int(m.group(1)))
         return sorted(done), sorted(seen)
-
-
-def brief(err: BaseException) -> str:
-    return f"{type(err).__name__}: {str(err).strip().splitlines()[0] if str(err).strip() else ''}"[:300]
 
 
 def _failure(err: BaseException, bucket: Bucket) -> JobspecError:

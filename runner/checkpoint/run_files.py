@@ -52,7 +52,7 @@ def put(checkpoints_dir: str, root: Path, names: Iterable[str] = tuple(LIMITS)) 
                 continue
             store.put(url.bucket, _key(url.key, name), data)
     except Exception as err:  # best effort: the checkpoint itself is published; the next put tries again
-        log.warning("could not keep the run's %s in %s (%s)", ", ".join(names), url, _brief(err))
+        log.warning("could not keep the run's %s in %s (%s)", ", ".join(names), url, stores.brief(err))
 
 
 def get(checkpoints_dir: str, root: Path) -> list[str]:
@@ -78,7 +78,7 @@ def get(checkpoints_dir: str, root: Path) -> list[str]:
                 shared_dir.write_atomic(path, found[0])
                 got.append(name)
     except Exception as err:  # best effort: without them the run starts as a first attempt would
-        log.warning("could not read the run's files from %s (%s); going on without them", url, _brief(err))
+        log.warning("could not read the run's files from %s (%s); going on without them", url, stores.brief(err))
     if got:
         log.info("restored %s from %s (this pod's run directory had none)", ", ".join(got), url)
     return got
@@ -86,7 +86,3 @@ def get(checkpoints_dir: str, root: Path) -> list[str]:
 
 def _key(prefix: str, name: str) -> str:
     return f"{prefix}/{name}" if prefix else name
-
-
-def _brief(err: BaseException) -> str:
-    return f"{type(err).__name__}: {str(err).strip().splitlines()[0] if str(err).strip() else ''}"[:300]

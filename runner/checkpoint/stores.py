@@ -23,6 +23,11 @@ from jobspec.errors import ConfigError
 _GET_TRIES = 3  # GCS: metadata then the bytes of that generation; replaced in between: read again
 
 
+def brief(err: BaseException) -> str:
+    """An object-store client's error in one line for a message: its type and first line, at most 300 characters."""
+    return f"{type(err).__name__}: {str(err).strip().splitlines()[0] if str(err).strip() else ''}"[:300]
+
+
 class Changed(Exception):
     """The object is not the version a pinned read or a conditional request named any more."""
 
