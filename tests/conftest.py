@@ -14,6 +14,7 @@ A counter-example found by `dev` or `fuzz` is fixed in the code and kept as an `
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 
 import pytest
 from hypothesis import settings
@@ -37,3 +38,36 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """The container tier runs after everything else: on a clean machine its images take minutes to build, which
     .ci/run does in the background meanwhile (its fixtures wait for the builder's lock)."""
     items.sort(key=lambda item: item.get_closest_marker("container") is not None)  # stable: the rest keep their order
+
+
+GPU_LEAK_BYTES = 256 * 1024**2  # cuBLAS/cuDNN workspaces a test's first matmuls leave allocated, and then some
+
+
+@pytest.fixture(autouse=True)
+def _gpu_memory_hygiene(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Around every gpu-tier test (one pytest process runs them all): the allocator's cache emptied before, and
+    after, the memory fraction put back to 1, the cache emptied, and the test failed if it left device tensors
+    behind. On the H200 a test that reserved ~105 GiB left it cached, and the next test's probe step at a micro-batch
+    that fits counted it and "ran out of memory" (bench/gpu/records/2026-11-28-h200)."""
+    if request.node.get_closest_marker("gpu") is None:
+        yield
+        return
+    import gc
+
+    import torch
+
+    if not torch.cuda.is_available():
+        yield
+        return
+    gc.collect()
+    torch.cuda.empty_cache()
+    before = torch.cuda.memory_allocated()
+    yield
+    gc.collect()
+    if torch.cuda.is_initialized():
+        torch.cuda.set_per_process_memory_fraction(1.0)
+        torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    leaked = torch.cuda.memory_allocated() - before
+    if leaked > GPU_LEAK_BYTES:
+        pytest.fail(f"the test left {leaked / 1024**3:.2f} GiB of device memory allocated (tensors still referenced)")

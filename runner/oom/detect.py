@@ -213,12 +213,21 @@ def oom_guard(
     `memory.target_utilization` instead of filling the GPU to the last byte. `reset()` puts the model wrapper
     back in order after an OOM inside its forward or backward (DDP's reducer, FSDP2's iteration state:
     `runner.oom.shrink.reset_wrapper`), so the next probe starts clean.
+
+    The peak compared with the budget is what the process holds (its live tensors: the model's states) plus what
+    the step adds: the caching allocator's free blocks are returned to the device before every probe. Without
+    that, blocks an earlier phase cached and no longer uses (a build's transients, an earlier tier's step, an
+    earlier test in the same process) counted in `max_memory_reserved` and failed a micro-batch that fits: the
+    H200's gpt2-small probe at micro-batch 32 "OOMed" on a 139 GiB GPU with 105 GiB of an earlier test's cache
+    reserved (bench/gpu/records/2026-11-28-h200). The budget counts the same bytes: `probe_device` adds what the
+    process's allocator holds to the device's free memory (runner/sizing/probe.py).
     """
 
     def try_step(mbs: int) -> bool:
         on_gpu = torch.cuda.is_available()
         if on_gpu:
-            torch.cuda.reset_peak_memory_stats()
+            torch.cuda.empty_cache()  # cached blocks of an earlier phase are not this step's
+            torch.cuda.reset_peak_memory_stats()  # the peak starts at what the process holds now
         baseline = allocated_bytes()
         outcome = guarded(lambda: step(mbs))
         if outcome.oom or outcome.value is False:  # False: the step agreed on an OOM itself
@@ -228,7 +237,7 @@ def oom_guard(
             return False
         if not on_gpu or budget_bytes is None:
             return True
-        peak = torch.cuda.max_memory_reserved()  # bytes, this process's caching allocator
+        peak = torch.cuda.max_memory_reserved()  # bytes: what the process held at the start plus the step's growth
         torch.cuda.empty_cache()
         if peak > budget_bytes:
             log.info(

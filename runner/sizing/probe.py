@@ -29,7 +29,7 @@ class DeviceInfo:
     vendor: str  # "cuda" | "rocm" | "cpu"
     name: str
     total_bytes: int
-    free_bytes: int  # what a new allocation can get now (other processes' use subtracted)
+    free_bytes: int  # what this process can allocate now: the device's free memory plus what its allocator holds
     capability: tuple[int, int] | str | None  # CUDA (major, minor); ROCm gfx arch, e.g. "gfx90a"
     bf16: bool  # native bf16 matmuls (Ampere+, any ROCm GPU); False on CPU: plan fp32 there
     count: int  # accelerators visible to this process; 0 on CPU
@@ -91,6 +91,17 @@ def _torch_memory(index: int) -> tuple[int, int]:
 
     free, total = torch.cuda.mem_get_info(index)
     return int(free), int(total)
+
+
+def _own_reserved(index: int) -> int:
+    """Bytes this process's caching allocator holds on GPU `index` (0 before its context exists): the device's free
+    memory leaves them out, yet they are this process's to use and every probe peak counts them
+    (`runner.oom.detect.oom_guard`)."""
+    import torch
+
+    if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
+        return 0
+    return int(torch.cuda.memory_reserved(index))
 
 
 def _nvml_memory(index: int, uuid: str | None) -> tuple[str, int, int]:
@@ -159,11 +170,19 @@ def probe_device(local_rank: int = 0, *, host: HostInfo | None = None) -> Device
                 "torch.cuda.mem_get_info failed (%s); assuming the whole %.1f GiB free", err2, view.total_bytes / GiB
             )
             free, total = view.total_bytes, view.total_bytes
+    try:
+        own = _own_reserved(local_rank)
+    except Exception as err:  # a broken driver: the device's free memory alone, as before
+        log.warning("torch could not tell what this process holds on GPU %d (%s)", local_rank, err)
+        own = 0
+    if own:
+        log.info("device: %.2f GiB free on GPU %d plus %.2f GiB this process's allocator holds", free / GiB,
+                 local_rank, own / GiB)  # fmt: skip
     return DeviceInfo(
         vendor=view.vendor,
         name=name or view.name,
         total_bytes=total,
-        free_bytes=min(free, total),
+        free_bytes=min(free + own, total),  # what this process can use: its own allocator's blocks are its
         capability=view.capability,
         bf16=view.bf16,
         count=view.count,
