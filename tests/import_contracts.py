@@ -2,7 +2,7 @@
 
 import-linter's graph knows external packages only by their top-level name (`torch`, not `torch._utils`),
 and an attribute such as `reducer._reset_state` is no import at all. So this contract reads the source of
-every module of the root packages and reports, outside the allowed modules (runner/internals.py):
+every module of the root packages and reports, outside the allowed modules and packages (runner/internals/):
 
 - an import of a private module of a framework: `from torch.distributed.fsdp._fully_shard import ...`,
   `import torch._dynamo`, or a private name from one: `from accelerate.state import _x`;
@@ -74,8 +74,8 @@ class PrivateNamesContract(Contract):
         own = _defined_private_names([tree for _, _, tree in modules])
         found: list[str] = []
         for name, _path, tree in modules:
-            if name in allowed_modules:
-                continue
+            if any(name == allowed or name.startswith(allowed + ".") for allowed in allowed_modules):
+                continue  # an allowed module, or a module of an allowed package
             for node in ast.walk(tree):
                 where = f"{name}:{getattr(node, 'lineno', '?')}"
                 if isinstance(node, ast.ImportFrom) and node.module and not node.level:
@@ -103,6 +103,6 @@ class PrivateNamesContract(Contract):
             output.print_error(f"- {line}", bold=False)
         output.new_line()
         output.print(
-            "Private framework names go through runner/internals.py only: add a function there, with why there "
-            "is no public way and the versions it was checked on."
+            "Private framework names go through the runner/internals/ package only: add a function there, with why "
+            "there is no public way and the versions it was checked on."
         )

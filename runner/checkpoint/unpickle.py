@@ -4,7 +4,7 @@ torch.distributed.checkpoint (DCP) keeps two kinds of pickle, and its readers tr
 - `.metadata`, read by FileSystemReader with pickle.load: a file that names `os.system` runs it. Here
   `read_metadata` reads it (a bounded read of a regular file) with `_Unpickler`, which admits only the
   globals DCP writes: its metadata dataclasses, torch.Size, dtypes, layouts and memory formats by name,
-  a path (the private ones from runner/internals.py), with its memo in a dict (`_Unpickler`: the C
+  a path (the private ones from runner/internals/), with its memo in a dict (`_Unpickler`: the C
   unpickler's memo array grows to any index a PUT names), then checks it field by field (`check_metadata`):
   exact types; every stored item in a shard file of this checkpoint (`__<rank>_<n>.distcp`, no path),
   its byte range inside that file; every chunk inside its tensor and stored; no stream transforms. The

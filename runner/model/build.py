@@ -65,7 +65,7 @@ def preset_config(shape: ModelShape, bos: int, eos: int) -> object:
 
 def ready_for_training(model: nn.Module) -> nn.Module:
     """What every built model needs before training, the trace's included: no KV cache (and none with checkpointing);
-    for a mixture-of-experts model, the experts' matmul at autocast's width (runner/internals.py
+    for a mixture-of-experts model, the experts' matmul at autocast's width (runner/internals/kernels.py
     `install_experts_matmul`: torch's grouped matmul takes bf16 only on a GPU)."""
     model.config.use_cache = False
     fam = FAMILIES.get(getattr(model.config, "model_type", ""))

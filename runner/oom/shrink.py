@@ -226,7 +226,7 @@ def reset_wrapper(model: torch.nn.Module) -> bool:
     """After an OOM inside the wrapped model's forward or backward: DDP's reducer forgets the half-done
     gradient reduction (else the redo's forward raises "Expected to have finished reduction in the prior
     iteration"); FSDP2 resets its iteration state and drops a partial backward's gradients. True when the
-    wrapper is ready for the redo; False when this torch cannot (runner/internals.py): the shrink restarts."""
+    wrapper is ready for the redo; False when this torch cannot (runner/internals/): the shrink restarts."""
     if isinstance(model, torch.nn.parallel.DistributedDataParallel):
         if not internals.reset_ddp(model):
             log.warning("cannot reset DDP after the OOM: the shrink happens by a restart")

@@ -113,7 +113,7 @@ class HostAdamW(torch.optim.Optimizer):
         self.param_groups = optimizer.param_groups
         groups = [{"params": g["params"], **{k: g[k] for k in HYPERPARAMETERS}} for g in self.param_groups]
         self.offload = offload_class(groups, torch.optim.AdamW, minimal_size=0)
-        self.parts = offload_parts(self.offload)  # torchao's internals, or one clear error (runner/internals.py)
+        self.parts = offload_parts(self.offload)  # torchao's internals, or one clear error (runner/internals/)
         self.host = self.parts.param_d2h_map  # GPU parameter -> host copy; its .grad is the host gradient
         self.state = HostState(self.parts, self._unpin)  # type: ignore[assignment]  # Optimizer's is a defaultdict
         self._stale_host = False  # set by load_state_dict: refresh the host copies before the next step

@@ -1,4 +1,4 @@
-"""runner/internals.py: every private framework name in one module, checked before a tier is built.
+"""runner/internals/: every private framework name in one package, checked before a tier is built.
 
 An internal that a run needs and the installed version lacks is simulated by deleting it; the run must
 stop with one message that names the package, its version, the internal and a fix (exit 2), never an
@@ -39,7 +39,7 @@ def test_a_missing_required_internal_is_one_clear_error(monkeypatch: pytest.Monk
         internals.check("fast", 1, "cpu")
     msg = str(err.value)
     assert "accelerate" in msg and "AcceleratorState._reset_state" in msg
-    assert internals._version("accelerate") in msg  # the installed version
+    assert internals.installed("accelerate") in msg  # the installed version
     assert "checked on accelerate" in msg and "pip install" in msg
 
 

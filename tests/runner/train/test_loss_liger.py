@@ -224,7 +224,7 @@ def test_check_liger_refuses_a_kernel_whose_arguments_changed(monkeypatch):
     class Moved:
         arg_names = ["X_ptr", "Y_ptr", "loss_ptr", "n_cols", "ignore_index", "reduction", "NEW_REQUIRED"]
 
-    monkeypatch.setattr(internals, "_liger_kernel", lambda: (Moved(), 1024))
+    monkeypatch.setattr(internals.kernels, "_liger_kernel", lambda: (Moved(), 1024))
     with pytest.raises(ConfigError, match=r"liger-kernel .*NEW_REQUIRED"):
         internals.check_liger("cuda")
 
@@ -233,7 +233,7 @@ def test_check_liger_names_the_fix_without_the_package(monkeypatch):
     def missing():
         raise ImportError("No module named 'liger_kernel'")
 
-    monkeypatch.setattr(internals, "_liger_kernel", missing)
+    monkeypatch.setattr(internals.kernels, "_liger_kernel", missing)
     with pytest.raises(ConfigError, match=r"jobspec-k8s\[liger\].*loss_kernel: chunked"):
         internals.check_liger("cuda")
 

@@ -1,0 +1,49 @@
+"""accelerate's process-wide states, its optimizer registry, and the attention kernel transformers chose."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from runner.internals.versions import has
+
+
+def accelerate_states() -> tuple[Any, Any, Any]:
+    from accelerate.state import AcceleratorState, GradientState, PartialState
+
+    return AcceleratorState, GradientState, PartialState
+
+
+def reset_accelerate() -> None:
+    """Forget accelerate's process-wide state, so that the next `Accelerator` starts clean (another tier's
+    FSDP plugin, another mixed precision). PartialState too: an FSDP run leaves its `distributed_type` at
+    FSDP, and the next Accelerator would take FSDP without its plugin."""
+    accelerator_state, gradient_state, _ = accelerate_states()
+    if not (has(accelerator_state, "_reset_state") and has(gradient_state, "_reset_state")):
+        return  # `check` has stopped the run already; a cleanup after it has nothing to reset
+    accelerator_state._reset_state(reset_partial_state=True)
+    gradient_state._reset_state()
+
+
+def force_fsdp(accelerator: Any, plugin: Any) -> None:
+    """Make `accelerator` treat the model as FSDP2 where accelerate ignored `plugin` (CPU, one GPU without
+    LOCAL_RANK): in its state and in PartialState's shared copy, which every later `AcceleratorState()`
+    (the optimizer wrapper makes one) copies back over it."""
+    from accelerate.utils import DistributedType
+
+    _, _, partial_state = accelerate_states()
+    accelerator.state.distributed_type = partial_state._shared_state["distributed_type"] = DistributedType.FSDP
+    accelerator.state.fsdp_plugin = plugin
+
+
+def forget_optimizer(accelerator: Any, optimizer: Any) -> None:
+    """Drop an optimizer `accelerator.prepare` registered (it would be unscaled and stepped with the others)."""
+    accelerator._optimizers.remove(optimizer)
+
+
+def attention_kernel(model: nn.Module) -> str:
+    """The attention implementation `model` runs ("sdpa", "eager", "flash_attention_2", ...), through DDP's and
+    peft's wrappers (FSDP2 keeps the module); "" when it has no transformers config."""
+    config = getattr(getattr(model, "module", model), "config", None)
+    return str(getattr(config, "_attn_implementation", None) or "")
