@@ -10,6 +10,12 @@ maximum in at most log2(per-rank batch) + 3 probes. A probe step is a full AdamW
 autocast at the longest sequence; "fits" means no OOM and peak reserved memory within the plan's
 budget (target_utilization x free memory). 360 = 2^3 * 3^2 * 5 has 24 divisors, so the divisor
 constraint costs little and the search has real work to do.
+
+The loss is the runner's (`runner.train.step.summed_loss` through the chunked-loss head that `Stepper` installs,
+runner/train/loss.py), as the memory model assumes: the fp32 logits never whole. Until 2026-11-28 this probe took
+transformers' own loss (`model(labels=...)`: whole (B, T, V) logits, upcast, and their gradient, about 0.5 GiB a
+sample of gpt2-small at seq 1024), so its peak was 1.61 x the model's on the H200 (96.6 GiB at micro-batch 72
+against 59.9 predicted) while the runner's own step measured +3.6 % at 120 (bench/gpu/records/2026-11-28-h200).
 """
 
 from __future__ import annotations
@@ -26,18 +32,22 @@ GiB = 1024**3
 
 
 def gpt2_probe(preset: str, seq_len: int, device: Any) -> tuple[Callable[[int], None], Any]:
-    """(step, model): `step(mbs)` runs forward, backward and a fused AdamW step on random tokens under
-    bf16 autocast (fp32 weights: 4 + 4 + 8 = 16 bytes/param, as the memory model assumes)."""
+    """(step, model): `step(mbs)` runs forward, the runner's chunked loss, backward and a fused AdamW step on random
+    tokens under bf16 autocast (fp32 weights: 4 + 4 + 8 = 16 bytes/param, as the memory model assumes)."""
     import torch
     from transformers import AutoModelForCausalLM
 
     from jobspec.catalog.presets import PRESETS
     from runner.model.build import preset_config
+    from runner.train.loss import install_chunked_loss
+    from runner.train.step import summed_loss
 
     shape = PRESETS[preset]
     cfg = preset_config(shape, bos=0, eos=0)
     model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").to(device)
     model.config.use_cache = False
+    head = install_chunked_loss(model, device=device)  # as Stepper installs it
+    assert head is not None, f"{preset}: the runner keeps the full logits for this model (see the log)"
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
     gen = torch.Generator(device=device).manual_seed(0)
 
@@ -45,7 +55,7 @@ def gpt2_probe(preset: str, seq_len: int, device: Any) -> tuple[Callable[[int], 
         opt.zero_grad(set_to_none=True)  # a failed step can leave partial gradients behind
         ids = torch.randint(0, shape.vocab, (mbs, seq_len), device=device, generator=gen)  # (B, T)
         with torch.autocast(device.type, dtype=torch.bfloat16):
-            loss = model(input_ids=ids, labels=ids).loss
+            loss = summed_loss(model, head, ids, ids) / ids.numel()
         loss.backward()
         opt.step()  # Adam allocates its moments here: a forward/backward-only probe under-counts
         opt.zero_grad(set_to_none=True)

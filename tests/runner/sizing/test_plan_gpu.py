@@ -64,4 +64,6 @@ def test_verified_micro_batch_matches_exhaustive_search_and_peak_memory() -> Non
     assert r["peak_reserved_gib"] <= r["budget_gib"] + 1e-6  # oom_guard holds the plan's budget
     ratio = r["peak_allocated_gib"] / r["predicted_gib"]
     print(f"peak allocated / predicted = {ratio:.2f}")
-    assert 0.3 < ratio < 1.5, "the memory model is far off the measured peak: recalibrate jobspec/plan/memory.py"
+    # the probe step is the runner's (chunked loss): the suite's memory part measured +3.6 % at micro-batch 120 on
+    # the H200; 1.61 there was transformers' whole-logits loss in bench/sizing.py, not the model (2026-11-28)
+    assert 0.8 < ratio < 1.2, "the memory model is off the measured peak: recalibrate jobspec/plan/memory.py"
