@@ -14,6 +14,7 @@ Targets (each the project's own public reader, on a file in a temporary director
     index     runner.data.stream.SourceStream.samples  a stream's position index, resumed from
     lease     runner.checkpoint.lease                  lease.json: read, the ranks' holder check, acquire
     heartbeat runner.process.heartbeat.Loss.from_json  a loss announced in the gang's store
+    json      jobspec.untrusted.json_loads             the JSON reader under every file read back (linear, bounded)
 
 Inputs are mutations of valid seeds: byte flips and cuts, splices of hostile fragments (deep nesting, huge
 integers, NaN, long strings, control bytes, YAML aliases, wrong types), duplicated and truncated lines. A
@@ -65,6 +66,9 @@ HOSTILE: list[bytes] = [
     b"\xef\xbb\xbf",
     b"'" * 1000,
     b"1_000_000_000_000_000_000",
+    b'"' + b'\\"' * 16_000,  # an unterminated string of escaped quotes (a regex that backtracks: seconds)
+    b'"\\' * 16_000,
+    b'\\' * 32_000,
 ]
 
 
@@ -317,6 +321,18 @@ def _heartbeat_case(data: bytes, d: Path) -> None:
         raise TypeError("Loss.describe did not return text")
 
 
+def _json_seeds() -> list[bytes]:
+    return [json.dumps({"step": 3, "files": {"a.bin": {"sha256": "ab", "size": 1}}, "s": 'q"u\\\\'}).encode(),
+            json.dumps([[{"a": [1, "[{"]}]]).encode()]  # fmt: skip
+
+
+def _json_case(data: bytes, d: Path) -> None:
+    from jobspec.untrusted import json_loads
+
+    with contextlib.suppress(ValueError):  # not JSON, or nested too deep: the reader's refusal
+        json_loads(data[: 1 << 20])  # the size every caller bounds its reads to, about (a slow case is a hang)
+
+
 TARGETS: dict[str, tuple[Callable[[], list[bytes]], Callable[[bytes, Path], None]]] = {
     "spec": (_spec_seeds, _spec_case),
     "data": (_data_seeds, _data_case),
@@ -328,6 +344,7 @@ TARGETS: dict[str, tuple[Callable[[], list[bytes]], Callable[[bytes, Path], None
     "index": (_index_seeds, _index_case),
     "lease": (_lease_seeds, _lease_case),
     "heartbeat": (_heartbeat_seeds, _heartbeat_case),
+    "json": (_json_seeds, _json_case),
 }
 
 
