@@ -17,6 +17,7 @@ import typing
 from typing import Annotated, Any, Literal
 
 from pydantic import (
+    AfterValidator,
     BaseModel,
     BeforeValidator,
     ConfigDict,
@@ -66,7 +67,13 @@ SIMPO_GAMMA = 0.5  # TRL's CPOConfig default target margin for SimPO
 # and the longest digest this spec accepts (sha512).
 MAX_IMAGE_CHARS = 255 + len(":") + 128 + len("@sha512:") + 128
 
-PathStr = Annotated[str, StringConstraints(max_length=MAX_PATH_CHARS)]
+def _one_line(value: str) -> str:
+    if why := object_store.control_problem(value):
+        raise ValueError(why)
+    return value
+
+
+PathStr = Annotated[str, StringConstraints(max_length=MAX_PATH_CHARS), AfterValidator(_one_line)]
 WordStr = Annotated[str, StringConstraints(max_length=MAX_WORD_CHARS)]
 KeyStr = Annotated[str, StringConstraints(max_length=MAX_KEY_CHARS)]  # env names, label and annotation keys
 TextStr = Annotated[str, StringConstraints(max_length=MAX_STRING_CHARS)]  # env values, annotation values
@@ -834,7 +841,7 @@ def _sub_path(value: Any) -> Any:
 
 
 def _checkpoint_dir(value: Any) -> Any:
-    if isinstance(value, str) and (why := object_store.problem(value)):
+    if isinstance(value, str) and (why := object_store.control_problem(value) or object_store.problem(value)):
         raise ValueError(why)
     return value
 

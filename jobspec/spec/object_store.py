@@ -27,7 +27,9 @@ from jobspec.spec.hub import DATA_SUFFIXES
 
 LOCAL_RUN_DIR = "/checkpoints"
 SCHEMES = ("s3", "gs")
-_URL = re.compile(r"^([a-z][a-z0-9+.-]*)://(.*)$")
+# The whole text, newlines included: `.` and `$` alone let "s3://b/x\ny" (or a trailing newline) pass for a path
+_URL = re.compile(r"\A([a-z][a-z0-9+.-]*)://(.*)\Z", re.DOTALL)
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 # S3's bucket names: 3-63 lowercase letters, digits, '.', '-', starting and ending with a letter or digit; GCS's also
 # take '_', and up to 222 characters when dotted (each dot-separated part at most 63)
 _BUCKET = {"s3": re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$"),
@@ -57,11 +59,31 @@ def is_url(text: str | None) -> bool:
     return bool(text) and _URL.match(text) is not None  # type: ignore[arg-type]
 
 
+def control_problem(text: str) -> str | None:
+    """Why `text` (a path or URL) is refused for a control character (a newline, a tab, NUL), or None."""
+    m = _CONTROL.search(text)
+    if m is None:
+        return None
+    return (f"holds a control character ({m.group()!r} at character {m.start() + 1}): no path or URL has one (a YAML "
+            "block scalar, or an escape inside double quotes?); write it on one line without it")  # fmt: skip
+
+
+def redacted(text: str) -> str:
+    """`text` as an error message may show it: a URL's user part (`s3://KEY:SECRET@bucket`) replaced by `***`."""
+    m = _URL.match(text)
+    if m is None or "@" not in m.group(2).partition("/")[0]:
+        return text[:300]
+    bucket = m.group(2).partition("/")[0]
+    return f"{m.group(1)}://***@{bucket.rpartition('@')[2]}{m.group(2)[len(bucket):]}"[:300]
+
+
 def problem(text: str) -> str | None:
     """Why the URL `text` cannot be an object-store location, or None (a path is not this module's)."""
     m = _URL.match(text)
     if m is None:
         return None
+    if why := control_problem(text):
+        return why
     scheme, rest = m.groups()
     if scheme not in SCHEMES:
         return (f"{scheme}:// is not an object store jobspec reads: use s3://BUCKET/PREFIX (any S3 API) or "
@@ -102,7 +124,8 @@ def data_problem(text: str) -> str | None:
 
 
 def parse(text: str | None) -> ObjectUrl | None:
-    """The object-store location `text` names, or None for a path. ValueError for a URL `problem` refuses."""
+    """The object-store location `text` names, or None for a path. ValueError for a URL `problem` refuses (its
+    message never repeats the URL, which may hold credentials: the caller names it with `redacted`)."""
     if not is_url(text):
         return None
     why = problem(text)  # type: ignore[arg-type]

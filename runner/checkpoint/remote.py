@@ -45,7 +45,7 @@ from typing import Any
 from jobspec import shared_dir
 from jobspec.contract import EXIT_FAILED
 from jobspec.errors import ConfigError, JobspecError
-from jobspec.spec.object_store import ObjectUrl, parse
+from jobspec.spec.object_store import ObjectUrl, parse, redacted
 from jobspec.untrusted import json_loads
 from runner.checkpoint import lease, manifest, storage, store, stores
 from runner.checkpoint.files import plain_name
@@ -443,8 +443,14 @@ def fetch(bucket: Bucket, root: Path, *, rank: int, local_rank: int, local_world
 
 
 def export_source(url: str, into: Path) -> Path:
-    """For `jobspec export s3://bucket/prefix[/step-N]`: the newest intact step (or step N) downloaded into `into`."""
-    parsed = parse(url)
+    """For `jobspec export s3://bucket/prefix[/step-N]`: the newest intact step (or step N) downloaded into `into`.
+    A malformed URL (a '..', user info, a control character) is a ConfigError that never shows the user part."""
+    try:
+        parsed = parse(url)
+    except ValueError as err:
+        raise ConfigError(f"jobspec export {redacted(url)}: {err}") from None
+    if parsed is None:
+        raise ConfigError(f"jobspec export {redacted(url)}: not an s3:// or gs:// location")
     last = parsed.key.rsplit("/", 1)[-1] if parsed and parsed.key else ""
     m = re.match(r"^step-(\d+)$", last)
     bucket = Bucket(parsed._replace(key=parsed.key.rsplit("/", 1)[0] if "/" in parsed.key else "") if m else parsed)
