@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 import yaml
+from pydantic import BaseModel
 
 from jobspec.spec.loader import SpecError, load_spec, parse_spec
 from tests.cli_helpers import cli
@@ -104,3 +105,48 @@ def test_valid_hub_ids_and_local_paths_pass(tmp_path):
         path.write_text(BASE + f"model: {{path: '{model}'}}\ndata: {{path: '{data}'}}\n")
         code, out = cli("validate", str(path))
         assert code == 0, (model, data, out)
+
+
+@pytest.mark.parametrize(
+    ("text", "field"),
+    [
+        ("data: {packing: 1}", "data.packing"),
+        ("output: {export: 0}", "output.export"),
+        ("memory: {fallback: 0}", "memory.fallback"),
+        ("data: {streaming: 'off'}", "data.streaming"),
+        ("output: {merge_lora: 'yes'}", "output.merge_lora"),
+        ("data: {packing: 1.0}", "data.packing"),
+    ],
+)
+def test_a_number_or_a_string_is_not_a_switch(tmp_path, text, field):
+    """pydantic's lax mode read 1/0 and 'off'/'yes' as booleans: `output.export: 0` silently skipped the export."""
+    path = tmp_path / "spec.yaml"
+    path.write_text(BASE + "model: {preset: tiny}\n" + text + "\n")
+    code, out = cli("validate", str(path))
+    assert code == 2 and f"{field}: is a switch: write true or false" in out and "Traceback" not in out, out
+
+
+def test_every_switch_refuses_a_number_and_takes_a_boolean():
+    switches = [loc for loc, kind in leaves() if kind == "other" and _is_switch(loc)]
+    assert len(switches) >= 5
+    for loc in switches:
+        with pytest.raises(SpecError) as err:
+            parse_spec(to_yaml(spec_with(loc, 1, "other")))
+        assert dotted(loc) in str(err.value), str(err.value)  # refused at the switch (a secret's, unshown)
+
+
+def _is_switch(loc: tuple) -> bool:
+    from jobspec.spec import models
+
+    model: Any = models.JobSpec
+    for step in loc[:-1]:
+        field = getattr(model, "model_fields", {}).get(step)
+        if field is None:
+            return False
+        kinds = [k for k in models.annotation_types(field.annotation)
+                 if isinstance(k, type) and issubclass(k, BaseModel)]  # fmt: skip
+        if not kinds:
+            return False
+        model = kinds[0]
+    field = getattr(model, "model_fields", {}).get(loc[-1])
+    return field is not None and models._switch(field.annotation)

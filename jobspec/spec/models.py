@@ -139,15 +139,28 @@ class Section(BaseModel):
     @field_validator("*", mode="before")
     @classmethod
     def _no_bool_numbers(cls, value: Any, info: ValidationInfo) -> Any:
-        """Booleans are not numbers: pydantic's lax mode reads `true` as 1, and YAML 1.1 reads yes/no/on/off as
-        booleans, so `steps: true` trained 1 step and `global_batch: yes` was 1. A number field (or a list of them)
-        that admits no boolean refuses one."""
+        """Booleans are not numbers, and numbers and strings are not booleans: pydantic's lax mode reads `true` as
+        1, 1 or 0 as a boolean and 'off', 'no', 'f' as false, and YAML 1.1 reads yes/no/on/off as booleans, so
+        `steps: true` trained 1 step, `global_batch: yes` was 1 and `output.export: 0` or `training.compile: 'off'`
+        silently switched a setting. A number field (or a list of them) that admits no boolean refuses one; a
+        switch (a field that admits only booleans) refuses anything but true or false."""
+        field = cls.model_fields.get(info.field_name or "")
+        if field is None:
+            return value
         if isinstance(value, bool) or (isinstance(value, list) and any(isinstance(v, bool) for v in value)):
-            field = cls.model_fields.get(info.field_name or "")
-            if field is not None and _numbers_only(field.annotation):
+            if _numbers_only(field.annotation):
                 raise ValueError("a boolean is not a number (YAML reads true/false/yes/no/on/off as booleans): "
                                  "write the number")
+        elif isinstance(value, int | float | str) and _switch(field.annotation):
+            shown = f"the number {value!r}" if not isinstance(value, str) else f"the text {value[:20]!r}"
+            raise ValueError(f"is a switch: write true or false (without quotes), not {shown}")
         return value
+
+
+def _switch(annotation: Any) -> bool:
+    """Whether an annotation admits booleans and nothing else but None: a switch."""
+    kinds = [k for k in annotation_types(annotation) if k is not type(None)]
+    return bool(kinds) and all(k is bool for k in kinds)
 
 
 def _numbers_only(annotation: Any) -> bool:

@@ -42,14 +42,17 @@ class _View:
     model's own validators run on it unchanged.
     """
 
-    __slots__ = ("_loc", "_model", "_values")
+    __slots__ = ("_given", "_loc", "_model", "_values")
 
-    def __init__(self, model: type[BaseModel], values: dict[str, Any], loc: Loc) -> None:
+    def __init__(self, model: type[BaseModel], values: dict[str, Any], loc: Loc, given: set[str] | None = None) -> None:
         self._model, self._values, self._loc = model, values, loc
+        self._given = given if given is not None else set(values)  # what the spec set: `model_fields_set`
 
     def __getattr__(self, name: str) -> Any:  # only for what is not a slot
         if name in self._values:
             return self._values[name]
+        if name == "__pydantic_fields_set__":  # behind BaseModel.model_fields_set, which validators read
+            return self._given
         if name in self._model.model_fields:
             raise Unreadable(".".join(map(str, (*self._loc, name))))
         attribute = getattr(self._model, name, None)
@@ -87,11 +90,12 @@ def _view(model: type[BaseModel], raw: dict[str, Any], loc: Loc, errors: list[di
             values[name] = _view(inner[0], inner[1], (*loc, name), errors)
         else:
             _field_validators_on_valid_items(model, name, raw[name], (*loc, name), errors)
+    given = set(raw) & set(model.model_fields)
     if not complete:
         for decorator in model.__pydantic_decorators__.model_validators.values():
             if decorator.info.mode == "after":
-                _run(lambda func=decorator.func: func(_View(model, values, loc)), loc, raw, errors)
-    return _View(model, values, loc)
+                _run(lambda func=decorator.func: func(_View(model, values, loc, given)), loc, raw, errors)
+    return _View(model, values, loc, given)
 
 
 def _run(check: Callable[[], Any], loc: Loc, value: Any, errors: list[dict[str, Any]]) -> None:
@@ -99,6 +103,10 @@ def _run(check: Callable[[], Any], loc: Loc, value: Any, errors: list[dict[str, 
     try:
         check()
     except Unreadable:
+        pass
+    except (AttributeError, TypeError, LookupError, ArithmeticError):
+        # A rule that cannot run on a partial view (it reads what the view does not model): skipped, as one that
+        # reads an unreadable field is. The spec has failed already; its field problems are what gets reported.
         pass
     except ValueError as err:  # CrossFieldError and HintedValueError included: the loader reads ctx.error
         errors.append(
