@@ -236,3 +236,26 @@ def test_image_agrees_with_the_rendered_pod(vendor: str) -> None:
     assert dict(env.VENDOR_ENV[vendor]).items() <= env_of(stage).items()
     workdirs = [ins.args for ins in stage if ins.keyword == "WORKDIR"]
     assert workdirs[-1:] == [pod.WORKDIR]
+
+
+@pytest.mark.parametrize("vendor", DOCKERFILES)
+def test_the_supervisor_is_pid_1_of_its_container(vendor: str) -> None:
+    """The pod's stop relies on it (docs/concepts/runner.md, signals): the exec-form ENTRYPOINT `python -m runner` runs
+    as the container's PID 1, with no shell or init in between, because the rendered pod sets only `args` (no
+    `command`) and shares no PID namespace between containers. So the kubelet's SIGTERM reaches the supervisor, and
+    when the supervisor dies, however, the kernel kills every other process of the container (workers, DataLoader
+    workers) with it."""
+    render = _renderer()
+    from jobspec.spec.loader import load_spec
+
+    stage = final_stage(parse(DOCKERFILES[vendor]))
+    assert [json.loads(ins.args) for ins in stage if ins.keyword == "ENTRYPOINT"] == [["python", "-m", "runner"]]
+    assert not [ins for ins in stage if ins.keyword == "SHELL"], "an exec-form ENTRYPOINT needs no shell"
+    for obj in render.render(load_spec(REPO / "examples" / EXAMPLE_FOR_VENDOR[vendor])):
+        if obj.get("kind") != "Job":
+            continue
+        pod = obj["spec"]["template"]["spec"]
+        assert not pod.get("shareProcessNamespace"), "a shared PID namespace makes the pause container PID 1"
+        for container in pod["containers"]:
+            assert "command" not in container, f"{container['name']}: a command replaces the image's ENTRYPOINT"
+        assert [c["args"] for c in pod["containers"]] == [[contract.SPEC_PATH]]

@@ -4,7 +4,8 @@ It loads and validates the spec (a bad one: the message and exit 2, no traceback
 for the node (runner/process/hub.py: the workers get the local snapshot as model.path) and the s3:// data sources
 (runner/process/remote_data.py: the workers get the local copies as data.path ...), decides how many
 processes this node runs, starts them (`python -m runner.process.worker`) with the torchrun-style variables
-RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT, forwards SIGTERM/SIGINT,
+RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT, forwards the stop signals
+(SIGTERM, SIGINT, SIGHUP, SIGQUIT: as SIGTERM), makes its workers die with it when it is killed (lifeline.py),
 maps their exits to the contract's codes (jobspec.contract) and writes a one-line JSON termination
 message (exit_code, reason, tier, step, loss) to /dev/termination-log when it exists, or to
 $JOBSPEC_TERMINATION_LOG.
@@ -54,7 +55,7 @@ from jobspec.spec.models import JobSpec
 from runner.checkpoint import run_files
 from runner.oom import relaunch
 from runner.oom.ladder import MESSAGE_LIMIT
-from runner.process import hub, preflight, redaction
+from runner.process import hub, lifeline, preflight, redaction
 from runner.sizing.hostmem import host_oom, oom_kills
 
 log = logging.getLogger("jobspec.runner")
@@ -64,6 +65,11 @@ KILL_GRACE_S = float(os.environ.get("JOBSPEC_KILL_GRACE_S", "30"))  # after one 
 STOP_MARGIN_S = 10.0
 # When ranks end differently, the most telling code wins (config > storage > OOM ladder > failure > preempted > ok).
 _PRIORITY = [EXIT_CONFIG, EXIT_STORAGE, EXIT_OOM_LAST_TIER, EXIT_OOM_RETRY_TIER, EXIT_FAILED, EXIT_PREEMPTED, EXIT_OK]
+# Caught and passed on to the workers as SIGTERM (checkpoint, exit 143): the kubelet's and `docker stop`'s SIGTERM,
+# Ctrl-C, a closed terminal's SIGHUP, Ctrl-\ or `kill -QUIT`. Left to their default action, the last two would end
+# this process without a termination message; the workers' lifeline would still stop them. SIGKILL cannot be caught:
+# the lifeline alone covers it.
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
 
 
 @dataclass(frozen=True)
@@ -191,6 +197,11 @@ class Workers:
                 "MASTER_ADDR": topo.master_addr,
                 "MASTER_PORT": str(topo.master_port),
                 "JOBSPEC_STATUS_FILE": status_file,
+                # Each worker stops when this process dies (lifeline.py): it knows it by pid, and gets the grace
+                # this process would have given it. Popen forks from this thread, the main thread (run_attempt
+                # installs signal handlers, which only the main thread may), whose exit is the process's.
+                lifeline.ENV_PARENT: str(os.getpid()),
+                lifeline.ENV_GRACE: str(stop_grace_s),
             }
             if topo.cpu:  # the ranks share the cores: one thread pool each would oversubscribe
                 env.setdefault("OMP_NUM_THREADS", threads)
@@ -278,7 +289,7 @@ def run_attempt(spec_path: str, overrides: list[str], topo: Topology, stopping: 
             workers.signal_all(signal.SIGTERM)
 
     # Installed before the workers start: a signal meanwhile must not kill this process and orphan them.
-    previous = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT)}
+    previous = {s: signal.signal(s, forward) for s in STOP_SIGNALS}
     try:
         log.info(
             "starting %d worker(s): node %d of %d, world size %d, master %s:%d",
@@ -318,10 +329,10 @@ def run_attempt(spec_path: str, overrides: list[str], topo: Topology, stopping: 
 def supervise(spec: JobSpec, spec_path: str, overrides: list[str], nproc: int | None) -> Outcome:
     """Run the job on this node, relaunched down the OOM tier ladder (runner.oom.relaunch.supervise).
 
-    SIGTERM/SIGINT are caught for the whole ladder, not only while workers run: one that arrives between
+    The stop signals are caught for the whole ladder, not only while workers run: one that arrives between
     two launches (the relaunch wait) starts no new launch and ends the run as preempted, with its
     termination message, instead of killing this process with the default action."""
-    topo, stopping, last = topology(spec, nproc), [False], []  # stopping: set by SIGTERM/SIGINT
+    topo, stopping, last = topology(spec, nproc), [False], []  # stopping: set by a stop signal
     grace = max(1.0, spec.scheduling.termination_grace_seconds - STOP_MARGIN_S)
 
     def between(signum: int, frame: object) -> None:
@@ -339,7 +350,7 @@ def supervise(spec: JobSpec, spec_path: str, overrides: list[str], nproc: int | 
     # a pod with a bucket and an empty run directory (another node, a pod the Job created again): the ladder's state
     # and the metrics an earlier pod kept beside the steps, before the ladder reads them (runner/checkpoint/run_files)
     run_files.get(spec.checkpoints.dir, Path(spec.run_dir))
-    previous = {s: signal.signal(s, between) for s in (signal.SIGTERM, signal.SIGINT)}
+    previous = {s: signal.signal(s, between) for s in STOP_SIGNALS}
     try:
         r = relaunch.supervise(launch, spec.run_dir, spec.memory.tier, world_size=topo.world_size,
                                per_rank_batch=spec.training.global_batch // topo.world_size,

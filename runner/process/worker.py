@@ -7,10 +7,14 @@ full or not writable, 75/76 no tier fits, 143 stopped by SIGTERM (the steps trai
 1 anything else (traceback logged), and 1 too when the gang lost a member (runner/process/heartbeat.py): the Job
 restarts the pods, which resume together from the newest complete checkpoint.
 
-SIGTERM and SIGINT only set the stop flag, from the first line of `main` to the process's exit: a signal
-that comes after the run finished (final checkpoint written) cannot turn its exit 0 into a death by signal.
-During setup (data, model build, probe steps, resume), where the loop never reads the flag, the signal ends
-the process at once with 143 (`Stopped`); the supervisor kills what a long C call keeps from noticing.
+The stop signals (SIGTERM, SIGINT, SIGHUP, SIGQUIT) only set the stop flag, from the first line of `main` to the
+process's exit: a signal that comes after the run finished (final checkpoint written) cannot turn its exit 0 into a
+death by signal. During setup (data, model build, probe steps, resume), where the loop never reads the flag, the
+signal ends the process at once with 143 (`Stopped`); the supervisor kills what a long C call keeps from noticing.
+
+A worker dies with its supervisor (runner/process/lifeline.py): when the supervisor ends without stopping it (a
+SIGKILL), the worker gets SIGTERM from the kernel, checkpoints and stops as above, and kills itself if it has not
+within the supervisor's stop grace.
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ from jobspec.spec.models import JobSpec
 from runner.checkpoint.storage import describe, volume_error
 from runner.dist import DistEnv
 from runner.oom.shrink import tier_failed
-from runner.process import heartbeat, redaction
+from runner.process import heartbeat, lifeline, redaction
 from runner.sizing.plan import NoFit
 from runner.train.recipe import Recipe
 from runner.train.step import StopFlag, Stopped
@@ -102,6 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     stop = StopFlag()
     stop.install()  # never restored: see the module docstring
+    lifeline.bind()  # after the handler: the kernel's SIGTERM on the supervisor's death then stops, not kills
     env = DistEnv.from_env()
     setup_logging(env.rank)
     worker: Recipe | None = None

@@ -132,9 +132,14 @@ class Stopped(BaseException):
         self.signum = signum
 
 
+# What stops a worker gracefully: the kubelet's and the supervisor's SIGTERM (also the kernel's, when the supervisor
+# died: runner/process/lifeline.py), a terminal's Ctrl-C (SIGINT) and Ctrl-\ (SIGQUIT), a closed terminal (SIGHUP).
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
+
+
 class StopFlag:
-    """Set by SIGTERM or SIGINT; read at every micro-step. A second SIGINT interrupts at once, and so does any
-    stop signal inside `immediate()` (raises `Stopped`)."""
+    """Set by a stop signal (STOP_SIGNALS); read at every micro-step. A second SIGINT interrupts at once, and so
+    does any stop signal inside `immediate()` (raises `Stopped`)."""
 
     def __init__(self) -> None:
         self.signum: int | None = None  # the first stop signal received
@@ -167,7 +172,7 @@ class StopFlag:
             self._immediate -= 1
 
     def install(self) -> None:
-        for sig in (signal.SIGTERM, signal.SIGINT):
+        for sig in STOP_SIGNALS:
             self._previous[sig] = signal.signal(sig, self._handle)
 
     def restore(self) -> None:

@@ -95,7 +95,7 @@ def worker_in_process(spec_file: Path, status_file: Path, *overrides: str) -> tu
     supervisor). The worker's signal handlers are put back afterwards."""
     from runner.process import worker
 
-    handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)}
     previous = os.environ.get("JOBSPEC_STATUS_FILE")
     os.environ["JOBSPEC_STATUS_FILE"] = str(status_file)
     try:

@@ -1,11 +1,16 @@
-"""Ctrl-C in `jobspec run` behaves like the kubelet's SIGTERM: checkpoint, exit 143, resumable."""
+"""Ctrl-C, a closed terminal (SIGHUP) and SIGQUIT in `jobspec run` behave like the kubelet's SIGTERM: checkpoint,
+exit 143, resumable. A supervisor killed by SIGKILL takes its worker with it (runner/process/lifeline.py)."""
 
 from __future__ import annotations
 
+import contextlib
+import os
 import signal
 import subprocess
 import sys
 import time
+
+import pytest
 
 from jobspec.contract import EXIT_PREEMPTED
 from runner.checkpoint import store
@@ -45,7 +50,6 @@ def test_sigterm_between_two_launches_ends_preempted_with_a_termination_message(
     """A SIGTERM in the supervisor's relaunch wait (no worker running) starts no new launch: exit 143 and
     the termination message, with the last launch's tier and step, instead of a death by the signal."""
     import json
-    import os
 
     from jobspec.contract import EXIT_OOM_RETRY_TIER
     from runner.oom import ladder
@@ -68,3 +72,68 @@ def test_sigterm_between_two_launches_ends_preempted_with_a_termination_message(
     assert "stopped by a signal before the relaunch" in outcome.reason
     assert json.loads(outcome.message())["step"] == 3
     assert signal.getsignal(signal.SIGTERM) == before  # the handler is put back
+
+
+def start_training(tmp_path, launcher: str) -> tuple[subprocess.Popen, int]:
+    """`jobspec run` or `python -m runner` on a tiny spec that trains for ever, in its own session (the cleanup's
+    process group); returns once the worker trained a step: (the supervisor, the worker's pid from its plan record)."""
+    run = tmp_path / "run"
+    spec = write_spec(tmp_path / "s.yaml", tiny_spec_dict(run, training={"steps": 100000},
+                                                          checkpoints={"every_steps": 100000}))  # fmt: skip
+    cmd = {"jobspec run": [sys.executable, "-m", "jobspec", "run", str(spec)],
+           "python -m runner": [sys.executable, "-m", "runner", str(spec)]}[launcher]  # fmt: skip
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=runner_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)  # fmt: skip
+    deadline = time.monotonic() + timeout_s()
+    while not records(run):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            _, err = communicate_or_fail(proc, "the runner's end")
+            raise AssertionError(f"no training step (exit {proc.returncode}):\n{err[-3000:]}")
+        time.sleep(0.1)
+    return proc, records(run, "plan")[0]["pid"]
+
+
+def stop_everything(proc: subprocess.Popen) -> None:
+    """SIGKILL what is left of the run: the supervisor's process group holds its workers."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(30)
+
+
+@pytest.mark.parametrize("launcher", ["jobspec run", "python -m runner"])
+def test_a_sigkilled_supervisor_takes_its_worker_with_it(tmp_path, launcher):
+    """The H200 finding (issue 41): `jobspec run` killed with SIGKILL left its worker training on the GPU. Now the
+    worker gets SIGTERM from the kernel: it checkpoints what it trained and exits within seconds."""
+    from tests.runner.process.test_lifeline import gone_within
+
+    proc, worker = start_training(tmp_path, launcher)
+    try:
+        assert worker != proc.pid  # `jobspec run` execs the supervisor: the pid killed is the worker's parent
+        proc.send_signal(signal.SIGKILL)
+        took = gone_within(worker, timeout_s(15))
+        assert took is not None, f"the worker (pid {worker}) trained on after its supervisor was SIGKILLed"
+        _, stderr = communicate_or_fail(proc, "the worker's stderr to close")
+    finally:
+        stop_everything(proc)
+    assert "is gone: this worker checkpoints and stops" in stderr, stderr[-3000:]
+    saved = store.latest(tmp_path / "run")
+    assert saved is not None and store.read_meta(saved)["step"] >= 1, "the orphan stopped without its checkpoint"
+
+
+@pytest.mark.parametrize("sig", [signal.SIGHUP, signal.SIGQUIT])
+def test_a_closed_terminal_or_sigquit_checkpoints_and_exits_143(tmp_path, sig):
+    """A closed terminal's SIGHUP and `kill -QUIT` are stops like SIGTERM (test_resume.py) and Ctrl-C (above): the
+    supervisor passes each on, ends 143 with the steps checkpointed, and its worker is gone with it. (Left to their
+    default action they ended the supervisor at once, exit -1 or -3, with no termination message.)"""
+    from tests.runner.process.test_lifeline import alive
+
+    proc, worker = start_training(tmp_path, "python -m runner")
+    try:
+        proc.send_signal(sig)
+        _, stderr = communicate_or_fail(proc, f"the runner to checkpoint and exit after signal {sig}")
+    finally:
+        stop_everything(proc)
+    assert proc.returncode == EXIT_PREEMPTED, stderr[-3000:]
+    assert not alive(worker)
+    saved = store.latest(tmp_path / "run")
+    assert saved is not None and store.read_meta(saved)["step"] >= 1 and "Traceback" not in stderr
