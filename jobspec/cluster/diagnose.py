@@ -9,7 +9,9 @@ member Unschedulable trains no step. Otherwise the first problem found, in this 
     ErrImagePull, ImagePullBackOff, InvalidImageName, CreateContainerConfigError, CrashLoopBackOff, ...
                         the runner container waits for that reason (the kubelet's message follows)
     Unschedulable       the scheduler's message ("0/4 nodes are available: 4 Insufficient nvidia.com/gpu")
-    ContainerCreating   pulling the image, mounting volumes: on its way
+    NotScheduled        no node yet and no word from the scheduler: it has not looked at the pod (a busy or
+                        missing scheduler); nothing is pulled or mounted before a node is chosen
+    ContainerCreating   on its node: pulling the image, mounting volumes: on its way
 A suspended Job with a Kueue queue gets the Workload's word: not admitted and why (no quota, no LocalQueue),
 evicted or preempted by Kueue, or admitted and starting.
 """
@@ -80,6 +82,10 @@ def pod_problem(pod: dict[str, Any]) -> tuple[str, str | None] | None:
         return None
     if "running" in (cstatus.get("state") or {}) and status.get("phase") == "Running":
         return None
+    if not (pod.get("spec") or {}).get("nodeName"):  # the kubelet, which pulls and mounts, has not got it yet
+        scheduler = (pod.get("spec") or {}).get("schedulerName") or "default-scheduler"
+        return "NotScheduled", _say(f"pod {name} has no node yet and {scheduler} has not said why: it has not "
+                                    "looked at the pod so far (busy, or not running)")  # fmt: skip
     return waiting.get("reason") or "ContainerCreating", _say(waiting.get("message"))
 
 

@@ -18,7 +18,7 @@ from jobspec.errors import TROUBLESHOOTING, anchor
 # Every reason `status` gives that the troubleshooting page has a section for (tests/test_docs.py checks each): the
 # pods' (diagnose.py), Kueue's and the Job controller's. Any other reason links to the page's "My job is Pending".
 REASON_DOCS = frozenset({
-    *STUCK_WAITING, "FailedCreate", "Evicted", "Unschedulable", "ContainerCreating", "NoPod",  # pods
+    *STUCK_WAITING, "FailedCreate", "Evicted", "Unschedulable", "NotScheduled", "ContainerCreating", "NoPod",  # pods
     "Pending", "Inadmissible", "Queued", "NoWorkload", "Preempted", "Admitted",  # Kueue
     "PodFailurePolicy", "BackoffLimitExceeded", "DeadlineExceeded",  # a Failed Job's condition
 })  # fmt: skip

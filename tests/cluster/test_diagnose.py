@@ -183,3 +183,22 @@ def test_status_without_kueue_or_event_rights_still_answers(api: FakeApi, client
     api.fail("GET", r"/workloads", status=404, times=1)  # Kueue's CRDs not installed
     st = collect_status(client, "ml", "train")
     assert (st.phase, st.reason) == ("Suspended", "Queued")
+
+
+def test_a_pod_without_a_node_is_not_reported_as_pulling_its_image() -> None:
+    """Seen on a real control plane (issue 43): a pod the scheduler has not looked at yet (no node, no PodScheduled
+    condition, no container status) was `ContainerCreating`, "the image is being pulled", which no node is doing."""
+    fresh = pod(0, "Pending")
+    fresh["spec"].pop("nodeName")
+    fresh["status"].pop("containerStatuses")
+    found = diagnose([fresh, running(1)])
+    assert (found.phase, found.reason) == ("Pending", "NotScheduled")
+    assert "has no node yet" in (found.message or "") and "default-scheduler" in (found.message or "")
+    fresh["spec"]["schedulerName"] = "volcano"  # a scheduler of its own: named, since it may be the one missing
+    assert "volcano has not said why" in (diagnose([fresh, running(1)]).message or "")
+    # once the scheduler has looked, its own word; once on a node, pulling and mounting
+    said = cond("PodScheduled", "False", reason="Unschedulable", message=SCHEDULER)
+    fresh["status"]["conditions"] = [said]
+    assert diagnose([fresh, running(1)]).reason == "Unschedulable"
+    placed = pod(0, "Pending", state=waiting("ContainerCreating"))
+    assert diagnose([placed, running(1)]).reason == "ContainerCreating"
