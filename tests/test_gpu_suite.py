@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
+import yaml
 
 from bench.gpu import calibrate, common, device, prepare, report, suite
 from jobspec.catalog.presets import PRESETS
@@ -62,7 +63,8 @@ def test_smoke_writes_every_section_with_cpu_figures(smoke) -> None:
 
     tests = record["gpu_tests"]  # pytest -m gpu collected the gpu tests and skipped them all here
     assert tests["exit_code"] == 0 and tests["total"] >= 3 and tests["skipped"] == tests["total"]
-    assert tests["files"][0] == "tests/runner/train/test_offload.py" and not tests["interrupted"]
+    assert tests["files"][0] == "tests/runner/oom/test_oom_gpu.py" and not tests["interrupted"]
+    assert record["userpath"]["status"].startswith("skipped in --smoke")  # tests/runner/oom/test_user_path.py
 
 
 @pytest.mark.slow
@@ -120,7 +122,7 @@ def test_every_spec_the_suite_builds_is_valid(tmp_path, sizes) -> None:
     cfg = getattr(common.Config, sizes)()
     data = common.write_data(tmp_path / "data.jsonl", rows=4, seq=cfg.seq)
     built = dict(suite.specs(cfg, tmp_path, data))
-    expected = {"recovery", "relaunch", "runner vs plain", "soak", *(f"tier speed {t}" for t in cfg.tiers),
+    expected = {"recovery", "relaunch", "userpath", "runner vs plain", "soak", *(f"tier speed {t}" for t in cfg.tiers),
                 *(f"memory {p} {t}" for p in cfg.memory_presets for t in cfg.memory_tiers)}  # fmt: skip
     assert set(built) == expected and all(isinstance(s, JobSpec) for s in built.values())
     for name, spec in built.items():
@@ -128,17 +130,33 @@ def test_every_spec_the_suite_builds_is_valid(tmp_path, sizes) -> None:
         assert spec.model.preset in PRESETS, name
     assert built["runner vs plain"].memory.target_utilization == 0.5  # the floor: the plain twin shares the GPU
     if sizes == "gpu":
-        assert {s.model.preset for n, s in built.items() if n.startswith("memory")} == {"gpt2-small", "llama-1b"}
+        assert {s.model.preset for n, s in built.items() if n.startswith("memory")} == {"gpt2-small"}
+        assert built["userpath"].model.preset == "llama-1b" and built["userpath"].memory.tier == "fast"
+
+
+def test_the_user_path_caps_leave_zero2_offload_room_and_fast_none() -> None:
+    """The step-down squeeze of bench/gpu/userpath.py: between what zero2_offload and fast need at micro-batch 1."""
+    from bench.gpu import userpath
+    from jobspec.spec.loader import parse_spec
+
+    setup = userpath.Setup.gpu()
+    spec = parse_spec(yaml.safe_dump(userpath.spec_dict(setup, Path("/tmp/run"))))
+    est = userpath.estimates(setup, spec)
+    assert est["zero2_offload_mbs1"] < (est["zero2_offload_mbs1"] + est["fast_mbs1"]) // 2 < est["fast_mbs1"]
+    assert est["fast_mbs1"] - est["zero2_offload_mbs1"] > 4 * 1024**3  # room for the run's context and a margin
 
 
 def test_gpu_budgets_fit_one_call_and_scale() -> None:
     cfg = common.Config.gpu()
     assert tuple(cfg.budgets) == common.PART_ORDER
-    assert sum(cfg.budgets.values()) <= 8.5 * 60 and cfg.sweep_budget_s < cfg.budgets["recovery"]
+    # one lease: the device call is at most 9 minutes and the machine's start-up is minutes of the 15: 8 at most
+    assert sum(cfg.budgets.values()) <= 8 * 60 and cfg.sweep_budget_s < cfg.budgets["recovery"]
+    assert common.PART_ORDER[:3] == ("tests", "recovery", "userpath")  # the most valuable first
     half = cfg.scaled(250)
     assert sum(half.budgets.values()) == pytest.approx(250, abs=0.5)
-    assert half.budgets["tests"] == pytest.approx(cfg.budgets["tests"] / 2, abs=0.1)
-    assert half.sweep_budget_s == pytest.approx(cfg.sweep_budget_s / 2, abs=0.1)
+    factor = 250 / sum(cfg.budgets.values())
+    assert half.budgets["tests"] == pytest.approx(cfg.budgets["tests"] * factor, abs=0.1)
+    assert half.sweep_budget_s == pytest.approx(cfg.sweep_budget_s * factor, abs=0.1)
     assert common.Config.from_dict(json.loads(json.dumps(cfg.to_dict()))) == cfg
 
 

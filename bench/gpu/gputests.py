@@ -21,12 +21,14 @@ from typing import Any
 
 from bench.gpu.common import ROOT
 
-# Seconds each took on the H100 (2026-11-25): offload 0.01, plan 10, oom 60, train 5 x 28.
+# Seconds on the H200 (2026-11-28): oom 3.7 + 26.5, offload 9.2, plan 12.3, liger 3.1, trace 0.9, train[fast] 42.6
+# (the tier's 136 s ended there). Recovery first: what the suite is most for.
 FIRST = (
-    "tests/runner/train/test_offload.py",
-    "tests/runner/sizing/test_plan_gpu.py",
-    "tests/runner/train/test_loss_liger.py",
     "tests/runner/oom/test_oom_gpu.py",
+    "tests/runner/sizing/test_plan_gpu.py",
+    "tests/runner/train/test_offload.py",
+    "tests/runner/train/test_loss_liger.py",
+    "tests/runner/train/test_trace.py",
 )
 
 

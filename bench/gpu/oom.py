@@ -17,8 +17,9 @@ step K-1 is written, the squeeze is applied; from then on the runner is on its o
              the next tier; tiny preset): the cost of the fallback path, for scale.
 
   oom-anywhere  bench/oom_anywhere.py's sweep (an OOM raised at sampled allocating ops of a step, every point
-             expected to train on), `cfg.sweep_points` points within `cfg.sweep_budget_s`, after the first round of
-             the three above; recorded as not available where this checkout has no such module.
+             expected to train on), `cfg.sweep_points` points within `cfg.sweep_budget_s`, after the first round's
+             shrink and step-down (before its relaunch); recorded as not available where this checkout has no such
+             module.
 
 Recovery = time of step K's metrics record - time of the first OOM (the first `oom_shrink` event's
 `oom_at`, else the tier failure's time). Steps lost = optimizer steps recorded twice in samples-rank0.jsonl
@@ -263,7 +264,8 @@ def oom_anywhere(cfg: Config, work: Path, budget: Budget) -> dict[str, Any]:
 
 
 def run(cfg: Config, work: Path, data: Path, budget: Budget, save: Callable[[], None], record: dict[str, Any]) -> None:
-    """Round 0 of shrink, step-down and relaunch, then the OOM-anywhere sweep, then the other rounds."""
+    """Round 0 of shrink and step-down, the OOM-anywhere sweep, round 0's relaunch (for scale: the least valuable),
+    then the other rounds."""
     runs: list[dict[str, Any]] = []
     took: dict[str, float] = {}  # seconds each scenario's last round took: a round that cannot finish is not started
     record["recovery"] = []
@@ -283,9 +285,9 @@ def run(cfg: Config, work: Path, data: Path, budget: Budget, save: Callable[[], 
             took[kind] = time.perf_counter() - t0
             record["recovery"] = summarise(runs)
             save()
-        if rnd == 0:
-            record["oom_anywhere"] = oom_anywhere(cfg, work, budget)
-            save()
+            if rnd == 0 and kind == "step-down":  # the sweep before the relaunch, which is only for scale
+                record["oom_anywhere"] = oom_anywhere(cfg, work, budget)
+                save()
     record["recovery"] = summarise(runs)
     if record.get("oom_anywhere") is None:  # no round ran
         record["oom_anywhere"] = {"status": budget.skip_note()}

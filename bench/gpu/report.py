@@ -14,6 +14,7 @@ from bench.gpu.calibrate import text as calibration_text
 PARTS: dict[str, tuple[str, ...]] = {  # in the order one call runs them (common.PART_ORDER)
     "tests": ("gpu_tests",),
     "recovery": ("recovery", "oom_anywhere"),
+    "userpath": ("userpath",),
     "memory": ("sizing", "memory_model", "calibration"),
     "throughput": ("throughput", "tiers", "soak"),
 }
@@ -23,6 +24,7 @@ SECTIONS = {
     "gpu_tests": "## GPU test tier (pytest -m gpu)",
     "recovery": "## OOM recovery",
     "oom_anywhere": "## OOM anywhere: sampled sweep",
+    "userpath": "## The user path under a real OOM: jobspec run, memory taken from outside",
     "sizing": "## Sizing: formula, verified, exhaustive",
     "memory_model": "## Memory: formula vs trace vs measured peak",
     "calibration": "## Calibration",
@@ -261,10 +263,37 @@ def _soak(s: dict[str, Any], f: Fmt) -> list[str]:
     ]
 
 
+def _userpath(u: dict[str, Any], f: Fmt) -> list[str]:
+    if "failures" not in u:  # still running when the record was written, or cut off
+        return [str(u.get("status") or u)]
+    verdict = "ok: every requirement held" if u["ok"] else "FAILED: " + "; ".join(u["failures"])
+    once = u["train_steps"] == list(range(1, u["steps"] + 1))
+    rows = [
+        ["preset", f"{u['preset']}, seq {u['seq']}, global batch {u['global_batch']}, {u['steps']} steps"],
+        ["memory taken by", f"JOBSPEC_FAULT_OOM={u['faults']}" if u.get("faults") else
+         f"a hog process (caching allocator in the run: {'on' if u.get('caching_allocator') else 'off'})"],
+        ["squeezes", "; ".join(f"{q['squeeze']} at step {q.get('at_step')} +{q.get('delay_s')} s, cap "
+                               f"{q.get('cap_gib')} GiB ({q.get('hog')})" for q in u.get("squeezes") or []) or "-"],
+        ["exit code", f(u.get("exit_code"))],
+        ["steps recorded", f"{len(u['train_steps'])} ({'each once' if once else u['train_steps']})"],
+        ["shrinks", ", ".join(u["shrinks"]) or "-"],
+        ["tier changes", ", ".join(f"{c['from_tier']} -> {c['to_tier']} in {c['seconds']} s"
+                                   f"{' in process' if c.get('in_process') else ''}"
+                                   for c in u["tier_changes"]) or "-"],
+        ["phases started / ended", f"{u['phases']['started']} / {u['phases']['ended']}"],
+        ["longest log silence in the recovery s", f(u.get("longest_log_silence_s"))],
+        ["OOM -> first step after the step-down s", f(u.get("oom_to_step_after_step_down_s"))],
+        ["start-up to step 1 s (goal 15 on an H200)", f(u.get("startup_to_step1_s"))],
+        ["wall s", f(u.get("wall_s"))],
+    ]  # fmt: skip
+    return [verdict, "", *table(["", ""], rows)]
+
+
 RENDER: dict[str, Callable[[Any, Fmt], list[str]]] = {
     "gpu_tests": _tests,
     "recovery": _recovery,
     "oom_anywhere": _oom_anywhere,
+    "userpath": _userpath,
     "sizing": _sizing,
     "memory_model": _memory,
     "calibration": lambda c, f: [calibration_text(c)],

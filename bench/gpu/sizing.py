@@ -330,13 +330,16 @@ def run(cfg: Config, work: Path, data: Path, budget: Budget, save: Callable[[], 
     record["sizing"], record["memory_model"] = [], []
     traces: list[tuple[list[dict[str, Any]], Any]] = []
     pool = ThreadPoolExecutor(max_workers=len(cfg.memory_presets) or 1, thread_name_prefix="trace")
+    took = 0.0  # seconds the last configuration took: one that would not end inside the budget is not started
     try:
         for preset in cfg.memory_presets:
             mems = []
             for tier in cfg.memory_tiers:
-                if budget.spent():
-                    record["sizing"].append({"preset": preset, "tier": tier, "status": budget.skip_note()})
+                if not budget.fits(took):
+                    note = budget.skip_note() if budget.spent() else budget.wont_fit_note(took)
+                    record["sizing"].append({"preset": preset, "tier": tier, "status": note})
                     continue
+                t0 = time.perf_counter()
                 try:
                     entry, mem = size_one(cfg, work, data, preset, tier)
                 except Exception as err:  # one failing configuration must not lose the others' figures
@@ -344,6 +347,7 @@ def run(cfg: Config, work: Path, data: Path, budget: Budget, save: Callable[[], 
                         {"preset": preset, "tier": tier, "status": f"error: {type(err).__name__}: {err}"[:500]},
                         None,
                     )
+                took = time.perf_counter() - t0
                 record["sizing"].append(entry)
                 if mem is not None:
                     mem["precision"] = entry["precision"]

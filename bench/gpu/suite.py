@@ -36,7 +36,7 @@ from bench.gpu import common, device
 from bench.gpu.report import KEYS, markdown
 
 log = logging.getLogger("bench.gpu")
-SCHEMA = 2  # 2: parts tests, recovery, memory, throughput, each with its status (1: tests, sizing, throughput)
+SCHEMA = 3  # 3: part userpath after recovery; 2: tests, recovery, memory, throughput; 1: tests, sizing, throughput
 GRACE_S = 8.0  # between SIGUSR1 and SIGKILL: a part writes what it has
 MIN_PART_S = 15.0  # a part with less than this left of the total is not started
 EXIT_NO_GPU = 2
@@ -165,11 +165,13 @@ def specs(cfg: common.Config, work: Path, data: Path) -> list[tuple[str, Any]]:
     the GPU's sizes on the CPU: a bad value (the H100's target_utilization 0.45) fails in CI, not on a device."""
     import yaml
 
-    from bench.gpu import oom, sizing, throughput
+    from bench.gpu import oom, sizing, throughput, userpath
     from jobspec.spec.loader import parse_spec
 
     out: list[tuple[str, Any]] = [("recovery", oom.recovery_spec(cfg, work / "oom", data))]
     out.append(("relaunch", parse_spec(yaml.safe_dump(oom.relaunch_spec(cfg, work / "relaunch")))))
+    setup = userpath.Setup.cpu() if cfg.smoke else userpath.Setup.gpu()
+    out.append(("userpath", parse_spec(yaml.safe_dump(userpath.spec_dict(setup, work / "userpath")))))
     out += [(f"memory {p} {t}", sizing.sizing_spec(cfg, work, data, p, t))
             for p in cfg.memory_presets for t in cfg.memory_tiers]  # fmt: skip
     out.append(("runner vs plain", throughput.plain_spec(cfg, work, data)))
@@ -241,6 +243,10 @@ def _part(part: str, cfg: common.Config, work: Path, data: Path, out: Path, budg
         from bench.gpu import oom
 
         oom.run(cfg, work, data, budget, save, record)
+    elif part == "userpath":
+        from bench.gpu import userpath
+
+        userpath.part(cfg, work, budget, save, record)
     elif part == "memory":
         from bench.gpu import sizing
 

@@ -61,14 +61,25 @@ def soak_spec(cfg: Config, work: Path, data: Path):  # -> JobSpec
     return spec_for(cfg, work / "soak", data, preset=cfg.throughput_preset, tier="fast", global_batch=cfg.soak_batch)
 
 
-def runner_vs_plain(cfg: Config, work: Path, data: Path, peak: float | None) -> dict[str, Any]:
+ROUND_MARGIN_S = 5.0  # after the last round: the two models freed, the record written
+
+
+def runner_vs_plain(
+    cfg: Config, work: Path, data: Path, peak: float | None, budget: Budget | None = None
+) -> dict[str, Any]:
+    """Paired rounds of the runner's step and a plain loop on the same model; with `budget`, no round is started that
+    would not end inside it (one measured round at least)."""
     from bench.overhead import Plain
 
     spec = plain_spec(cfg, work, data)
     rounds: list[dict[str, Any]] = []
+    took = 0.0
     with recipe_for(spec) as recipe:
         plain, plan = Plain(recipe), recipe.plan
         for r in range(cfg.rounds + 1):
+            if r >= 2 and budget is not None and not budget.fits(took + ROUND_MARGIN_S):
+                break
+            t0 = time.perf_counter()
             steps = range(r * cfg.round_steps, (r + 1) * cfg.round_steps)
             batches = [plain.batches(s) for s in steps]  # outside the plain side's timer
 
@@ -85,6 +96,7 @@ def runner_vs_plain(cfg: Config, work: Path, data: Path, peak: float | None) -> 
             res = {name: _timed(fn) for name, fn in order}
             if r:  # round 0 warms caches, the allocator and kernels
                 rounds.append({"round": r, "first": order[0][0], **res})
+            took = time.perf_counter() - t0
         plain.model = plain.opt = None  # freed before the recipe is: the GPU is empty for the next run
     fpt = flops_per_token(cfg.throughput_preset, cfg.seq)
     out: dict[str, Any] = {
@@ -124,12 +136,14 @@ def _r(x: float | None, nd: int = 4) -> float | None:
 def tier_speed(cfg: Config, work: Path, data: Path, budget: Budget, peak: float | None) -> list[dict[str, Any]]:
     fpt = flops_per_token(cfg.throughput_preset, cfg.seq)
     runs: dict[str, list[dict[str, Any]]] = {t: [] for t in cfg.tiers}
+    took = 0.0  # the last tier's seconds: a tier run that would not end inside the budget is not started
     for rnd in range(cfg.tier_rounds):
         for tier in cfg.tiers if rnd % 2 == 0 else cfg.tiers[::-1]:
-            if budget.spent():
-                runs[tier].append({"round": rnd, "error": budget.skip_note()})
+            if not budget.fits(took):
+                runs[tier].append({"round": rnd, "error": budget.wont_fit_note(took)})
                 continue
             spec = tier_spec(cfg, work, data, tier, rnd)
+            t0 = time.perf_counter()
             try:
                 with recipe_for(spec) as recipe:
                     for s in range(2):
@@ -139,6 +153,8 @@ def tier_speed(cfg: Config, work: Path, data: Path, budget: Budget, peak: float 
             except Exception as err:  # a tier that cannot run here is a finding, not the end of the part
                 runs[tier].append({"round": rnd, "error": f"{type(err).__name__}: {err}"[:400]})
                 continue
+            finally:
+                took = time.perf_counter() - t0
             wall, cpu = median([s["wall_s"] for s in steps]), median([s["cpu_s"] for s in steps])
             runs[tier].append(
                 {
@@ -241,7 +257,7 @@ def run(
 ) -> None:
     peak, _source = peak_tflops(cfg, device_name)
     for key, fn in (
-        ("throughput", lambda: runner_vs_plain(cfg, work, data, peak)),
+        ("throughput", lambda: runner_vs_plain(cfg, work, data, peak, budget)),
         ("tiers", lambda: tier_speed(cfg, work, data, budget, peak)),
         ("soak", lambda: soak(cfg, work, data, budget, peak)),
     ):

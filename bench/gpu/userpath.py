@@ -65,11 +65,13 @@ class Setup:
     micro_batch: int | str
     steps: int
     precision: str
+    checkpoint_every: int = 4
     caching: bool = False  # GPU: keep the caching allocator on in the run
 
     @classmethod
     def gpu(cls) -> Setup:
-        return cls("cuda", "llama-1b", 512, 64, "auto", 14, "bf16")
+        # checkpoints: the final one and the step-down's own (a 1B checkpoint is seconds of the part's budget)
+        return cls("cuda", "llama-1b", 512, 64, "auto", 14, "bf16", checkpoint_every=100)
 
     @classmethod
     def cpu(cls) -> Setup:
@@ -85,7 +87,7 @@ def spec_dict(s: Setup, run_dir: Path) -> dict[str, Any]:
                      "precision": s.precision, "learning_rate": 1e-4, "warmup_steps": 2, "log_every": 1},
         "hardware": {"vendor": s.device, "gpus": 1},
         "memory": {"tier": "fast", "regrow_after": None},  # a regrow try would be a third, unplanned squeeze
-        "checkpoints": {"dir": str(run_dir), "every_steps": 4, "keep": 2},
+        "checkpoints": {"dir": str(run_dir), "every_steps": s.checkpoint_every, "keep": 2},
     }  # fmt: skip
 
 
@@ -201,6 +203,7 @@ def run(s: Setup, work: Path, seed: int = 0, timeout_s: float = 420.0) -> dict[s
     from jobspec.spec.loader import parse_spec
 
     rng = random.Random(seed)
+    work.mkdir(parents=True, exist_ok=True)
     run_dir = work / "run"
     spec_path = work / "spec.yaml"
     spec_path.write_text(yaml.safe_dump(spec_dict(s, run_dir)))
@@ -339,6 +342,27 @@ def judge(s: Setup, out: dict[str, Any], recs: list[dict[str, Any]], lines: list
         fail.append(out["timeout"])
     out["failures"] = fail
     out["ok"] = not fail
+
+
+PART_MARGIN_S = 12.0  # of the suite part's budget: the hog's and the run's ends, the record's write
+
+
+def part(cfg: Any, work: Path, budget: Any, save: Any, record: dict[str, Any]) -> None:
+    """The suite's part `userpath` (bench/gpu/suite.py): one GPU run within the part's budget. `--smoke` does not run
+    it: its CPU analog is tests/runner/oom/test_user_path.py, in the normal suite (about a minute and a half here)."""
+    if cfg.smoke:
+        record["userpath"] = {"status": "skipped in --smoke: its CPU analog is tests/runner/oom/test_user_path.py"}
+        save()
+        return
+    seconds = budget.left() - PART_MARGIN_S
+    if seconds < 30:
+        record["userpath"] = {"status": budget.skip_note()}
+        save()
+        return
+    record["userpath"] = {"status": f"running (at most {seconds:.0f} s)"}
+    save()
+    record["userpath"] = run(Setup.gpu(), work / "userpath", cfg.userpath_seed, timeout_s=seconds)
+    save()
 
 
 def main(argv: list[str] | None = None) -> int:
