@@ -152,3 +152,40 @@ def test_an_edited_task_file_changes_the_jobs_spec_hash(tmp_path: Path) -> None:
     after = hashes()
     assert len(after) == 1 and after != before
     assert hashes() == after  # the same files, the same hash
+
+
+@pytest.mark.parametrize("how", ["file", "directory"])
+def test_a_task_file_linked_from_outside_the_spec_directory_is_not_shipped(tmp_path: Path, how: str) -> None:
+    """A link (or a linked directory) under the spec's folder pointing out of it: render refuses it (exit 2, the
+    entry named) instead of copying the outside file into the ConfigMap."""
+    spec_file = job_dir(tmp_path, ["tasks/mc.yaml"])
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    secret = outside / "mc.yaml"
+    secret.write_text((spec_file.parent / "tasks" / "mc.yaml").read_text() + "# someone else's file\n")
+    tasks = spec_file.parent / "tasks"
+    if how == "file":
+        (tasks / "mc.yaml").unlink()
+        (tasks / "mc.yaml").symlink_to(secret)
+    else:
+        (tasks / "mc.yaml").unlink()
+        tasks.rmdir()
+        tasks.symlink_to(outside, target_is_directory=True)
+    code, out = cli("render", str(spec_file))
+    assert code == EXIT_CONFIG and "eval.benchmarks[0]" in out and "outside" in out, out
+    assert "someone else's file" not in out
+
+
+@pytest.mark.parametrize("secret", [
+    "  token: hf_abcdefghijklmnopqrstuvwxyzABCDEF12\n",  # under a secret-like key
+    "  hub: https://user:hunter2pass@huggingface.co/datasets/x\n",  # a URL with a password, anywhere
+])  # fmt: skip
+def test_a_credential_in_a_task_file_is_refused_without_echo(tmp_path: Path, secret: str) -> None:
+    spec_file = job_dir(tmp_path, ["tasks/mc.yaml"])
+    path = spec_file.parent / "tasks" / "mc.yaml"
+    path.write_text(path.read_text().replace("dataset_kwargs:\n", "dataset_kwargs:\n" + secret, 1))
+    assert "hunter2pass" in path.read_text() or "hf_abc" in path.read_text()
+    for command in ("render", "validate"):
+        code, out = cli(command, str(spec_file))
+        assert code == EXIT_CONFIG and "credential" in out and "eval.benchmarks[0]" in out, out
+        assert "hunter2" not in out and "hf_abcdefg" not in out, out

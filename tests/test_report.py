@@ -252,6 +252,25 @@ def test_links_planted_at_the_report_files_are_replaced_never_written_through(ru
     assert out / "report.md" in report.files
 
 
+def test_a_link_planted_at_the_report_directory_is_refused_and_its_target_untouched(run_dir: Path, tmp_path: Path,
+                                                                                     capsys):  # fmt: skip
+    """`RUN/report` as a link to another directory: the default report is not written into it (exit 2, the fix
+    named), the other directory keeps its files; `--out` naming a link the user chose is still followed."""
+    elsewhere = tmp_path / "another-run-report"
+    elsewhere.mkdir()
+    (elsewhere / "report.md").write_text("another run's report\n")
+    (run_dir / "report").symlink_to(elsewhere, target_is_directory=True)
+    assert main(["report", str(run_dir)]) == 2
+    err = capsys.readouterr().err
+    assert "symbolic link" in err and "--out" in err and "Traceback" not in err, err
+    assert sorted(p.name for p in elsewhere.iterdir()) == ["report.md"]
+    assert (elsewhere / "report.md").read_text() == "another run's report\n"
+    chosen = tmp_path / "mine"
+    chosen.symlink_to(elsewhere, target_is_directory=True)
+    assert elsewhere / "report.md" not in write_report(run_dir, chosen).files  # written as chosen/report.md
+    assert (elsewhere / "report.md").read_text().startswith("#")
+
+
 def test_a_dpo_run_reports_trls_rewards(tmp_path: Path):
     """A real tiny DPO run: the report's summary has its last rewards/accuracies and margins, the rewards and accuracy
     plots are drawn; an SFT run's report has neither and says nothing of them."""

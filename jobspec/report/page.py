@@ -13,6 +13,7 @@ from typing import Any
 
 from jobspec import install_hint, shared_dir
 from jobspec.contract import METRICS_FILE, TIER_STATE_FILE
+from jobspec.errors import ConfigError
 from jobspec.report.metrics import Record, lines
 from jobspec.report.run import Run, load_run
 from jobspec.report.summary import PEAK
@@ -125,7 +126,7 @@ def _load_matplotlib() -> tuple[Any, Any] | None:
     return Figure, FigureCanvasAgg
 
 
-def draw(chart: Chart, marks: list[Marker], path: Path, mpl: tuple[Any, Any]) -> None:
+def draw(chart: Chart, marks: list[Marker], path: Path, mpl: tuple[Any, Any], *, follow_dir: bool = True) -> None:
     figure_cls, canvas_cls = mpl
     fig = figure_cls(figsize=(8, 4), dpi=100, layout="constrained")
     canvas_cls(fig)  # the Agg canvas: renders to PNG without a display
@@ -150,7 +151,8 @@ def draw(chart: Chart, marks: list[Marker], path: Path, mpl: tuple[Any, Any]) ->
     ax.legend(fontsize=8)
     image = io.BytesIO()
     fig.savefig(image, format=path.suffix.lstrip(".") or "png")
-    shared_dir.write_atomic(path, image.getvalue(), fsync=False)  # a run directory is shared: never through a link
+    # a run directory is shared: never through a link (nor through a linked report directory nobody chose)
+    shared_dir.write_atomic(path, image.getvalue(), fsync=False, follow_dir=follow_dir)
 
 
 # --- the page ---------------------------------------------------------------------------------------
@@ -352,8 +354,14 @@ def build_page(run: Run, plots: list[Chart], notes: list[str]) -> Page:
 def write_report(run_dir: str | Path, out: str | Path | None = None) -> Report:
     """Write report.md, report.html and the PNG plots into `out` (default `<run_dir>/report`)."""
     run = load_run(run_dir)
-    out_dir = Path(out) if out is not None else Path(run_dir) / "report"
-    out_dir.mkdir(parents=True, exist_ok=True)
+    chosen = out is not None  # --out is the user's choice (a link there is theirs); RUN/report is in a shared place
+    out_dir = Path(out) if chosen else Path(run_dir) / "report"
+    try:
+        shared_dir.directory(out_dir, follow=chosen)
+    except OSError as err:  # shared_dir.Unsafe among them: a link or a file planted at RUN/report
+        detail = err.detail if isinstance(err, shared_dir.Unsafe) else (err.strerror or str(err))
+        raise ConfigError(f"{out_dir}: {detail}: the report is not written through it; remove it, or give --out "
+                          "DIR") from None  # fmt: skip
     notes = run.skipped.notes(METRICS_FILE)
     mpl = _load_matplotlib()
     drawn: list[Chart] = []
@@ -367,10 +375,10 @@ def write_report(run_dir: str | Path, out: str | Path | None = None) -> Report:
             if not chart.series[0].points:
                 notes.append(f"{chart.file} skipped: {chart.field} is null in every record")
                 continue
-            draw(chart, marks, out_dir / chart.file, mpl)
+            draw(chart, marks, out_dir / chart.file, mpl, follow_dir=chosen)
             drawn.append(chart)
     page = build_page(run, drawn, notes)
     md, page_html = out_dir / "report.md", out_dir / "report.html"
-    shared_dir.write_atomic(md, page.markdown().encode("utf-8"), fsync=False)
-    shared_dir.write_atomic(page_html, page.to_html().encode("utf-8"), fsync=False)
+    shared_dir.write_atomic(md, page.markdown().encode("utf-8"), fsync=False, follow_dir=chosen)
+    shared_dir.write_atomic(page_html, page.to_html().encode("utf-8"), fsync=False, follow_dir=chosen)
     return Report([md, page_html, *(out_dir / c.file for c in drawn)], notes, plots_missing=mpl is None)

@@ -133,9 +133,10 @@ def directory(path: str | Path, *, create_it: bool = True, follow: bool = False)
 
 
 @contextmanager
-def opened_dir(path: str | Path) -> Iterator[int]:
-    """A descriptor of the directory `path` (links followed in it: the caller chose it), closed at the end."""
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+def opened_dir(path: str | Path, *, follow: bool = True) -> Iterator[int]:
+    """A descriptor of the directory `path` (links followed in it: the caller chose it; not in its last component
+    unless `follow`: ELOOP), closed at the end."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC | (0 if follow else os.O_NOFOLLOW))
     try:
         yield fd
     finally:
@@ -147,12 +148,14 @@ def temp_name(name: str) -> str:
     return f".{name[:100]}.{secrets.token_hex(8)}.tmp"
 
 
-def write_atomic(path: str | Path, data: bytes, *, fsync: bool = True, mode: int = 0o644) -> None:
+def write_atomic(path: str | Path, data: bytes, *, fsync: bool = True, mode: int = 0o644,
+                 follow_dir: bool = True) -> None:  # fmt: skip
     """`data` as the whole content of `path`: written to an exclusively created temporary in the same directory,
     fsynced (`fsync`), renamed over `path`, all relative to one descriptor of the directory. A link planted at
-    `path` is replaced, never followed; a directory there fails (IsADirectoryError)."""
+    `path` is replaced, never followed; a directory there fails (IsADirectoryError). Without `follow_dir` the
+    directory itself may not be a link either (ELOOP): one inside a shared directory that nobody chose."""
     path = Path(path)
-    with opened_dir(path.parent) as dfd:
+    with opened_dir(path.parent, follow=follow_dir) as dfd:
         tmp = temp_name(path.name)
         fd = open_fd(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, dir_fd=dfd, mode=mode)
         try:

@@ -29,6 +29,7 @@ import yaml
 
 from jobspec.errors import ConfigError
 from jobspec.spec import safe_yaml
+from jobspec.spec.credentials import credential_kind, is_secret_name
 from jobspec.untrusted import read_bounded
 
 TASK_FILE_SUFFIXES = (".yaml", ".yml")
@@ -77,6 +78,32 @@ def task_file_problem(path: Path) -> str | None:
             "not an lm-evaluation-harness task (a task YAML is a mapping with a `task:` name, its dataset_path, "
             "prompts and metric_list)"
         )
+    if found := _credential(root):
+        line, kind = found
+        return (f"line {line} holds a credential ({kind}; not shown: a task file is shipped in the job's ConfigMap "
+                "and printed by render); remove it and give it to the pod from a Secret (env: {HF_TOKEN: {secret: "
+                "NAME, key: KEY}}, which lm-evaluation-harness and the hub client read)")  # fmt: skip
+    return None
+
+
+def _credential(root: yaml.Node) -> tuple[int, str] | None:
+    """(line, kind) of the first credential in a composed YAML document: a scalar value under a secret-like key
+    (`token: hf_...`, `api_key: ...`) or a credential-shaped scalar anywhere (a token, a URL with a password). The
+    nodes are only looked at: nothing is constructed."""
+    todo: list[yaml.Node] = [root]
+    while todo:
+        node = todo.pop()
+        if isinstance(node, yaml.MappingNode):
+            for key, value in node.value:
+                if (isinstance(key, yaml.ScalarNode) and isinstance(value, yaml.ScalarNode)
+                        and is_secret_name(str(key.value)) and str(value.value).strip().lower()
+                        not in ("", "null", "~", "true", "false", "none")):  # fmt: skip
+                    return value.start_mark.line + 1, f"a value under {str(key.value)[:40]!r}"
+                todo += [key, value]
+        elif isinstance(node, yaml.SequenceNode):
+            todo += node.value
+        elif isinstance(node, yaml.ScalarNode) and (kind := credential_kind(str(node.value))):
+            return node.start_mark.line + 1, kind
     return None
 
 
@@ -138,7 +165,11 @@ def ship_task_files(entries: Sequence[str], base: str | Path, field: str = "eval
             raise ConfigError(f"{field}[{i}] {entry}: {file} (relative to {Path(base).resolve()}): {why}; "
                               "give the path of an lm-evaluation-harness task YAML, or a task name such as "
                               "arc_easy")  # fmt: skip
-        texts[path] = read_bounded(file, MAX_TASK_BYTES, what="task file").decode("utf-8")
+        try:  # never through a link (or a linked directory) out of the spec's directory: render would ship it
+            texts[path] = read_bounded(file, MAX_TASK_BYTES, what=f"{field}[{i}] task file", root=base).decode("utf-8")
+        except ConfigError as err:
+            raise ConfigError(f"{err}; a task file shipped with the job must be a file under the spec file's "
+                              "directory") from None  # fmt: skip
         total += len(texts[path].encode("utf-8"))
         if total > MAX_SHIPPED_BYTES:
             raise ConfigError(f"{field}[{i}] {entry}: the task files shipped in the job's ConfigMap come to "
