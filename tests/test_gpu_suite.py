@@ -142,8 +142,8 @@ def test_the_user_path_caps_leave_zero2_offload_room_and_fast_none() -> None:
     setup = userpath.Setup.gpu()
     spec = parse_spec(yaml.safe_dump(userpath.spec_dict(setup, Path("/tmp/run"))))
     est = userpath.estimates(setup, spec)
-    assert est["zero2_offload_mbs1"] < (est["zero2_offload_mbs1"] + est["fast_mbs1"]) // 2 < est["fast_mbs1"]
-    assert est["fast_mbs1"] - est["zero2_offload_mbs1"] > 4 * 1024**3  # room for the run's context and a margin
+    cap = userpath.step_down_cap(est)
+    assert est["zero2_offload_mbs1"] + 4 * 1024**3 < cap < 0.8 * est["fast_mbs1"]  # margins either side
 
 
 def test_gpu_budgets_fit_one_call_and_scale() -> None:

@@ -86,8 +86,8 @@ class Config:
             # 470 s in all (7 min 50 s): one call of at most 9 minutes (the wheels' install before it, the start of the
             # device machine outside it). The H200 (2026-11-28) overran memory and throughput at 76 s each and cut
             # the gpu tests at 136 s; the parts now skip what does not fit (Budget) and the most valuable come first
-            budgets={"tests": 150.0, "recovery": 100.0, "userpath": 120.0, "memory": 50.0, "throughput": 50.0},
-            sweep_budget_s=40.0,
+            budgets={"tests": 140.0, "recovery": 90.0, "userpath": 140.0, "memory": 50.0, "throughput": 50.0},
+            sweep_budget_s=35.0,
         )
 
     @classmethod

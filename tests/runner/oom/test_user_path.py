@@ -31,3 +31,7 @@ def test_the_log_checks_find_a_phase_that_never_ends_and_a_silence() -> None:
     phases = userpath.check_phases(lines)
     assert phases == {"started": 2, "ended": 1, "never_ended": ["stepping down tier fast -> zero2_offload"]}
     assert userpath.longest_gap(lines, 0.5, 31.0) == pytest.approx(28.0)
+    assert userpath.longest_gap(lines, 0.5, 31.0, unexplained=True) == pytest.approx(1.0)  # the step-down is open
+    ended = [*lines[:3], (12.0, "19:00:12 INFO [rank 0] stepping down tier fast -> zero2_offload: done in 10.0 s"),
+             lines[3]]  # fmt: skip
+    assert userpath.longest_gap(ended, 0.5, 31.0, unexplained=True) == pytest.approx(18.0)
