@@ -56,10 +56,10 @@ def _load(args: argparse.Namespace) -> JobSpec:
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
-    from jobspec.plan.planner import model_attention
+    from jobspec.plan.planner import check_model
 
     spec = _load(args)
-    model_attention(spec)  # a local model's config.json (family, sizes) and the attention kernel its family takes
+    check_model(spec)  # a local or inline config.json (family, sizes), its attention kernel, its 4-bit base
     tasks = _task_files(args.spec, spec, absent_absolute_ok=True)
     _shipped_task_files(args.spec, spec)  # what a cluster job carries: under the spec's directory, within bounds
     print(f"{args.spec}: ok ({spec.name}: {spec.world_size} rank(s), tier {spec.memory.tier})")

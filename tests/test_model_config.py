@@ -268,3 +268,37 @@ def test_an_inline_config_outside_the_families_or_with_bad_experts_is_refused(tm
     short = {"family": "mixtral", "layers": 2, "hidden": 64, "heads": 4, "vocab": 512, "intermediate": 128}
     code, out = cli("validate", str(spec_for(tmp_path, "Org/Model", architecture=short)))
     assert code == 2 and "model.architecture.family" in out and "model_type: mixtral" in out, out
+
+
+@pytest.mark.parametrize(("change", "named"), [
+    ({"model_type": "gemma3_text", "sliding_window": True}, "sliding_window: must be a number of tokens"),
+    ({"model_type": "gemma3_text", "sliding_window": "4096"}, "sliding_window: must be a number of tokens"),
+    ({"model_type": "gemma3_text", "sliding_window": -1}, "sliding_window: must be a number of tokens"),
+    ({"tie_word_embeddings": 1}, "tie_word_embeddings: must be true or false"),
+    ({"tie_word_embeddings": "yes"}, "tie_word_embeddings: must be true or false"),
+])  # fmt: skip
+def test_a_window_or_a_tie_that_is_no_such_value_is_refused_not_dropped(tmp_path, change, named):
+    """`sliding_window: yes` (YAML's boolean) was read as no window at all, and the model planned and trained with full
+    attention; a tie of 1 fell back to the family's default. Both are refused, inline and in a local config.json."""
+    cfg = {**LLAMA, "head_dim": 16, **change}
+    code, out = cli("validate", str(spec_for(tmp_path, "Org/Model", architecture=cfg)))
+    assert code == 2 and f"model.architecture.{named}" in out and "Traceback" not in out, out
+    code, out, _ = plan(tmp_path, model_dir(tmp_path, cfg))
+    assert code == 2 and named.split(":")[0] in out, out
+    good = {**LLAMA, "head_dim": 16, "model_type": "gemma3_text", "sliding_window": 512}
+    assert shape_from_config(good).sliding_window == 512
+    assert shape_from_config({**good, "sliding_window": None}).sliding_window is None
+
+
+def test_an_architecture_that_would_be_ignored_is_refused(tmp_path):
+    """Beside a preset (built from its own shape) or a local model directory with its own config.json (which the plan
+    and the runner read), `model.architecture` was ignored without a word."""
+    spec = tmp_path / "preset.yaml"
+    spec.write_text(yaml.safe_dump({"name": "p", "model": {"preset": "tiny", "architecture": LLAMA},
+                                    "training": {"global_batch": 8, "steps": 2}, "hardware": {"vendor": "cpu"}}))
+    code, out = cli("validate", str(spec))
+    assert code == 2 and "model.architecture" in out and "model.preset" in out, out
+    local = model_dir(tmp_path, LLAMA)
+    code, out = cli("validate", str(spec_for(tmp_path, local, architecture={**LLAMA, "num_hidden_layers": 4})))
+    assert code == 2 and "model.architecture" in out and "its own config.json" in out, out
+    assert cli("validate", str(spec_for(tmp_path, local)))[0] == 0

@@ -51,6 +51,18 @@ def test_quantize_on_a_gpt2_preset_is_refused_at_validate_time(tmp_path: Path) -
     assert code == 2 and "Conv1D" in out and "llama-tiny" in out
 
 
+FAMILIES = Path(__file__).resolve().parents[1] / "examples" / "families"
+
+
+@pytest.mark.parametrize("example", ["qwen3-moe-30b-a3b-lora.yaml", "deepseek-v2-lite-lora.yaml",
+                                     "mixtral-8x7b-lora.yaml"])  # fmt: skip
+def test_nf4_on_experts_or_latent_attention_is_refused_at_validate_time(example: str) -> None:
+    """validate said ok and only plan and the pod refused (issue 44): the same check, naming model.quantize."""
+    code, out = cli("validate", str(FAMILIES / example), "--set", "model.quantize=nf4")
+    assert code == 2 and "model.quantize nf4" in out and "mixture-of-experts" in out and "Traceback" not in out, out
+    assert cli("validate", str(FAMILIES / example))[0] == 0
+
+
 def test_an_nf4_base_holds_its_block_linears_at_half_a_byte_and_a_bit() -> None:
     dense = memory.estimate(LLAMA_8B, tier="fast", seq_len=2048, micro_batch=0, world_size=1, lora=LORA)
     four = memory.estimate(LLAMA_8B, tier="fast", seq_len=2048, micro_batch=0, world_size=1, lora=LORA, quantize="nf4")

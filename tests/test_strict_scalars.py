@@ -76,6 +76,34 @@ def test_switches_still_take_booleans():
 BASE = "name: demo\nhardware: {vendor: cpu}\ntraining: {global_batch: 8, steps: 10}\n"
 
 
+@pytest.mark.parametrize("env", [
+    "env: {HUGGING_FACE_HUB_TOKEN: {secret: other, key: token}}\n",  # the hub client's older name
+    "env: {HF_TOKEN: {secret: other, key: token}}\n",
+])  # fmt: skip
+def test_a_second_hub_token_under_either_name_is_an_error_naming_both(tmp_path, env):
+    path = tmp_path / "spec.yaml"
+    path.write_text(BASE + "model: {path: org/name, hub_token: {secret: hf, key: token}}\n" + env)
+    code, out = cli("validate", str(path))
+    name = env.split("{", 1)[1].split(":", 1)[0]
+    assert code == 2 and "model.hub_token" in out and f"env.{name}" in out, out
+    path.write_text(BASE + "model: {path: org/name}\nenv: {HF_TOKEN: {secret: a, key: t}, HUGGING_FACE_HUB_TOKEN: "
+                    "{secret: b, key: t}}\n")  # fmt: skip
+    code, out = cli("validate", str(path))
+    assert code == 2 and "env.HF_TOKEN" in out and "env.HUGGING_FACE_HUB_TOKEN" in out, out
+
+
+@pytest.mark.parametrize("key", ["../../etc/shadow", "a/b", "..data", "."])
+def test_a_secret_key_is_a_kubernetes_key_never_a_path(tmp_path, key):
+    """gcs_credentials.key names the mounted file too: `../../etc/shadow` passed validate."""
+    path = tmp_path / "spec.yaml"
+    path.write_text(BASE + "model: {preset: tiny}\ncheckpoints: {dir: 'gs://bucket/runs'}\n"
+                    f"gcs_credentials: {{secret: gcp, key: '{key}'}}\n")  # fmt: skip
+    code, out = cli("validate", str(path))
+    assert code == 2 and "gcs_credentials.key: a Secret's key is letters" in out, out
+    path.write_text(path.read_text().replace(f"'{key}'", "key.json"))
+    assert cli("validate", str(path))[0] == 0
+
+
 def test_hub_token_given_twice_is_an_error_naming_both(tmp_path):
     path = tmp_path / "spec.yaml"
     path.write_text(BASE + "model: {path: org/name, hub_token: {secret: hf, key: token}}\n"

@@ -98,6 +98,9 @@ def shape_from_config(cfg: dict[str, Any], where: str = "config.json") -> ModelS
                           intermediate=v["intermediate"] or 4 * v["hidden"],
                           residual_dropout=_dropout(cfg, "resid_pdrop", 0.1), model_type="gpt2")  # fmt: skip
     tie = cfg.get("tie_word_embeddings", fam.tie_default)
+    if tie is not None and not isinstance(tie, bool):  # YAML's `yes` is a boolean already; 1 or "true" is not one
+        why = f"must be true or false, not {_shown(tie)}"
+        raise ConfigProblems(f"{where}: tie_word_embeddings {why}: fix the file", [("tie_word_embeddings", why)])
     mla = _mla(cfg, where) if fam.mla else None
     head_dim = None if mla else v.get("head_dim")
     return ModelShape("llama", layers=v["layers"], hidden=v["hidden"], heads=v["heads"], kv_heads=v["kv_heads"],
@@ -106,14 +109,26 @@ def shape_from_config(cfg: dict[str, Any], where: str = "config.json") -> ModelS
                       head_dim=head_dim if head_dim != v["hidden"] // v["heads"] else None,
                       qk_norm=fam.qk_norm, fused_projections=fam.block == "phi3",
                       residual_dropout=_dropout(cfg, "resid_pdrop", 0.0), model_type=fam.name, mla=mla,
-                      extra_norms=fam.extra_norms, sliding_window=_window(cfg) if fam.window_mask else None,
+                      extra_norms=fam.extra_norms, sliding_window=_window(cfg, where) if fam.window_mask else None,
                       **_experts(cfg, fam, v["layers"], v["intermediate"], where))  # fmt: skip
 
 
-def _window(cfg: dict[str, Any]) -> int | None:
-    """The config's sliding window in tokens, or None (absent, null or not a positive integer)."""
+def _window(cfg: dict[str, Any], where: str) -> int | None:
+    """The config's sliding window in tokens, or None (absent, null or 0: every token attends to all before it).
+    Anything else is refused, naming the key: `sliding_window: yes` (a boolean), "4096" or -1 was dropped without a
+    word, and the model planned and trained with full attention instead of its window."""
     value = cfg.get("sliding_window")
-    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+    if value is None or (isinstance(value, int) and not isinstance(value, bool) and value >= 0):
+        return value or None
+    why = f"must be a number of tokens (or null for none), not {_shown(value)}"
+    raise ConfigProblems(f"{where}: sliding_window {why}: fix the file", [("sliding_window", why)])
+
+
+def _shown(value: Any) -> str:
+    """A config value as a message may show it: its type and, for a short scalar, itself."""
+    if isinstance(value, bool | int | float) or (isinstance(value, str) and len(value) <= 20):
+        return f"{type(value).__name__} {value!r}"
+    return f"a {type(value).__name__}"
 
 
 def _experts(cfg: dict[str, Any], fam: Family, layers: int, intermediate: int, where: str) -> dict[str, Any]:

@@ -76,6 +76,27 @@ def model_attention(spec: JobSpec) -> str:
     return attention_for(fam, model.attention, explicit="attention" in model.model_fields_set)
 
 
+def check_model(spec: JobSpec) -> str:
+    """What `jobspec validate` checks of the model before any plan: its attention kernel (`model_attention`, which
+    reads a local or inline config.json) and whether its blocks can hold `model.quantize`'s 4-bit base (GPT-2's
+    Conv1D, mixture-of-experts and latent-attention blocks cannot: ConfigError naming model.quantize, as `plan` and
+    the runner would, only later). A hub model whose config is neither local nor inline is checked by the runner."""
+    from jobspec.plan import quantize as quant
+
+    attention = model_attention(spec)
+    model = spec.model
+    local = Path(model.path or "") / "config.json"
+    if model.path and model.architecture is not None and local.is_file():
+        raise ConfigError(f"model.architecture: model.path {model.path} has its own config.json, which the plan and "
+                          "the runner read instead: remove model.architecture (or point model.path at the hub id)")
+    method = quant.base_quantization(model.quantize, model.lora)
+    knowable = model.preset or isinstance(model.architecture, ArchitectureConfig) or model.architecture or (
+        Path(model.path or "") / "config.json").is_file()  # fmt: skip
+    if method and knowable:
+        quant.check(model_shape(spec), method)
+    return attention
+
+
 def model_label(spec: JobSpec) -> str:
     """The model as a user named it, for messages: `model.preset X` or `model.path Y`."""
     return f"model.preset {spec.model.preset}" if spec.model.preset else f"model.path {spec.model.path}"

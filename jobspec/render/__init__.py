@@ -84,6 +84,7 @@ def render(spec: JobSpec, task_files: Mapping[str, str] | None = None) -> list[d
     """The objects for one job, in apply order: the hub cache's PersistentVolumeClaim (`model.hub_cache`,
     when the model or data come from the hub), ConfigMap (the spec), headless Service, NetworkPolicy,
     Indexed Job. The policy comes before the Job, so that no pod is ever reachable from outside its job.
+    They are in the spec's `namespace` when it names one, else in none (the one they are applied to).
 
     `task_files`: the text of each relative `eval.benchmarks` task file by its path (read beside the spec file by
     jobspec.spec.benchmarks.ship_task_files): the ConfigMap carries them and the pod mounts them beside the spec.
@@ -95,6 +96,11 @@ def render(spec: JobSpec, task_files: Mapping[str, str] | None = None) -> list[d
     policy = [network_policy(spec)] if spec.scheduling.network_policy else []
     claim = [c] if (c := cache_claim(spec)) is not None else []  # the hub cache, before the Job that mounts it
     objs = [*claim, spec_configmap(spec, task_files), headless_service(spec), *policy, indexed_job(spec)]
+    if "namespace" not in spec.model_fields_set:
+        # No namespace written (nor --set): the objects name none, so `kubectl apply` puts them in the kubeconfig
+        # context's namespace, as for any manifest; `jobspec submit` places them itself (-n, the context, "default").
+        for obj in objs:
+            obj["metadata"].pop("namespace", None)
     if task_files:
         _stamp_shipped(objs, spec.spec_hash(), shipped_hash(spec, task_files))
     return objs

@@ -18,6 +18,7 @@ import re
 from typing import Any
 
 TOKEN_ENV = "HF_TOKEN"  # what model.hub_token becomes in the pods (jobspec/render/hub.py)
+LEGACY_TOKEN_ENV = "HUGGING_FACE_HUB_TOKEN"  # huggingface_hub still reads it, after HF_TOKEN
 
 HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[\w.-]+)?")  # the data readers' own (runner/data/records.py)
 DATA_SUFFIXES = (".jsonl", ".ndjson", ".json", ".parquet")  # a file, never a dataset id
@@ -78,8 +79,13 @@ def hub_id_problems(spec: Any) -> list[tuple[str, str, str | None]]:
 
 
 def hub_token_problems(spec: Any) -> list[tuple[str, str, str | None]]:
-    """`model.hub_token` and `env.HF_TOKEN` both set the pods' HF_TOKEN: one would be dropped without a word."""
-    if spec.model.hub_token is not None and TOKEN_ENV in spec.env:
-        return [("model.hub_token", f"is given twice, here and as env.{TOKEN_ENV}: both set the pods' {TOKEN_ENV}, "
-                 "and one would be dropped", f"keep one: remove env.{TOKEN_ENV} or model.hub_token")]  # fmt: skip
-    return []
+    """`model.hub_token`, `env.HF_TOKEN` and `env.HUGGING_FACE_HUB_TOKEN` (the hub client's older name, read only when
+    HF_TOKEN is unset) each give the pods a hub token: with two of them one would be dropped without a word."""
+    given = [f"env.{name}" for name in (TOKEN_ENV, LEGACY_TOKEN_ENV) if name in spec.env]
+    if spec.model.hub_token is not None:
+        given.insert(0, "model.hub_token")
+    if len(given) < 2:
+        return []
+    first, second = given[:2]
+    return [(first, f"is given twice, here and as {second}: both give the pods a hub token ({TOKEN_ENV} wins in the "
+             f"hub client), and one would be dropped", f"keep one: remove {second} or {first}")]  # fmt: skip

@@ -320,6 +320,7 @@ _VALUE_FREE = {
     "model_attributes_type", "literal_error", "int_type", "int_parsing", "float_type", "float_parsing", "bool_type",
     "bool_parsing", "string_too_short", "string_too_long", "greater_than", "greater_than_equal", "less_than",
     "less_than_equal", "finite_number", "int_from_float", "none_required", "too_short", "too_long",
+    "secret_key",  # models._secret_key: a Secret key's shape, its value never quoted
 }  # fmt: skip
 
 

@@ -331,9 +331,23 @@ ArchitectureField = Annotated[
 ]
 
 
+_SECRET_KEY = re.compile(r"[-._a-zA-Z0-9]+")
+
+
+def _secret_key(value: Any) -> Any:
+    """A Secret's data key as Kubernetes allows one (letters, digits, '-', '_', '.'; not '.', '..' or '..x'): a
+    key is also the file name of a mounted item (gcs_credentials), so a path such as ../../etc/shadow never is."""
+    if isinstance(value, str) and (not _SECRET_KEY.fullmatch(value) or value in (".", "..") or value.startswith("..")):
+        raise PydanticCustomError(  # its own type: the loader shows this message, which never quotes the value
+            "secret_key", "a Secret's key is letters, digits, '-', '_' and '.' (not '.' or '..', no '/'): the key "
+            "under the Secret's data, as `kubectl describe secret NAME` lists them")
+    return value
+
+
 class SecretRef(Section):
     secret: Annotated[DnsLabel, Field(description="Secret name in the job's namespace.")]
-    key: Annotated[str, Field(min_length=1, max_length=MAX_SUBDOMAIN_CHARS, description="Key inside the Secret.")]
+    key: Annotated[str, Field(min_length=1, max_length=MAX_SUBDOMAIN_CHARS, description="Key inside the Secret."),
+                   BeforeValidator(_secret_key)]  # fmt: skip
     optional: Annotated[bool, Field(description="Start even if the Secret or key is missing.")] = False
 
 
@@ -476,6 +490,10 @@ class ModelSpec(Section):
     def _one_source(self) -> "ModelSpec":
         if (self.preset is None) == (self.path is None):
             raise ValueError("set exactly one of `model.preset` or `model.path`")
+        if self.preset is not None and self.architecture is not None:
+            raise ValueError(f"`model.architecture` describes a `model.path` model; beside `model.preset: "
+                             f"{self.preset}` (built from the preset's own shape) it would be ignored: remove "
+                             "model.architecture, or replace the preset by model.path")  # fmt: skip
         if self.quantize != "none" and self.lora is None:
             raise ValueError(
                 f"`model.quantize: {self.quantize}` quantizes a frozen base, which only LoRA adapters train on: "
