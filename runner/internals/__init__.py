@@ -38,10 +38,11 @@ Each internal: what it is for; why no public API does it; what a run loses witho
   a group's `_all_gather_comm` / `_reduce_scatter_comm`: agree on an OOM before each FSDP collective
   (runner/oom/fsdp.py). `set_custom_all_gather` is public; its base classes and the comm it replaces are
   not. Without them a rank-local OOM restarts all ranks.
-- torch FSDP2 `_get_fsdp_state()._is_root`, `_state_ctx.all_states`, `FSDPParam._unsharded_param`,
+- torch FSDP2 `_get_fsdp_state()._is_root`, `_state_ctx.all_states`, a state's parameter groups (2.13 on a list
+  `_fsdp_param_groups`, 2.11 and 2.12 one `_fsdp_param_group` or None), `FSDPParam._unsharded_param`,
   `unsharded_accumulated_grad`: after the public `reset_iter_state`, drop the gradients a partial backward
   left, which the redo's backward would add to. Without them the shrink restarts the workers.
-- torch FSDP2 iteration state, for torches without `reset_iter_state` (2.6-2.12): `_fsdp_common.TrainingState`, a
+- torch FSDP2 iteration state, for torches without `reset_iter_state` (2.11, 2.12): `_fsdp_common.TrainingState`, a
   state's `_comm_ctx` (all-gather and reduce-scatter states, post-forward order), `_state_ctx.iter_forward_root`,
   `_modules_to_run_forward`, `_training_state`, and a parameter group's pending all-gather and reduce events,
   `_post_forward_indices`, `_to_sharded()`: `_reset_iter_state`, 2.13's reset done by hand, each attribute where this
@@ -94,11 +95,16 @@ Each internal: what it is for; why no public API does it; what a run loses witho
   transformers' own per-expert fallback op, which has a fake kernel) and, without autocast, at the weights' width.
   transformers' `experts_implementation` names only whole forwards. Without it: such runs fail (required for MoE).
 
-Checked on: torch 2.11 (the GPU machine) and 2.13, accelerate 1.15, torchao 0.13 and 0.18, transformers 4.56
+Checked on (`CHECKED`; CI runs each torch, .ci/run and .ci/torch-leg): torch 2.11 (the GPU image's), 2.13 and 2.14
+(2.14.1), accelerate 1.15, torchao 0.13 and 0.18, transformers 4.56
 and 5.x (`_attn_implementation` only), liger-kernel 0.8.5 (under triton 3.9's interpreter, on CPU only so far),
 transformers 5.24 (`integrations.moe`).
 peft: no private name is used. Gradient buckets use `torch.cat`/`split` (public), not
 `torch._utils._flatten_dense_tensors`.
+
+On a version not checked (newer, older, or between), `check` tries every internal anyway and logs once, at
+start-up, the version and what falls back (for torch: how FSDP2 is reset after an OOM); a required internal it
+lacks stops the run with exit 2 as above.
 
 The layer rule (`lint-imports`, pyproject.toml) lets only this package name these internals.
 """
@@ -114,8 +120,8 @@ from runner.internals.checkpoint import dcp_private_globals, dcp_storage_info
 from runner.internals.fsdp import (
     fsdp_comm_bases,
     fsdp_group_comms,
-    fsdp_module,
     fsdp_param_groups,
+    fsdp_reset_way,
     reducer_class,
     reset_ddp,
     reset_fsdp,
@@ -124,7 +130,7 @@ from runner.internals.kernels import check_liger, install_experts_matmul, liger_
 from runner.internals.offload import OFFLOAD_PARTS, OffloadParts, offload_parts
 from runner.internals.states import accelerate_states, attention_kernel, force_fsdp, forget_optimizer, reset_accelerate
 from runner.internals.trace import allocates, dispatch_mode, fake_mode, is_fake, memory_tracker
-from runner.internals.versions import CHECKED, has, installed, log, missing
+from runner.internals.versions import CHECKED, has, installed, log, missing, unchecked
 
 __all__ = [
     "CHECKED",
@@ -145,6 +151,7 @@ __all__ = [
     "fsdp_comm_bases",
     "fsdp_group_comms",
     "fsdp_param_groups",
+    "fsdp_reset_way",
     "fused_amp_step",
     "install_experts_matmul",
     "installed",
@@ -202,8 +209,8 @@ def _registry() -> Iterator[Internal]:
         "agreeing on an OOM before FSDP's collectives", "a rank-local OOM restarts all ranks", sharded_ranks,
     )  # fmt: skip
     yield Internal(
-        "torch", "FSDPModule._get_fsdp_state/reset_iter_state",
-        lambda: has(fsdp_module(), "_get_fsdp_state", "reset_iter_state"),
+        "torch", "FSDPModule._get_fsdp_state with reset_iter_state (2.13 on) or FSDP2's iteration state (2.11, 2.12)",
+        lambda: fsdp_reset_way() is not None,
         "redoing a step in process after an OOM on a sharded tier", "an OOM shrink restarts the workers",
         lambda tier, world, device: tier != "fast",
     )  # fmt: skip
@@ -223,6 +230,7 @@ def check(tier: str, world_size: int, device_type: str) -> None:
 
     Called for the tier a run starts at and again for each tier it steps down to (torchao's parts are checked
     when zero2_offload builds its optimizer, since importing torchao costs seconds on every other tier)."""
+    _note_unchecked_versions()
     lacking: list[Internal] = []
     for item in _registry():
         if not item.applies(tier, world_size, device_type):
@@ -247,3 +255,27 @@ def check(tier: str, world_size: int, device_type: str) -> None:
         for more in rest:
             err = ConfigError(f"{err}; also {more.package} {installed(more.package)} lacks {more.names}")
         raise err
+
+
+def _note_unchecked_versions() -> None:
+    """Log once per package a version no internal was checked on (newer, older, or between the checked ones): the run
+    goes on and tries each internal where it is used; what this version turns out not to have then stops the run
+    (a required one, exit 2, below) or falls back (each fallback named here, and logged again when it happens)."""
+    for package in CHECKED:
+        relation = unchecked(package)
+        if relation is None or f"version {package}" in _warned:
+            continue
+        _warned.add(f"version {package}")
+        fallbacks = [f"{item.names}: {item.fallback}" for item in _registry()
+                     if item.package == package and item.fallback is not None]  # fmt: skip
+        if package == "torch":
+            how = {"reset_iter_state": "by torch's reset_iter_state",
+                   "by hand": "by hand (2.13's reset, attribute by attribute, where this torch has each)"}.get(
+                       fsdp_reset_way() or "", "nowhere: it restarts")  # fmt: skip
+            fallbacks.append(f"FSDP2's OOM reset is done {how}")
+        log.warning(
+            "%s %s is %s the versions jobspec's internals were checked on (%s): trying them anyway. One a run needs "
+            "and this version does not have stops the run at start-up (exit 2, naming it); where one falls back: %s",
+            package, installed(package), relation, CHECKED[package], "; ".join(fallbacks) or "none falls back",
+        )  # fmt: skip
+

@@ -29,10 +29,20 @@ def fsdp_comm_bases() -> tuple[type, type] | None:
     return AllGather, ReduceScatter
 
 
+def _groups(state: Any) -> list[Any]:
+    """The parameter groups of one FSDPState: a list `_fsdp_param_groups` from torch 2.13 on (several groups a
+    module), the single `_fsdp_param_group` (None for a module without parameters of its own) before (2.11, 2.12).
+    AttributeError where this torch has neither."""
+    if hasattr(state, "_fsdp_param_groups"):
+        return list(state._fsdp_param_groups)
+    group = state._fsdp_param_group
+    return [] if group is None else [group]
+
+
 def fsdp_param_groups(unit: nn.Module) -> list[Any] | None:
     """The FSDP parameter groups of one `fully_shard`ed module; None when this torch keeps them elsewhere."""
     try:
-        return list(unit._get_fsdp_state()._fsdp_param_groups)
+        return _groups(unit._get_fsdp_state())
     except AttributeError:
         return None
 
@@ -40,6 +50,24 @@ def fsdp_param_groups(unit: nn.Module) -> list[Any] | None:
 def fsdp_group_comms(group: Any) -> tuple[Any, Any]:
     """(all-gather, reduce-scatter) comm objects a parameter group uses now: the ones a custom comm wraps."""
     return group._all_gather_comm, group._reduce_scatter_comm
+
+
+def fsdp_reset_way() -> str | None:
+    """How `reset_fsdp` resets FSDP2 on this torch: "reset_iter_state" (torch's own, 2.13 on), "by hand" (torch
+    2.11, 2.12: `_reset_iter_state` below, where the iteration state it resets is found), None where neither can work
+    (no `_get_fsdp_state`, or FSDP2's training states or a parameter group's `_to_sharded` moved)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if not hasattr(FSDPModule, "_get_fsdp_state"):
+        return None
+    if hasattr(FSDPModule, "reset_iter_state"):
+        return "reset_iter_state"
+    try:
+        from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
+        from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+    except ImportError:
+        return None
+    return "by hand" if hasattr(TrainingState, "IDLE") and hasattr(FSDPParamGroup, "_to_sharded") else None
 
 
 def reset_fsdp(model: nn.Module) -> bool:
@@ -60,18 +88,19 @@ def reset_fsdp(model: nn.Module) -> bool:
         else:
             _reset_iter_state(state)
         for st in state._state_ctx.all_states:
-            for param in (p for group in st._fsdp_param_groups for p in group.fsdp_params):
+            for param in (p for group in _groups(st) for p in group.fsdp_params):
                 if getattr(param, "_unsharded_param", None) is not None:
                     param._unsharded_param.grad = None
                 param.unsharded_accumulated_grad = None
     except AttributeError as err:
-        log.warning("cannot reset FSDP after the OOM (%s): the shrink happens by a restart", err)
+        log.warning("torch %s: cannot reset FSDP2 after the OOM (%s, reset %s): the shrink happens by a restart",
+                    torch.__version__, err, fsdp_reset_way())  # fmt: skip
         return False
     return True
 
 
 def _reset_iter_state(root: Any) -> None:
-    """torch 2.13's `FSDPState._reset_iter_state` for torch 2.6-2.12 (the GPU machine's 2.11 among them), where FSDP2
+    """torch 2.13's `FSDPState._reset_iter_state` for torch 2.11 and 2.12 (the GPU image's 2.11), where FSDP2
     has no reset: every attribute it touches is reset where this torch has it. Without it an OOM inside FSDP2 left
     its states mid-iteration and the shrink restarted the workers (the H100 record's step-down ending in exit 75)."""
     from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
@@ -104,7 +133,7 @@ def _reset_iter_state(root: Any) -> None:
         if hasattr(st, "_modules_to_run_forward"):
             st._modules_to_run_forward.clear()
         st._training_state = TrainingState.IDLE
-        for group in st._fsdp_param_groups:
+        for group in _groups(st):
             if (result := getattr(group, "_all_gather_result", None)) is not None:
                 wait(getattr(result, "all_gather_event", None))
                 work = getattr(result, "all_gather_work", None)
@@ -125,13 +154,8 @@ def _reset_iter_state(root: Any) -> None:
             group._training_state = TrainingState.IDLE
             group._to_sharded()
     root._state_ctx.iter_forward_root = None
-    root._state_ctx.post_backward_final_callback_queued = False
-
-
-def fsdp_module() -> type:
-    from torch.distributed.fsdp import FSDPModule
-
-    return FSDPModule
+    if hasattr(root._state_ctx, "post_backward_final_callback_queued"):
+        root._state_ctx.post_backward_final_callback_queued = False
 
 
 def reducer_class() -> Any:

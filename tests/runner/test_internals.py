@@ -20,6 +20,7 @@ from jobspec.catalog.tiers import TIERS
 from jobspec.contract import EXIT_CONFIG
 from jobspec.errors import ConfigError
 from runner import internals
+from runner.internals import versions
 from tests.runner.train_helpers import tiny_spec_dict, worker_in_process, write_spec
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -31,6 +32,50 @@ def test_this_install_has_every_internal(tier: str, world_size: int, caplog: pyt
     with caplog.at_level(logging.WARNING, logger="jobspec.runner"):
         internals.check(tier, world_size, "cpu")
     assert "lacks" not in caplog.text
+    assert "the versions jobspec's internals were checked on" not in caplog.text  # CI's torches are in CHECKED
+
+
+def test_a_torch_without_reset_iter_state_gets_the_reset_by_hand(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """torch 2.11 (the H200's) and 2.12 have no FSDPModule.reset_iter_state: the start-up check takes the reset by
+    hand instead of warning that an OOM restarts the workers (it did on 2.11, where every OOM became exit 75)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    monkeypatch.delattr(FSDPModule, "reset_iter_state", raising=False)
+    monkeypatch.setattr(internals, "_warned", set())
+    assert internals.fsdp_reset_way() == "by hand"
+    with caplog.at_level(logging.WARNING, logger="jobspec.runner"):
+        internals.check("zero2", 1, "cpu")
+    assert "lacks" not in caplog.text
+
+
+@pytest.mark.parametrize(
+    ("now", "relation"),
+    [("2.14.1+cu130", None), ("2.11.0", None), ("2.13.0+cpu", None), ("2.12.1", "between"),
+     ("2.15.0", "newer than"), ("3.0.0.dev20270101", "newer than"), ("2.10.2", "older than")],
+)  # fmt: skip
+def test_a_version_is_placed_among_the_checked_ones(monkeypatch: pytest.MonkeyPatch, now: str, relation: str) -> None:
+    monkeypatch.setitem(internals.CHECKED, "torch", "2.11, 2.13, 2.14")
+    monkeypatch.setattr(versions, "installed", lambda dist: now)
+    assert versions.unchecked("torch") == relation
+
+
+@pytest.mark.parametrize(("checked", "relation"), [("1.0", "newer than"), ("99.0", "older than")])
+def test_a_torch_not_checked_is_tried_and_said_once_with_what_falls_back(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, checked: str, relation: str
+) -> None:
+    monkeypatch.setitem(internals.CHECKED, "torch", checked)
+    monkeypatch.setattr(internals, "_warned", set())
+    with caplog.at_level(logging.WARNING, logger="jobspec.runner"):
+        internals.check("zero3", 2, "cpu")  # goes on: nothing required is missing
+        internals.check("zero2", 2, "cpu")
+    lines = [r.getMessage() for r in caplog.records if "checked on" in r.getMessage()]
+    assert len(lines) == 1, lines
+    assert f"torch {internals.installed('torch')} is {relation} the versions" in lines[0]
+    assert f"({checked})" in lines[0] and "trying them anyway" in lines[0]
+    assert "an OOM shrink restarts the workers" in lines[0] and "a rank-local OOM restarts all ranks" in lines[0]
+    assert "FSDP2's OOM reset is done by " in lines[0]
 
 
 def test_a_missing_required_internal_is_one_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
