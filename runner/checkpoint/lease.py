@@ -217,8 +217,21 @@ class LeaseFile:
         return str(self.path)
 
     def prepare(self) -> None:
-        """Make the place the record goes (the run directory)."""
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        """Make the place the record goes (the run directory). ConfigError (exit 2: the next attempt would meet the
+        same) when the run directory is not a directory, or the lease's name holds what a record can never replace
+        (a directory: a rename cannot land on it), instead of an OSError traceback and exit 1, which the Job retried
+        for ever."""
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+        except FileExistsError:
+            raise ConfigError(f"the run directory {self.path.parent} is a file, not a directory: move it away, or "
+                              "give the job another checkpoints.dir") from None  # fmt: skip
+        except NotADirectoryError:
+            raise ConfigError(f"the run directory {self.path.parent} lies under a file, not a directory: give the "
+                              "job another checkpoints.dir") from None  # fmt: skip
+        if self.path.is_dir() and not self.path.is_symlink():
+            raise ConfigError(f"{self.path} is a directory, where the run's lease record goes: remove it (rm -r "
+                              f"{self.path}) or give the job another checkpoints.dir")  # fmt: skip
 
     def create(self, data: bytes) -> bool:
         """Write the record if there is none (exclusively); False when one is there."""

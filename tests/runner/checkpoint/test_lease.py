@@ -251,3 +251,21 @@ def test_a_lease_deeper_than_any_record_is_unreadable(tmp_path):
     (root / LEASE_FILE).write_text("[" * 60_000 + "]" * 60_000)
     assert lease_mod.read_record(root / LEASE_FILE) is None
     assert "unknown holder" in lease_mod.describe(lease_mod.read_record(root / LEASE_FILE))
+
+
+def test_a_directory_at_the_lease_name_is_a_config_error_naming_it(tmp_path):
+    """A directory planted at RUN/lease.json: no record can replace it (a rename cannot land on a directory). It was an
+    IsADirectoryError traceback, exit 1, which the Job retried for ever; now exit 2 naming it and the fix, unit and
+    end to end (the supervisor's termination message)."""
+    run = tmp_path / "run"
+    (run / LEASE_FILE).mkdir(parents=True)
+    with pytest.raises(ConfigError, match=f"{run / LEASE_FILE} is a directory"):
+        Lease(run, "job").acquire()
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ConfigError, match="is a file, not a directory"):
+        Lease(tmp_path / "file", "job").acquire()
+    term = tmp_path / "termination-log"
+    spec = write_spec(tmp_path / "s.yaml", tiny_spec_dict(run))
+    result = run_supervisor([str(spec)], timeout=300, JOBSPEC_TERMINATION_LOG=str(term))
+    assert result.returncode == EXIT_CONFIG, result.stderr[-3000:]
+    assert "is a directory" in json.loads(term.read_text())["reason"] and "Traceback" not in result.stderr
