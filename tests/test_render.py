@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import re
@@ -558,3 +559,20 @@ def test_data_pvc_is_mounted_read_only() -> None:
     assert volume["persistentVolumeClaim"] == {"claimName": "sft-data", "readOnly": True}
     mount = next(m for m in container_of(rendered(SFT))["volumeMounts"] if m["name"] == "data")
     assert mount == {"name": "data", "mountPath": "/data", "readOnly": True}
+
+
+def test_no_namespace_written_renders_objects_without_one(tmp_path: Path) -> None:
+    """Issue 43: a spec without `namespace` rendered every object into `default`, so `jobspec render X | kubectl
+    apply -f -` ignored the kubeconfig's namespace. Now only a namespace the spec (or --set) writes is rendered."""
+    from jobspec.cli import main
+
+    assert "namespace" not in load_spec(QUICKSTART).model_fields_set  # the quick start names none
+    bare = render(load_spec(QUICKSTART))
+    assert [o["metadata"].get("namespace") for o in bare] == [None] * len(bare)
+    for objs in (render(load_spec(SFT)), render(load_spec(QUICKSTART, ['namespace="default"']))):
+        wanted = "jobspec" if objs[-1]["metadata"]["name"] == "sft-fast" else "default"  # written: kept, even default
+        assert {o["metadata"]["namespace"] for o in objs} == {wanted}
+    out = tmp_path / "render.yaml"  # the command a user pipes into kubectl
+    with open(out, "w") as handle, contextlib.redirect_stdout(handle):
+        assert main(["render", str(QUICKSTART)]) == 0
+    assert all("namespace" not in d["metadata"] for d in yaml.safe_load_all(out.read_text()))

@@ -15,6 +15,7 @@ import yaml
 from kubernetes_validate.utils import major_minor
 
 from jobspec.cli import _notes
+from jobspec.cluster.submit import in_namespace
 from jobspec.contract import ANNOTATION_SPEC_HASH, LABEL_JOB, RDZV_PORT
 from jobspec.errors import SpecError
 from jobspec.render import DEFAULT_CPU_PER_RANK, DEFAULT_MEMORY_PER_RANK, ENV_SPEC_HASH, render
@@ -88,7 +89,7 @@ def test_the_policy_model_can_say_no() -> None:
 @pytest.mark.parametrize("example", EXAMPLES, ids=lambda p: p.stem)
 def test_network_policy_admits_the_jobs_own_pods_on_any_tcp_port_and_nothing_else(example: Path) -> None:
     spec = load_spec(example)
-    objs = render(spec)
+    objs = in_namespace(render(spec), spec.namespace)  # as submit places them (a spec without one renders none)
     (policy,) = policies_of(objs)
     kinds = by_kind(objs)
     pod_labels = kinds["Job"]["spec"]["template"]["metadata"]["labels"]
