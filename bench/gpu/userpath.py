@@ -90,6 +90,7 @@ def spec_dict(s: Setup, run_dir: Path) -> dict[str, Any]:
         "hardware": {"vendor": s.device, "gpus": 1},
         "memory": {"tier": "fast", "regrow_after": None},  # a regrow try would be a third, unplanned squeeze
         "checkpoints": {"dir": str(run_dir), "every_steps": s.checkpoint_every, "keep": 2},
+        "output": {"export": False},  # not what is checked; a 1B export is seconds of the part's budget
     }  # fmt: skip
 
 
@@ -113,46 +114,63 @@ def message(line: str) -> str:
     return _PREFIX.sub("", line).strip()
 
 
-def check_phases(lines: list[tuple[float, str]]) -> dict[str, Any]:
-    """Phases started ("X ...") and ended ("X: done in W s" / "X: failed after W s"): the unmatched ones, the
-    number of each."""
-    open_: dict[str, int] = {}
-    started = ended = 0
-    for _, line in lines:
+_REDO = re.compile(r"^step (\d+): redoing it at micro-batch ")  # a shrink's redo (runner/oom/shrink.py run_step) ends
+# with the step ("step N recovered from its OOM: ...") or with its own OOM ("step N: out of memory ...": a new phase)
+
+
+class Phases:
+    """The phases open at each line of the log: "X ..." opens X, "X: done in W s" / "X: failed after W s" closes it
+    (runner/phase.py); a shrink's redo is closed by its step's recovery or its next OOM."""
+
+    def __init__(self) -> None:
+        self.open: dict[str, int] = {}
+        self.started = self.ended = 0
+
+    def _close(self, what: str) -> None:
+        self.open[what] -= 1
+        self.ended += 1
+
+    def feed(self, line: str) -> None:
         text = message(line)
         m = _END.match(text)
-        if m and open_.get(m["what"], 0) > 0:
-            open_[m["what"]] -= 1
-            ended += 1
-        elif text.endswith(" ...") and not text.startswith("..."):
-            open_[text[:-4]] = open_.get(text[:-4], 0) + 1
-            started += 1
-    return {"started": started, "ended": ended, "never_ended": sorted(k for k, v in open_.items() if v > 0)}
+        if m and self.open.get(m["what"], 0) > 0:
+            self._close(m["what"])
+            return
+        for what, n in list(self.open.items()):
+            redo = _REDO.match(what)
+            if n > 0 and redo and text.startswith((f"step {redo[1]} recovered from its OOM",
+                                                   f"step {redo[1]}: out of memory")):  # fmt: skip
+                self._close(what)
+        if text.endswith(" ...") and not text.startswith("..."):
+            self.open[text[:-4]] = self.open.get(text[:-4], 0) + 1
+            self.started += 1
+
+    def any_open(self) -> bool:
+        return any(n > 0 for n in self.open.values())
+
+
+def check_phases(lines: list[tuple[float, str]]) -> dict[str, Any]:
+    """Phases started and ended (`Phases`): the ones never ended, the number of each."""
+    ph = Phases()
+    for _, line in lines:
+        ph.feed(line)
+    return {"started": ph.started, "ended": ph.ended, "never_ended": sorted(k for k, v in ph.open.items() if v > 0)}
 
 
 def longest_gap(lines: list[tuple[float, str]], t0: float, t1: float, *, unexplained: bool = False) -> float:
     """The longest silence of the log between t0 and t1 (unix seconds), its ends included. `unexplained`: only
     silences during which no phase was open (a phase that said "X ..." and has not ended explains its own)."""
-    open_: dict[str, int] = {}
+    ph = Phases()
     best, last = 0.0, t0
-
-    def counts() -> bool:
-        return not (unexplained and any(v > 0 for v in open_.values()))
-
     for t, line in lines:
         if t >= t1:
             break
         if t > t0:
-            if counts():
+            if not (unexplained and ph.any_open()):
                 best = max(best, t - last)
             last = t
-        text = message(line)
-        m = _END.match(text)
-        if m and open_.get(m["what"], 0) > 0:
-            open_[m["what"]] -= 1
-        elif text.endswith(" ...") and not text.startswith("..."):
-            open_[text[:-4]] = open_.get(text[:-4], 0) + 1
-    return max(best, t1 - last) if counts() else best
+        ph.feed(line)
+    return best if unexplained and ph.any_open() else max(best, t1 - last)
 
 
 def rows(path: Path) -> list[dict[str, Any]]:

@@ -32,6 +32,14 @@ def test_the_log_checks_find_a_phase_that_never_ends_and_a_silence() -> None:
     assert phases == {"started": 2, "ended": 1, "never_ended": ["stepping down tier fast -> zero2_offload"]}
     assert userpath.longest_gap(lines, 0.5, 31.0) == pytest.approx(28.0)
     assert userpath.longest_gap(lines, 0.5, 31.0, unexplained=True) == pytest.approx(1.0)  # the step-down is open
+    oom = "19:00:00 INFO [rank 0] step 2: out of memory at micro-batch 1 on rank 0 (x); releasing"
+    redo = [(0.0, "19:00:00 INFO [rank 0] step 2: redoing it at micro-batch 1 x 8 ..."),
+            (0.1, oom + " ..."),
+            (0.2, oom + ": done in 0.1 s"),
+            (0.3, "19:00:00 INFO [rank 0] step 3: redoing it at micro-batch 1 x 8 ..."),
+            (0.4, "19:00:00 INFO [rank 0] step 3 recovered from its OOM: attempts_s 0.1")]  # fmt: skip
+    assert userpath.check_phases(redo) == {"started": 3, "ended": 3, "never_ended": []}
+    assert userpath.check_phases(redo[:4])["never_ended"] == ["step 3: redoing it at micro-batch 1 x 8"]
     ended = [*lines[:3], (12.0, "19:00:12 INFO [rank 0] stepping down tier fast -> zero2_offload: done in 10.0 s"),
              lines[3]]  # fmt: skip
     assert userpath.longest_gap(ended, 0.5, 31.0, unexplained=True) == pytest.approx(18.0)
