@@ -219,8 +219,8 @@ def tier_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[int, 
     try:
         for tier in TIERS_ON_ONE_GPU:
             (base / tier).mkdir()
-            training = {"steps": 3, "precision": "auto"}
-            spec = tiny_spec_dict(base / tier / "run", memory={"tier": tier}, training=training)
+            training, data = {"steps": 3, "precision": "auto"}, {"num_workers": 2}  # auto: 8 a run, 40 at once
+            spec = tiny_spec_dict(base / tier / "run", memory={"tier": tier}, training=training, data=data)
             spec["hardware"] = {"vendor": "cuda", "gpus": 1}
             path = write_spec(base / tier / "s.yaml", spec)
             with open(base / tier / "stderr.txt", "w") as err:
