@@ -6,18 +6,24 @@ figure, raw rounds included) and `gpu-suite.md` (the report), is written into `-
 else bench/gpu/out/) after every item, so a call cut off at any moment still leaves what it measured.
 
   tests       `pytest -m gpu` (summary from JUnit XML; SIGINT at its budget keeps the finished tests)
-  recovery    real OOM recovery: shrink, tier step-down, relaunch (bench/gpu/oom.py), and the OOM-anywhere
-              sweep sampled within its own budget (bench/oom_anywhere.py, where this checkout has it)
-  memory      formula vs trace vs `torch.cuda.max_memory_allocated`, two presets x two tiers, at the micro-batch
+  recovery    real OOM recovery: shrink, tier step-down (bench/gpu/oom.py), the OOM-anywhere sweep sampled within
+              its own budget (bench/oom_anywhere.py, where this checkout has it), then the relaunch if it fits
+  userpath    `jobspec run` on llama-1b while a separate process takes the GPU's memory at random moments: a shrink
+              and a tier step-down in process, every step once, phases logged (bench/gpu/userpath.py; runnable
+              alone: python -m bench.gpu.userpath)
+  memory      formula vs trace vs `torch.cuda.max_memory_allocated`, gpt2-small x two tiers, at the micro-batch
               the runner verifies with probe steps (bench/gpu/sizing.py); calibration (calibrate.py)
   throughput  runner vs plain bf16 loop with MFU, tier speed ratios, VRAM soak (bench/gpu/throughput.py)
 
-Budgets (seconds of wall time; GPU defaults sum to 500): --budget-tests 190, --budget-recovery 130 (of which
---sweep-budget 45), --budget-memory 90, --budget-throughput 90; --total-budget S scales them all to sum to S.
+Budgets (seconds of wall time; GPU defaults sum to 470, one device call of at most 9 minutes with the install):
+--budget-tests 140, --budget-recovery 90 (of which --sweep-budget 35), --budget-userpath 140, --budget-memory 50,
+--budget-throughput 50; --total-budget S scales them all to sum to S. A part starts no item that would not end inside
+its budget.
 
   --smoke     every part on the CPU with the tiny preset: the same JSON keys and Markdown sections, GPU-only
               figures null / "n/a (CPU)"; the planner's probe steps run through JOBSPEC_FAULT_OOM="mbs>5,probes",
-              the OOM squeeze is a fault injector (CI runs this).
+              the OOM squeeze is a fault injector, userpath is recorded as skipped (its CPU analog,
+              tests/runner/oom/test_user_path.py, is in the normal suite) (CI runs this).
   --merge A.json B.json ...   one record and report (gpu-suite.json/.md) from several records
   --calibrate R.json          print the memory-model constants the record's measured peaks suggest
 """
