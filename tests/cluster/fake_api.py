@@ -45,6 +45,64 @@ _NETWORKING = re.compile(
 )
 
 
+# What a client learns the API's resources from (legacy discovery, which kubectl falls back to from the aggregated
+# kind): group -> version -> [(plural, kind, namespaced, verbs)]. Authorised for everyone, like the real
+# system:discovery role.
+_VERBS = ["create", "delete", "get", "list", "patch", "update"]
+_RESOURCES: dict[str, tuple[str, list[tuple[str, str, bool]]]] = {
+    "": ("v1", [("configmaps", "ConfigMap", True), ("services", "Service", True), ("pods", "Pod", True),
+                ("persistentvolumeclaims", "PersistentVolumeClaim", True), ("events", "Event", True),
+                ("secrets", "Secret", True), ("serviceaccounts", "ServiceAccount", True),
+                ("namespaces", "Namespace", False), ("nodes", "Node", False)]),
+    "batch": ("v1", [("jobs", "Job", True)]),
+    "networking.k8s.io": ("v1", [("networkpolicies", "NetworkPolicy", True)]),
+    "scheduling.k8s.io": ("v1", [("priorityclasses", "PriorityClass", False)]),
+    "kueue.x-k8s.io": ("v1beta2", [("workloads", "Workload", True), ("localqueues", "LocalQueue", True),
+                                   ("clusterqueues", "ClusterQueue", False)]),
+}  # fmt: skip
+
+
+def discovery(path: str, kueue: bool) -> dict[str, Any] | None:
+    """The discovery document at `path` (/api, /apis, /api/v1, /apis/GROUP/VERSION), or None."""
+    groups = {g: v for g, v in _RESOURCES.items() if g and (kueue or g != "kueue.x-k8s.io")}
+    if path == "/api":
+        return {"kind": "APIVersions", "versions": ["v1"],
+                "serverAddressByClientCIDRs": [{"clientCIDR": "0.0.0.0/0", "serverAddress": "127.0.0.1"}]}  # fmt: skip
+    if path == "/apis":
+        versions = {g: {"groupVersion": f"{g}/{v}", "version": v} for g, (v, _) in groups.items()}
+        return {
+            "kind": "APIGroupList",
+            "apiVersion": "v1",
+            "groups": [{"name": g, "versions": [gv], "preferredVersion": gv} for g, gv in versions.items()],
+        }
+    for group, (version, resources) in [("", _RESOURCES[""]), *groups.items()]:
+        if path == (f"/apis/{group}/{version}" if group else "/api/v1"):
+            return {"kind": "APIResourceList", "apiVersion": "v1", "groupVersion": f"{group}/{version}".strip("/"),
+                    "resources": [{"name": r, "singularName": kind.lower(), "namespaced": namespaced, "kind": kind,
+                                   "verbs": _VERBS} for r, kind, namespaced in resources]}  # fmt: skip
+    return None
+
+
+def rbac_of(req: Request, exists: bool | None = None) -> set[tuple[str, str, str, str]]:
+    """The (scope, apiGroup, resource, verb) the API server would authorise for a request (none for discovery).
+    GET of a Namespace object is authorised in that namespace (a Role there may grant it), like any namespaced
+    read. A server-side apply (PATCH) that creates needs create too: `exists` says whether the object was there
+    (None: after the request, from what it recorded)."""
+    parts = req.path.strip("/").split("/")
+    if discovery(req.path, kueue=True) is not None or parts[0] not in ("api", "apis"):
+        return set()
+    group, rest = ("", parts[2:]) if parts[0] == "api" else (parts[1], parts[3:])
+    scope = "namespace" if rest[0] == "namespaces" else "cluster"
+    if rest[0] == "namespaces" and len(rest) > 2:
+        rest = rest[2:]
+    resource = rest[0] + ("/log" if rest[-1] == "log" else "")
+    if req.method == "GET":
+        return {(scope, group, resource, "get" if len(rest) > 1 else "list")}
+    created = req.created if exists is None else not exists
+    verbs = {"PATCH": {"patch"} | ({"create"} if created else set()), "DELETE": {"delete"}, "POST": {"create"}}
+    return {(scope, group, resource, v) for v in verbs[req.method]}
+
+
 class FakeApi(Served):  # start(), stop(), url
     handler, server = Handler, Server
 
@@ -63,6 +121,11 @@ class FakeApi(Served):  # start(), stop(), url
         # named here; Kueue's API is served unless `kueue` is False (then its paths 404 as an unknown resource).
         self.absent_namespaces: set[str] = set()
         self.kueue = True
+        # RBAC: when set, what the caller is granted ((scope, apiGroup, resource, verb), as rbac_of gives); any other
+        # request is refused with the real server's 403
+        self.granted: set[tuple[str, str, str, str]] | None = None
+        # kubectl sends no bearer token to a plain-HTTP server: let it in (as the submitter, for `granted`)
+        self.anonymous = False
 
     def kubeconfig(self, directory: Path, namespace: str | None = "ml", token: str = TOKEN) -> Path:
         """A kubeconfig with context `fake` (namespace `namespace`) and `other` (namespace `other-ns`)."""
@@ -175,10 +238,14 @@ class FakeApi(Served):  # start(), stop(), url
 
     def handle(self, req: Request) -> tuple[int, dict[str, str], Any]:
         """-> (status, headers, body): a dict (JSON), bytes, or a list (a follow stream script)."""
-        if req.headers.get("authorization") != f"Bearer {TOKEN}":
+        if req.headers.get("authorization") != f"Bearer {TOKEN}" and not self.anonymous:
             return 401, {}, status_body(401, "Unauthorized", "Unauthorized")
+        if req.method == "GET" and (found := discovery(req.path, self.kueue)) is not None:
+            return 200, {}, found
         routes = (_CORE, _BATCH, _ALL_JOBS, _NETWORKING, _CLUSTER, *((_KUEUE, _KUEUE_CLUSTER) if self.kueue else ()))
         m = next(filter(None, (p.match(req.path) for p in routes)), None)
+        if m and (refused := self._forbidden(req, m.groupdict())) is not None:
+            return refused
         if not m:
             return (
                 404,
@@ -203,9 +270,46 @@ class FakeApi(Served):  # start(), stop(), url
                 return (200, {}, obj) if obj else self._not_found(plural, name)
             if req.method == "PATCH":
                 return self._apply(plural, ns, name, req)
+            if req.method == "POST" and name is None and ns:
+                return self._create(plural, ns, req)
             if req.method == "DELETE":
                 return self._delete(plural, ns, name, req)
         return 405, {}, status_body(405, "method not allowed", "MethodNotAllowed")
+
+    def _forbidden(self, req: Request, parts: dict[str, Any]) -> tuple[int, dict[str, str], Any] | None:
+        """The real server's 403 for a request RBAC does not grant (None: granted, or RBAC off)."""
+        if self.granted is None:
+            return None
+        ns = parts.get("ns")
+        exists = (parts["plural"], ns or "", parts.get("name")) in self.objects
+        missing = sorted(rbac_of(req, exists) - self.granted)
+        if not missing:
+            return None
+        _, group, resource, verb = missing[0]
+        where = f' in the namespace "{ns}"' if ns else " at the cluster scope"
+        message = (f'{resource} "{parts.get("name") or ""}" is forbidden: User "system:serviceaccount:jobspec:'
+                   f'jobspec-submitter" cannot {verb} resource "{resource}" in API group "{group}"{where}')  # fmt: skip
+        return 403, {}, status_body(403, message, "Forbidden")
+
+    def _create(self, plural: str, ns: str, req: Request) -> tuple[int, dict[str, str], Any]:
+        """POST: what `kubectl apply` (client-side) and `kubectl create` send for a new object."""
+        new = copy.deepcopy(req.body)
+        md = new.setdefault("metadata", {})
+        if md.setdefault("namespace", ns) != ns:
+            return 400, {}, status_body(400, "the namespace of the object does not match the URL", "BadRequest")
+        if (plural, ns, md.get("name")) in self.objects:
+            return 409, {}, status_body(409, f'{plural} "{md.get("name")}" already exists', "AlreadyExists")
+        req.created = True
+        self._counter += 1
+        md.update(uid=str(uuid.uuid4()), creationTimestamp="2025-01-01T00:00:00Z", resourceVersion=str(self._counter))
+        if plural == "jobs":
+            sel = {CONTROLLER_UID: md["uid"]}
+            new["spec"]["selector"] = {"matchLabels": sel}
+            new["spec"]["template"].setdefault("metadata", {}).setdefault("labels", {}).update(sel)
+            new["status"] = {}
+        if req.query.get("dryRun") != "All":
+            self.objects[(plural, ns, md["name"])] = new
+        return 201, {}, new
 
     def _not_found(self, plural: str, name: str | None) -> tuple[int, dict[str, str], Any]:
         group = {"jobs": "jobs.batch", "networkpolicies": "networkpolicies.networking.k8s.io"}.get(plural, plural)

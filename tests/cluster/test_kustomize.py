@@ -7,6 +7,7 @@ import io
 import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +22,7 @@ from jobspec.contract import KUEUE_QUEUE_LABEL
 from jobspec.render import render
 from jobspec.spec.loader import load_spec
 
-from .fake_api import FakeApi, Request
+from .fake_api import FakeApi, rbac_of
 from .objects import gpu_node, make_objects, prerequisite
 
 REPO = Path(__file__).resolve().parents[2]
@@ -122,23 +123,38 @@ def granted(base: list[dict[str, Any]]) -> set[tuple[str, str, str, str]]:
     }
 
 
-def rbac_of(req: Request) -> set[tuple[str, str, str, str]]:
-    """The (scope, apiGroup, resource, verb) the API server would authorise for a recorded request. GET of a
-    Namespace object is authorised in that namespace (a Role there may grant it), like any namespaced read."""
-    parts = req.path.strip("/").split("/")
-    group, rest = ("", parts[2:]) if parts[0] == "api" else (parts[1], parts[3:])
-    scope = "namespace" if rest[0] == "namespaces" else "cluster"
-    if rest[0] == "namespaces" and len(rest) > 2:
-        rest = rest[2:]
-    resource = rest[0] + ("/log" if rest[-1] == "log" else "")
-    if req.method == "GET":
-        return {(scope, group, resource, "get" if len(rest) > 1 else "list")}
-    verbs = {"PATCH": {"patch"} | ({"create"} if req.created else set()), "DELETE": {"delete"}}[req.method]
-    return {(scope, group, resource, v) for v in verbs}
+def kubectl_apply(api: FakeApi, kubeconfig: Path, spec: Path) -> subprocess.CompletedProcess[str]:
+    """The README's `jobspec render SPEC | kubectl apply -f -`, with the real kubectl, against the fake API server.
+    --validate=false: the fake serves no OpenAPI document (a non-resource read any user may make: no Role
+    involved); kubectl sends no token over plain HTTP, so the server takes it as the submitter."""
+    api.anonymous = True
+    rendered = subprocess.run([sys.executable, "-m", "jobspec", "render", str(spec)], capture_output=True, text=True,
+                              cwd=REPO, check=True, timeout=120).stdout  # fmt: skip
+    return subprocess.run(["kubectl", "--kubeconfig", str(kubeconfig), "--cache-dir", str(kubeconfig.parent / "cache"),
+                           "apply", "--validate=false", "-f", "-"], input=rendered, capture_output=True, text=True,
+                          timeout=120)  # fmt: skip
+
+
+def test_the_readme_pipeline_applies_as_the_submitter_role(
+    base: list[dict[str, Any]], api: FakeApi, kubeconfig: Path
+) -> None:
+    """Seen on a real control plane (issue 43): `jobspec render X | kubectl apply -f -` as the shipped Role got 403s
+    (client-side apply gets each object before it creates it) and left the Job without its ConfigMap, Service and
+    NetworkPolicy. Now every object is created, and applying again changes nothing."""
+    api.granted = granted(base)
+    done = kubectl_apply(api, kubeconfig, REPO / "examples" / "sft_fast.yaml")
+    assert done.returncode == 0, done.stderr
+    made = sorted((plural, name) for plural, ns, name in api.objects if ns == "jobspec")
+    assert made == [("configmaps", "sft-fast-spec"), ("jobs", "sft-fast"), ("networkpolicies", "sft-fast"),
+                    ("services", "sft-fast")]  # fmt: skip
+    again = kubectl_apply(api, kubeconfig, REPO / "examples" / "sft_fast.yaml")
+    assert again.returncode == 0 and again.stdout.count(" unchanged") == 4, again.stdout + again.stderr
+    refused = [r for r in api.requests if r.path.startswith(("/api/", "/apis/")) and rbac_of(r) - granted(base)]
+    assert not refused
 
 
 def test_role_grants_exactly_what_the_client_uses(
-    base: list[dict[str, Any]], api: FakeApi, client: ClusterClient
+    base: list[dict[str, Any]], api: FakeApi, client: ClusterClient, kubeconfig: Path
 ) -> None:
     from jobspec.cluster.cancel import cancel
     from jobspec.cluster.listing import list_jobs
@@ -173,6 +189,8 @@ def test_role_grants_exactly_what_the_client_uses(
     multinode_pod["serviceAccountName"] = "jobspec-runner"
     checked = preflight(client, multinode, "ml")
     assert not checked.warnings and len(checked.missing) == 3  # llama-checkpoints, jobspec-runner, the H100s
+    # and the README's other way in: `jobspec render X | kubectl apply -f -` (above: what it needs)
+    assert kubectl_apply(api, kubeconfig, REPO / "examples" / "sft_fast.yaml").returncode == 0
     used = set().union(*(rbac_of(r) for r in api.requests))
     assert used == granted(base)
 
