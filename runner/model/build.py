@@ -9,6 +9,7 @@ PEFT adapter directory that `PeftModel.from_pretrained` reads.
 from __future__ import annotations
 
 import logging
+from contextlib import nullcontext
 from importlib.util import find_spec
 
 import torch
@@ -130,9 +131,17 @@ def checked_config(path: str) -> object:
 
 def build_model(
     spec: JobSpec, *, bos: int, eos: int, vocab: int, precision: str = "fp32", quantize: str | None = None,
-    shards: int = 1,
-) -> nn.Module:
-    """The model on the CPU in fp32 (preset) or its stored dtype (path); the caller places it.
+    shards: int = 1, device: torch.device | None = None, weights: str = "init",
+) -> nn.Module:  # fmt: skip
+    """The model in fp32 (preset) or its stored dtype (path), on the CPU unless `device` says where; the caller
+    places it.
+
+    `device` (a GPU where the whole model lives anyway: tier fast): a preset is built and initialised there, a
+    `model.path` loaded straight onto it, with no pass over the weights on the host (building the 1B preset on the
+    host took about 30 s of the first H200 run's start-up, issue 41). `weights`: "init" gives the initial weights
+    (the spec's seed, or the stored ones); "none" builds a preset on the meta device and materialises it on the host
+    uninitialised, for a caller that writes every parameter and buffer itself (an in-process tier step-down hands
+    the trained state over; `transient_buffers` are the non-persistent buffers it copies too: rotary frequencies).
 
     With LoRA and 16-bit training (`precision`), a preset's frozen base is cast to that width first: it
     takes no gradient or optimizer step, so fp32 would only double its memory (the memory model counts
@@ -146,14 +155,23 @@ def build_model(
     attention = model_attention(spec)  # the family's kernel where the spec left the default (Gemma 2: eager)
     check_attention(attention)
     torch.manual_seed(spec.training.seed)  # the same initial weights on every rank and every restart
+    if weights == "none" and (not m.preset or m.lora):  # a path's dtype and vocabulary, LoRA's base: from files, seed
+        raise ValueError("weights='none' builds presets without LoRA only: the caller must have every weight")
+    gpu = device if device is not None and device.type != "cpu" else None
+    where = {} if gpu is None else {"device_map": {"": gpu}}
     if m.preset:
         cfg = preset_config(PRESETS[m.preset], bos, eos)
-        model = AutoModelForCausalLM.from_config(cfg, attn_implementation=attention)
+        place = torch.device("meta") if weights == "none" else gpu  # factories allocate there: no host pass
+        with place if place is not None else nullcontext():
+            model = AutoModelForCausalLM.from_config(cfg, attn_implementation=attention)
+        if weights == "none":
+            model.to_empty(device="cpu")  # allocated, never written: the caller writes every weight
+            model.tie_weights()  # to_empty gives each of two tied parameters its own storage
     else:
         config = checked_config(m.path)
         try:
             model = AutoModelForCausalLM.from_pretrained(
-                m.path, config=config, dtype=DTYPES[m.dtype], attn_implementation=attention
+                m.path, config=config, dtype=DTYPES[m.dtype], attn_implementation=attention, **where
             )
         except (OSError, ValueError) as err:
             raise ConfigError(f"model.path {m.path!r}: cannot load the model ({err})") from None
@@ -183,6 +201,13 @@ def build_model(
         attention,
     )
     return model
+
+
+def transient_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The buffers a state dict leaves out (non-persistent: rotary frequencies, masks), by name: what a model built with
+    `weights="none"` lacks once the state dict's tensors are written into it."""
+    kept = model.state_dict(keep_vars=True).keys()
+    return {n: b for n, b in model.named_buffers() if n not in kept}
 
 
 EXPERT_TARGET = "experts."  # `model.lora.targets` naming a mixture of experts' parameters: experts.gate_up_proj, ...

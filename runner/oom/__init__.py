@@ -13,7 +13,7 @@
     anywhere.py  `op=N`: the dispatch mode that raises one before the N-th allocating op of a step, an
                  evaluation, a checkpoint or a probe step, wherever that op is (bench/oom_anywhere.py sweeps it)
 
-The recipe (runner/train/recipe.py) steps down a tier in process (`Recipe._step_down`) when every rank agreed
+The recipe (runner/train/recipe.py) steps down a tier in process (runner/train/stepdown.py) when every rank agreed
 on the OOM, and leaves it to relaunch.py otherwise. The end of a step (clipping, the optimizer step) is
 runner/train/update.py's transaction; evaluation (runner/train/step.py `Stepper.evaluate`) and checkpoints
 (runner/checkpoint/store.py `CheckpointOOM`) agree on an OOM the same way. The planner's probe search

@@ -37,6 +37,7 @@ from runner.oom import ladder
 from runner.oom.detect import Headroom, allocated_bytes, guarded, next_micro_batch, release_memory
 from runner.oom.faults import install_from_env
 from runner.oom.regrow import TRIES, Regrow
+from runner.phase import phase
 from runner.sizing.plan import Plan, with_micro_batch
 
 log = logging.getLogger("jobspec.runner")
@@ -177,9 +178,11 @@ def run_step(
         # Out of the except block: the failed attempt's frames are gone; drop its gradients, then free.
         caught, t0 = time.time(), time.perf_counter()
         timings["attempts_s"] += t0 - started
-        zero_grad()
-        restored = reset()
-        release_memory(baseline)
+        with phase("step %d: out of memory at micro-batch %d on rank %d (%s); releasing the attempt's memory", step,
+                   plan.micro_batch, rank, why[:200]):  # fmt: skip
+            zero_grad()
+            restored = reset()
+            release_memory(baseline)
         timings["release_s"] += time.perf_counter() - t0
         if not intact:
             raise TierOOM(plan.tier, f"out of memory in the optimizer step {step} on rank {rank}: {why}",
@@ -216,6 +219,7 @@ def run_step(
             f"accumulation {old.grad_accum} -> {old.per_rank // nxt}, global batch {old.global_batch} unchanged"
         )
         plan = with_micro_batch(old, nxt, note)  # logs the note
+        log.info("step %d: redoing it at micro-batch %d x %d ...", step, nxt, plan.grad_accum)  # its end: on_recovered
         if on_shrink is not None:
             on_shrink(Shrink(step, plan.tier, old.micro_batch, nxt, old.grad_accum, plan.grad_accum, rank, why,
                              caught))  # fmt: skip

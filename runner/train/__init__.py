@@ -1,6 +1,8 @@
 """Training one rank, top to bottom (torchtune's recipe shape). Read in this order:
 
-    recipe.py   `Recipe(spec)`: `setup()`, `train()`, `cleanup()`; the in-process tier step-down
+    recipe.py   `Recipe(spec)`: `setup()`, `train()`, `cleanup()`
+    stepdown.py the in-process tier step-down, each phase logged
+    outputs.py  the train records, the summary, the export and its benchmarks
     step.py     one optimizer step, evaluation, the LR schedule, the stop flag
     update.py   the end of a step as a transaction: exchange, clipping and the optimizer step, recoverable from
                 an OOM at any op on any rank

@@ -1,7 +1,7 @@
 """The trained state handed to the next memory tier in memory, for an in-process tier step-down.
 
 An OOM at micro-batch 1 in forward or backward leaves the weights and the optimizer state as the last
-finished step left them. The step-down (runner/train/recipe.py `_step_down`) still writes them as a checkpoint
+finished step left them. The step-down (runner/train/stepdown.py `step_down`) still writes them as a checkpoint
 first (the fallback if the process dies while it rebuilds), but need not read that checkpoint back:
 
 - `take()`, before the old tier is released: every parameter the checkpoint would hold (the trainable ones
@@ -11,6 +11,8 @@ first (the fallback if the process dies while it rebuilds), but need not read th
   Copied to the host, unless it is already there whole (one CPU process: the tensors themselves).
 - `fits()`, once the next tier is built: why it cannot be handed over (another layout, another optimizer),
   or None. The caller agrees on it over all ranks and, on any "no", loads the checkpoint as before.
+- `give_transient()`, before anything else: the non-persistent buffers (rotary frequencies), which no state dict
+  holds, into a model built without weights (runner/model/build.py `weights="none"`: no init pass at all).
 - `give()`: copies the parameters into the new shards in place, and the optimizer state through the
   optimizer's own `load_state_dict` (torch's layout, so any optimizer keeping it works), then the RNG.
 
@@ -31,6 +33,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
 from runner.checkpoint.store import rng_state, set_rng_state
+from runner.model.build import transient_buffers
 
 log = logging.getLogger("jobspec.runner")
 HOST_SHARE = 0.5  # the host copies may take at most this share of the host memory available to a rank
@@ -42,6 +45,7 @@ class Handoff:
 
     params: dict[str, torch.Tensor]  # this rank's dim-0 chunk of each parameter
     buffers: dict[str, torch.Tensor]  # persistent buffers, whole (FSDP2 does not shard buffers)
+    transient: dict[str, torch.Tensor]  # non-persistent ones (rotary frequencies): for a model built without weights
     state: dict[str, dict[str, Any]]  # optimizer state by parameter name, cut like the parameter
     groups: list[dict[str, Any]]  # optimizer parameter groups: hyperparameters and parameter names
     rng: dict[str, Any]
@@ -95,6 +99,7 @@ def take(model: nn.Module, optimizer: Any, *, rank: int, world: int, trainable_o
             params[n] = _host(local)
     keys = model.state_dict(keep_vars=True).keys()
     buffers = {n: _host(b) for n, b in model.named_buffers() if n in keys and not trainable_only}
+    transient = {n: _host(b) for n, b in model.named_buffers() if n not in keys and not trainable_only}
     order = [p for g in optimizer.param_groups for p in g["params"]]
     state: dict[str, dict[str, Any]] = {}
     for index, values in sd["state"].items():
@@ -121,10 +126,23 @@ def take(model: nn.Module, optimizer: Any, *, rank: int, world: int, trainable_o
     tensors = [
         *params.values(),
         *buffers.values(),
+        *transient.values(),
         *(v for s in state.values() for v in s.values() if torch.is_tensor(v)),
     ]
     nbytes = sum(t.numel() * t.element_size() for t in tensors)
-    return Handoff(params, buffers, state, groups, rng_state(), nbytes)
+    return Handoff(params, buffers, transient, state, groups, rng_state(), nbytes)
+
+
+@torch.no_grad()
+def give_transient(h: Handoff, model: nn.Module) -> bool:
+    """Copy the kept non-persistent buffers into `model` (unwrapped, built without weights: runner/model/build.py
+    `weights="none"`), which no state dict or checkpoint carries; False when `h` has not the model's every one."""
+    transient = transient_buffers(model)
+    if transient.keys() != h.transient.keys() or any(b.shape != h.transient[n].shape for n, b in transient.items()):
+        return False
+    for n, b in transient.items():
+        b.copy_(h.transient[n])
+    return True
 
 
 def fits(h: Handoff, model: nn.Module, optimizer: Any) -> str | None:

@@ -4,8 +4,10 @@
 runner/checkpoint/lease.py), probes, plans, builds data, model, optimizer and accelerate, resumes from the newest
 intact checkpoint (damaged ones are skipped: runner/checkpoint/store.py) and checks the volume has room for
 the next one, `train()` runs the loop and returns the exit code, `cleanup()` releases everything. The
-loop is nanoGPT-plain: step ids -> `Stepper.train_step` -> log / eval / checkpoint. `runner/process/worker.py`
-runs it as a process.
+loop is nanoGPT-plain: step ids -> `Stepper.train_step` -> log / eval / checkpoint; an OOM that micro-batch 1 cannot
+absorb steps down a tier in process (runner/train/stepdown.py); the records, summary and export are in
+runner/train/outputs.py. Every long phase of start-up (data, plan, model build, placement, probe steps, checkpoint
+load) is logged when it starts and when it ends (runner/phase.py). `runner/process/worker.py` runs it as a process.
 
 Debugging aid: JOBSPEC_RECORD_SAMPLES=1 makes every rank append `{step, rank, micro_batch, grad_accum,
 ids}` per optimizer step to `<checkpoints.dir>/samples-rank<R>.jsonl` (the ids it actually trained on).
@@ -27,12 +29,10 @@ import torch
 import yaml
 
 from jobspec import shared_dir
-from jobspec.catalog import tiers
 from jobspec.contract import EXIT_OK, EXIT_OOM_RETRY_TIER, EXIT_PREEMPTED, METRICS_FILE, TIER_STATE_FILE
 from jobspec.errors import ConfigError
 from jobspec.plan.planner import rows_per_sample
 from jobspec.spec.models import JobSpec
-from jobspec.spec.units import human_bytes
 from runner import internals
 from runner.checkpoint import remote, run_files, store
 from runner.checkpoint.lease import Lease, LeaseHeld, check_holder
@@ -49,7 +49,8 @@ from runner.oom import faults, ladder
 from runner.oom.detect import is_oom, next_micro_batch, oom_guard, release_memory
 from runner.oom.shrink import RankOOM, RecipeGuard, TierOOM, apply_cap, reset_wrapper
 from runner.output import tracking
-from runner.output.metrics import GpuUtil, Metrics, Progress, memory_bytes
+from runner.output.metrics import GpuUtil, Metrics, Progress
+from runner.phase import phase
 from runner.sizing import traced
 from runner.sizing.plan import (
     Plan,
@@ -62,7 +63,7 @@ from runner.sizing.plan import (
     with_micro_batch,
 )
 from runner.sizing.probe import describe, probe_host
-from runner.train import engine, handoff, update
+from runner.train import engine, handoff, outputs, stepdown, update
 from runner.train.objectives import Objective
 from runner.train.reference import attach_reference
 from runner.train.step import EvalOOM, Preempted, Stepper, StepResult, StopFlag, get_lr
@@ -135,16 +136,8 @@ class Recipe:
         # data.packing only where the model confines attention to each record (else off, and the log says why)
         self.spec = spec = confine_packing(spec, self.device, self.ctrl.any)
 
-        self.tokenizer = load_tokenizer(spec.model.path, model_shape(spec).vocab)
-        if spec.data.streaming:  # read and tokenized as the steps need it, by a thread (runner/data/stream.py)
-            self.data = load_stream(spec, self.tokenizer, env.rank, env.world_size, write_index=env.is_main)
-            self.order = self.data.order
-        else:  # DPO: pairs, chosen and rejected in one micro-batch (runner/data/preference.py)
-            pairs = spec.training.objective != "sft"  # dpo, simpo, orpo
-            self.data = load_preference(spec, self.tokenizer) if pairs else load_data(spec, self.tokenizer)
-            self.order = data_order(spec, self.data)  # several sources: mixed by weight (runner/data/mix.py)
-        # Samples of each source trained since the last train record (several sources only).
-        self.mixed = [0] * len(self.data.sources) if len(self.data.sources) > 1 else None
+        with phase("loading the tokenizer and the data"):
+            self._load_data()
         self.total_steps = total_steps(spec, self.order)
         self.lineage = lineage(spec, self.data.train)
         resume = self._resume_point()  # verified; damaged ones skipped
@@ -152,7 +145,8 @@ class Recipe:
         if meta is not None:
             check_resume(meta.get("lineage"), self.lineage, where=f"checkpoint {resume}",
                          force=spec.checkpoints.resume == "force")  # fmt: skip
-        self.plan = self._plan(meta)
+        with phase("planning the tier and micro-batch"):
+            self.plan = self._plan(meta)
         self._build(resume, meta)
         store.ensure_space(self.root, self.model, rank=env.rank, ctrl=self.ctrl,
                                 trainable_only=spec.model.lora is not None)  # fmt: skip
@@ -168,6 +162,19 @@ class Recipe:
         self.metrics = Metrics(self.root / METRICS_FILE, enabled=env.is_main, trackers=trackers)
         self._write_plan(resumed=resume is not None)
         self.gpu_util = GpuUtil(self.device)
+
+    def _load_data(self) -> None:
+        spec, env = self.spec, self.env
+        self.tokenizer = load_tokenizer(spec.model.path, model_shape(spec).vocab)
+        if spec.data.streaming:  # read and tokenized as the steps need it, by a thread (runner/data/stream.py)
+            self.data = load_stream(spec, self.tokenizer, env.rank, env.world_size, write_index=env.is_main)
+            self.order = self.data.order
+        else:  # DPO: pairs, chosen and rejected in one micro-batch (runner/data/preference.py)
+            pairs = spec.training.objective != "sft"  # dpo, simpo, orpo
+            self.data = load_preference(spec, self.tokenizer) if pairs else load_data(spec, self.tokenizer)
+            self.order = data_order(spec, self.data)  # several sources: mixed by weight (runner/data/mix.py)
+        # Samples of each source trained since the last train record (several sources only).
+        self.mixed = [0] * len(self.data.sources) if len(self.data.sources) > 1 else None
 
     def _take_lease(self) -> None:
         """Rank 0 takes the run directory's lease (runner/checkpoint/lease.py); every rank stops when it cannot."""
@@ -196,29 +203,27 @@ class Recipe:
         if self.plan.tier != "fast":
             timeout_s = spec.scheduling.collective_timeout_seconds
             init_process_group(env, self.device, needed=True, timeout_s=timeout_s)  # FSDP: a group even alone
-        model = build_model(
-            spec,
-            bos=getattr(self.tokenizer, "BOS", self.tokenizer.eos_id),
-            eos=self.tokenizer.eos_id,
-            vocab=self.tokenizer.vocab_size,
-            precision=self.plan.precision,
-            quantize=self.plan.quantize,
-            shards=self.plan.world_size,
-        )
-        optimizer = engine.make_optimizer(model, spec, self.device, self.plan.tier)
-        self.accelerator, self.model, self.optimizer = engine.prepare(self.plan, spec, self.device, model, optimizer)
-        self.stepper = Stepper(
-            self.accelerator,
-            self.model,
-            self.optimizer,
-            self.data,
-            self.ctrl,
-            self.stop,
-            max_grad_norm=spec.training.max_grad_norm,
-            loss_kernel=spec.training.loss_kernel,
-            objective=Objective.of(spec.training),
-            rows=rows_per_sample(spec),
-        )
+        # The state in memory has every weight (no LoRA base, no quantized one): the preset is built without them.
+        empty = kept is not None and spec.model.preset is not None and spec.model.lora is None
+        # Tier fast holds the whole model on the GPU anyway (full fine-tuning: 16 bytes a parameter, so the fp32 build's
+        # 4 fit): built and initialised there, no pass on the host. LoRA's base is cast to 16 bits after the build.
+        gpu_build = self.plan.tier == "fast" and self.device.type == "cuda" and spec.model.lora is None
+        on = self.device if gpu_build and not empty else None
+        how = "without weights (the state in memory has them)" if empty else f"on {on}" if on else "on the host"
+        with phase("building the model %s (%s)", how, spec.model.preset or spec.model.path):
+            model = build_model(spec, bos=getattr(self.tokenizer, "BOS", self.tokenizer.eos_id),
+                                eos=self.tokenizer.eos_id, vocab=self.tokenizer.vocab_size,
+                                precision=self.plan.precision, quantize=self.plan.quantize, shards=self.plan.world_size,
+                                device=on, weights="none" if empty else "init")  # fmt: skip
+            if empty and not handoff.give_transient(kept, model):  # type: ignore[arg-type]
+                raise RuntimeError("the state in memory lacks the model's non-persistent buffers")
+        with phase("placing the model for tier %s (%s)", self.plan.tier, self.device):
+            optimizer = engine.make_optimizer(model, spec, self.device, self.plan.tier)
+            self.accelerator, self.model, self.optimizer = engine.prepare(self.plan, spec, self.device, model,
+                                                                          optimizer)  # fmt: skip
+        self.stepper = Stepper(self.accelerator, self.model, self.optimizer, self.data, self.ctrl, self.stop,
+                               max_grad_norm=spec.training.max_grad_norm, loss_kernel=spec.training.loss_kernel,
+                               objective=Objective.of(spec.training), rows=rows_per_sample(spec))  # fmt: skip
         dpo = spec.training.objective == "dpo"  # SimPO and ORPO are reference-free
         if dpo and isinstance(self.data, PreferenceData):  # the starting model's, before any checkpoint is loaded
             attach_reference(self.stepper, self.data, spec, precision=self.plan.precision, quantize=self.plan.quantize,
@@ -227,22 +232,27 @@ class Recipe:
         # every rank probes when any does (a fault rule for one rank makes the CPU probe): the steps are collective
         probing = self.dev.is_gpu or self.ctrl.any(probe_faults is not None)
         if verify and probing and (meta is None or self.plan.to_dict() != meta["plan"]):
-            self._verify_micro_batch(probe_faults)  # a new plan: real probe steps check it
+            with phase("probe steps at tier %s, micro-batch %d", self.plan.tier, self.plan.micro_batch):
+                self._verify_micro_batch(probe_faults)  # a new plan: real probe steps check it
         if probe_faults is not None:
             probe_faults.remove()
-        handed = kept is not None and self._give_state(kept)
+        if kept is not None:
+            with phase("handing the state in memory over to tier %s", self.plan.tier):
+                handed = stepdown.give_state(self, kept)
+        else:
+            handed = False
         if kept is not None and not handed:  # the new tier cannot take it: the newest checkpoint, as before
             resume = self._newest_checkpoint()
+            if empty and resume is None:  # nothing written yet, and this model has no weights: build it with them
+                self.stepper = self.model = self.optimizer = self.accelerator = None  # type: ignore[assignment]
+                internals.reset_accelerate()
+                release_memory()
+                return self._build(None, None, None, verify=verify)
         self.state_from = "memory" if handed else "checkpoint"  # for the step-down's log and event
         if resume is not None:
-            meta = store.load(
-                resume,
-                self.model,
-                self.optimizer,
-                rank=env.rank,
-                ctrl=self.ctrl,
-                trainable_only=spec.model.lora is not None,
-            )
+            with phase("loading checkpoint %s", resume):
+                meta = store.load(resume, self.model, self.optimizer, rank=env.rank, ctrl=self.ctrl,
+                                  trainable_only=spec.model.lora is not None)  # fmt: skip
             self.step = self.saved_step = int(meta["step"])
             log.info("resumed from %s: step %d of %d", resume, self.step, self.total_steps)
         update.prime(self.stepper.inner, self.stepper.params)  # Adam's state now: the first step allocates none
@@ -370,19 +380,21 @@ class Recipe:
         """Train to `total_steps`; returns the exit code (0, or 143 after a SIGTERM checkpoint).
 
         An OOM that micro-batch 1 cannot absorb steps down a tier in this process when every rank agreed
-        on it (`_step_down`); otherwise it ends here with 75/76 and the supervisor (or the Job) relaunches.
+        on it (runner/train/stepdown.py); otherwise it ends here with 75/76 and the supervisor (or the Job) relaunches.
         """
         while True:
             try:
                 return self._loop()
             except TierOOM as err:  # micro-batch 1 ran out: checkpoint, persist "tier X failed"
-                oom_at, t0 = time.time(), time.perf_counter()
-                code = self.guard.give_up(err)
-                if code != EXIT_OOM_RETRY_TIER or not self._can_step_down(err):
+                oom_at = time.time()
+                with phase("out of memory at tier %s (%s): checkpointing the finished steps and recording the tier's "
+                           "failure", err.tier, err.reason) as took:  # fmt: skip
+                    code = self.guard.give_up(err)
+                if code != EXIT_OOM_RETRY_TIER or not stepdown.can_step_down(self, err):
                     if self.bucket is not None and self.env.is_main:  # the ladder's state, for a pod created again
                         run_files.put(self.spec.checkpoints.dir, self.root)
                     return code  # 76, or the relaunch fallback (75)
-                self._step_down(err, oom_at, give_up_s=time.perf_counter() - t0)
+                stepdown.step_down(self, err, oom_at, give_up_s=took.wall_s)
 
     def _loop(self) -> int:
         t, ck = self.spec.training, self.spec.checkpoints
@@ -398,7 +410,7 @@ class Recipe:
             while self.step < self.total_steps:
                 result = self.train_step(self.step)
                 if check:
-                    self._memory_check()
+                    outputs.memory_check(self)
                     check = False
                 self.step += 1
                 self.status["step"] = self.step
@@ -410,7 +422,7 @@ class Recipe:
                 if self.record_samples:
                     self._record_samples(result.sample_ids)
                 if self.step in (1, self.total_steps) or self.step % t.log_every == 0:
-                    self._log_step(result, tokens / (time.perf_counter() - tic))
+                    outputs.train_record(self, result, tokens / (time.perf_counter() - tic))
                     tic, tokens = time.perf_counter(), 0
                 self.progress.update(self._bar_loss(result))
                 if self.lease is not None:
@@ -426,10 +438,10 @@ class Recipe:
             return self._preempted()
         self.status["reason"] = "done"
         if self.env.is_main and self.spec.output.export:
-            self._export()
+            outputs.export_model(self)
             if self.spec.eval.benchmarks:
-                self._benchmarks()
-        self._summary()
+                outputs.run_benchmarks(self)
+        outputs.summary(self)
         return EXIT_OK
 
     def _preempted(self) -> int:
@@ -448,69 +460,6 @@ class Recipe:
         self.status["reason"] = reason
         return EXIT_PREEMPTED
 
-    def _can_step_down(self, err: TierOOM) -> bool:
-        """Whether the next tier can start in this process: every rank knows (not a rank-local FSDP OOM),
-        and the device still works (a CUDA error can leave the context unusable: then a new process)."""
-        if err.local or err.cap is not None:
-            return False
-        if os.environ.get("JOBSPEC_STEP_DOWN", "in_process") == "restart":  # the fallback path, for benchmarks
-            log.info("JOBSPEC_STEP_DOWN=restart: leaving the tier step-down to a new process")
-            return False
-        if self.device.type == "cuda":
-            try:
-                torch.cuda.synchronize(self.device)
-            except Exception as exc:  # a sticky CUDA error: only a new process recovers
-                log.warning("device unusable after the OOM (%s): relaunching instead of stepping down in process",
-                            exc)  # fmt: skip
-                return False
-        return True
-
-    def _step_down(self, err: TierOOM, oom_at: float, give_up_s: float = 0.0) -> None:
-        """The next tier in this process: release everything, plan the tier, rebuild, and go on from the step
-        the OOM interrupted, redone from the same samples. When the weights were intact (give_up has written
-        them as a checkpoint, the fallback should this process die), the state is handed over in memory
-        (runner/train/handoff.py); otherwise, or when the new tier cannot take it, it comes from the newest
-        checkpoint. No probe steps: the planner's micro-batch for the new tier is tried by the step itself, and
-        the in-process shrink corrects it (probes cost several full steps at the longest rows, on a GPU most of a
-        step-down's time). `oom_at`: when the OOM reached `train` (unix time); `give_up_s`: the checkpoint and
-        tier state written before (both for the event, with where the rest of the time went)."""
-        t0, old = time.perf_counter(), self.plan
-        nxt = tiers.next_tier(err.tier, self.env.world_size)  # what give_up recorded, computed by every rank
-        assert nxt is not None  # give_up returned 75: a next tier exists
-        parts = {"give_up_s": give_up_s}
-        mark = time.perf_counter()
-
-        def lap(name: str) -> None:
-            nonlocal mark
-            now = time.perf_counter()
-            parts[name], mark = now - mark, now
-
-        kept = self._take_state(err)
-        lap("take_state_s")
-        self._teardown()
-        lap("teardown_s")
-        why = [f"tier {old.tier} -> {nxt} in process after an OOM at micro-batch 1: {err.reason}"]
-        local = self.env.local_world_size
-        plan = size_for_tier(self.spec, self.dev, self.host, self.env.world_size, nxt, local_ranks=local, reasons=why)
-        self.plan = agree(apply_cap(plan, self.root), self.ctrl.reduce_min)
-        resume = self._newest_checkpoint() if kept is None else None
-        lap("plan_s")
-        with self.stop.immediate():  # give_up checkpointed the steps: a stop here loses none
-            self._build(resume, None, kept, verify=False)
-        lap("build_s")
-        del kept  # the host copies
-        self.status.update(tier=self.plan.tier, step=self.step, reason="running")
-        seconds = time.perf_counter() - t0
-        source = {"memory": "the state handed over in memory", "checkpoint": f"checkpoint step-{self.step}"}
-        log.warning("tier %s -> %s in process in %.2f s; resuming at step %d from %s, micro-batch %d x %d",
-                    old.tier, self.plan.tier, seconds, self.step, source[self.state_from] if self.step else "scratch",
-                    self.plan.micro_batch, self.plan.grad_accum)  # fmt: skip
-        self.metrics.write({"kind": "event", "event": "tier_change", "step": self.step, "from_tier": old.tier,
-                            "to_tier": self.plan.tier, "in_process": True, "seconds": round(seconds, 3),
-                            "state": self.state_from if self.step else "none", "oom_at": round(oom_at, 3),
-                            "reason": err.reason, **{k: round(v, 4) for k, v in parts.items()}})  # fmt: skip
-        self._write_plan(resumed=self.step > 0)
-
     def _newest_checkpoint(self) -> Path | None:
         """The checkpoint a step-down without the state in memory resumes from (collective); none: step 0."""
         resume = self._resume_point()
@@ -527,167 +476,11 @@ class Recipe:
                          local_world_size=env.local_world_size, ctrl=self.ctrl)  # fmt: skip
         return store.resume_point(self.root, rank=env.rank, ctrl=self.ctrl)
 
-    def _take_state(self, err: TierOOM) -> handoff.Handoff | None:
-        """The trained state to hand to the next tier in memory, when every rank can (weights intact: the
-        OOM came before the optimizer step); None: the next tier loads the newest checkpoint."""
-        if not err.weights_intact or os.environ.get("JOBSPEC_STEP_DOWN") == "checkpoint":
-            return None
-        room = None  # one CPU process: the host copies are the tensors themselves, or replace them
-        if self.device.type != "cpu":
-            room = int(handoff.HOST_SHARE * probe_host().available_bytes / self.env.local_world_size)
-        try:
-            kept = handoff.take(self.accelerator.unwrap_model(self.model), self.optimizer, rank=self.env.rank,
-                                world=self.env.world_size, trainable_only=self.spec.model.lora is not None,
-                                room=room)  # fmt: skip
-        except (RuntimeError, MemoryError) as exc:  # the host copies did not fit: the checkpoint has it all
-            kept = f"{type(exc).__name__}: {exc}"
-        why = kept if isinstance(kept, str) else None
-        if self.ctrl.any(why is not None):
-            log.warning("tier step-down: the next tier loads the checkpoint instead of the state in memory (%s)",
-                        why or "another rank cannot hand it over")  # fmt: skip
-            return None
-        return kept  # type: ignore[return-value]
-
-    def _give_state(self, kept: handoff.Handoff) -> bool:
-        """Write the handed-over state into the new tier; False on every rank when any cannot take it (the
-        caller then loads the checkpoint, which overwrites whatever was written)."""
-        model = self.accelerator.unwrap_model(self.model)
-        why = handoff.fits(kept, model, self.optimizer)
-        if why is None:
-            try:
-                handoff.give(kept, model, self.optimizer)
-            except (RuntimeError, ValueError, KeyError, TypeError) as exc:  # an optimizer with its own layout
-                why = f"{type(exc).__name__}: {exc}"
-        if self.ctrl.any(why is not None):
-            log.warning("tier step-down: loading the checkpoint, the new tier cannot take the state in memory (%s)",
-                        why or "on another rank")  # fmt: skip
-            return False
-        return True
-
     def _bar_loss(self, r: StepResult) -> float | None:
         """This step's loss for the progress bar (rank 0's share on several ranks); no sync without a bar."""
         if self.progress is None or self.progress.bar is None:
             return None
         return float(r.loss_sum) * self.env.world_size / max(r.targets, 1)
-
-    def _export(self) -> None:
-        """The final checkpoint as a Hugging Face directory (runner/output/export.py); skipped when already there."""
-        from runner.output import export
-
-        final = self.root / f"step-{self.step}"
-        out = export.default_out(self.spec)
-        done = export.read_provenance(out)
-        if done and done.get("step") == self.step and done.get("source") == str(final.resolve()):
-            log.info("model already exported at %s (step %d)", out, self.step)
-        else:
-            self.status["reason"] = "exporting"
-            self.exported = export.export(final, out, spec=self.spec)
-            self.status["reason"] = "done"
-        self.exported = out
-        if self.bucket is not None and not self.spec.output.dir:  # the pod's disk goes with it: the bucket keeps it
-            self.fence()
-            remote.upload_tree(self.bucket, out, remote.MODEL_DIR)
-            log.info("model uploaded to %s", self.bucket.uri(remote.MODEL_DIR))
-
-    def _benchmarks(self) -> None:
-        """eval.benchmarks on the export (runner/output/benchmarks.py), once the training state has left the device.
-        A failure is logged and recorded, not made the run's: the model is trained and exported, and a retried pod
-        would find the run finished; `jobspec eval RUN_DIR` runs them again."""
-        from runner.output import benchmarks
-
-        assert self.exported is not None and self.metrics is not None  # called after _export, on rank 0
-        self.status["reason"] = "benchmarks"
-        self._teardown()  # the model, optimizer and accelerator: the export loads again, for inference
-        items = benchmarks.entries(self.spec.eval.benchmarks, self.task_dir)
-        try:
-            benchmarks.run(self.exported, items, self.spec.eval, device=self.device, step=self.step,
-                           write=self.metrics.write)  # fmt: skip
-        except Exception as err:
-            reason = f"{type(err).__name__}: {err}"[:4096]
-            log.exception("benchmarks failed (the model is trained and exported; `jobspec eval %s` runs them again)",
-                          self.root)  # fmt: skip
-            self.metrics.write({"kind": "event", "event": "benchmark_failed", "step": self.step, "reason": reason})
-        self.status["reason"] = "done"
-
-    def _summary(self) -> None:
-        if not self.env.is_main:
-            return
-        wall = time.perf_counter() - self.started
-        loss, ev = self.status.get("loss"), self.eval_loss
-        lines = [
-            f"run complete: {self.step}/{self.total_steps} steps in {wall:.1f} s "
-            f"(this process; {self.step - self.first_step} trained now)",
-            f"  final train loss {loss:.4f}" if loss is not None else "  final train loss: not logged",
-            f"  final eval loss {ev:.4f}" if ev is not None else "  eval: none (no held-out data or not reached)",
-            f"  throughput {self.trained_tokens / wall:,.0f} input tokens/s (padding excluded), whole run incl. setup",
-            f"  checkpoints {self.root} (newest step-{self.saved_step})",
-            f"  model {self.exported}" if self.exported else "  model: not exported (output.export false)",
-        ]
-        log.info("%s", "\n".join(lines))
-
-    def _memory_check(self) -> None:
-        """The memory model's prediction against the device's peak over the first step trained here: every GPU run
-        calibrates the model (a `memory_check` event in metrics.jsonl, and a log line)."""
-        p = self.plan
-        peak = int(torch.cuda.max_memory_allocated(self.device))
-        reserved = int(torch.cuda.max_memory_reserved(self.device))
-        ratio = peak / p.estimated_bytes if p.estimated_bytes else None
-        self.metrics.write({"kind": "event", "event": "memory_check", "step": self.step + 1, "tier": p.tier,
-                            "micro_batch": p.micro_batch, "predicted_bytes": p.estimated_bytes,
-                            "peak_allocated_bytes": peak, "peak_reserved_bytes": reserved,
-                            "measured_over_predicted": None if ratio is None else round(ratio, 4)})  # fmt: skip
-        log.info("memory: step %d at tier %s, micro-batch %d: peak %s allocated (%s reserved), the model predicted %s "
-                 "with its overhead (%s)", self.step + 1, p.tier, p.micro_batch, human_bytes(peak),
-                 human_bytes(reserved), human_bytes(p.estimated_bytes),
-                 f"x{ratio:.2f}" if ratio is not None else "no prediction")  # fmt: skip
-
-    def _log_step(self, r: StepResult, tokens_per_s: float) -> None:
-        # a mixture of experts (the same on every rank): its router's load-balancing loss, each rank's mean summed
-        router = [0.0 if r.router_aux is None else float(r.router_aux)] if self.stepper.router_aux_coef else []
-        preference = [] if r.preference is None else r.preference.tolist()
-        sums = self.ctrl.all_reduce([r.loss_sum.item(), *router, *preference])
-        routed = {"router_aux_loss": sums[1] / self.ctrl.world_size} if router else {}
-        sums = [sums[0], *sums[1 + len(router) :]]
-        loss = sums[0] / max(r.targets, 1)  # global per-token mean (preference objectives: per-pair)
-        obj = self.stepper.objective
-        self.status.update(step=self.step, loss=loss)
-        used, total = memory_bytes(self.device, self.host.total_bytes)
-        p = self.plan
-        self.fence()
-        self.metrics.write(
-            {
-                "kind": "train",
-                "step": self.step,
-                "total_steps": self.total_steps,
-                "loss": loss,
-                "lr": self.lr(self.step - 1),
-                "grad_norm": None if r.grad_norm is None else float(r.grad_norm),
-                "tier": p.tier,
-                "micro_batch": p.micro_batch,
-                "grad_accum": p.grad_accum,
-                "world_size": p.world_size,
-                "global_batch": p.global_batch,
-                "samples": self.step * p.global_batch,
-                "epoch": self.order.epoch(self.step - 1),
-                "targets": r.targets,
-                "tokens_per_s": tokens_per_s,
-                "mem_used_bytes": used,
-                "mem_total_bytes": total,
-                "gpu_util": self.gpu_util(),
-                **self._mix(),
-                **routed,
-                **({} if r.preference is None or obj is None else obj.metrics(sums[1:], r.targets)),
-            }
-        )
-
-    def _mix(self) -> dict[str, dict[str, int]]:
-        """`samples_by_source`: each source's samples (all ranks) since the last train record, by source name;
-        nothing with one source."""
-        if self.mixed is None:
-            return {}
-        mix = dict(zip(self.data.sources, self.mixed, strict=True))
-        self.mixed = [0] * len(self.mixed)
-        return {"samples_by_source": mix}
 
     def _evaluate(self, *, final: bool = False) -> None:
         """Eval loss on this rank's share of the held-out data. A stop during the `final` one (after the last

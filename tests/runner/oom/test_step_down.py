@@ -4,7 +4,10 @@ from the checkpoint written before the step-down. Real training on CPU; the OOM 
 
 from __future__ import annotations
 
+import itertools
 import json
+import logging
+import re
 import shutil
 from pathlib import Path
 
@@ -157,3 +160,37 @@ def test_two_ranks_hand_their_shards_over_as_the_checkpoint_would(tmp_path, tier
     assert losses(runs["in_process"]) == pytest.approx(losses(runs["checkpoint"]), rel=1e-6)
     for rank in (0, 1):
         assert samples(runs["in_process"], rank) == samples(runs["checkpoint"], rank)
+
+
+def test_every_phase_of_a_step_down_is_logged_when_it_starts_and_ends(tmp_path, monkeypatch, caplog):
+    """Never silent (issue 41: the H200 run printed nothing for 32 s while it stepped down): the give-up, the state
+    taken, the old tier released, the next planned and built (its model built without weights, placed, the state
+    handed over) each log a line when they start and one with their duration when they end, in that order; the
+    phases account for the step-down's time, and no two lines are further apart than the slowest phase took."""
+    caplog.set_level(logging.INFO, logger="jobspec.runner")
+    faulted(tmp_path, monkeypatch)
+    lines = [(r.created, r.getMessage()) for r in caplog.records if r.name == "jobspec.runner"]
+    first = next(i for i, (_, m) in enumerate(lines) if m.startswith("out of memory at tier") and m.endswith(" ..."))
+    last = next(i for i, (_, m) in enumerate(lines) if "in process in" in m)
+    window = lines[first : last + 1]
+    phases = [
+        "out of memory at tier fast",
+        "stepping down tier fast -> zero2_offload: saving the state in memory",
+        "stepping down tier fast -> zero2_offload: releasing tier fast",
+        "stepping down tier fast -> zero2_offload: planning tier zero2_offload",
+        "stepping down tier fast -> zero2_offload: building tier zero2_offload from the state in memory",
+        "building the model without weights (the state in memory has them)",
+        "placing the model for tier zero2_offload",
+        "handing the state in memory over to tier zero2_offload",
+    ]
+    starts = [next(i for i, (_, m) in enumerate(window) if m.startswith(p) and m.endswith(" ...")) for p in phases]
+    ends = [next(i for i, (_, m) in enumerate(window) if m.startswith(p) and ": done in " in m) for p in phases]
+    assert starts == sorted(starts) and all(s < e for s, e in zip(starts, ends, strict=True))
+    done = [re.search(r": done in ([0-9.]+) s", window[e][1]) for e in ends]
+    took = {p: float(d.group(1)) for p, d in zip(phases, done, strict=True) if d is not None}
+    gaps = [b[0] - a[0] for a, b in itertools.pairwise(window)]
+    assert max(gaps) <= max(took.values()) + 0.05, (max(gaps), took)
+    event = tier_change(tmp_path)
+    parts = sum(event[k] for k in ("take_state_s", "teardown_s", "plan_s", "build_s"))
+    assert parts <= event["seconds"] <= parts + 0.25  # nothing silent between the phases
+    assert event["give_up_s"] == pytest.approx(took[phases[0]], abs=0.01)

@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from jobspec.contract import METRICS_FILE
+from runner.train import outputs
 from tests.runner.train_helpers import tiny_spec, train_in_process
 
 
@@ -27,7 +28,7 @@ def test_memory_check_records_prediction_and_peak(tmp_path: Path, monkeypatch) -
         recipe.setup()
         monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: 3 * 2**30)
         monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda device=None: 4 * 2**30)
-        recipe._memory_check()
+        outputs.memory_check(recipe)
     finally:
         recipe.cleanup()
     (event,) = _events(tmp_path)
