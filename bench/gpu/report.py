@@ -281,7 +281,9 @@ def _userpath(u: dict[str, Any], f: Fmt) -> list[str]:
                                    f"{' in process' if c.get('in_process') else ''}"
                                    for c in u["tier_changes"]) or "-"],
         ["phases started / ended", f"{u['phases']['started']} / {u['phases']['ended']}"],
-        ["longest log silence in the recovery s", f(u.get("longest_log_silence_s"))],
+        ["longest log silence in the recovery s: with no phase open / any",
+         f"{f(u.get('longest_unexplained_silence_s'))} / {f(u.get('longest_log_silence_s'))}"],
+        ["step-down s, the tier's give-up included (goal 10 on an H200)", f(u.get("step_down_total_s"))],
         ["OOM -> first step after the step-down s", f(u.get("oom_to_step_after_step_down_s"))],
         ["start-up to step 1 s (goal 15 on an H200)", f(u.get("startup_to_step1_s"))],
         ["wall s", f(u.get("wall_s"))],
