@@ -11,6 +11,11 @@ the probe steps then verify it as they verify the model's. A trace that fails or
 the model's plan kept; so is a tier this run directory measured on the GPU before (its measured peak corrects the
 model: runner/sizing/plan.py `_measured_scale`, and beats any trace). Under `memory.tier: auto`, a tier the model
 chose but the trace fits no micro-batch of is left for the next one, traced in turn.
+
+Start-up does not trace what it need not (issue 41: a 1B model's two traces took 33-35 s of a 57-67 s start-up on
+an H200): under `memory.trace: auto` no trace runs when the model's plan takes the whole per-rank batch within
+`CLEAR_MARGIN` of the budget on every rank (a trace could not raise it; the probe steps verify it), and a line traced
+before for the same step is read back from runner/sizing/trace_cache.py (content-addressed, beside the data cache).
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import tempfile
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import yaml
 
@@ -31,9 +37,13 @@ from jobspec.plan import memory
 from jobspec.plan.traced import TraceFailed, run_trace
 from jobspec.spec.models import JobSpec
 from jobspec.spec.units import human_bytes as gib
+from runner.data.cache import usable_root
+from runner.phase import phase
+from runner.sizing import trace_cache
 from runner.sizing.plan import Plan, with_micro_batch
 
 log = logging.getLogger("jobspec.runner")
+CLEAR_MARGIN = 0.8  # the model's plan at the whole per-rank batch within this share of the budget: no trace needed
 Share = Callable[[Sequence[float]], Sequence[float]]  # all-reduce MAX over ranks (rank 0 sends, the others 0)
 
 
@@ -59,16 +69,21 @@ def trace_line(
     with the base the plan holds (`quantize`: `model.quantize: auto` decided per tier)."""
     with tempfile.TemporaryDirectory(prefix="jobspec-trace-") as tmp:
         path = Path(tmp) / "spec.yaml"
-        data = spec.to_yaml_dict()
-        if spec.model.lora is not None:
-            data["model"] = {**data["model"], "quantize": quantize or "none"}
-        path.write_text(yaml.safe_dump(data, sort_keys=False))
+        path.write_text(yaml.safe_dump(trace_spec(spec, quantize), sort_keys=False))
         rows = run_trace(str(path), (), [(tier, m) for m in micro_batches], world_size, precision, timeout_s)
     (m1, p1), (m2, p2) = sorted((int(r["micro_batch"]), int(r["peak"])) for r in rows)
     if m2 == m1 or p2 <= p1:
         raise TraceFailed(f"the traced peak does not grow from micro-batch {m1} ({p1:,} B) to {m2} ({p2:,} B)")
     per_sample = math.ceil((p2 - p1) / (m2 - m1))
     return max(0, p1 - per_sample * m1), per_sample
+
+
+def trace_spec(spec: JobSpec, quantize: str | None) -> dict[str, Any]:
+    """The spec as the trace process reads it: with the base the plan holds (`model.quantize: auto` decided)."""
+    data = spec.to_yaml_dict()
+    if spec.model.lora is not None:
+        data["model"] = {**data["model"], "quantize": quantize or "none"}
+    return data
 
 
 def skipped(plan: Plan, why: str, *, warn: bool = False) -> Plan:
@@ -90,6 +105,12 @@ def from_traces(plan: Plan, spec: JobSpec, share: Share, *, is_main: bool, repla
     micro-batch 1 fits the tier the model chose, within `memory.trace_seconds` in all: the tier is then the trace's
     choice as well as the micro-batch. Every rank takes the same steps (each decision comes from rank 0's shared
     line); the last tier traced, or the model's plan of it, when time or tiers run out."""
+    clear = plan.micro_batch == plan.per_rank and plan.estimated_bytes <= CLEAR_MARGIN * plan.budget_bytes
+    # `memory.trace: auto` only (`on` asks for the trace); one all-reduce: every rank has the margin, or none skips
+    if spec.memory.trace == "auto" and not share([0.0 if clear else 1.0])[0]:
+        return skipped(plan, f"the model fits the whole per-rank batch ({plan.micro_batch}) in "
+                             f"{plan.estimated_bytes / max(plan.budget_bytes, 1):.0%} of the budget: a trace could not "
+                             "raise it, and the probe steps verify it")  # fmt: skip
     deadline = time.monotonic() + float(spec.memory.trace_seconds)
     sized, top = _traced(plan, spec, share, is_main=is_main, timeout_s=float(spec.memory.trace_seconds))
     alone = plan.world_size == 1  # sharding without offload saves nothing on one rank (the model's auto skips it)
@@ -111,17 +132,26 @@ def _traced(plan: Plan, spec: JobSpec, share: Share, *, is_main: bool, timeout_s
     line, why = [0.0, 0.0], ""
     m1 = max(1, plan.micro_batch)
     if is_main:
-        start = time.monotonic()
-        try:
-            if timeout_s < 1:
-                raise TraceFailed(f"no time left of memory.trace_seconds {spec.memory.trace_seconds}")
-            fixed, per_sample = trace_line(spec, plan.tier, plan.world_size, plan.precision, (m1, 2 * m1), timeout_s,
-                                           plan.quantize)  # fmt: skip
-            line = [float(fixed), float(per_sample)]
-        except (TraceFailed, JobspecError, OSError) as err:
-            why = str(err).splitlines()[0]
-        log.info("plan: trace of tier %s at micro-batches %d and %d took %.1f s", plan.tier, m1, 2 * m1,
-                 time.monotonic() - start)  # fmt: skip
+        digest, parts = trace_cache.key(trace_spec(spec, plan.quantize), tier=plan.tier, world_size=plan.world_size,
+                                        precision=plan.precision, micro_batches=(m1, 2 * m1),
+                                        quantize=plan.quantize)  # fmt: skip
+        root = usable_root(spec)
+        hit = trace_cache.read(root, digest)
+        if hit is not None:
+            line = [float(hit[0]), float(hit[1])]
+            log.info("plan: trace of tier %s at micro-batches %d and %d from the cache %s", plan.tier, m1, 2 * m1,
+                     trace_cache.path(root, digest))  # type: ignore[arg-type]  # fmt: skip
+        else:
+            with phase("plan: tracing tier %s at micro-batches %d and %d", plan.tier, m1, 2 * m1):
+                try:
+                    if timeout_s < 1:
+                        raise TraceFailed(f"no time left of memory.trace_seconds {spec.memory.trace_seconds}")
+                    fixed, per_sample = trace_line(spec, plan.tier, plan.world_size, plan.precision, (m1, 2 * m1),
+                                                   timeout_s, plan.quantize)  # fmt: skip
+                    line = [float(fixed), float(per_sample)]
+                    trace_cache.write(root, digest, fixed, per_sample, parts)
+                except (TraceFailed, JobspecError, OSError) as err:
+                    why = str(err).splitlines()[0]
     fixed, per_sample = (int(x) for x in share(line))
     if per_sample <= 0:
         return skipped(plan, why or "rank 0 could not trace", warn=True), None

@@ -159,3 +159,59 @@ def test_the_step_down_stops_when_the_trace_time_is_spent(tmp_path, monkeypatch)
                              replan=lambda tier: size_for_tier(spec, GPU, HOST, 1, tier))  # fmt: skip
     assert new.tier == "zero2_offload"  # planned by the model, not traced: no time was left
     assert "trace: none (no time left of memory.trace_seconds 10)" in new.reasons[-1]
+
+
+def test_a_traced_line_is_read_back_from_the_cache_for_the_same_step_only(tmp_path, monkeypatch):
+    """The line is stored beside the data cache by everything the trace depends on (runner/sizing/trace_cache.py): the
+    same step reads it back without tracing, and plans the same; another step, a forged or linked file trace again."""
+    from runner.data.cache import usable_root
+    from runner.sizing import trace_cache
+
+    calls: list[tuple] = []
+
+    def line(*args):
+        calls.append(args)
+        return 2 * GiB // 10, 8 * 1024**2
+
+    monkeypatch.setattr(traced, "trace_line", line)
+    spec = _spec(tmp_path, trace="on")
+    plan = initial_plan(spec, GPU, HOST, 1)
+    first = from_trace(plan, spec, lambda x: list(x), is_main=True)
+    again = from_trace(plan, spec, lambda x: list(x), is_main=True)
+    assert len(calls) == 1 and again == first and "from the trace of tier fast" in first.reasons[-1]
+    (stored,) = usable_root(spec).glob("trace-*.json")
+    other = _spec(tmp_path, trace="on", trace_seconds=99)  # memory.* is in the key (the spec as the trace reads it)
+    from_trace(initial_plan(other, GPU, HOST, 1), other, lambda x: list(x), is_main=True)
+    assert len(calls) == 2 and len(list(usable_root(spec).glob("trace-*.json"))) == 2
+    key, _ = trace_cache.key(traced.trace_spec(spec, None), tier="fast", world_size=1, precision="bf16",
+                             micro_batches=(plan.micro_batch, 2 * plan.micro_batch), quantize=None)  # fmt: skip
+    assert stored.name == f"trace-{key}.json"
+    zero2, _ = trace_cache.key(traced.trace_spec(spec, None), tier="zero2", world_size=1, precision="bf16",
+                               micro_batches=(plan.micro_batch, 2 * plan.micro_batch), quantize=None)  # fmt: skip
+    assert zero2 != key
+    # a file naming another key (copied from another entry), and then a link in its place: traced again each time
+    stored.write_text(stored.read_text().replace(key, "0" * 64))
+    from_trace(plan, spec, lambda x: list(x), is_main=True)
+    assert len(calls) == 3 and key in stored.read_text()  # traced, and written again
+    target = tmp_path / "elsewhere.json"
+    target.write_text(stored.read_text())
+    stored.unlink()
+    stored.symlink_to(target)
+    from_trace(plan, spec, lambda x: list(x), is_main=True)
+    assert len(calls) == 4 and not stored.is_symlink()  # the link was not followed, and was replaced
+
+
+def test_no_trace_when_every_ranks_model_plan_has_clear_margin(tmp_path, monkeypatch):
+    """`memory.trace: auto`: the model takes the whole per-rank batch within CLEAR_MARGIN of the budget, so a trace
+    could not raise the micro-batch: none runs (the probe steps verify it). One rank without that margin: all trace."""
+    big = DeviceInfo("cuda", "big", 80 * GiB, 80 * GiB, (9, 0), True, 1, "pynvml")
+    spec = tiny_spec(tmp_path, data={"max_seq_len": 512}, training={"global_batch": 16, "precision": "bf16"},
+                     memory={"tier": "fast", "trace": "auto"})  # fmt: skip
+    plan = initial_plan(spec, big, HOST, 1)
+    assert plan.micro_batch == plan.per_rank and plan.estimated_bytes <= traced.CLEAR_MARGIN * plan.budget_bytes
+    monkeypatch.setattr(traced, "trace_line", lambda *a: pytest.fail("traced with clear margin"))
+    kept = from_trace(plan, spec, lambda x: list(x), is_main=True)
+    assert kept.micro_batch == plan.micro_batch and "could not raise it" in kept.reasons[-1]
+    monkeypatch.setattr(traced, "trace_line", lambda *a: (GiB // 10, 1024**2))
+    another = from_trace(plan, spec, lambda x: [1.0] if len(x) == 1 else list(x), is_main=True)  # a rank says trace
+    assert "from the trace of tier fast" in another.reasons[-1]
