@@ -2,7 +2,7 @@
 
 Per namespace, one list each of the jobs, their pods (by the same label, which the pod template carries), the Job
 events and (when a queued job is suspended) Kueue's Workloads; each job's phase, reason and message come from them
-as in `status` (status.explained, diagnose.py). A running job's progress is rank 0's last progress line
+as in `status` (status.explained, diagnose.py). A running or pending job's progress is rank 0's last progress line
 (progress.py), read for at most MAX_PROGRESS_READS jobs, the newest first: one bounded log read each.
 """
 
@@ -107,8 +107,10 @@ def list_jobs(client: ClusterClient, namespace: str | None) -> list[JobSummary]:
         by_ns[job["metadata"].get("namespace") or namespace or ""].append(job)
     found = [item for ns, group in by_ns.items() for item in _namespace_status(client, ns, group)]
     found.sort(key=lambda f: (f[0]["metadata"].get("creationTimestamp") or "", f[1].namespace, f[1].name))
-    running = [i for i, (_, st, _) in enumerate(found) if st.phase == "Running"][-MAX_PROGRESS_READS:]
-    for i in running:  # the newest running jobs: one bounded log tail each
+    # Live jobs, Pending too: a gang with one member unschedulable may still train on rank 0, and `status` shows that
+    # progress. read_progress reads nothing for a job whose rank 0 has not started.
+    live = [i for i, (_, st, _) in enumerate(found) if st.phase in ("Running", "Pending")][-MAX_PROGRESS_READS:]
+    for i in live:  # the newest live jobs: one bounded log tail each
         job, st, pods = found[i]
         found[i] = (job, replace(st, progress=read_progress(client, st.namespace, pods)), pods)
     return [summarize(job, st) for job, st, _ in found]

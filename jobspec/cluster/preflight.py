@@ -245,12 +245,20 @@ class _Checker:
         for claim, spec_field in claims.items():
             if claim in created:
                 continue  # the hub cache: submit creates it when missing
-            self.require(
-                f'PersistentVolumeClaim "{claim}"', CLAIM, self.ns, claim, found=f"pvc {claim}",
-                absent=f'PersistentVolumeClaim "{claim}" ({spec_field}) does not exist in namespace "{self.ns}": '
-                "the pods would wait in Pending. Create it (ReadWriteMany when several nodes share it), "
-                f"or name one of `kubectl get pvc -n {self.ns}`",
-            )  # fmt: skip
+            what = f'PersistentVolumeClaim "{claim}"'
+            found = self.find(what, CLAIM, self.ns, claim)
+            if found is None or isinstance(found, NotFound):
+                self.missing(f'{what} ({spec_field}) does not exist in namespace "{self.ns}": the pods would wait in '
+                             "Pending. Create it (ReadWriteMany when several nodes share it), or name one of "
+                             f"`kubectl get pvc -n {self.ns}`")  # fmt: skip
+            elif found is not _UNREAD and (found.get("metadata") or {}).get("deletionTimestamp"):
+                since = found["metadata"]["deletionTimestamp"]
+                self.missing(f"{what} ({spec_field}) is being deleted (since {since}; it stays only while a pod "
+                             "still mounts it): the pods would wait in Pending once it is gone. Wait until "
+                             f"`kubectl get pvc {claim} -n {self.ns}` finds nothing and create it again, or name "
+                             "another claim")  # fmt: skip
+            elif found is not _UNREAD:
+                self.result.found.append(f"pvc {claim}")
 
     def secrets(self, secrets: dict[str, dict[str, str]], refs: _Refs | None = None) -> None:
         for name, wanted in secrets.items():
@@ -312,10 +320,21 @@ class _Checker:
             if fits >= refs.pods:
                 self.result.found.append(f"{res}: {fits} pod(s) of {need} fit on {len(chosen)} node(s)")
                 continue
-            if not any(counts):
+            cordoned = sorted(
+                str((n.get("metadata") or {}).get("name")) for n in nodes
+                if _matches(n, refs.node_selector) and (n.get("spec") or {}).get("unschedulable")
+                and _allocatable(n, res) >= need
+            )  # fmt: skip
+            if not any(counts) and cordoned:
+                shown = ", ".join(cordoned[:5]) + (f" and {len(cordoned) - 5} more" if len(cordoned) > 5 else "")
+                said = (
+                    f"every node{where} that offers {need} {res} is cordoned (spec.unschedulable: {shown}): being "
+                    "drained or held for maintenance. Wait for it, or `kubectl uncordon NODE` when that is over"
+                )
+            elif not any(counts):
                 said = (
                     f"no schedulable node{where} offers {res} ({len(nodes)} nodes listed, {len(chosen)} "
-                    "schedulable and matching): is the device plugin (GPU operator) running there?"
+                    "schedulable and matching): check that the device plugin (GPU operator) runs on the GPU nodes"
                 )
             else:
                 said = (

@@ -153,8 +153,8 @@ def wait_gone(
         f"{', '.join([f'job.batch/{name}', *left])}"
         + (f"; {after}" if after else "")
         + ". A pod on a node that no longer answers stops only when the node returns or its Node object is "
-        f"deleted (or `kubectl delete pod <pod> -n {namespace} --force --grace-period=0`, once the node is "
-        "surely down)"
+        "deleted, or when someone allowed to delete pods (not the jobspec-submitter Role: ask a cluster admin) "
+        f"forces it, once the node is surely down: `kubectl delete pod <pod> -n {namespace} --force --grace-period=0`"
     )
 
 

@@ -125,15 +125,35 @@ def test_gpus_that_cannot_hold_the_pods(
         api.put(node)
     code, _, err = cli("submit", MULTI, *kc(kubeconfig))
     assert code == EXIT_CONFIG and said in err, err
+    assert "?." not in err  # a question, then the fix's period (issue 43)
     assert cli("submit", MULTI, "--skip-check", "gpu", *kc(kubeconfig))[0] == EXIT_OK
 
 
-def test_cordoned_nodes_do_not_count(api: FakeApi, kubeconfig: Path, cli: CliRun) -> None:
+def test_cordoned_nodes_do_not_count_and_are_named(api: FakeApi, kubeconfig: Path, cli: CliRun) -> None:
+    """Seen on a real control plane (issue 43): GPU nodes that were only cordoned were reported as nodes without
+    GPUs, the device plugin blamed. They are named as cordoned, and the device plugin is left out of it."""
     provide_all(api)
     for i in range(2):
         api.objects[("nodes", "", f"gpu-{i}")]["spec"] = {"unschedulable": True}
     code, _, err = cli("submit", MULTI, *kc(kubeconfig))
-    assert code == EXIT_CONFIG and "no schedulable node" in err
+    assert code == EXIT_CONFIG and "offers 8 nvidia.com/gpu is cordoned (spec.unschedulable: gpu-0, gpu-1)" in err
+    assert "device plugin" not in err and "kubectl uncordon" in err, err
+    api.objects[("nodes", "", "gpu-0")]["spec"] = {}  # one back: 1 of the 2 pods fits, the count says so
+    code, _, err = cli("submit", MULTI, *kc(kubeconfig))
+    assert code == EXIT_CONFIG and "do not fit the schedulable nodes" in err and "1 would" in err, err
+
+
+def test_a_claim_being_deleted_is_refused(api: FakeApi, kubeconfig: Path, cli: CliRun) -> None:
+    """Issue 43: a claim with a deletionTimestamp (kept by pvc-protection while a pod mounts it) passed the check;
+    the new pods would wait in Pending for good once it is gone."""
+    provide_all(api)
+    api.objects[("persistentvolumeclaims", "jobspec", "chat-data")]["metadata"]["deletionTimestamp"] = (
+        "2025-01-01T00:05:00Z"
+    )
+    code, _, err = cli("submit", MULTI, *kc(kubeconfig))
+    assert code == EXIT_CONFIG and not api.calls("PATCH"), err  # nothing applied
+    assert 'PersistentVolumeClaim "chat-data" (data.pvc) is being deleted (since 2025-01-01T00:05:00Z' in err, err
+    assert "llama-checkpoints" not in err  # the other claim is fine
 
 
 def test_an_absent_namespace(api: FakeApi, kubeconfig: Path, cli: CliRun) -> None:

@@ -13,6 +13,7 @@ import pytest
 from jobspec.cluster.client import ClusterClient
 from jobspec.cluster.progress import TAIL_BYTES, TAIL_LINES, Progress, parse_progress
 from jobspec.cluster.retry import RetryPolicy
+from jobspec.cluster.status import collect_status
 from jobspec.cluster.submit import submit
 from jobspec.cluster.watch import watch
 from jobspec.contract import EXIT_FAILED, EXIT_OK, PROGRESS_PREFIX
@@ -101,7 +102,8 @@ def test_list_shows_the_phase_from_pods_and_progress(api: FakeApi, client: Clust
     running_job(api, client, line().encode(), name="a")
     submit(client, make_objects(name="b"), "ml")
     api.get("jobs", "ml", "b")["status"] = {"active": 2}  # the Job controller counts Pending pods as active
-    api.add_pod("ml", "b", 0)
+    rank0 = api.add_pod("ml", "b", 0)["metadata"]["name"]
+    api.logs[("ml", rank0)] = line(step=5).encode()  # rank 0 trains while its peer waits for a node
     stuck = api.add_pod("ml", "b", 1, phase="Pending")
     said = "0/3 nodes are available: 3 Insufficient nvidia.com/gpu."
     stuck["status"]["conditions"] = [{"type": "PodScheduled", "status": "False", "reason": "Unschedulable",
@@ -112,9 +114,11 @@ def test_list_shows_the_phase_from_pods_and_progress(api: FakeApi, client: Clust
     assert rows["a"][:11] == ["a", "Running", "-", "0/2", "10/100", "2.5", "1,500", "9m", "00s", "fast", "4"]
     assert rows["a"][11] == "oom_shrink@7"
     assert rows["b"][:4] == ["b", "Pending", "Unschedulable", "0/2"]  # not Running: one member cannot schedule
+    assert rows["b"][4] == "5/100"  # and its progress, as `status` shows it (issue 43: list showed none)
     data = {j["name"]: j for j in json.loads(cli("list", "-o", "json", "--kubeconfig", str(kubeconfig))[1])}
-    assert data["a"]["progress"]["step"] == 10 and data["b"]["progress"] is None
-    assert len(api.calls("GET", "/log")) == 2  # one bounded read per running job per list
+    assert data["a"]["progress"]["step"] == 10 and data["b"]["progress"]["step"] == 5
+    assert collect_status(client, "ml", "b").progress == Progress(**data["b"]["progress"])
+    assert len(api.calls("GET", "/log")) == 5  # one bounded read per live job per list (and status's one)
 
 
 def test_watch_prints_each_change_until_the_job_ends(api: FakeApi, client: ClusterClient) -> None:

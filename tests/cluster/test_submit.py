@@ -98,6 +98,9 @@ def test_cancel_that_times_out_says_what_is_gone_and_what_remains(
     msg = str(info.value)
     assert "still there: job.batch/train, pod/train-0-" in msg and "(Running on node gpu-2)" in msg
     assert "deleted already: service/train, configmap/train-spec, networkpolicy.networking.k8s.io/train" in msg
+    # the forced delete is no step the submitter can take (its Role has no pod delete: test_kustomize) (issue 43)
+    assert "(not the jobspec-submitter Role: ask a cluster admin) forces it" in msg
+    assert msg.index("ask a cluster admin") < msg.index("--force --grace-period=0")
     assert api.get("services", "ml", "train") is None and api.get("jobs", "ml", "train") is not None
 
 
