@@ -335,6 +335,26 @@ def _wait(metrics: Path, want: Any, proc: subprocess.Popen, deadline: float) -> 
     return None
 
 
+def recoveries(train: list[dict[str, Any]], shrinks: list[dict[str, Any]],
+               changes: list[dict[str, Any]]) -> list[tuple[float, float]]:  # fmt: skip
+    """(first OOM, end) of each step that ran out: a shrunk step's recovery ends with its redone step's record (the
+    redo is a phase the runner opens), a step-down's with the `tier_change` event ("resuming at step N"), written
+    when the next tier is built. An `oom_shrink` names the step it redoes, a `tier_change` the last step done."""
+    starts: dict[int, float] = {}
+    for e in shrinks:
+        if isinstance(e.get("oom_at"), int | float) and e["oom_at"] > 0:
+            starts[e["step"]] = min(starts.get(e["step"], e["oom_at"]), e["oom_at"])
+    ends = {c["step"] + 1: c["time"] for c in changes if isinstance(c.get("time"), int | float)}
+    for c in changes:
+        starts[c["step"] + 1] = min(starts.get(c["step"] + 1, c["oom_at"]), c["oom_at"])
+    out = []
+    for step, t0 in sorted(starts.items()):
+        done = ends.get(step) or next((r["time"] for r in train if r["step"] == step and r["time"] >= t0), None)
+        if done is not None:
+            out.append((t0, done))
+    return out
+
+
 def judge(s: Setup, out: dict[str, Any], recs: list[dict[str, Any]], lines: list[tuple[float, str]],
           t_launch: float) -> None:  # fmt: skip
     """The requirements, each a failure line when it does not hold; the figures beside them."""
@@ -367,22 +387,25 @@ def judge(s: Setup, out: dict[str, Any], recs: list[dict[str, Any]], lines: list
         fail.append(f"phases started and never ended: {phases['never_ended'][:5]}")
     first = train[0]["time"] if train else None
     out["startup_to_step1_s"] = round(first - t_launch, 2) if first else None
+    windows = recoveries(train, shrinks, in_process)
+    out["recoveries"] = [{"from_oom": round(t0, 3), "to_step": round(t1, 3), "seconds": round(t1 - t0, 2)}
+                         for t0, t1 in windows]  # fmt: skip
+    if windows:
+        out["longest_log_silence_s"] = round(max(longest_gap(lines, t0, t1) for t0, t1 in windows), 2)
+        gap = max(longest_gap(lines, t0, t1, unexplained=True) for t0, t1 in windows)
+        out["longest_unexplained_silence_s"] = round(gap, 2)
+        if gap > GAP_LIMIT_S[s.device]:
+            fail.append(f"the log was silent {gap:.1f} s with no phase open during a recovery (limit "
+                        f"{GAP_LIMIT_S[s.device]:g} s)")  # fmt: skip
     if in_process:
         change = in_process[0]
         out["step_down_s"] = change["seconds"]
-        after = next((r for r in train if r["tier"] == change["to_tier"]), None)
-        oom_at = min([e["oom_at"] for e in shrinks if "oom_at" in e and e["oom_at"] >= 0] + [change["oom_at"]])
         # the whole step-down: the checkpoint and tier state written when the tier gave up, then the next tier
         total = float(change["seconds"]) + float(change.get("give_up_s") or 0.0)
         out["step_down_total_s"] = round(total, 2)
+        after = next((r for r in train if r["tier"] == change["to_tier"]), None)
         if after is not None:
             out["oom_to_step_after_step_down_s"] = round(after["time"] - change["oom_at"], 2)
-            out["longest_log_silence_s"] = round(longest_gap(lines, oom_at, after["time"]), 2)
-            gap = longest_gap(lines, oom_at, after["time"], unexplained=True)
-            out["longest_unexplained_silence_s"] = round(gap, 2)
-            if gap > GAP_LIMIT_S[s.device]:
-                fail.append(f"the log was silent {gap:.1f} s with no phase open during a recovery (limit "
-                            f"{GAP_LIMIT_S[s.device]:g} s)")  # fmt: skip
         if s.device == "cuda" and total > STEPDOWN_GOAL_S:
             fail.append(f"step-down took {total:.1f} s in process (give-up included; goal <= {STEPDOWN_GOAL_S:g} s)")
     if s.device == "cuda" and first and first - t_launch > STARTUP_GOAL_S:

@@ -43,3 +43,10 @@ def test_the_log_checks_find_a_phase_that_never_ends_and_a_silence() -> None:
     ended = [*lines[:3], (12.0, "19:00:12 INFO [rank 0] stepping down tier fast -> zero2_offload: done in 10.0 s"),
              lines[3]]  # fmt: skip
     assert userpath.longest_gap(ended, 0.5, 31.0, unexplained=True) == pytest.approx(18.0)
+
+
+def test_a_recovery_runs_from_its_first_oom_to_the_redone_step_or_the_step_down() -> None:
+    train = [{"step": s, "time": 10.0 * s} for s in range(1, 9)]
+    shrinks = [{"step": 3, "oom_at": 25.0}, {"step": 5, "oom_at": 41.0}, {"step": 5, "oom_at": 42.0}]
+    changes = [{"step": 4, "oom_at": 43.0, "time": 47.0}]  # step 5 ran out at micro-batch 1 too: the tier stepped down
+    assert userpath.recoveries(train, shrinks, changes) == [(25.0, 30.0), (41.0, 47.0)]
