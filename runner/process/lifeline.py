@@ -10,6 +10,8 @@ binds itself to its supervisor as it starts:
   start, which Python allows only there), so that thread's exit is the supervisor's.
 - The race: a supervisor that died before the prctl gets no signal sent for it; the worker then finds its parent
   pid is no longer the one the supervisor passed in $JOBSPEC_SUPERVISOR_PID and stops itself.
+- As early as possible: the worker calls `arm` before its heavy imports (until its stop handler is installed a
+  SIGTERM simply ends it: nothing to save), then `bind` once the handler is in place.
 - Everywhere (and where prctl is unavailable, the only mechanism): a daemon thread polls the parent pid every
   POLL_S and stops the worker itself when it changed.
 
@@ -94,6 +96,17 @@ class Lifeline:
 def _kill_after(seconds: float) -> None:
     time.sleep(seconds)
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+def arm() -> None:
+    """The first line of a worker, before its imports (torch and transformers: seconds): the kernel's SIGTERM is
+    asked for already, and while the stop handler is not installed yet its default action ends the process at once,
+    which is right, as there is nothing to save. A supervisor already gone ends it now. `bind` follows."""
+    raw = os.environ.get(ENV_PARENT, "")
+    if raw.isdigit():
+        parent_death_signal(signal.SIGTERM)
+        if os.getppid() != int(raw):
+            os.kill(os.getpid(), signal.SIGTERM)
 
 
 def bind() -> Lifeline | None:

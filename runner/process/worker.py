@@ -28,6 +28,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from runner.process import lifeline
+
+if __name__ == "__main__":  # before the imports below (torch: seconds), which a dead supervisor must not wait for
+    lifeline.arm()
+
 from jobspec.contract import EXIT_FAILED, EXIT_PREEMPTED, EXIT_STORAGE
 from jobspec.errors import EXIT_DOCS, TROUBLESHOOTING, JobspecError, docs_link, see
 from jobspec.spec.benchmarks import check_task_files
@@ -36,7 +41,7 @@ from jobspec.spec.models import JobSpec
 from runner.checkpoint.storage import describe, volume_error
 from runner.dist import DistEnv
 from runner.oom.shrink import tier_failed
-from runner.process import heartbeat, lifeline, redaction
+from runner.process import heartbeat, redaction
 from runner.sizing.plan import NoFit
 from runner.train.recipe import Recipe
 from runner.train.step import StopFlag, Stopped

@@ -114,6 +114,27 @@ def test_a_parent_gone_before_the_bind_still_stops_the_child(tmp_path):
             os.kill(child, signal.SIGKILL)
 
 
+def test_an_armed_child_still_importing_ends_at_once(tmp_path):
+    """`arm`, a worker's first line: before its stop handler exists (its imports take seconds), the parent's death
+    ends it at once, by the default action of the kernel's SIGTERM."""
+    importing = "import os, time\nfrom runner.process import lifeline\nlifeline.arm()\nprint(os.getpid(), 1, " \
+                "flush=True)\nwhile True:\n    time.sleep(0.05)\n"  # fmt: skip
+    parent = subprocess.Popen([sys.executable, "-c", PARENT, str(tmp_path / "terms"), "kernel", "me", importing],
+                              cwd=ROOT, stdout=subprocess.PIPE, text=True, start_new_session=True)  # fmt: skip
+    assert parent.stdout is not None
+    child = int(parent.stdout.readline().split()[0])
+    try:
+        time.sleep(0.3)
+        assert alive(child), "the armed child stopped while its parent lived"
+        parent.send_signal(signal.SIGKILL)
+        parent.wait(5)
+        took = gone_within(child, 5)
+        assert took is not None and took < 2, f"the armed child outlived its parent ({took})"
+    finally:
+        if alive(child):
+            os.kill(child, signal.SIGKILL)
+
+
 def test_no_supervisor_no_lifeline(monkeypatch):
     """A worker started by hand (or in a test's process) has no supervisor to follow: nothing is bound."""
     monkeypatch.delenv(lifeline.ENV_PARENT, raising=False)

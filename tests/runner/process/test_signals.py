@@ -120,6 +120,33 @@ def test_a_sigkilled_supervisor_takes_its_worker_with_it(tmp_path, launcher):
     assert saved is not None and store.read_meta(saved)["step"] >= 1, "the orphan stopped without its checkpoint"
 
 
+def test_a_supervisor_killed_while_its_worker_starts_takes_it_too(tmp_path):
+    """The worker's first seconds are imports (torch), before its stop handler exists: it is armed before them
+    (lifeline.arm), so a supervisor SIGKILLed then does not leave it to import, bind and only then stop."""
+    from pathlib import Path
+
+    from tests.runner.process.test_lifeline import gone_within
+
+    spec = write_spec(tmp_path / "s.yaml", tiny_spec_dict(tmp_path / "run", training={"steps": 100000}))
+    proc = subprocess.Popen([sys.executable, "-m", "runner", str(spec)], cwd=ROOT, env=runner_env(),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)  # fmt: skip
+    children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children")
+    try:
+        deadline = time.monotonic() + timeout_s(120)
+        while not (kids := children.read_text().split()):
+            assert proc.poll() is None and time.monotonic() < deadline, "no worker started"
+            time.sleep(0.01)
+        worker = int(kids[0])
+        time.sleep(0.3)  # inside its imports (seconds), past `arm`
+        proc.send_signal(signal.SIGKILL)
+        took = gone_within(worker, timeout_s(5))
+        assert took is not None, f"the starting worker (pid {worker}) went on after its supervisor was SIGKILLed"
+        # the kernel's signal, at once: not after the rest of its imports (seconds, even on an idle machine)
+        assert took < 1.0, f"the starting worker took {took:.1f} s to go"
+    finally:
+        stop_everything(proc)
+
+
 @pytest.mark.parametrize("sig", [signal.SIGHUP, signal.SIGQUIT])
 def test_a_closed_terminal_or_sigquit_checkpoints_and_exits_143(tmp_path, sig):
     """A closed terminal's SIGHUP and `kill -QUIT` are stops like SIGTERM (test_resume.py) and Ctrl-C (above): the
