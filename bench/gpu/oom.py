@@ -272,11 +272,13 @@ def run(cfg: Config, work: Path, data: Path, budget: Budget, save: Callable[[], 
     record["recovery"] = []
     for rnd in range(cfg.recovery_rounds):  # interleaved: each round runs every scenario once
         for kind in ("shrink", "step-down", "relaunch"):
-            if budget.spent() or budget.left() < took.get(kind, FIRST_GUESS_S.get(kind, 0.0)):
-                runs.append({"scenario": kind, "round": rnd, "error": budget.skip_note()})
-                continue
             if kind == "relaunch" and cfg.smoke:  # two runner processes: most of a minute on 2 cores
                 runs.append({"scenario": kind, "round": rnd, "skipped": "--smoke (tests/runner cover it on CPU)"})
+                continue
+            expected = took.get(kind, FIRST_GUESS_S.get(kind, 0.0))
+            if not budget.fits(expected):
+                note = budget.skip_note() if budget.spent() else budget.wont_fit_note(expected)
+                runs.append({"scenario": kind, "round": rnd, "error": note})
                 continue
             t0 = time.perf_counter()
             try:
