@@ -280,7 +280,10 @@ def run(s: Setup, work: Path, seed: int = 0, timeout_s: float = 420.0) -> dict[s
     metrics = run_dir / "metrics.jsonl"
     try:
         if hog is not None:
-            _squeeze(s, hog, proc, metrics, rng, out, t_launch + timeout_s)
+            try:
+                _squeeze(s, hog, proc, metrics, rng, out, t_launch + timeout_s)
+            except (OSError, ValueError, KeyError) as err:  # the hog died (no GPU?), a record without its fields
+                out["squeeze_error"] = f"{type(err).__name__}: {err} (hog: {hog.ready!r})"[:500]
         try:
             proc.wait(timeout=max(1.0, t_launch + timeout_s - time.time()))
         except subprocess.TimeoutExpired:
@@ -412,6 +415,8 @@ def judge(s: Setup, out: dict[str, Any], recs: list[dict[str, Any]], lines: list
         out["startup_note"] = f"start-up to step 1 {first - t_launch:.1f} s (goal <= {STARTUP_GOAL_S:g} s)"
     if out.get("timeout"):
         fail.append(out["timeout"])
+    if out.get("squeeze_error"):
+        fail.append(f"the squeeze failed: {out['squeeze_error']}")
     out["failures"] = fail
     out["ok"] = not fail
 
