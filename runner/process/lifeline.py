@@ -20,9 +20,10 @@ checkpoints the steps trained and exits 143, so a `jobspec run` killed by the OO
 it was. But nobody is left to enforce the stop's deadline, and a worker stuck in a C call (a hung collective, a
 huge allocation) never reads its stop flag; so the thread enforces it: `grace_s` after the parent died (the grace the
 supervisor itself would have given, $JOBSPEC_STOP_GRACE_S) it SIGKILLs its own process, which frees the GPU whatever
-the process was doing. torchrun's elastic agent stops its workers the same way (SIGTERM, then SIGKILL after a
-timeout, 30 s by default) but only while the agent lives; a SIGKILLed torchrun leaves its workers running. The
-thread can run while the main thread is stuck: torch releases the GIL in its operators and collectives.
+the process was doing (its own child processes first). torchrun's elastic agent stops its workers the same way
+(SIGTERM, then SIGKILL after a timeout, 30 s by default) but only while the agent lives; a SIGKILLed torchrun leaves
+its workers running. The thread can run while the main thread is stuck: torch releases the GIL in its operators and
+collectives.
 
 Children that keep no state worth a checkpoint (the tokenizer pool's processes) take SIGKILL and no grace:
 `die_with_parent`.
@@ -30,6 +31,7 @@ Children that keep no state worth a checkpoint (the tokenizer pool's processes) 
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import os
@@ -38,6 +40,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 log = logging.getLogger("jobspec.runner")
 
@@ -94,8 +97,22 @@ class Lifeline:
 
 
 def _kill_after(seconds: float) -> None:
+    """SIGKILL this process `seconds` from now, and its child processes first: DataLoader workers would notice within
+    seconds, but the tokenizer pool's (runner/data/prepare.py) block on a queue whose writer they hold themselves."""
     time.sleep(seconds)
+    for pid in _children():
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _children() -> list[int]:
+    """This process's child processes, from /proc (none where there is no /proc/PID/task/TID/children)."""
+    found = []
+    for listing in Path("/proc/self/task").glob("*/children"):
+        with contextlib.suppress(OSError, ValueError):
+            found += [int(pid) for pid in listing.read_text().split()]
+    return found
 
 
 def arm() -> None:

@@ -17,12 +17,15 @@ from runner.process import lifeline
 from tests.runner.train_helpers import ROOT
 
 # The bound child: notes each SIGTERM in a file and otherwise ignores it (a worker stuck in a C call); `kernel`
-# off: the prctl is taken away, leaving the polling thread.
+# off: the prctl is taken away, leaving the polling thread. It has a child of its own that watches nothing (as the
+# tokenizer pool's processes), its pid in the file's name + ".kid".
 CHILD = """
-import os, signal, sys, time
+import os, signal, subprocess, sys, time
 from runner.process import lifeline
 if sys.argv[2] == "poll":
     lifeline.parent_death_signal = lambda sig: False
+kid = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+open(sys.argv[1] + ".kid", "w").write(str(kid.pid))
 signal.signal(signal.SIGTERM, lambda *_: open(sys.argv[1], "a").write("TERM\\n"))
 line = lifeline.bind()
 print(os.getpid(), int(line.kernel), flush=True)
@@ -64,6 +67,11 @@ def gone_within(pid: int, seconds: float) -> float | None:
     return None
 
 
+def kid(tmp_path: Path) -> int:
+    """The pid of the bound child's own child."""
+    return int((tmp_path / "terms.kid").read_text())
+
+
 def start_pair(tmp_path: Path, mode: str, parent: str = "me") -> tuple[subprocess.Popen, int, bool]:
     parent_proc = subprocess.Popen([sys.executable, "-c", PARENT, str(tmp_path / "terms"), mode, parent, CHILD],
                                    cwd=ROOT, stdout=subprocess.PIPE, text=True, start_new_session=True)  # fmt: skip
@@ -95,9 +103,11 @@ def test_a_killed_parent_stops_its_child_then_kills_it_after_the_grace(tmp_path,
         # SIGTERM first (one, whoever sent it), and the kill only after the 1 s grace
         assert (tmp_path / "terms").read_text() == "TERM\n"
         assert took > 0.8, f"killed {took:.2f} s after its parent: before the grace"
+        assert gone_within(kid(tmp_path), 2) is not None, "the child's own child outlived it"
     finally:
-        if alive(child):
-            os.kill(child, signal.SIGKILL)
+        for pid in (child, kid(tmp_path)):
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)
 
 
 def test_a_parent_gone_before_the_bind_still_stops_the_child(tmp_path):
@@ -110,8 +120,9 @@ def test_a_parent_gone_before_the_bind_still_stops_the_child(tmp_path):
     finally:
         parent.kill()
         parent.wait(5)
-        if alive(child):
-            os.kill(child, signal.SIGKILL)
+        for pid in (child, kid(tmp_path)):
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)
 
 
 def test_an_armed_child_still_importing_ends_at_once(tmp_path):
