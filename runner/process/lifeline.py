@@ -24,9 +24,6 @@ the process was doing (its own child processes first). torchrun's elastic agent 
 (SIGTERM, then SIGKILL after a timeout, 30 s by default) but only while the agent lives; a SIGKILLed torchrun leaves
 its workers running. The thread can run while the main thread is stuck: torch releases the GIL in its operators and
 collectives.
-
-Children that keep no state worth a checkpoint (the tokenizer pool's processes) take SIGKILL and no grace:
-`die_with_parent`.
 """
 
 from __future__ import annotations
@@ -61,19 +58,6 @@ def parent_death_signal(sig: int) -> bool:
         return int(libc.prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0)) == 0
     except (OSError, AttributeError):  # a static or unusual libc
         return False
-
-
-def die_with_parent(parent: int) -> None:
-    """SIGKILL this process when `parent` (its parent's pid, read by the parent before it started this process)
-    exits: for helper processes that hold nothing to save. At once if the parent is already gone."""
-    if not parent_death_signal(signal.SIGKILL) or os.getppid() != parent:
-        threading.Thread(target=_kill_when_orphaned, args=(parent,), name="jobspec-lifeline", daemon=True).start()
-
-
-def _kill_when_orphaned(parent: int) -> None:
-    while os.getppid() == parent:
-        time.sleep(POLL_S)
-    os.kill(os.getpid(), signal.SIGKILL)
 
 
 @dataclass
@@ -129,7 +113,7 @@ def arm() -> None:
 def bind() -> Lifeline | None:
     """Bind this worker to the supervisor named by $JOBSPEC_SUPERVISOR_PID (None when it is unset: a worker started
     by hand or a test's in-process run, which have no supervisor to follow). Call it once the SIGTERM handler is in
-    place (the worker's StopFlag), as early as that: until then the supervisor's death goes unnoticed."""
+    place (the worker's StopFlag), as early as that (`arm` covers the time before)."""
     raw = os.environ.get(ENV_PARENT, "")
     if not raw.isdigit():
         return None
