@@ -20,8 +20,9 @@ EXIT_STORAGE = 74  # checkpoint volume full (ENOSPC, EDQUOT, or too little free 
 #   read-only or not writable; a data cache without room for an s3:// source: retrying cannot help (FailJob)
 EXIT_OOM_RETRY_TIER = 75  # OOM at micro-batch 1: retry at the next memory tier (podFailurePolicy Count)
 EXIT_OOM_LAST_TIER = 76  # OOM at the last tier: nothing left to try (podFailurePolicy FailJob)
-EXIT_PREEMPTED = 143  # SIGTERM (or Ctrl-C, SIGINT, in `jobspec run`): the steps trained since the last checkpoint
-#   are checkpointed (none before the first step), then exit (128 + SIGTERM); a second Ctrl-C stops at once
+EXIT_PREEMPTED = 143  # SIGTERM (or, in `jobspec run`, Ctrl-C, a closed terminal's SIGHUP, SIGQUIT): the steps
+#   trained since the last checkpoint are checkpointed (none before the first step), then exit (128 + SIGTERM); a
+#   second Ctrl-C stops at once
 
 # Where the rendered pod finds things.
 SPEC_MOUNT_DIR = "/etc/jobspec"
