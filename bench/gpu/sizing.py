@@ -320,6 +320,9 @@ def finish_trace(mems: list[dict[str, Any]], future: Any, timeout_s: float) -> N
         m.update(_trace_errors(m))
 
 
+FINISH_MARGIN_S = 4.0  # after the traces: calibration and the record (--smoke under load ran out of its budget here)
+
+
 def run(cfg: Config, work: Path, data: Path, budget: Budget, save: Callable[[], None], record: dict[str, Any]) -> None:
     """Fill record["sizing"] and record["memory_model"] preset by preset (its tiers on the device; then their
     trace, on the CPU while the next preset runs), and record["calibration"] from them."""
@@ -356,8 +359,8 @@ def run(cfg: Config, work: Path, data: Path, budget: Budget, save: Callable[[], 
                 save()
             if mems:
                 traces.append((mems, start_trace(cfg, work, data, mems, max(1.0, budget.left()), pool)))
-        for mems, future in traces:
-            finish_trace(mems, future, budget.left())
+        for mems, future in traces:  # what is left of the budget but the calibration's and the record's time
+            finish_trace(mems, future, budget.left() - FINISH_MARGIN_S)
             save()
     finally:
         pool.shutdown(wait=False, cancel_futures=True)
