@@ -21,11 +21,10 @@ from __future__ import annotations
 
 from jobspec.errors import ConfigError
 from jobspec.spec.models import DataSpec
-from runner.data.records import as_message_list
+from runner.data.records import PROMPT_TURN, as_message_list
 from runner.data.tokenizer import Message
 
 CHOSEN, REJECTED = "chosen", "rejected"
-PROMPT_TURN = "jobspec_prompt_turn"  # key of an assistant message of a pair's prompt: rendered, never a target
 
 
 def check_objective(fmt: str, pairs: bool, where: object) -> None:

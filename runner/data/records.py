@@ -83,13 +83,22 @@ def read_records(
     return read_hub_dataset(source, field, splits)
 
 
+# The key of an assistant message of a preference pair's prompt (runner/data/pairs.py): rendered, never a target. The
+# runner puts it there; data that carries it is refused (`as_message_list`), or it would untrain the marked replies.
+PROMPT_TURN = "jobspec_prompt_turn"
+
+
 def as_message_list(value: object) -> object:
     """A dict of equal-length lists ({role: [...], content: [...]}, how `datasets` stores a Sequence
-    of dicts) as the list of dicts it stands for; anything else unchanged."""
+    of dicts) as the list of dicts it stands for; anything else unchanged. ValueError for a message that holds a key
+    the runner reserves (PROMPT_TURN): every message of the data passes here before the runner marks any."""
     if isinstance(value, dict) and value and all(isinstance(v, list) for v in value.values()):
         lengths = {len(v) for v in value.values()}
         if len(lengths) == 1:
-            return [dict(zip(value, row, strict=True)) for row in zip(*value.values(), strict=True)]
+            value = [dict(zip(value, row, strict=True)) for row in zip(*value.values(), strict=True)]
+    if isinstance(value, list) and any(isinstance(m, dict) and PROMPT_TURN in m for m in value):
+        raise ValueError(f"a message holds the key {PROMPT_TURN!r}, which jobspec reserves for its own marks (a reply "
+                         "of a preference pair's prompt, never trained on): remove it from the data")  # fmt: skip
     return value
 
 

@@ -12,7 +12,9 @@ and by the model (`model_key`: `model.*` but LoRA, precision, 4-bit base, seed, 
 snapshot's commit, or each file of a local model directory by name, size and sampled blocks, so new weights written
 to the same `model.path` make a new entry). Every rank and every restart reads them; one that fails a check (not a
 regular file, not a float64 array of one value per record, not finite; with JOBSPEC_CHECKPOINT_KEY set, no signed
-sidecar `<name>.json` whose SHA-256 is the file's) is logged and computed again.
+sidecar `<name>.json` whose SHA-256 is the file's) is logged and computed again. With or without the key, a few
+records chosen at random are scored again at every start and must match (`spot_check`): a file rewritten in a
+shared cache, or another job's under this name, is computed again instead of training against wrong references.
 
 When any rank lacks them every rank computes (the forwards are collective under FSDP), each its own share: the
 trainable records dealt round-robin over the ranks, padded to the same count so that every rank runs as many
@@ -27,6 +29,7 @@ import io
 import json
 import logging
 import os
+import secrets
 import time
 from contextlib import nullcontext
 from functools import partial
@@ -151,8 +154,10 @@ def write_reference(path: Path, values: np.ndarray) -> None:
         log.warning("DPO reference %s not written (%s): a restart computes it again", path, err)
 
 
-def score_records(stepper: Stepper, streams: Streams, pad_id: int, max_seq_len: int, micro_batch: int) -> np.ndarray:
-    """Each record's summed completion log-prob under the model as it is (float64; 0 for a record with no target),
+def score_records(stepper: Stepper, streams: Streams, pad_id: int, max_seq_len: int, micro_batch: int,
+                  only: list[int] | None = None) -> np.ndarray:  # fmt: skip
+    """Each record's summed completion log-prob under the model as it is (float64; 0 for a record with no target, or
+    outside `only` when given: the records to score, the same list on every rank),
     with the adapter off under LoRA, in eval mode and without gradients, `micro_batch` rows at a time. Out of memory
     on any rank (every rank agrees after each forward): that forward again at half as many rows, and the rest at that
     size; a ConfigError when even one row at a time runs out."""
@@ -161,7 +166,8 @@ def score_records(stepper: Stepper, streams: Streams, pad_id: int, max_seq_len: 
     adapter_off = unwrapped.disable_adapter() if hasattr(unwrapped, "disable_adapter") else nullcontext()
     rows = Rows(streams, np.arange(len(streams)), np.arange(len(streams) + 1))
     out = np.zeros(len(streams), dtype=np.float64)
-    mine, padding = share(np.flatnonzero(streams.trainable).tolist(), stepper.rank, stepper.world_size)
+    chosen = np.flatnonzero(streams.trainable).tolist() if only is None else only
+    mine, padding = share(chosen, stepper.rank, stepper.world_size)
 
     def score(ks: list[int]) -> np.ndarray:
         padded = pad_rows([rows[k] for k in ks], pad_id, max_seq_len)
@@ -197,6 +203,35 @@ def score_records(stepper: Stepper, streams: Streams, pad_id: int, max_seq_len: 
     return out
 
 
+SPOT_RECORDS = 8  # records scored again at every start to vouch for a stored reference
+# How far a record scored again may be from its stored value: the same weights and records, in other micro-batches
+# (padding to another length moves a 16-bit forward's rounding); another model's or a rewritten file is off by nats.
+SPOT_TOLERANCE = {"fp32": (1e-3, 1e-4), "bf16": (0.25, 1e-2), "fp16": (0.25, 1e-2)}  # (absolute, relative)
+
+
+def spot_check(stepper: Stepper, streams: Streams, data: PreferenceData, values: np.ndarray,
+               precision: str) -> str | None:  # fmt: skip
+    """Why the stored `values` are not this starting model's log-probs, or None: a few trainable records, chosen at
+    random by rank 0 (no one who plants a file can know which), scored again and compared (collective: every rank
+    scores its share). A file in a shared cache can be rewritten or copied from another job; with
+    JOBSPEC_CHECKPOINT_KEY its signature vouches for it, without one this is what does."""
+    trainable = np.flatnonzero(streams.trainable).tolist()
+    if not trainable:
+        return None
+    k = min(SPOT_RECORDS, len(trainable))
+    picked = secrets.SystemRandom().sample(trainable, k) if stepper.rank == 0 else [0] * k
+    sample = [int(v) for v in stepper.ctrl.all_reduce([float(v) for v in picked])]  # rank 0's, on every rank
+    fresh = score_records(stepper, streams, data.pad_id, data.max_seq_len, k, only=sample)
+    atol, rtol = SPOT_TOLERANCE.get(precision, SPOT_TOLERANCE["bf16"])
+    off = [i for i in sample if not abs(fresh[i] - values[i]) <= atol + rtol * abs(fresh[i])]
+    if not stepper.ctrl.any(bool(off)):
+        return None
+    if not off:
+        return "another rank's copy differs"
+    i = off[0]
+    return f"{len(off)} of {k} records scored again differ, record {i}: stored {values[i]:.4g}, now {fresh[i]:.4g}"
+
+
 def share(records: list[int], rank: int, world_size: int) -> tuple[list[int], list[int]]:
     """(this rank's records, dealt round-robin; padding that makes every rank's count the largest one's). The padding
     repeats a record so a rank with fewer still runs each collective forward the others run."""
@@ -220,6 +255,10 @@ def attach_reference(stepper: Stepper, data: PreferenceData, spec: JobSpec, *, p
         if values is None:
             path = reference_path(root, data.keys[split_], model)
             values = read_reference(path, len(streams)) if path is not None else None
+            if not stepper.ctrl.any(values is None) and (why := spot_check(stepper, streams, data, values, precision)):
+                log.warning("DPO reference %s does not hold this model's log-probs (%s): computing it again", path,
+                            why)  # fmt: skip
+                values = None
             if stepper.ctrl.any(values is None):  # every rank scores when any must: FSDP's forwards are collective
                 start = time.perf_counter()
                 values = score_records(stepper, streams, data.pad_id, data.max_seq_len, 2 * micro_batch)

@@ -502,3 +502,26 @@ def test_the_runner_exits_2_on_a_hostile_record_without_a_traceback(tmp_path):
     assert done.returncode == 2, done.stderr[-2000:]
     assert "Traceback" not in done.stderr + done.stdout
     assert "deep.jsonl:3: nested more than 64 levels deep (MAX_DEPTH" in done.stderr
+
+
+def test_a_message_carrying_the_key_the_runner_reserves_is_refused_naming_the_line(tmp_path):
+    """`jobspec_prompt_turn` marks the replies of a preference pair's prompt as never trained on; from the user's data
+    it silently untrained the marked replies (all marked: exit 2 blaming global_batch). Refused with file and line, in
+    SFT messages and in a pair's dialogues alike."""
+    from runner.data.preference import load_preference
+
+    sft = tmp_path / "sft.jsonl"
+    chat = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
+    marked = [chat[0], {**chat[1], "jobspec_prompt_turn": True}]
+    sft.write_text(json.dumps({"messages": chat}) + "\n" + json.dumps({"messages": marked}) + "\n")
+    with pytest.raises(ConfigError, match=r"sft.jsonl:2: .*'jobspec_prompt_turn', which jobspec reserves"):
+        encode_file(sft, DataSpec(), ByteTokenizer())
+    pairs = tmp_path / "pairs.jsonl"
+    turn = {"role": "assistant", "content": "earlier", "jobspec_prompt_turn": True}
+    pairs.write_text(json.dumps({"prompt": [{"role": "user", "content": "q"}, turn, {"role": "user", "content": "r"}],
+                                 "chosen": [{"role": "assistant", "content": "a"}],
+                                 "rejected": [{"role": "assistant", "content": "b"}]}) + "\n")  # fmt: skip
+    training = {"objective": "dpo", "global_batch": 1, "steps": 1, "warmup_steps": 0}
+    spec = tiny_spec(tmp_path / "run", data={"path": str(pairs)}, training=training)
+    with pytest.raises(ConfigError, match=r"pairs.jsonl:1: .*'jobspec_prompt_turn', which jobspec reserves"):
+        load_preference(spec, ByteTokenizer())

@@ -160,6 +160,30 @@ def test_a_damaged_stored_reference_is_computed_again(tmp_path, caplog):
     np.testing.assert_array_equal(np.load(stored), good)
 
 
+@pytest.mark.parametrize("forge", ["shifted", "another job's"])
+def test_a_rewritten_stored_reference_is_found_and_computed_again(tmp_path, caplog, forge):
+    """Without JOBSPEC_CHECKPOINT_KEY a reference file in a shared cache can be rewritten with values of the right
+    shape, or be another job's: records scored again at the start catch it (the first DPO loss was 0.474 or 0.708
+    with such a file, not ln 2)."""
+    data = write_jsonl(tmp_path / "p.jsonl", text_pairs(8))
+    cache = tmp_path / "cache"
+    assert train_in_process(dpo(tmp_path / "a", data, cache=str(cache), steps=1, eval_every=None))[0] == EXIT_OK
+    (stored,) = cache.glob("*.reference-*.npy")
+    good = np.load(stored)
+    planted = good + 0.7 if forge == "shifted" else np.roll(good, 1)
+    np.save(stored, planted)
+    with caplog.at_level("INFO", logger="jobspec.runner"):
+        assert train_in_process(dpo(tmp_path / "b", data, cache=str(cache), steps=1, eval_every=None))[0] == EXIT_OK
+    assert "does not hold this model's log-probs" in caplog.text
+    assert "records scored by the starting model" in caplog.text
+    np.testing.assert_allclose(np.load(stored), good, rtol=1e-6)
+    assert abs(records(tmp_path / "b" / "run")[0]["loss"] - math.log(2)) < 1e-4
+    caplog.clear()
+    with caplog.at_level("INFO", logger="jobspec.runner"):  # the file as the model would write it passes the check
+        assert train_in_process(dpo(tmp_path / "c", data, cache=str(cache), steps=1, eval_every=None))[0] == EXIT_OK
+    assert "log-probs from" in caplog.text and "does not hold" not in caplog.text
+
+
 def test_dpo_resumes_exactly_with_the_stored_reference(tmp_path, caplog):
     data = write_jsonl(tmp_path / "p.jsonl", text_pairs())
     sections = {"data": {"path": str(data), "max_seq_len": 64, "cache_dir": str(tmp_path / "cache")},
