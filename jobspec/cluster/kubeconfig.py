@@ -90,11 +90,36 @@ def kubeconfig_paths(flag: str | None) -> str | None:
     return None
 
 
+def read_kubeconfig(path: str) -> Any:
+    """One kubeconfig file's data, read within bounds before any other reader sees it (safe_yaml.KUBECONFIG: 8 MiB, a
+    regular file, aliases counted as every value they repeat, 32 levels): a kubeconfig whose entries alias a tree of
+    9^10 nodes grew past 1.5 GB in the client library, and one nested 20,000 deep was a RecursionError. ConfigError
+    naming the file and the line, never a value (a kubeconfig holds credentials)."""
+    from jobspec.spec import safe_yaml
+    from jobspec.untrusted import read_bounded
+
+    bounds = safe_yaml.KUBECONFIG
+    raw = read_bounded(Path(path).expanduser(), bounds.bytes, what="kubeconfig")
+    try:
+        return safe_yaml.construct(safe_yaml.compose(raw.decode("utf-8"), bounds))
+    except UnicodeDecodeError:
+        raise ConfigError(f"kubeconfig {path}: not UTF-8 text") from None
+    except safe_yaml.YamlLimit as err:
+        where = f" (line {err.line})" if err.line else ""
+        raise ConfigError(f"kubeconfig {path}{where}: {err.message}; no real kubeconfig is, check the file") from None
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f" (line {mark.line + 1})" if mark is not None else ""
+        raise ConfigError(f"kubeconfig {path}: not valid YAML{where}") from None
+
+
 def _load_kubeconfig(paths: str, context: str | None) -> Connection:
     from kubernetes.client import Configuration
     from kubernetes.config.config_exception import ConfigException
     from kubernetes.config.kube_config import KubeConfigLoader, KubeConfigMerger
 
+    for path in (p for p in paths.split(os.pathsep) if p and Path(p).expanduser().is_file()):
+        read_kubeconfig(path)  # bounded first: the client library reads it with no bound
     try:
         merger = KubeConfigMerger(paths)
         if merger.config is None:
@@ -166,8 +191,8 @@ def context_namespace(kubeconfig: str | None = None, context: str | None = None)
     merged: dict[str, Any] = {"contexts": []}
     for path in paths.split(os.pathsep):
         try:
-            data = yaml.safe_load(Path(path).expanduser().read_text()) or {}
-        except (OSError, yaml.YAMLError):
+            data = read_kubeconfig(path) or {}
+        except (OSError, ConfigError):
             continue
         if isinstance(data, dict):
             merged["contexts"] += data.get("contexts") or []

@@ -29,6 +29,27 @@ MAX_INT = 2**63 - 1  # the API server stores 64-bit integers
 MAX_STRING_CHARS = 16 * 1024
 MAX_KEY_CHARS = 253 + 1 + 63
 
+
+
+@dataclass(frozen=True)
+class Bounds:
+    """What one kind of document may hold: a spec (SPEC, the constants above), or a kubeconfig (KUBECONFIG: larger
+    certificates and merged contexts, the same protection against aliases and depth)."""
+
+    bytes: int = MAX_BYTES
+    nodes: int = MAX_NODES
+    depth: int = MAX_DEPTH
+    string_chars: int = MAX_STRING_CHARS
+    key_chars: int = MAX_KEY_CHARS
+    what: str = "a spec"
+
+
+SPEC = Bounds()
+# A kubeconfig embeds base64 certificates and keys (a few KiB each; a chain more) and may merge many clusters; no real
+# one nests past a few levels or needs an alias to repeat thousands of values.
+KUBECONFIG = Bounds(bytes=8 * 1024 * 1024, nodes=200_000, depth=32, string_chars=1024 * 1024, key_chars=1024,
+                    what="a kubeconfig")  # fmt: skip
+
 Loader: type = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # libyaml parses ~10x faster
 
 _INT, _FLOAT = "tag:yaml.org,2002:int", "tag:yaml.org,2002:float"
@@ -44,10 +65,10 @@ class YamlLimit(Exception):
     hint: str
 
 
-def check_size(size: int) -> None:
-    if size > MAX_BYTES:
+def check_size(size: int, bounds: Bounds = SPEC) -> None:
+    if size > bounds.bytes:
         raise YamlLimit(
-            f"more than {MAX_BYTES // 1024**2} MiB of YAML ({size:,} bytes): a spec is a page of settings",
+            f"more than {bounds.bytes // 1024**2} MiB of YAML ({size:,} bytes): {bounds.what} is a page of settings",
             None,
             "",
             "keep data and long config in files the job reads (data.path), not in the spec",
@@ -60,12 +81,12 @@ def load(text: str) -> tuple[Any, yaml.Node | None]:
     return construct(root), root
 
 
-def compose(text: str) -> yaml.Node | None:
+def compose(text: str, bounds: Bounds = SPEC) -> yaml.Node | None:
     """The node graph of one YAML document (None for an empty one), within the bounds."""
-    check_size(len(text) if len(text) > MAX_BYTES else len(text.encode("utf-8", "surrogatepass")))
+    check_size(len(text) if len(text) > bounds.bytes else len(text.encode("utf-8", "surrogatepass")), bounds)
     loader = Loader(text)
     try:
-        return _compose(loader)
+        return _compose(loader, bounds)
     finally:
         loader.dispose()
 
@@ -99,9 +120,9 @@ class _Frame:
         return isinstance(self.node, yaml.MappingNode) and self.key is None
 
 
-def _check_length(text: str, *, key: bool, where: tuple[int | None, str]) -> None:
+def _check_length(text: str, *, key: bool, where: tuple[int | None, str], bounds: Bounds = SPEC) -> None:
     """Refuse a scalar longer than any setting, before a regular expression reads it. Never quotes it."""
-    limit = MAX_KEY_CHARS if key else MAX_STRING_CHARS
+    limit = bounds.key_chars if key else bounds.string_chars
     if len(text) > limit:
         what = "a key" if key else "a text"
         raise YamlLimit(
@@ -112,7 +133,7 @@ def _check_length(text: str, *, key: bool, where: tuple[int | None, str]) -> Non
         )
 
 
-def _compose(loader: Any) -> yaml.Node | None:
+def _compose(loader: Any, bounds: Bounds = SPEC) -> yaml.Node | None:
     """PyYAML's Composer.get_single_node, iterative and counted."""
     anchors: dict[str, tuple[yaml.Node, int, int]] = {}  # name -> (node, nodes it stands for, height)
     stack: list[_Frame] = []
@@ -134,7 +155,7 @@ def _compose(loader: Any) -> yaml.Node | None:
             return loader.peek_event() if peek else loader.get_event()
         except yaml.MarkedYAMLError as err:
             if "maximum nesting depth" in str(err.problem):
-                raise _too_deep(*where(err.problem_mark)) from None
+                raise _too_deep(*where(err.problem_mark), bounds) from None
             raise
 
     next_event()  # StreamStart
@@ -147,14 +168,14 @@ def _compose(loader: Any) -> yaml.Node | None:
         """Attach `node` (standing for `size` nodes, `height` levels) to its parent; `new` nodes are counted."""
         nonlocal total, root
         total += new
-        if total > MAX_NODES:
+        if total > bounds.nodes:
             raise YamlLimit(
-                f"more than {MAX_NODES:,} values once aliases are expanded (an alias counts every value it repeats)",
+                f"more than {bounds.nodes:,} values once aliases are expanded (an alias counts every value it repeats)",
                 *where(mark),
                 "a real spec has a few hundred values; write the list out or use fewer aliases",
             )
-        if len(stack) + height > MAX_DEPTH:  # an alias brings the depth of what it repeats
-            raise _too_deep(*where(mark))
+        if len(stack) + height > bounds.depth:  # an alias brings the depth of what it repeats
+            raise _too_deep(*where(mark), bounds)
         if not stack:
             root = node
             return
@@ -184,7 +205,7 @@ def _compose(loader: Any) -> yaml.Node | None:
             add(node, size, height, event.start_mark, new=size)  # an alias repeats every node under it
         elif isinstance(event, yaml.ScalarEvent):
             key = bool(stack) and stack[-1].is_key_next()
-            _check_length(event.value, key=key, where=where(event.start_mark, key))
+            _check_length(event.value, key=key, where=where(event.start_mark, key), bounds=bounds)
             tag = event.tag
             if tag is None or tag == "!":
                 tag = loader.resolve(yaml.ScalarNode, event.value, event.implicit)
@@ -207,8 +228,8 @@ def _compose(loader: Any) -> yaml.Node | None:
                 tag = loader.resolve(kind, None, event.implicit)
             node = kind(tag, [], event.start_mark, None, flow_style=event.flow_style)
             stack.append(_Frame(node, anchor))
-            if len(stack) > MAX_DEPTH:  # checked on the way in: the closing events may never come
-                raise _too_deep(*where(event.start_mark))
+            if len(stack) > bounds.depth:  # checked on the way in: the closing events may never come
+                raise _too_deep(*where(event.start_mark), bounds)
         elif isinstance(event, (yaml.SequenceEndEvent, yaml.MappingEndEvent)):
             frame = stack.pop()
             frame.node.end_mark = event.end_mark
@@ -220,12 +241,14 @@ def _compose(loader: Any) -> yaml.Node | None:
             break
     if not isinstance(next_event(peek=True), yaml.StreamEndEvent):
         other = next_event()
-        raise ComposerError(None, None, "a second document (`---`): a spec is a single document", other.start_mark)
+        raise ComposerError(None, None, f"a second document (`---`): {bounds.what} is a single document",
+                            other.start_mark)  # fmt: skip
     return root
 
 
-def _too_deep(line: int | None, path: str) -> YamlLimit:
-    return YamlLimit(f"nested more than {MAX_DEPTH} levels deep", line, path, "a spec nests a few levels; flatten this")
+def _too_deep(line: int | None, path: str, bounds: Bounds = SPEC) -> YamlLimit:
+    return YamlLimit(f"nested more than {bounds.depth} levels deep", line, path,
+                     f"{bounds.what} nests a few levels; flatten this")  # fmt: skip
 
 
 def out_of_range(data: Any) -> list[tuple[tuple[str | int, ...], str]]:

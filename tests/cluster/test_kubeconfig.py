@@ -128,3 +128,33 @@ def test_context_namespace_follows_context_flag(tmp_path: Path) -> None:
     cfg = str(write_config(tmp_path / "cfg"))
     assert kc.context_namespace(cfg) == "team"
     assert kc.context_namespace(cfg, "alt") is None
+
+
+def _alias_bomb(levels: int = 10) -> str:
+    lines = ["a0: &a0 [x, x, x, x, x, x, x, x, x]"]
+    lines += [f"a{i}: &a{i} [{', '.join([f'*a{i - 1}'] * 9)}]" for i in range(1, levels)]
+    return "\n".join(lines) + f"\nextra: *a{levels - 1}\n"
+
+
+@pytest.mark.parametrize("attack", ["aliases", "depth", "size"])
+def test_a_hostile_kubeconfig_is_refused_before_the_client_reads_it(tmp_path: Path, attack: str) -> None:
+    """Entries aliasing a 9^10-node tree grew past 1.5 GB in the client library; 20,000 levels were a RecursionError;
+    a huge file was read whole. Each is a ConfigError naming the file, in bounded time and memory, with no value."""
+    cfg = write_config(tmp_path / "cfg")
+    text = cfg.read_text()
+    if attack == "aliases":
+        cfg.write_text(text + _alias_bomb())
+    elif attack == "depth":
+        cfg.write_text(text + "extra: " + "[" * 20_000 + "]" * 20_000 + "\n")
+    else:
+        cfg.write_text(text + "extra: '" + "x" * (9 * 1024 * 1024) + "'\n")
+    with pytest.raises(ConfigError) as info:
+        kc.load_connection(str(cfg))
+    assert str(cfg) in str(info.value) and TOKEN not in str(info.value)
+    assert kc.context_namespace(str(cfg)) is None  # --dry-run=client: skipped, not a traceback
+
+
+def test_a_kubeconfig_within_the_bounds_with_real_aliases_still_loads(tmp_path: Path) -> None:
+    cfg = write_config(tmp_path / "cfg")
+    cfg.write_text(cfg.read_text() + "extra: &e {a: [1, 2]}\nmore: *e\n" + "notes: '" + "c" * 100_000 + "'\n")
+    assert kc.load_connection(str(cfg)).namespace == "team"
