@@ -221,9 +221,11 @@ class Recipe:
             optimizer = engine.make_optimizer(model, spec, self.device, self.plan.tier)
             self.accelerator, self.model, self.optimizer = engine.prepare(self.plan, spec, self.device, model,
                                                                           optimizer)  # fmt: skip
-        self.stepper = Stepper(self.accelerator, self.model, self.optimizer, self.data, self.ctrl, self.stop,
-                               max_grad_norm=spec.training.max_grad_norm, loss_kernel=spec.training.loss_kernel,
-                               objective=Objective.of(spec.training), rows=rows_per_sample(spec))  # fmt: skip
+        # the loss head's probe forward: the wrapped model's first (FSDP2's lazy init; 10 s of a CPU step-down's 14)
+        with phase("setting up the step at tier %s (the chunked loss's probe forward)", self.plan.tier):
+            self.stepper = Stepper(self.accelerator, self.model, self.optimizer, self.data, self.ctrl, self.stop,
+                                   max_grad_norm=spec.training.max_grad_norm, loss_kernel=spec.training.loss_kernel,
+                                   objective=Objective.of(spec.training), rows=rows_per_sample(spec))  # fmt: skip
         dpo = spec.training.objective == "dpo"  # SimPO and ORPO are reference-free
         if dpo and isinstance(self.data, PreferenceData):  # the starting model's, before any checkpoint is loaded
             attach_reference(self.stepper, self.data, spec, precision=self.plan.precision, quantize=self.plan.quantize,

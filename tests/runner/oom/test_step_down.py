@@ -181,6 +181,7 @@ def test_every_phase_of_a_step_down_is_logged_when_it_starts_and_ends(tmp_path, 
         "stepping down tier fast -> zero2_offload: building tier zero2_offload from the state in memory",
         "building the model without weights (the state in memory has them)",
         "placing the model for tier zero2_offload",
+        "setting up the step at tier zero2_offload",
         "handing the state in memory over to tier zero2_offload",
     ]
     starts = [next(i for i, (_, m) in enumerate(window) if m.startswith(p) and m.endswith(" ...")) for p in phases]
