@@ -8,6 +8,7 @@ into a `LoraShape`, so the CLI and the runner plan from the same numbers.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -20,7 +21,7 @@ from jobspec.catalog.presets import PRESETS, ModelShape
 from jobspec.errors import ConfigError
 from jobspec.plan import calibration, capacity, memory, throughput
 from jobspec.plan.job_length import JobLength, job_length, rows_per_sample
-from jobspec.spec.models import ArchitectureConfig, JobSpec
+from jobspec.spec.models import DEFAULT_MEMORY_PER_RANK, ArchitectureConfig, JobSpec
 from jobspec.spec.units import is_bare_number, parse_bytes
 
 GiB = 1024**3
@@ -95,6 +96,30 @@ def check_model(spec: JobSpec) -> str:
     if method and knowable:
         quant.check(model_shape(spec), method)
     return attention
+
+
+HOST_UTILIZATION = 0.85  # of a pod's host memory the offloaded states may take: the rest is the processes, the loader
+
+
+def host_checked(plan: memory.TierPlan, spec: JobSpec) -> memory.TierPlan:
+    """`plan`, no longer fitting when its host memory (offloaded optimizer states and parameters, per rank, times the
+    node's ranks) is more than HOST_UTILIZATION of the pod's `hardware.memory`: a Mixtral full fine-tune "fit" one L4
+    at `minimal` with 695.9 GiB of host memory beside `hardware.memory: 64Gi`. Without hardware.memory the pod's host
+    memory is not known before it runs (the runner reads its cgroup limit): the need is noted instead."""
+    per_pod = plan.estimate.host * spec.hardware.gpus.count
+    if not plan.fits or per_pod == 0:
+        return plan
+    limit = spec.hardware.memory
+    if limit is None:  # the pod requests a default, with no limit: said when the tier needs more than it
+        if per_pod <= DEFAULT_MEMORY_PER_RANK[spec.hardware.vendor] * spec.hardware.gpus.count:
+            return plan
+        note = f"needs {per_pod / GiB:.1f} GiB of host memory per pod: set hardware.memory to at least that"
+        return dataclasses.replace(plan, note="; ".join(filter(None, (plan.note, note))))
+    if per_pod <= HOST_UTILIZATION * limit:
+        return plan
+    why = (f"needs {per_pod / GiB:.1f} GiB of host memory per pod (offloaded states of {spec.hardware.gpus.count} "
+           f"rank(s)), over {HOST_UTILIZATION:.0%} of hardware.memory {limit / GiB:.0f} GiB")  # fmt: skip
+    return dataclasses.replace(plan, fits=False, reason=plan.reason or why)
 
 
 def model_label(spec: JobSpec) -> str:
@@ -325,6 +350,7 @@ def plan_spec(
         micro_batch=fixed_micro_batch(spec),
         **kw,
     )
+    plans = [host_checked(p, spec) for p in plans]
     if spec.memory.tier == "auto":
         chosen = memory.pick_tier(plans)
     else:

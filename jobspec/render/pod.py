@@ -25,7 +25,7 @@ from jobspec.render.env import GCS_KEY_DIR, GCS_KEY_PATH, container_env
 from jobspec.render.hub import cache_volume
 from jobspec.render.images import image_for
 from jobspec.spec.benchmarks import shipped_paths
-from jobspec.spec.models import JobSpec, Toleration
+from jobspec.spec.models import DEFAULT_MEMORY_PER_RANK, JobSpec, Toleration
 from jobspec.spec.units import format_bytes
 
 Obj = dict[str, Any]
@@ -42,7 +42,7 @@ ROCM_SUPPLEMENTAL_GROUPS = (44, 109)  # video, render: owners of /dev/dri and /d
 # under node pressure. Requests, not limits: small enough for the smallest GPU nodes (4 vCPUs, 16 GiB,
 # one GPU), and the pod may use more when the node has it. Offload tiers need more: set hardware.memory.
 DEFAULT_CPU_PER_RANK: Mapping[str, int] = MappingProxyType({"cuda": 2, "rocm": 2, "cpu": 1})
-DEFAULT_MEMORY_PER_RANK: Mapping[str, int] = MappingProxyType({"cuda": 8 * GiB, "rocm": 8 * GiB, "cpu": 2 * GiB})
+# (The memory default lives with the spec's hardware section: `jobspec plan` compares offload tiers' host memory to it.)
 
 
 def configmap_name(spec: JobSpec) -> str:

@@ -755,7 +755,9 @@ class TrainingSpec(Section):
     @model_validator(mode="after")
     def _schedule(self) -> "TrainingSpec":
         if self.steps is not None and self.epochs is not None:
-            raise ValueError("set either `training.steps` or `training.epochs`, not both")
+            raise ValueError("set either `training.steps` or `training.epochs`, not both: remove one (from the command "
+                             "line: --set training.epochs=null to train by steps, --set training.steps=null by "
+                             "epochs)")  # fmt: skip
         if self.lr_scaling == "linear" and self.lr_base_batch is None:
             raise ValueError("`training.lr_scaling: linear` needs `training.lr_base_batch` (its tuned batch)")
         if self.warmup_steps and self.steps is not None and self.warmup_steps >= self.steps:
@@ -791,6 +793,12 @@ class GpuRequest(Section):
             return self.memory
         info = gpu_catalogue.lookup(self.type) if self.type else None
         return info.memory_bytes if info else None
+
+
+# The host memory a pod requests per rank (a GPU; a process for vendor cpu) when hardware.memory is unset
+# (jobspec/render/pod.py); `jobspec plan` says when an offload tier needs more.
+DEFAULT_MEMORY_PER_RANK: typing.Mapping[str, int] = types.MappingProxyType({"cuda": 8 * 1024**3, "rocm": 8 * 1024**3,
+                                                                           "cpu": 2 * 1024**3})  # fmt: skip
 
 
 class HardwareSpec(Section):

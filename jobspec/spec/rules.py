@@ -230,6 +230,12 @@ def _gpu_type(spec: SpecView) -> list[Problem]:
                 f"set hardware.vendor: {info.vendor}",
             )
         ]
+    if info and hw.gpus.count > info.per_node and hw.vendor != "cpu":
+        total = hw.gpus.count * hw.nodes  # the same GPUs over the fewest nodes that split them evenly
+        nodes = next(n for n in range(-(-total // info.per_node), total + 1) if total % n == 0)
+        return [("hardware.gpus.count", f"{hw.gpus.count} {info.name} on one node: no server holds more than "
+                 f"{info.per_node}", f"the count is per node: the same {total} GPUs are hardware.gpus "
+                 f"{info.name}:{total // nodes} with hardware.nodes {nodes}")]  # fmt: skip
     if kind and not info and hw.gpus.memory is None:
         close = gpu_catalogue.suggest(kind)
         known = f"one of {', '.join(gpu_catalogue.known_names())}, or give hardware.gpus.memory"

@@ -7,7 +7,7 @@ that every later regular expression, secret scan and error message would have to
 reaches the models: the text is parsed once (libyaml's event parser when present) and composed here
 without recursion, counting every node an alias stands for and measuring every scalar before
 anything reads it (PyYAML's own type resolution runs regular expressions on it). The node graph
-keeps the line marks.
+keeps the line marks. Numbers are YAML 1.2's: `4090:2` or `1:30` is text, not YAML 1.1's base-60 integer.
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ KUBECONFIG = Bounds(bytes=8 * 1024 * 1024, nodes=200_000, depth=32, string_chars
 
 Loader: type = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # libyaml parses ~10x faster
 
-_INT, _FLOAT = "tag:yaml.org,2002:int", "tag:yaml.org,2002:float"
+_INT, _FLOAT, _STR = "tag:yaml.org,2002:int", "tag:yaml.org,2002:float", "tag:yaml.org,2002:str"
 
 
 @dataclass
@@ -209,6 +209,8 @@ def _compose(loader: Any, bounds: Bounds = SPEC) -> yaml.Node | None:
             tag = event.tag
             if tag is None or tag == "!":
                 tag = loader.resolve(yaml.ScalarNode, event.value, event.implicit)
+                if tag in (_INT, _FLOAT) and ":" in event.value:  # YAML 1.1's base 60: `gpus: 4090:2` was 245402
+                    tag = _STR
             if tag in (_INT, _FLOAT) and len(event.value) > MAX_NUMBER_CHARS:
                 kind = "an integer" if tag == _INT else "a number"
                 raise YamlLimit(
