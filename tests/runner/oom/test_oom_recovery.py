@@ -365,3 +365,24 @@ def test_an_oom_mid_backward_under_the_supervisor_shrinks_in_process(tmp_path):
     assert result.returncode == EXIT_OK, result.stderr[-3000:]
     assert [(e["step"], e["from_micro_batch"], e["to_micro_batch"]) for e in events(run_dir)] == [(1, 8, 4)]
     assert [r["step"] for r in records(run_dir)] == [1, 2, 3]
+
+
+def test_a_shrink_logs_its_release_and_its_redo(tmp_path, monkeypatch, caplog):
+    """Never silent: the OOM and the release of the failed attempt's memory (when it starts and ends, with its
+    duration), the new micro-batch, the redo starting, and the step recovered, in that order."""
+    import logging
+
+    caplog.set_level(logging.INFO, logger="jobspec.runner")
+    monkeypatch.setenv(ENV_VAR, "mbs>2")
+    code, _ = train_in_process(tiny_spec(tmp_path, training={"micro_batch": 8, "steps": 3}))
+    assert code == EXIT_OK
+    lines = [r.getMessage() for r in caplog.records if r.name == "jobspec.runner"]
+    wanted = [
+        lambda m: m.startswith("step 1: out of memory at micro-batch 8 on rank 0") and m.endswith(" ..."),
+        lambda m: m.startswith("step 1: out of memory at micro-batch 8 on rank 0") and ": done in " in m,
+        lambda m: m.startswith("plan: micro-batch 8 -> 2 ") and "global batch 8 unchanged" in m,
+        lambda m: m == "step 1: redoing it at micro-batch 2 x 4 ...",
+        lambda m: m.startswith("step 1 recovered from its OOM"),
+    ]
+    at = [next(i for i, m in enumerate(lines) if want(m)) for want in wanted]
+    assert at == sorted(at), [lines[i] for i in at]
