@@ -137,6 +137,12 @@ def main() -> None:
     x = torch.randn(args.tokens, args.size, dtype=torch.bfloat16)
     backends = {k: v for k, v in BACKENDS.items() if find_spec(k.split()[0]) is not None}
     print(f"{args.size} x {args.size} bf16 linear, {args.tokens} tokens, torch {torch.__version__}, CPU")
+    for key in BACKENDS.keys() - backends.keys():  # said, not skipped in silence
+        package = key.split()[0]
+        print(f"{key}: not measured, {package} is not installed (pip install {package}; torchao is the offload "
+              "extra's: pip install 'jobspec-k8s[offload]')")  # fmt: skip
+    if not backends:
+        raise SystemExit("nothing to compare: install torchao and bitsandbytes")
     for key, (make, nbytes, dequant) in backends.items():
         name = f"{key} {version(key.split()[0])}"
         layer = make(weight)

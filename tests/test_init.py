@@ -72,7 +72,7 @@ def test_bad_requests_are_named(tmp_path: Path) -> None:
     code, said = cli("init", "--model", "tiny", "--gpus", "Z80:1", "--data", "x")
     assert code == EXIT_CONFIG and "known GPU type" in said
     code, said = cli("init", "--model", "Org/not-cached", "--gpus", "A10G:1", "--data", "x")
-    assert code == EXIT_CONFIG and "huggingface-cli download Org/not-cached config.json" in said and "--config" in said
+    assert code == EXIT_CONFIG and "hf download Org/not-cached config.json" in said and "--config" in said
     out = tmp_path / "s.yaml"
     out.write_text("keep")
     code, said = cli("init", "--model", "tiny", "--gpus", "A10G:1", "--data", "x", "-o", str(out))

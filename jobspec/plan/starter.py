@@ -94,7 +94,7 @@ def _model_lines(model: str, config_file: str | None = None) -> tuple[list[str],
             presets = "" if "/" in model else f"not a preset ({', '.join(PRESETS)}), and as a hub id "
             raise ConfigError(
                 f"--model {model}: {presets}its config.json is not on this machine, and the plan needs the model's "
-                f"shape: `huggingface-cli download {model} config.json`, or download "
+                f"shape: `hf download {model} config.json`, or download "
                 f"huggingface.co/{model}/blob/main/config.json elsewhere and pass it with --config FILE"
             )
         config, source = found, f"snapshot {found.parent.name[:12]}'s config.json"
