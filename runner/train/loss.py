@@ -242,7 +242,9 @@ class LinearCrossEntropy(torch.autograd.Function):
     incoming gradient that is the same for every token (what a summed or mean loss gives), and backward only
     scales them: the logits' matmul runs once, as in the plain path (Liger Kernel's fused linear cross-entropy
     does the same). An incoming gradient that differs between tokens is checked for (one comparison) and
-    recomputed chunk by chunk from the saved hidden states, as without `fused`.
+    recomputed chunk by chunk from the saved hidden states, as without `fused`. That comparison reads a device value
+    on the host (a sync in the middle of every backward, which leaves a GPU idle while the host queues the rest of
+    the backward): `summed` True, the caller's promise that it sums the per-token losses (times one scalar), skips it.
 
     `kernel` "liger": each chunk's loss and (softmax - onehot) come from Liger Kernel's Triton kernel
     (`internals.liger_rows`), which reads the chunk's logits at the compute width and overwrites them with their
@@ -254,7 +256,7 @@ class LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, labels, chunk: int, dtype: torch.dtype, fused: bool = False,  # type: ignore[override]
                 kernel: LossKernel = "chunked", tf: LogitTransform = NO_TRANSFORM,
-                means: list[torch.Tensor] | None = None):  # fmt: skip
+                means: list[torch.Tensor] | None = None, summed: bool = False):  # fmt: skip
         # hidden (..., H), weight (V, H), bias (V,) or None, labels (...) int64; N tokens
         with torch.autocast(hidden.device.type, enabled=False):  # the casts are explicit
             h = hidden.reshape(-1, hidden.shape[-1]).to(dtype)  # (N, H), saved at the compute width, as autocast would
@@ -279,6 +281,7 @@ class LinearCrossEntropy(torch.autograd.Function):
                 means.append(mean)
             loss.masked_fill_(~valid, 0.0)
             ctx.fused = grads if fused else None
+            ctx.summed = summed
         ctx.save_for_backward(h, weight, bias, target, valid, lse)
         ctx.chunk, ctx.dtype, ctx.hidden_shape, ctx.hidden_dtype = chunk, dtype, hidden.shape, hidden.dtype
         ctx.tf = tf
@@ -290,7 +293,10 @@ class LinearCrossEntropy(torch.autograd.Function):
         h, weight, bias, target, valid, lse = ctx.saved_tensors
         flat = grad_loss.reshape(-1)
         # on FakeTensors (the memory trace) values cannot be compared: the runner's summed loss is uniform
-        uniform = flat.numel() > 0 and (internals.is_fake(flat) or torch.equal(flat, flat[:1].expand_as(flat)))
+        # the caller's promise (`summed`) spares the comparison's host sync
+        uniform = flat.numel() > 0 and (
+            ctx.summed or internals.is_fake(flat) or torch.equal(flat, flat[:1].expand_as(flat))
+        )
         if ctx.fused is not None and uniform:
             g0 = flat[0]  # the same for every token: the forward's gradients, scaled
             grad_h, grad_w, grad_b = (None if x is None else x.mul_(g0.to(x.dtype)) for x in ctx.fused)
@@ -306,7 +312,7 @@ class LinearCrossEntropy(torch.autograd.Function):
             grad_b = grad_b.to(bias.dtype)
         if grad_h is not None:
             grad_h = grad_h.view(ctx.hidden_shape)
-        return grad_h, grad_w, grad_b, None, None, None, None, None, None, None
+        return grad_h, grad_w, grad_b, None, None, None, None, None, None, None, None
 
 
 def _new_grads(
@@ -331,19 +337,21 @@ def linear_cross_entropy(
     kernel: LossKernel = "chunked",
     transform: LogitTransform = NO_TRANSFORM,
     means: list[torch.Tensor] | None = None,
+    summed: bool = False,
 ) -> torch.Tensor:
     """Per-token cross-entropy of `transform(hidden @ weight.T + bias)` against `labels` (IGNORE: 0), shaped like
     `labels`, fp32; `means`: see `LinearCrossEntropy`.
 
     hidden (..., H), labels (...); `chunk`: tokens per chunk (default `kernel_chunk_tokens`; fewer for a soft cap:
-    `LogitTransform.tokens`); `kernel`: what computes each chunk's softmax, loss and gradient (`LinearCrossEntropy`)."""
+    `LogitTransform.tokens`); `kernel`: what computes each chunk's softmax, loss and gradient (`LinearCrossEntropy`);
+    `summed`: the caller sums the result (times one scalar), so its gradient is the same for every token."""
     if hidden.shape[:-1] != labels.shape:
         raise ValueError(f"hidden states {tuple(hidden.shape)} do not match labels {tuple(labels.shape)}")
     dtype = compute_dtype(weight)
     n = chunk or kernel_chunk_tokens(weight.shape[0], kernel, dtype)
     n = max(1, transform.tokens(n, kernel))
     fused = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
-    return LinearCrossEntropy.apply(hidden, weight, bias, labels, n, dtype, fused, kernel, transform, means)
+    return LinearCrossEntropy.apply(hidden, weight, bias, labels, n, dtype, fused, kernel, transform, means, summed)
 
 
 class ChunkedLossHead:
@@ -361,15 +369,18 @@ class ChunkedLossHead:
         self._config, self._off = config, off or {}  # the config values that make the model do it, off meanwhile
         self._labels: torch.Tensor | None = None
         self._means: list[torch.Tensor] | None = None
+        self._summed = False
         self._probe: torch.Tensor | None = None
         linear.forward = self.forward  # shadows nn.Linear.forward on this instance only
 
     @contextmanager
-    def targets(self, labels: torch.Tensor, means: list[torch.Tensor] | None = None) -> Iterator[None]:
+    def targets(self, labels: torch.Tensor, means: list[torch.Tensor] | None = None, *,
+                summed: bool = False) -> Iterator[None]:  # fmt: skip
         """While open, the layer returns the loss of each token against `labels` (B, T) (shifted; IGNORE masked), and
         the model's own soft cap or logit scale is off (the head applies it to each chunk). `means`: each forward
-        appends its tokens' mean logits (B, T, 1) fp32 to it (`LinearCrossEntropy`)."""
-        self._labels, self._means = labels, means
+        appends its tokens' mean logits (B, T, 1) fp32 to it (`LinearCrossEntropy`). `summed`: the caller sums the
+        losses (times one scalar) before backward, which then needs no host sync (`linear_cross_entropy`)."""
+        self._labels, self._means, self._summed = labels, means, summed
         kept = {key: getattr(self._config, key) for key in self._off}
         for key, value in self._off.items():
             setattr(self._config, key, value)
@@ -377,6 +388,7 @@ class ChunkedLossHead:
             yield
         finally:
             self._labels = self._means = None
+            self._summed = False
             for key, value in kept.items():
                 setattr(self._config, key, value)
 
@@ -391,7 +403,7 @@ class ChunkedLossHead:
         # (B, T, 1, H) against (B, T, 1): the per-token loss comes out (B, T, 1), allocated so (not a view)
         h, y = hidden.unsqueeze(-2), labels.unsqueeze(-1)
         return linear_cross_entropy(h, linear.weight, linear.bias, y, chunk=self.chunk, kernel=self.kernel,
-                                    transform=self.transform, means=self._means)  # fmt: skip
+                                    transform=self.transform, means=self._means, summed=self._summed)  # fmt: skip
 
     def remove(self) -> None:
         if self.linear.__dict__.get("forward") == self.forward:

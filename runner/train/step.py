@@ -74,7 +74,7 @@ def summed_loss(
     if router is not None:
         kwargs["output_router_logits"] = True
     if head is not None:
-        with head.targets(labels):
+        with head.targets(labels, summed=True):  # summed below: backward needs no host sync
             out = model(input_ids=input_ids, **kwargs)  # .logits (B, T, 1): each token's loss, 0 at IGNORE
         summed = out.logits.float().sum()  # FSDP2 may have cast it to its output dtype: sum in fp32
     else:

@@ -374,3 +374,25 @@ def test_the_full_fp32_logits_never_exist():
     new = peak(lambda: chunked_loss(head, model, ids, labels))
     assert old >= 3 * logits_bytes  # logits, log-softmax, their gradient
     assert new < logits_bytes / 2, f"chunked peak {new / 2**20:.1f} MiB, one fp32 logits {logits_bytes / 2**20:.0f} MiB"
+
+
+def test_summed_loss_backward_reads_nothing_on_the_host(monkeypatch):
+    """`summed=True` (the training step's summed loss): backward takes the forward's gradients without comparing the
+    incoming gradient on the host (torch.equal: a device sync in every backward); the gradients are bit for bit those
+    the comparison gives. Without the promise the comparison still runs (a per-token weighting needs it)."""
+    g = torch.Generator().manual_seed(5)
+    hidden = torch.randn(2, 12, 8, generator=g, requires_grad=True)
+    weight = torch.randn(40, 8, generator=g, requires_grad=True)
+    labels = torch.randint(0, 40, (2, 12), generator=g)
+    labels[0, :3] = IGNORE
+    compared = []
+    equal = torch.equal
+    monkeypatch.setattr(torch, "equal", lambda a, b: compared.append(1) or equal(a, b))
+    plain = torch.autograd.grad(linear_cross_entropy(hidden, weight, None, labels, chunk=5).sum() * 0.3,
+                                (hidden, weight))  # fmt: skip
+    assert compared == [1]
+    summed = torch.autograd.grad(linear_cross_entropy(hidden, weight, None, labels, chunk=5, summed=True).sum() * 0.3,
+                                 (hidden, weight))  # fmt: skip
+    assert compared == [1]  # no comparison this time
+    for a, b in zip(summed, plain, strict=True):
+        assert torch.equal(a, b)
