@@ -58,6 +58,7 @@ from jobspec.render import (
     to_json,
     to_yaml,
 )
+from jobspec.render.pod import NODE_MONITOR_GRACE_PERIOD_S, NODE_MONITOR_PERIOD_S
 from jobspec.spec.loader import load_spec, parse_spec
 from jobspec.spec.models import JobSpec
 from jobspec.spec.units import format_bytes
@@ -449,10 +450,11 @@ def test_the_lost_node_arithmetic_in_the_docs() -> None:
     rows = re.findall(r"^\| (.+?) \| (\d+) \|$", section, re.M)
     *steps, (_, total) = rows
     seconds = {label.split(":")[0].strip("`"): int(n) for label, n in steps}
-    assert sum(seconds.values()) == int(total) == 110
+    assert sum(seconds.values()) == int(total) == 120
     default = JobSpec.model_fields["scheduling"].default.node_loss_toleration_seconds
     assert seconds["node_loss_toleration_seconds"] == default == NODE_LOSS_TOLERATIONS[0]["tolerationSeconds"]
-    assert seconds["node-monitor-grace-period"] == 40 and seconds["node-monitor-period"] == 5
+    assert seconds["node-monitor-grace-period"] == NODE_MONITOR_GRACE_PERIOD_S == 50  # Kubernetes 1.32's default
+    assert seconds["node-monitor-period"] == NODE_MONITOR_PERIOD_S
     kube_default = int(total) - default + 300
     terms = " + ".join(str(n) for n in [*list(seconds.values())[:2], 300, *list(seconds.values())[3:]])
     assert f"{terms} = {kube_default} s" in section

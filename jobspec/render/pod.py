@@ -35,6 +35,10 @@ CONTAINER_NAME = "runner"
 GPU_RESOURCES: Mapping[str, str] = MappingProxyType({"cuda": "nvidia.com/gpu", "rocm": "amd.com/gpu"})
 # Set by the node lifecycle controller once a node has missed its heartbeats for node-monitor-grace-period.
 NODE_LOSS_TAINTS = ("node.kubernetes.io/not-ready", "node.kubernetes.io/unreachable")
+# kube-controller-manager's defaults, which docs/how-to/lost-node.md adds up: --node-monitor-grace-period is 50 s since
+# Kubernetes 1.32 (40 s before; kubernetes/kubernetes#126287), --node-monitor-period 5 s.
+NODE_MONITOR_GRACE_PERIOD_S = 50
+NODE_MONITOR_PERIOD_S = 5
 ROCM_SUPPLEMENTAL_GROUPS = (44, 109)  # video, render: owners of /dev/dri and /dev/kfd on common distros
 
 # Requests per rank (a GPU; a process for vendor cpu) when hardware.cpu / hardware.memory are unset.
