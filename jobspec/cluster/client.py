@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
 from urllib.parse import urlencode
 
-from jobspec.cluster import retry
+from jobspec.cluster import answers, retry
 from jobspec.cluster.errors import ApiTimeout, NotFound, Op, Unreachable, error_for_status, gave_up
 from jobspec.cluster.kubeconfig import Connection
 from jobspec.cluster.resources import POD, Kind, kind_of
@@ -204,7 +204,8 @@ class ClusterClient:
 
     def get(self, kind: Kind, namespace: str | None, name: str) -> dict[str, Any]:
         op = Op("get", kind.plural, kind.group, namespace, name)
-        return self._json(op, "GET", kind.object_path(namespace, name))
+        answer = self._json(op, "GET", kind.object_path(namespace, name))
+        return answers.object_answer(kind.plural, answer, namespace, name)
 
     def find(self, kind: Kind, namespace: str | None, name: str) -> dict[str, Any] | None:
         """The object, or None when it does not exist."""
@@ -235,10 +236,11 @@ class ClusterClient:
             if token:
                 query.append(("continue", token))
             page = self._json(op, "GET", kind.collection_path(namespace), query=query)
-            got = page.get("items") or []
-            items += [i for i in got if isinstance(i, dict)] if isinstance(got, list) else []
-            token = (page.get("metadata") or {}).get("continue") or ""
-            if not token:
+            where = f"{kind.plural} in namespace {namespace}" if namespace else f"{kind.plural} (all namespaces)"
+            items += answers.list_items(kind.plural, page.get("items"), where)
+            md = page.get("metadata")
+            token = (md.get("continue") if isinstance(md, dict) else None) or ""
+            if not token and len(items) <= MAX_LIST_ITEMS:
                 return items
             if not isinstance(token, str) or token in seen or len(items) > MAX_LIST_ITEMS:
                 raise ClusterError(

@@ -12,6 +12,7 @@ import copy
 import re
 import threading
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -126,6 +127,10 @@ class FakeApi(Served):  # start(), stop(), url
         self.granted: set[tuple[str, str, str, str]] | None = None
         # kubectl sends no bearer token to a plain-HTTP server: let it in (as the submitter, for `granted`)
         self.anonymous = False
+        # A broken server: `mangle(plural, obj)` is served in place of each stored object (a deep copy), and
+        # `extra_items[plural]` are added to each list answer of that plural as they are
+        self.mangle: Callable[[str, dict[str, Any]], Any] | None = None
+        self.extra_items: dict[str, list[Any]] = {}
 
     def kubeconfig(self, directory: Path, namespace: str | None = "ml", token: str = TOKEN) -> Path:
         """A kubeconfig with context `fake` (namespace `namespace`) and `other` (namespace `other-ns`)."""
@@ -264,10 +269,10 @@ class FakeApi(Served):  # start(), stop(), url
             if parts.get("log"):
                 return self._log(ns, name, req)
             if req.method == "GET" and name is None:
-                return 200, {}, self._list(plural, ns, req.query)
+                return 200, {}, self._served_list(plural, self._list(plural, ns, req.query))
             if req.method == "GET":
                 obj = self.objects.get((plural, ns, name))
-                return (200, {}, obj) if obj else self._not_found(plural, name)
+                return (200, {}, self._served(plural, obj)) if obj else self._not_found(plural, name)
             if req.method == "PATCH":
                 return self._apply(plural, ns, name, req)
             if req.method == "POST" and name is None and ns:
@@ -316,6 +321,15 @@ class FakeApi(Served):  # start(), stop(), url
         body = status_body(404, f'{group} "{name}" not found', "NotFound")
         body["details"] = {"name": name, "kind": plural}  # as the real server says which object is missing
         return 404, {}, body
+
+    def _served(self, plural: str, obj: dict[str, Any]) -> Any:
+        return obj if self.mangle is None else self.mangle(plural, copy.deepcopy(obj))
+
+    def _served_list(self, plural: str, answer: dict[str, Any]) -> dict[str, Any]:
+        if self.mangle is None and plural not in self.extra_items:
+            return answer
+        items = [self._served(plural, o) for o in answer["items"]] + list(self.extra_items.get(plural, []))
+        return {**answer, "items": items}
 
     def _list(self, plural: str, ns: str | None, query: dict[str, str]) -> dict[str, Any]:
         wanted = dict(kv.split("=", 1) for kv in query.get("labelSelector", "").split(",") if kv)
