@@ -1,5 +1,6 @@
 """Telemetry: metrics.jsonl (one JSON record per logged step or evaluation), a log line, a progress bar, and
-the machine-readable progress line `jobspec status` reads from the pod's log (progress.py).
+the machine-readable progress line `jobspec status` reads from the pod's log (progress.py). On a terminal (a local
+`jobspec run`) the progress line is logged at DEBUG only: a person reads the human line, and no pod log is read.
 
 Only rank 0 writes. Train records carry at least: step, loss, lr, tier, micro_batch, grad_accum,
 global_batch, samples, tokens_per_s, mem_used_bytes, mem_total_bytes, gpu_util (null when unknown);
@@ -73,6 +74,9 @@ class Metrics:
         self.trackers = trackers  # runner.output.tracking.Trackers: the same records to TensorBoard, W&B, MLflow
         self.file = None
         self.progress = ProgressLine()  # the live-progress log line of each train record (output/progress.py)
+        # In a pod (stderr is never a terminal there) the progress line is for `jobspec status`; on a terminal each
+        # step would be logged twice, once for a person and once in JSON: there it shows with --debug only.
+        self.progress_level = logging.DEBUG if sys.stderr.isatty() else logging.INFO
         if enabled:
             path.parent.mkdir(parents=True, exist_ok=True)
             self.progress.seed(path)  # an earlier start's last OOM or tier change
@@ -94,7 +98,7 @@ class Metrics:
             log.info("%s", format_line(record))
         line = self.progress.observe(stamped)
         if line is not None:
-            log.info("%s", line)
+            log.log(self.progress_level, "%s", line)
         if self.trackers is not None:
             self.trackers.log(record)
 

@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import json
 import logging
+import sys
 
 import pytest
 
 from jobspec.cluster.progress import parse_progress
 from jobspec.contract import EXIT_OK, PROGRESS_KEYS, PROGRESS_PREFIX
 from runner.oom.faults import ENV_VAR
+from runner.output.metrics import Metrics
 from runner.output.progress import ProgressLine
 from tests.runner.train_helpers import tiny_spec, train_in_process
 
@@ -28,6 +30,27 @@ def test_a_run_logs_progress_the_submitter_reads(tmp_path, monkeypatch, caplog) 
     assert last is not None and (last.step, last.total_steps, last.tier, last.micro_batch) == (4, 4, "fast", 2)
     assert (last.event, last.event_step, last.event_detail) == ("oom_shrink", 2, "OOM: micro-batch 4 -> 2")
     assert last.eta_s == 0.0 and last.loss is not None and last.tokens_per_s and last.tokens_per_s > 0
+
+
+@pytest.mark.parametrize("terminal", [False, True])
+def test_the_progress_line_is_for_pods_not_for_a_terminal(tmp_path, monkeypatch, caplog, terminal: bool) -> None:
+    """Issue 43, item 9: on a terminal each step was logged twice (the human line and the JSON line)."""
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: terminal)
+    caplog.set_level(logging.INFO, logger="jobspec.runner")
+    metrics = Metrics(tmp_path / "metrics.jsonl", enabled=True)
+    metrics.write({"kind": "train", "step": 1, "total_steps": 2, "loss": 1.5, "lr": 1e-3, "tokens_per_s": 10.0,
+                   "tier": "fast", "micro_batch": 2, "grad_accum": 1, "world_size": 1, "global_batch": 2})  # fmt: skip
+    metrics.close()
+    said = [r.getMessage() for r in caplog.records]
+    assert [m for m in said if m.startswith("step 1/2 | loss 1.5000")]  # the human line, either way
+    assert any(m.startswith(PROGRESS_PREFIX) for m in said) is not terminal
+    caplog.clear()
+    caplog.set_level(logging.DEBUG, logger="jobspec.runner")
+    metrics = Metrics(tmp_path / "again.jsonl", enabled=True)
+    metrics.write({"kind": "train", "step": 1, "total_steps": 2, "loss": 1.5, "lr": 1e-3, "tokens_per_s": 10.0,
+                   "tier": "fast", "micro_batch": 2, "grad_accum": 1, "world_size": 1, "global_batch": 2})  # fmt: skip
+    metrics.close()
+    assert any(r.getMessage().startswith(PROGRESS_PREFIX) for r in caplog.records)  # --debug shows it on a terminal
 
 
 def test_eta_from_the_pace_of_the_last_steps() -> None:
