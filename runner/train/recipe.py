@@ -140,7 +140,8 @@ class Recipe:
             self._load_data()
         self.total_steps = total_steps(spec, self.order)
         self.lineage = lineage(spec, self.data.train)
-        resume = self._resume_point()  # verified; damaged ones skipped
+        with phase("looking for the newest intact checkpoint in %s", self.root):
+            resume = self._resume_point()  # verified; damaged ones skipped
         meta = store.read_meta(resume) if resume else None
         if meta is not None:
             check_resume(meta.get("lineage"), self.lineage, where=f"checkpoint {resume}",
