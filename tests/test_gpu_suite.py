@@ -108,6 +108,11 @@ def test_smoke_recovery_throughput_tiers_soak(smoke) -> None:
     tp = record["throughput"]
     assert tp["runner"]["median_tokens_per_s"] > 0 and tp["plain"]["median_tokens_per_s"] > 0
     assert tp["runner"]["mfu"] is None and tp["ratio_of_medians"] > 0 and tp["rounds"] == 3
+    sides = tp["sides"]  # bench/throughput.py: runner, plain loop and HF Trainer on the same tokens, interleaved
+    assert sides["rounds"] >= 1 and sides["flops_formula"] == "6N + 6*L*C*T (llm.c)"
+    assert all(sides[s]["median_tokens_per_s"] > 0 for s in ("runner", "plain", "trainer"))
+    assert sides["runner_over_plain"] > 0 and sides["runner_over_trainer_paired"] > 0
+    assert [r["first"] for r in sides["per_round"][:2]] == ["runner", "plain"]  # the first side alternates
     tiers = {t["tier"]: t for t in record["tiers"]}
     assert tiers["fast"]["ratio_to_fast"] == 1.0 and all(t["tokens_per_s"] > 0 for t in tiers.values())
     soak = record["soak"]

@@ -231,7 +231,20 @@ def _throughput(t: dict[str, Any], f: Fmt) -> list[str]:
         "",
         f"runner / plain: {f(t['ratio_of_medians'])} (ratio of medians), "
         f"{f(t['median_paired_ratio'])} (median of per-round ratios).",
+        *_sides(t.get("sides")),
     ]
+
+
+def _sides(s: dict[str, Any] | None) -> list[str]:
+    """bench/throughput.py's runner / plain / HF Trainer table, when the part ran it."""
+    if not s:
+        return []
+    if "status" in s:
+        return ["", f"runner / plain / HF Trainer: {s['status']}"]
+    from bench.throughput import table
+
+    return ["", f"runner / plain / HF Trainer ({s['rounds']} rounds of {s['steps_per_round']} steps, interleaved; "
+            f"Trainer: {s['trainer_collator']}, {s['trainer_attention']}):", "", table([s])]  # fmt: skip
 
 
 def _tiers(ts: list[dict[str, Any]], f: Fmt) -> list[str]:

@@ -10,6 +10,10 @@ runner vs plain  One Recipe (fast tier, micro-batch auto at target_utilization 0
                  plain side's batches are collated outside its timer (a strict baseline). Per round:
                  tokens/s (input tokens, padding excluded; rows are full) from wall time, and CPU seconds of
                  this process and its loader workers. Medians over rounds.
+sides            bench/throughput.py: the runner, the plain loop and HF Trainer on the part's preset, sequence and
+                 batch (micro-batch = batch), rounds interleaved, in at most SIDES_SHARE of what the part has left
+                 (record["throughput"]["sides"]); the GPU rows of issue 42 (llama-1b) run alone: python -m
+                 bench.throughput.
 tiers            For each tier, a Recipe at micro-batch auto (the tier's own plan), 2 warm-up steps, then
                  `tier_steps` steps timed one by one (synchronised); `tier_rounds` rounds, the tier order
                  reversed in every other one (accelerate's global state allows one live configuration at a time,
@@ -123,6 +127,24 @@ def runner_vs_plain(
     out["median_paired_ratio"] = _r(median([x["runner"]["tokens_per_s"] / x["plain"]["tokens_per_s"] for x in rounds]))
     out["per_round"] = rounds
     return out
+
+
+# The three sides get at most SIDES_SHARE of what the part has left after runner vs plain (tiers and soak keep the
+# rest), and are not started with less than SIDES_MIN_S of it: their set-up (three models, a Trainer) and two rounds.
+SIDES_SHARE = 0.5
+SIDES_MIN_S = 12.0
+
+
+def three_sides(cfg: Config, work: Path, peak: float | None, budget: Budget) -> dict[str, Any]:
+    """bench/throughput.py's runner / plain loop / HF Trainer comparison on the part's preset, sequence length and
+    batch (micro-batch = the batch: one micro-batch a step, the 2026-11-28 record's shape), `cfg.rounds` rounds of
+    `cfg.round_steps` steps, no round started that would not end inside `budget`."""
+    from bench.throughput import Row, measure
+
+    row = Row(cfg.throughput_preset, cfg.seq, cfg.throughput_batch, cfg.throughput_batch)
+    mine = Budget(budget.left() * SIDES_SHARE)
+    return {"budget_s": round(mine.seconds, 1),
+            **measure(row, cfg.device, cfg.rounds, cfg.round_steps, mine, peak, work=work / "sides")}  # fmt: skip
 
 
 def _per_step(rounds: list[dict[str, Any]], side: str, key: str, steps: int) -> float | None:
@@ -258,14 +280,21 @@ def run(
     peak, _source = peak_tflops(cfg, device_name)
     for key, fn in (
         ("throughput", lambda: runner_vs_plain(cfg, work, data, peak, budget)),
+        ("sides", lambda: three_sides(cfg, work, peak, budget)),
         ("tiers", lambda: tier_speed(cfg, work, data, budget, peak)),
         ("soak", lambda: soak(cfg, work, data, budget, peak)),
     ):
+        # the three sides go with runner vs plain (record["throughput"]["sides"]): the record's keys stay as they are
+        into, name = (record["throughput"], "sides") if key == "sides" else (record, key)
+        if not isinstance(into, dict):
+            continue
         if budget.spent():
-            record[key] = {"status": budget.skip_note()}
+            into[name] = {"status": budget.skip_note()}
+        elif key == "sides" and budget.left() * SIDES_SHARE < SIDES_MIN_S:
+            into[name] = {"status": budget.wont_fit_note(SIDES_MIN_S / SIDES_SHARE)}
         else:
             try:
-                record[key] = fn()
+                into[name] = fn()
             except Exception as err:
-                record[key] = {"status": f"error: {type(err).__name__}: {err}"[:500]}
+                into[name] = {"status": f"error: {type(err).__name__}: {err}"[:500]}
         save()

@@ -1,0 +1,311 @@
+"""Training speed side by side: the runner, a careful plain PyTorch loop and Hugging Face `Trainer`, on the same
+model, tokens, sequence length, global batch, micro-batch and precision, in one process, rounds interleaved.
+
+    python -m bench.throughput --smoke                   # CPU: the tiny preset, seq 128, fp32 (CI's mode)
+    python -m bench.throughput                           # a GPU: gpt2-small seq 1024 and llama-1b seq 2048, bf16
+    python -m bench.throughput --rows llama-1b --rounds 4 --json out.json
+
+Sides (each its own model, built from the same preset config and seed; each trains the same optimizer steps' samples):
+  runner   `Recipe.train_step`, the code path `jobspec run` takes (OOM guard, stop/OOM agreement, prefetching
+           loader, chunked loss head, update transaction), micro-batch fixed to the row's so all sides match.
+  plain    bench/overhead.py's `Plain`: forward under autocast (bf16 on a GPU), full logits upcast and token-summed
+           cross-entropy, backward, clip_grad_norm_, fused AdamW, zero_grad; its batches (the runner's own collate)
+           are made outside its timer: a strict baseline.
+  trainer  `transformers.Trainer` with its usual fast settings: bf16 on a GPU, SDPA, `adamw_torch_fused`, clipping,
+           constant LR, no logging, checkpoints or evaluation, the samples in the runner's order (sequential
+           sampler). Collator: `DataCollatorWithFlattening` (padding-free) with a varlen flash kernel where one is
+           installed; with SDPA the rows are stacked as they are (they are full, so there is no padding to remove,
+           and flattening under SDPA would build a (B*T)^2 mask).
+How the rounds interleave: Trainer's loop runs once for all rounds; a callback at each round's end stops its clock and
+runs one round of the runner and one of the plain loop (which goes first alternates), then restarts the clock. Round 0
+of each side is a warm-up, dropped. Synchronised before every clock read.
+
+Reported per side: tokens/s (input tokens, padding excluded; rows are full), MFU = tokens/s x FLOPs/token / dense
+bf16 peak with FLOPs/token = 6N + 6*L*C*T (llm.c; N all parameters, L layers, C hidden, T row length; recomputation
+not counted), peak allocated device memory in the side's rounds (all three models resident: the weights and optimizer
+states of the other two are in it) and its rise over the round's start (what the side's steps add), wall and CPU
+seconds per step (CPU: this process and its loader workers); medians over rounds, and runner/plain and
+runner/trainer ratios (of medians, and the median of the per-round ratios).
+Also called by the GPU suite's throughput part (bench/gpu/throughput.py) with part of that part's budget: rounds
+that would not end inside it are not started. Not here yet: LoRA on a 7-8B Llama-shaped model (no such preset).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+from bench.gpu.common import Budget, cpu_seconds, median, recipe_for, spec_for, sync, write_data
+from bench.gpu.device import flops_per_token, mfu
+
+SIDES = ("runner", "plain", "trainer")
+
+
+@dataclass(frozen=True)
+class Row:
+    preset: str
+    seq: int
+    global_batch: int
+    micro_batch: int
+
+
+GPU_ROWS = {  # gpt2-small: the 2026-11-28 record's shape (continuity); llama-1b: issue 42's full fine-tuning row
+    "gpt2-small": Row("gpt2-small", 1024, 32, 32),
+    "llama-1b": Row("llama-1b", 2048, 16, 4),
+}
+CPU_ROW = Row("tiny", 128, 16, 16)
+
+
+def _peak_reset() -> None:
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.reset_peak_memory_stats()
+
+
+def _allocated() -> int | None:
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        return int(torch.cuda.memory_allocated())
+    return None
+
+
+def _memory(start: int | None) -> dict[str, int | None]:
+    """Peak allocated bytes since the last reset (all three models' weights and optimizer states are resident), and
+    its rise over `start` (allocated when the side's round began: what the side's steps add at their peak)."""
+    import torch
+
+    if start is None:
+        return {"peak_bytes": None, "rise_bytes": None}
+    peak = int(torch.cuda.max_memory_allocated())
+    return {"peak_bytes": peak, "rise_bytes": peak - start}
+
+
+def _hf_rows(batches: list[Any]) -> list[dict[str, Any]]:
+    """The runner's collated rows as a causal LM dataset: input_ids as they are; labels unshifted (the model shifts),
+    -100 where the runner's shifted labels ignore the next token (the prompt) and at position 0."""
+    from runner.data.dataset import IGNORE
+
+    out = []
+    for b in batches:
+        for ids, shifted in zip(b.input_ids, b.labels, strict=True):
+            labels = ids.clone()
+            labels[0] = -100
+            labels[1:][shifted[:-1] == IGNORE] = -100
+            out.append({"input_ids": ids, "labels": labels})
+    return out
+
+
+def _collator() -> tuple[Any, str, str]:
+    """(collator, its name, attention kernel) for the Trainer side (see the module docstring)."""
+    import importlib.util
+
+    import torch
+    from transformers import DataCollatorWithFlattening, default_data_collator
+
+    if torch.cuda.is_available() and importlib.util.find_spec("flash_attn") is not None:
+        return DataCollatorWithFlattening(), "DataCollatorWithFlattening", "flash_attention_2"
+
+    def stack(features: list[dict[str, Any]]) -> dict[str, Any]:
+        return default_data_collator(features)
+
+    return stack, "default_data_collator (full rows, no padding)", "sdpa"
+
+
+def measure(row: Row, device: str, rounds: int, steps: int, budget: Budget | None = None,
+            peak_tflops: float | None = None, work: Path | None = None) -> dict[str, Any]:  # fmt: skip
+    """One row: `rounds` measured rounds (after a warm-up round) of `steps` optimizer steps per side."""
+    from torch.utils.data import SequentialSampler
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+
+    from bench.overhead import Plain
+
+    precision = "bf16" if device == "cuda" else "fp32"
+    cfg = SimpleNamespace(seq=row.seq, precision=precision, device=device)
+    with tempfile.TemporaryDirectory() as tmp:
+        base = work or Path(tmp)
+        total = (rounds + 1) * steps
+        data = write_data(base / "data.jsonl", rows=row.global_batch * total + 64, seq=row.seq)
+        spec = spec_for(cfg, base / "runner", data, preset=row.preset, tier="fast", global_batch=row.global_batch,
+                        micro_batch=row.micro_batch, utilization=0.5)  # fmt: skip
+        with recipe_for(spec) as recipe:
+            plain, plan = Plain(recipe), recipe.plan
+            step_batches = [plain.batches(s) for s in range(total)]
+            collate, collator_name, attn = _collator()
+            hf_model = plain_twin(recipe, attn)
+            per_round: list[dict[str, Any]] = []
+            clock: dict[str, float] = {}
+
+            def timed(fn: Any) -> dict[str, Any]:
+                sync()
+                _peak_reset()
+                start, w0, c0 = _allocated(), time.perf_counter(), cpu_seconds()
+                tokens = fn()
+                sync()
+                wall, cpu = time.perf_counter() - w0, cpu_seconds() - c0
+                return {"wall_s": round(wall, 5), "cpu_s": round(cpu, 5), "tokens": tokens,
+                        "tokens_per_s": round(tokens / wall, 1), **_memory(start)}  # fmt: skip
+
+            def tokens_of(r: int) -> int:
+                return sum(b.tokens for s in range(r * steps, (r + 1) * steps) for b in step_batches[s])
+
+            def others(r: int) -> dict[str, Any]:
+                span = range(r * steps, (r + 1) * steps)
+
+                def runner_side() -> int:
+                    return sum(recipe.train_step(s).tokens for s in span)
+
+                def plain_side() -> int:
+                    for s in span:
+                        plain.step(step_batches[s])
+                    return tokens_of(r)
+
+                order = [("runner", runner_side), ("plain", plain_side)]
+                order = order if r % 2 == 0 else order[::-1]
+                return {"first": order[0][0], **{name: timed(fn) for name, fn in order}}
+
+            class Interleave(TrainerCallback):
+                """At each round's end: the Trainer's clock stops, the other sides run one round, the clock restarts."""
+
+                def on_train_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+                    sync()
+                    _peak_reset()
+                    clock.update(m=_allocated(), w=time.perf_counter(), c=cpu_seconds())
+
+                def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+                    if state.global_step % steps:
+                        return
+                    sync()
+                    wall, cpu = time.perf_counter() - clock["w"], cpu_seconds() - clock["c"]
+                    r = state.global_step // steps - 1
+                    tokens = tokens_of(r)
+                    mine = {"wall_s": round(wall, 5), "cpu_s": round(cpu, 5), "tokens": tokens,
+                            "tokens_per_s": round(tokens / wall, 1), **_memory(clock["m"])}  # fmt: skip
+                    t0 = time.perf_counter()
+                    res = others(r)
+                    took = time.perf_counter() - t0 + wall
+                    per_round.append({"round": r, **res, "trainer": mine})
+                    if r + 1 < rounds + 1 and budget is not None and r >= 1 and not budget.fits(took):
+                        control.should_training_stop = True
+                    sync()
+                    _peak_reset()
+                    clock.update(m=_allocated(), w=time.perf_counter(), c=cpu_seconds())
+
+            class InOrder(Trainer):
+                def _get_train_sampler(self, train_dataset: Any = None) -> Any:
+                    return SequentialSampler(train_dataset if train_dataset is not None else self.train_dataset)
+
+            gpu = device == "cuda"
+            args = TrainingArguments(
+                output_dir=str(base / "trainer"), per_device_train_batch_size=plan.micro_batch,
+                gradient_accumulation_steps=plan.grad_accum, max_steps=total, learning_rate=1e-4,
+                lr_scheduler_type="constant", warmup_steps=0, adam_beta1=0.9, adam_beta2=0.95,
+                max_grad_norm=recipe.spec.training.max_grad_norm, bf16=gpu, optim="adamw_torch_fused",
+                logging_strategy="no", save_strategy="no", eval_strategy="no", report_to=[], disable_tqdm=True,
+                dataloader_num_workers=0, dataloader_pin_memory=gpu, use_cpu=not gpu, seed=0,
+            )  # fmt: skip
+            trainer = InOrder(model=hf_model, args=args, train_dataset=_hf_rows([b for bs in step_batches for b in bs]),
+                              data_collator=collate, callbacks=[Interleave()])  # fmt: skip
+            trainer.train()
+            plain.model = plain.opt = None
+            del trainer, hf_model
+    fpt = flops_per_token(row.preset, row.seq)
+    measured = [x for x in per_round if x["round"] >= 1]  # round 0 warms caches, the allocator and kernels
+    out: dict[str, Any] = {
+        "preset": row.preset, "seq_len": row.seq, "precision": plan.precision, "micro_batch": plan.micro_batch,
+        "grad_accum": plan.grad_accum, "global_batch": plan.global_batch, "steps_per_round": steps,
+        "rounds": len(measured), "flops_per_token": fpt, "flops_formula": "6N + 6*L*C*T (llm.c)",
+        "trainer_collator": collator_name, "trainer_attention": attn, "loss_kernel": recipe.spec.training.loss_kernel,
+    }  # fmt: skip
+    for side in SIDES:
+        tps = median([x[side]["tokens_per_s"] for x in measured])
+        peaks = [x[side]["peak_bytes"] for x in measured if x[side]["peak_bytes"] is not None]
+        rises = [x[side]["rise_bytes"] for x in measured if x[side]["rise_bytes"] is not None]
+        out[side] = {
+            "median_tokens_per_s": tps,
+            "median_wall_s_per_step": _r(median([x[side]["wall_s"] / steps for x in measured])),
+            "median_cpu_s_per_step": _r(median([x[side]["cpu_s"] / steps for x in measured])),
+            "peak_bytes": max(peaks) if peaks else None,
+            "rise_bytes": max(rises) if rises else None,
+            "mfu": _r(mfu(tps, fpt, peak_tflops)),
+        }
+    for other in ("plain", "trainer"):
+        a, b = out["runner"]["median_tokens_per_s"], out[other]["median_tokens_per_s"]
+        out[f"runner_over_{other}"] = _r(a / b) if a and b else None
+        out[f"runner_over_{other}_paired"] = _r(median(
+            [x["runner"]["tokens_per_s"] / x[other]["tokens_per_s"] for x in measured]))  # fmt: skip
+    out["per_round"] = per_round
+    return out
+
+
+def plain_twin(recipe: Any, attn: str) -> Any:
+    """Another twin of the runner's model (same preset, seed, initial weights) on its device, for the Trainer."""
+    from runner.model.build import build_model
+
+    model = build_model(recipe.spec, bos=257, eos=258, vocab=262)
+    model.set_attn_implementation(attn)
+    return model.to(recipe.device).train()
+
+
+def _r(x: float | None, nd: int = 4) -> float | None:
+    return None if x is None else round(x, nd)
+
+
+def table(results: list[dict[str, Any]]) -> str:
+    lines = ["| row | side | tokens/s | MFU | peak / rise GiB | wall s/step | CPU s/step | runner / side (median, "
+             "paired) |", "| --- | --- | ---: | ---: | ---: | ---: | ---: | --- |"]  # fmt: skip
+    for res in results:
+        name = f"{res['preset']} seq {res['seq_len']} {res['precision']} {res['micro_batch']}x{res['grad_accum']}"
+        for side in SIDES:
+            s = res[side]
+            ratio = "" if side == "runner" else f"{res[f'runner_over_{side}']} / {res[f'runner_over_{side}_paired']}"
+            peak = f"{s['peak_bytes'] / 2**30:.2f} / {s['rise_bytes'] / 2**30:.2f}" if s["peak_bytes"] else "n/a"
+            mfu_s = f"{s['mfu']:.1%}" if s["mfu"] is not None else "n/a"
+            lines.append(f"| {name} | {side} | {s['median_tokens_per_s']:,.0f} | {mfu_s} | {peak} | "
+                         f"{s['median_wall_s_per_step']} | {s['median_cpu_s_per_step']} | {ratio} |")  # fmt: skip
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--smoke", action="store_true", help="CPU, the tiny preset (CI)")
+    parser.add_argument("--rows", default=",".join(GPU_ROWS), help=f"GPU rows, of {', '.join(GPU_ROWS)}")
+    parser.add_argument("--rounds", type=int, default=None, help="measured rounds per row (after a warm-up round)")
+    parser.add_argument("--steps", type=int, default=None, help="optimizer steps per side per round")
+    parser.add_argument("--budget-s", type=float, default=None, help="no round started that would end after it")
+    parser.add_argument("--peak-tflops", type=float, default=None, help="dense bf16 peak (default: the GPU's)")
+    parser.add_argument("--json", type=Path, default=None, help="write the results here too")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING)
+    import torch
+
+    gpu = torch.cuda.is_available() and not args.smoke
+    rows = [GPU_ROWS[r] for r in args.rows.split(",")] if gpu else [CPU_ROW]
+    rounds, steps = args.rounds or (4 if gpu else 5), args.steps or (3 if gpu else 4)
+    peak = args.peak_tflops
+    if gpu and peak is None:
+        from bench.gpu.device import DENSE_BF16_TFLOPS
+
+        name = torch.cuda.get_device_name()
+        peak = next((t for key, t in DENSE_BF16_TFLOPS if key.lower() in name.lower()), None)
+    budget = Budget(args.budget_s) if args.budget_s else None
+    results = [measure(r, "cuda" if gpu else "cpu", rounds, steps, budget, peak) for r in rows]
+    print(f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {torch.get_num_threads()} threads, "
+          f"{torch.cuda.get_device_name() if gpu else 'CPU'}, torch {torch.__version__}")  # fmt: skip
+    print(table(results))
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
