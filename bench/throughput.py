@@ -248,10 +248,11 @@ def measure(row: Row, device: str, rounds: int, steps: int, budget: Budget | Non
 
 
 def plain_twin(recipe: Any, attn: str) -> Any:
-    """Another twin of the runner's model (same preset, seed, initial weights) on its device, for the Trainer."""
+    """Another twin of the runner's model (same preset, config and seed) on its device, for the Trainer."""
     from runner.model.build import build_model
 
-    model = build_model(recipe.spec, bos=257, eos=258, vocab=262)
+    gpu = recipe.device.type == "cuda"  # built where it trains: llama-1b on the host took ~30 s (issue 41)
+    model = build_model(recipe.spec, bos=257, eos=258, vocab=262, device=recipe.device if gpu else None)
     model.set_attn_implementation(attn)
     return model.to(recipe.device).train()
 
