@@ -56,6 +56,7 @@ def _load(args: argparse.Namespace) -> JobSpec:
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
+    from jobspec.local_paths import cluster_warnings, is_cluster_spec
     from jobspec.plan.planner import check_model
 
     spec = _load(args)
@@ -63,7 +64,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
     tasks = _task_files(args.spec, spec, absent_absolute_ok=True)
     _shipped_task_files(args.spec, spec)  # what a cluster job carries: under the spec's directory, within bounds
     print(f"{args.spec}: ok ({spec.name}: {spec.world_size} rank(s), tier {spec.memory.tier})")
-    for note in _notes(spec) + tasks:
+    for note in _notes(spec) + tasks + (cluster_warnings(args.spec, spec) if is_cluster_spec(spec) else []):
         print(f"  note: {note}", file=sys.stderr)
     return EXIT_OK
 
@@ -116,10 +117,13 @@ def _notes(spec: JobSpec) -> list[str]:
 
 
 def cmd_render(args: argparse.Namespace) -> int:
+    from jobspec.local_paths import cluster_warnings
     from jobspec.render import render, to_json, to_yaml
 
     spec = _load(args)
     objects = render(spec, _shipped_task_files(args.spec, spec))
+    for line in cluster_warnings(args.spec, spec):  # stderr: `render | kubectl apply -f -` reads stdout only
+        print(f"warning: {line}", file=sys.stderr)
     sys.stdout.write(to_json(objects) if args.output == "json" else to_yaml(objects))
     return EXIT_OK
 
@@ -190,9 +194,17 @@ def cmd_init(args: argparse.Namespace) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    _task_files(args.spec, _load(args))  # fail fast, here, with the loader's located errors
+    from jobspec.local_paths import run_overrides
+
+    spec = _load(args)
+    _task_files(args.spec, spec)  # fail fast, here, with the loader's located errors
+    # Relative paths from the spec's folder, files under a local run directory (jobspec/local_paths.py); the
+    # user's own --set items come first, so that these absolute forms of them win
+    local, said = run_overrides(args.spec, spec, args.overrides)
+    for line in said:
+        print(f"note: {line}", file=sys.stderr)
     argv = [sys.executable, "-m", "runner", args.spec]
-    for item in args.overrides:
+    for item in [*args.overrides, *local]:
         argv += ["--set", item]
     if args.nproc:
         argv += ["--nproc", str(args.nproc)]

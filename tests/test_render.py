@@ -478,7 +478,7 @@ def test_spec_shm_scratch_and_checkpoint_volumes() -> None:
 
 def test_checkpoint_dir_without_pvc_is_a_writable_emptydir() -> None:
     assert mounts_of(rendered(SFT, "checkpoints.pvc=null"))["/checkpoints"]["emptyDir"] == {}
-    objs = rendered(QUICKSTART)  # relative dir: resolved against the container's working directory
+    objs = rendered(QUICKSTART, "checkpoints.dir=runs/quickstart")  # relative: the container's working directory
     assert container_of(objs)["workingDir"] == WORKDIR
     assert mounts_of(objs)[f"{WORKDIR}/runs/quickstart"]["emptyDir"] == {}
 

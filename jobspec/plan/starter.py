@@ -136,7 +136,8 @@ def lora_targets(shape: ModelShape) -> str:
 
 def _text(req: Request, name: str, seq: int, lora: bool, gpus: str, nodes: int, tier: str, note: list[str]) -> str:
     gpu = gpu_catalogue.lookup(gpus.partition(":")[0])
-    vendor = gpu.vendor if gpu else "cuda"
+    cpu = gpus.partition(":")[0].lower() == "cpu"  # --gpus cpu:N: N processes on this machine's CPUs
+    vendor = "cpu" if cpu else gpu.vendor if gpu else "cuda"
     dpo = req.objective != "sft"
     batch = req.global_batch or (32 if dpo else 64)
     lr = "5.0e-7" if dpo and not lora else ("2.0e-4" if lora else "2.0e-5")
@@ -182,11 +183,14 @@ def _text(req: Request, name: str, seq: int, lora: bool, gpus: str, nodes: int, 
         "  epochs: 1",
         "hardware:",
         f"  vendor: {vendor}",
+        f"  gpus: {gpus.partition(':')[2]}  # processes (runs on this machine: jobspec run)" if cpu else
         f"  gpus: {gpus}  # type:count per node",
     ]
     if nodes > 1:
         lines.append(f"  nodes: {nodes}")
-    lines += ["memory:", *(f"  # {n}" for n in note), f"  tier: {tier}", "checkpoints:", f"  pvc: {name}-checkpoints"]
+    lines += ["memory:", *(f"  # {n}" for n in note), f"  tier: {tier}"]
+    # A cluster job's run directory is a claim; a CPU spec's local run writes under runs/<name> (jobspec/local_paths.py)
+    lines += ["checkpoints:", f"  pvc: {name}-checkpoints"] if not cpu else []
     return "".join(_aligned(line) + "\n" for line in lines)
 
 
@@ -214,7 +218,15 @@ def _aligned(line: str, column: int = 34) -> str:
 
 
 def _plan(text: str) -> PlanReport:
-    return plan_spec(parse_spec(text, "<init>"), rows=1000)
+    spec = parse_spec(text, "<init>")
+    return plan_spec(spec, host_share(spec.world_size) if spec.hardware.vendor == "cpu" else None, rows=1000)
+
+
+def host_share(processes: int) -> str:
+    """A CPU spec's memory to plan against: this machine's memory, shared by its processes."""
+    import os
+
+    return f"{os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') // max(processes, 1) // 2**20}Mi"
 
 
 def _explain(report: PlanReport) -> list[str]:
@@ -249,10 +261,12 @@ def _fits(text: str) -> PlanReport | None:
 def init_spec(req: Request) -> str:
     """The commented spec; ConfigError (exit 2) with the smallest change that fits when nothing does."""
     count_text = req.gpus.partition(":")[2] or "1"
-    if not count_text.isdigit() or not gpu_catalogue.lookup(req.gpus.partition(":")[0]):
+    cpu = req.gpus.partition(":")[0].lower() == "cpu"
+    if not count_text.isdigit() or not (cpu or gpu_catalogue.lookup(req.gpus.partition(":")[0])):
         names = ", ".join(gpu_catalogue.known_names())
-        raise ConfigError(f"--gpus {req.gpus}: expected TYPE:COUNT of a known GPU type ({names}), e.g. A100-80GB:2")
-    gpu_type, count = req.gpus.partition(":")[0], int(count_text)
+        raise ConfigError(f"--gpus {req.gpus}: expected TYPE:COUNT of a known GPU type ({names}), e.g. A100-80GB:2, "
+                          "or cpu:N (N processes on this machine)")  # fmt: skip
+    gpu_type, count = ("cpu" if cpu else req.gpus.partition(":")[0]), int(count_text)
     name = req.name or _name(req.model, req.objective)
     if req.quantize and not req.lora:
         raise ConfigError(f"--quantize {req.quantize}: quantizes the frozen base LoRA trains on: add --lora")
@@ -264,7 +278,7 @@ def init_spec(req: Request) -> str:
 
     spec = parse_spec(build(), "<init>")  # a bad value of the request fails here, named by the loader
     try:
-        report: PlanReport | None = plan_spec(spec, rows=1000)
+        report: PlanReport | None = plan_spec(spec, host_share(count) if cpu else None, rows=1000)
     except ConfigError as err:  # the model fits no GPU of the catalogue at any tier (capacity.check)
         report, why = None, str(err)
     if report is not None and report.runs is not None:
