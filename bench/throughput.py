@@ -122,14 +122,16 @@ def _collator() -> tuple[Any, str, str]:
 
 
 def measure(row: Row, device: str, rounds: int, steps: int, budget: Budget | None = None,
-            peak_tflops: float | None = None, work: Path | None = None) -> dict[str, Any]:  # fmt: skip
-    """One row: `rounds` measured rounds (after a warm-up round) of `steps` optimizer steps per side."""
+            peak_tflops: float | None = None, work: Path | None = None,
+            precision: str | None = None) -> dict[str, Any]:  # fmt: skip
+    """One row: `rounds` measured rounds (after a warm-up round) of `steps` optimizer steps per side; `precision`
+    fp32 | bf16 (default bf16 on a GPU, fp32 on the CPU)."""
     from torch.utils.data import SequentialSampler
     from transformers import Trainer, TrainerCallback, TrainingArguments
 
     from bench.overhead import Plain
 
-    precision = "bf16" if device == "cuda" else "fp32"
+    precision = precision or ("bf16" if device == "cuda" else "fp32")
     cfg = SimpleNamespace(seq=row.seq, precision=precision, device=device)
     with tempfile.TemporaryDirectory() as tmp:
         base = work or Path(tmp)
@@ -209,7 +211,7 @@ def measure(row: Row, device: str, rounds: int, steps: int, budget: Budget | Non
                 output_dir=str(base / "trainer"), per_device_train_batch_size=plan.micro_batch,
                 gradient_accumulation_steps=plan.grad_accum, max_steps=total, learning_rate=1e-4,
                 lr_scheduler_type="constant", warmup_steps=0, adam_beta1=0.9, adam_beta2=0.95,
-                max_grad_norm=recipe.spec.training.max_grad_norm, bf16=gpu, optim="adamw_torch_fused",
+                max_grad_norm=recipe.spec.training.max_grad_norm, bf16=precision == "bf16", optim="adamw_torch_fused",
                 logging_strategy="no", save_strategy="no", eval_strategy="no", report_to=[], disable_tqdm=True,
                 dataloader_num_workers=0, dataloader_pin_memory=gpu, use_cpu=not gpu, seed=0,
             )  # fmt: skip
@@ -283,6 +285,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=None, help="measured rounds per row (after a warm-up round)")
     parser.add_argument("--steps", type=int, default=None, help="optimizer steps per side per round")
     parser.add_argument("--budget-s", type=float, default=None, help="no round started that would end after it")
+    parser.add_argument("--precision", choices=["fp32", "bf16"], default=None, help="default: bf16 GPU, fp32 CPU")
     parser.add_argument("--peak-tflops", type=float, default=None, help="dense bf16 peak (default: the GPU's)")
     parser.add_argument("--json", type=Path, default=None, help="write the results here too")
     args = parser.parse_args(argv)
@@ -299,7 +302,8 @@ def main(argv: list[str] | None = None) -> int:
         name = torch.cuda.get_device_name()
         peak = next((t for key, t in DENSE_BF16_TFLOPS if key.lower() in name.lower()), None)
     budget = Budget(args.budget_s) if args.budget_s else None
-    results = [measure(r, "cuda" if gpu else "cpu", rounds, steps, budget, peak) for r in rows]
+    where = "cuda" if gpu else "cpu"
+    results = [measure(r, where, rounds, steps, budget, peak, precision=args.precision) for r in rows]
     print(f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {torch.get_num_threads()} threads, "
           f"{torch.cuda.get_device_name() if gpu else 'CPU'}, torch {torch.__version__}")  # fmt: skip
     print(table(results))
