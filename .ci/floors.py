@@ -2,7 +2,8 @@
 
 `pip install -c <this output> '.[extras]'` then installs the oldest versions pyproject.toml claims to
 support (what `uv pip install --resolution lowest-direct` does), so CI can check that the floors are true.
-torch is left out: the CI machine installs the one CPU build it has (see .ci/run).
+torch is left out: the floors leg installs the CPU build of 2.13; torch's floor (2.11) and the newest it claims
+(2.14.1) have legs of their own in .ci/run (.ci/torch-leg).
 """
 
 from __future__ import annotations
