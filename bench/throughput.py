@@ -61,7 +61,7 @@ GPU_ROWS = {  # gpt2-small: the 2026-11-28 record's shape (continuity); llama-1b
     "gpt2-small": Row("gpt2-small", 1024, 32, 32),
     "llama-1b": Row("llama-1b", 2048, 16, 4),
 }
-CPU_ROW = Row("tiny", 128, 16, 16)
+CPU_ROWS = {"tiny": Row("tiny", 128, 16, 16), "llama-tiny": Row("llama-tiny", 128, 16, 16)}  # --smoke: tiny
 
 
 def _peak_reset() -> None:
@@ -281,7 +281,8 @@ def table(results: list[dict[str, Any]]) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--smoke", action="store_true", help="CPU, the tiny preset (CI)")
-    parser.add_argument("--rows", default=",".join(GPU_ROWS), help=f"GPU rows, of {', '.join(GPU_ROWS)}")
+    parser.add_argument("--rows", default=None, help=f"GPU rows, of {', '.join(GPU_ROWS)} (default all); CPU rows, "
+                        f"of {', '.join(CPU_ROWS)} (default tiny)")  # fmt: skip
     parser.add_argument("--rounds", type=int, default=None, help="measured rounds per row (after a warm-up round)")
     parser.add_argument("--steps", type=int, default=None, help="optimizer steps per side per round")
     parser.add_argument("--budget-s", type=float, default=None, help="no round started that would end after it")
@@ -293,7 +294,8 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     gpu = torch.cuda.is_available() and not args.smoke
-    rows = [GPU_ROWS[r] for r in args.rows.split(",")] if gpu else [CPU_ROW]
+    table_of = GPU_ROWS if gpu else CPU_ROWS
+    rows = [table_of[r] for r in (args.rows or (",".join(GPU_ROWS) if gpu else "tiny")).split(",")]
     rounds, steps = args.rounds or (4 if gpu else 5), args.steps or (3 if gpu else 4)
     peak = args.peak_tflops
     if gpu and peak is None:
