@@ -230,7 +230,8 @@ def _position(n: int, sample: Any) -> Any:
     """The index entry of sample `n` of an unpacked, unshuffled stream read from the start: record `n`, window 0."""
     from runner.data.stream import Position, token_digest
 
-    return Position(n, 0, 0, n, 0, 0, len(sample.ids), token_digest(sample.ids))
+    where = Position(n, 0, 0, n, 0, 0)
+    return Position(n, 0, 0, n, 0, 0, len(sample.ids), token_digest(sample.ids, where))
 
 
 def _cache_seeds() -> list[bytes]:

@@ -87,7 +87,7 @@ INDEX_EVERY = 256  # samples of a source between two entries of its position ind
 AHEAD_STEPS = 4  # steps the reader thread tokenizes ahead of the loop
 KEEP_STEPS = 3  # steps the loop may ask again (an OOM redo asks the current one)
 HEAD_SAMPLES = 8  # samples of each source whose tokens fingerprint the data (runner/checkpoint/lineage.py)
-INDEX_VERSION = 2
+INDEX_VERSION = 3  # 3: the digest binds the sample number and its place (an index of 2 is simply not used)
 MAX_INDEX_BYTES = 256 << 20  # ~3M entries: a billion samples at INDEX_EVERY
 MAX_POSITION = 1 << 53  # any sample, pass, window, byte offset or line a real stream reaches
 _WINDOW = 0x57494E  # generator tag: "WIN"
@@ -147,9 +147,15 @@ def _bounded(value: object) -> bool:
     return type(value) is int and 0 <= value < MAX_POSITION
 
 
-def token_digest(ids: np.ndarray) -> str:
-    """16 hex digits of the sha256 of a sample's token ids (as int64): what an index entry says its sample holds."""
-    return hashlib.sha256(np.ascontiguousarray(ids, dtype=np.int64).tobytes()).hexdigest()[:16]
+def token_digest(ids: np.ndarray, pos: Position) -> str:
+    """16 hex digits of the sha256 of the entry's sample number and place and the sample's token ids (as int64): what
+    an index entry says its sample holds, bound to which sample it says that is. An entry copied from another (sample
+    0's place and digest under another sample number) then fails the check instead of resuming the stream at the
+    wrong sample; an entry forged with a digest computed anew is what JOBSPEC_CHECKPOINT_KEY's signature is for."""
+    where = np.array([pos.sample, pos.epoch, pos.window, pos.place, -1 if pos.offset is None else pos.offset,
+                      -1 if pos.line is None else pos.line], dtype=np.int64)  # fmt: skip
+    data = where.tobytes() + np.ascontiguousarray(ids, dtype=np.int64).tobytes()
+    return hashlib.sha256(data).hexdigest()[:16]
 
 
 START = Position(0, 0, 0, 0, 0, 0)
@@ -339,10 +345,10 @@ class SourceStream:
             rows = self._rows(pos)
             try:
                 first = next(rows)
-                found = f"{len(first[1].ids)} tokens, digest {token_digest(first[1].ids)}"
+                found = f"{len(first[1].ids)} tokens, digest {token_digest(first[1].ids, pos)}"
             except (ConfigError, ValueError, OSError, StopIteration) as err:  # an entry that leads nowhere readable
                 first, found = None, f"unreadable there: {str(err)[:300]}"
-            if first is not None and len(first[1].ids) == pos.tokens and token_digest(first[1].ids) == pos.digest:
+            if first is not None and len(first[1].ids) == pos.tokens and token_digest(first[1].ids, pos) == pos.digest:
                 log.info("data %s: stream resumed at sample %d from the index entry of sample %d (pass %d, window %d)",
                          self.source, start, pos.sample, pos.epoch, pos.window)  # fmt: skip
                 rows = itertools.chain([first], rows)
@@ -356,7 +362,7 @@ class SourceStream:
         for where, sample in rows:
             if where.sample % INDEX_EVERY == 0:
                 self.index.add(Position(where.sample, where.epoch, where.window, where.place, where.offset,
-                                        where.line, len(sample.ids), token_digest(sample.ids)))  # fmt: skip
+                                        where.line, len(sample.ids), token_digest(sample.ids, where)))  # fmt: skip
             if where.sample >= start:
                 yield sample
 

@@ -62,6 +62,18 @@ def test_a_forged_or_foreign_entry_replays_the_stream(indexed, caplog, change, l
     assert logged in _resumed(spec, want, caplog)
 
 
+def test_an_entry_copied_from_sample_0s_under_another_sample_number_replays_the_stream(indexed, caplog):
+    """Sample 0's entry (its place, token count and digest) copied with a later sample number: its digest held the
+    tokens only, so the check passed and the stream resumed there at the wrong sample. The digest binds the sample
+    number and place now."""
+    spec, want, index, entries = indexed
+    first = entries[0]
+    assert first["c"] == 0
+    copied = {**first, "c": entries[1]["c"]}
+    index.write_text("".join(json.dumps(e) + "\n" for e in (first, copied)))
+    assert "does not match the data" in _resumed(spec, want, caplog)
+
+
 def test_a_stale_index_is_noticed_and_the_stream_replayed(indexed, caplog):
     spec, want, index, entries = indexed
     stale = {**entries[1], "n": entries[1]["n"] + 1}  # the row there no longer has this length
