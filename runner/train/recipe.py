@@ -424,10 +424,11 @@ class Recipe:
                     self.mixed = [a + int(b) for a, b in zip(self.mixed, counts, strict=True)]
                 if self.record_samples:
                     self._record_samples(result.sample_ids)
-                if self.step in (1, self.total_steps) or self.step % t.log_every == 0:
+                logged = self.step in (1, self.total_steps) or self.step % t.log_every == 0
+                if logged:
                     outputs.train_record(self, result, tokens / (time.perf_counter() - tic))
                     tic, tokens = time.perf_counter(), 0
-                self.progress.update(self._bar_loss(result))
+                self.progress.update(self._bar_loss(result) if logged else None)  # the loss read when logged only
                 if self.lease is not None:
                     self.fence()
                     self.lease.beat()  # a clock check; the file is rewritten every lease.interval seconds
@@ -480,7 +481,9 @@ class Recipe:
         return store.resume_point(self.root, rank=env.rank, ctrl=self.ctrl)
 
     def _bar_loss(self, r: StepResult) -> float | None:
-        """This step's loss for the progress bar (rank 0's share on several ranks); no sync without a bar."""
+        """This step's loss for the progress bar (rank 0's share on several ranks); no sync without a bar. Read on the
+        logged steps only (training.log_every): reading it every step made the host wait for the GPU at every step
+        of a run watched on a terminal; the bar keeps the last loss shown between them."""
         if self.progress is None or self.progress.bar is None:
             return None
         return float(r.loss_sum) * self.env.world_size / max(r.targets, 1)
