@@ -555,8 +555,9 @@ class DataSpec(Section):
         DataPath | None,
         Field(
             description="Training data: a .jsonl, .json (array) or .parquet file, a datasets save_to_disk directory "
-            "(a DatasetDict gives its train split) or a hub dataset id (org/name); relative to the spec's folder for jobspec run, to /workspace in a pod; "
-            "or such a file (directory) in object storage, s3://bucket/key.jsonl (s3://bucket/prefix/) or gs://..., "
+            "(a DatasetDict gives its train split) or a hub dataset id (org/name); relative to the spec's folder for "
+            "jobspec run, to /workspace in a pod; or such a file (directory) in object storage, s3://bucket/key.jsonl "
+            "(s3://bucket/prefix/) or gs://..., "
             "downloaded once per node into the data cache; omit for the bundled synthetic set."
         ),
     ] = None
