@@ -108,9 +108,14 @@ def read_kubeconfig(path: str) -> Any:
         where = f" (line {err.line})" if err.line else ""
         raise ConfigError(f"kubeconfig {path}{where}: {err.message}; no real kubeconfig is, check the file") from None
     except yaml.YAMLError as err:
-        mark = getattr(err, "problem_mark", None)
-        where = f" (line {mark.line + 1})" if mark is not None else ""
-        raise ConfigError(f"kubeconfig {path}: not valid YAML{where}") from None
+        raise _not_yaml(path, err) from None
+
+
+def _not_yaml(paths: str, err: yaml.YAMLError) -> ConfigError:
+    """A YAML error said by line only (its excerpt could show a token)."""
+    mark = getattr(err, "problem_mark", None)
+    where = f" (line {mark.line + 1})" if mark is not None else ""
+    return ConfigError(f"kubeconfig {paths}: not valid YAML{where}")
 
 
 def _load_kubeconfig(paths: str, context: str | None) -> Connection:
@@ -130,9 +135,7 @@ def _load_kubeconfig(paths: str, context: str | None) -> Connection:
         cfg = Configuration()
         loader.load_and_set(cfg)
     except yaml.YAMLError as err:
-        mark = getattr(err, "problem_mark", None)
-        where = f" (line {mark.line + 1})" if mark is not None else ""
-        raise ConfigError(f"kubeconfig {paths}: not valid YAML{where}") from None
+        raise _not_yaml(paths, err) from None
     except ConfigException as err:
         raise ConfigError(f"kubeconfig {paths}: {_first_line(err)}") from None
     except OSError as err:

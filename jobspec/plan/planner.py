@@ -91,9 +91,7 @@ def check_model(spec: JobSpec) -> str:
         raise ConfigError(f"model.architecture: model.path {model.path} has its own config.json, which the plan and "
                           "the runner read instead: remove model.architecture (or point model.path at the hub id)")
     method = quant.base_quantization(model.quantize, model.lora)
-    knowable = model.preset or isinstance(model.architecture, ArchitectureConfig) or model.architecture or (
-        Path(model.path or "") / "config.json").is_file()  # fmt: skip
-    if method and knowable:
+    if method and (model.preset or model.architecture is not None or local.is_file()):  # the shape is known here
         quant.check(model_shape(spec), method)
     return attention
 
