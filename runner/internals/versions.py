@@ -11,7 +11,7 @@ from jobspec.errors import ConfigError
 log = logging.getLogger("jobspec.runner")
 
 CHECKED = {"torch": "2.11, 2.13, 2.14", "accelerate": "1.15", "torchao": "0.13, 0.18", "liger-kernel": "0.8.5",
-           "transformers": "5.24"}
+           "transformers": "4.56, 5.24"}
 
 
 def installed(dist: str) -> str:
