@@ -63,6 +63,8 @@ MAX_WORD_CHARS = 256  # record keys, module names, W&B project and entity, run a
 MAX_LABEL_VALUE_CHARS = 63
 MAX_GPU_TYPE_CHARS = 64  # "A100-SXM4-80GB"; no catalogue name comes near
 SIMPO_GAMMA = 0.5  # TRL's CPOConfig default target margin for SimPO
+# Objectives scored against the starting model's log-probs, computed once before training (runner/train/reference.py)
+REFERENCE_OBJECTIVES = ("dpo", "ipo", "kto")
 # distribution/reference: a repository of at most 255 characters (registry included), a tag of at most 128,
 # and the longest digest this spec accepts (sha512).
 MAX_IMAGE_CHARS = 255 + len(":") + 128 + len("@sha512:") + 128
@@ -565,9 +567,10 @@ class DataSpec(Section):
         Literal["auto", "prompt_response", "messages", "preference", "text"],
         Field(
             description="Record layout: {prompt, response}, {messages: [{role, content}]} or, for a preference "
-            "`training.objective` (dpo, simpo, orpo), preference pairs {prompt, chosen, rejected} (texts, or message "
-            "lists with an optional prompt list: TRL's conventions); text = raw documents {text} for continued "
-            "pretraining (loss on every token, packed unless `packing: false`); auto detects per file."
+            "`training.objective` (dpo, ipo, simpo, orpo), preference pairs {prompt, chosen, rejected} (texts, or "
+            "message lists with an optional prompt list: TRL's conventions); text = raw documents {text} for "
+            "continued pretraining (loss on every token, packed unless `packing: false`); auto detects per file. "
+            "`objective: kto` reads TRL's unpaired {prompt, completion, label} records (format auto)."
         ),
     ] = "auto"
     text_field: Annotated[WordStr, Field(description="Key of the document in text records.")] = "text"
@@ -577,7 +580,13 @@ class DataSpec(Section):
     )
     messages_field: Annotated[WordStr, Field(description="Key of the message list in chat records.")] = "messages"
     max_seq_len: Annotated[
-        int, Field(ge=16, le=131072, description="Tokens per sample (longer samples are truncated); sizes memory.")
+        int,
+        Field(
+            ge=16,
+            le=131072,
+            description="Tokens per sample (longer chats are truncated, longer raw-text documents cut into blocks); "
+            "sizes memory.",
+        ),
     ] = 512
     packing: Annotated[
         bool,
@@ -587,6 +596,15 @@ class DataSpec(Section):
             "Default true with `format: text`."
         ),
     ] = False
+    text_overlap: Annotated[
+        int,
+        Field(
+            ge=0,
+            description="With `format: text`: tokens of context shared by consecutive blocks of a document longer "
+            "than a row (each such document is cut into blocks of `max_seq_len`, no token dropped); scored in the "
+            "first block only, so every token is trained on once. Below `max_seq_len`; default 0.",
+        ),
+    ] = 0
     streaming: Annotated[
         bool,
         Field(
@@ -671,6 +689,24 @@ class DataSpec(Section):
             )
         return self
 
+    @model_validator(mode="after")
+    def _text_overlap(self) -> "DataSpec":
+        if not self.text_overlap:
+            return self
+        if self.text_overlap >= self.max_seq_len:
+            raise ValueError(
+                f"`data.text_overlap: {self.text_overlap}` must be below `data.max_seq_len: {self.max_seq_len}` "
+                "(each block after a document's first scores max_seq_len - text_overlap new tokens): lower it, e.g. "
+                f"to {self.max_seq_len // 4}"
+            )
+        formats = [self.format, *(s.format for s in self.sources or [])]
+        if "text" not in formats:
+            raise ValueError(
+                "`data.text_overlap` applies to raw text only (documents cut into blocks): set `data.format: text` "
+                "(or a source's `format: text`), or remove `data.text_overlap`"
+            )
+        return self
+
     def train_sources(self, bundled: str) -> list[DataSource]:
         """The training sources: `sources`, or `path` (`bundled`, the runner's sample set, when None) as one source
         of weight 1."""
@@ -725,13 +761,16 @@ class TrainingSpec(Section):
         ),
     ] = "chunked"
     objective: Annotated[
-        Literal["sft", "dpo", "simpo", "orpo"],
+        Literal["sft", "dpo", "ipo", "simpo", "orpo"],
         Field(
             description="sft = token cross-entropy on the responses; the preference objectives train on "
             "{prompt, chosen, rejected} pairs (TRL's conventions): dpo = Direct Preference Optimization (sigmoid), "
             "against the starting model's log-probs computed once before training and cached beside the tokenized "
-            "data (with LoRA: the adapter off); simpo = SimPO (TRL's CPOTrainer, loss_type simpo, cpo_alpha 0) and "
-            "orpo = ORPO (TRL's ORPOTrainer), both reference-free, on length-normalised log-probs."
+            "data (with LoRA: the adapter off); ipo = IPO (TRL's DPOTrainer, loss_type ipo: its squared loss on "
+            "length-averaged log-ratios), against the same reference; simpo = SimPO (TRL's CPOTrainer, loss_type "
+            "simpo, cpo_alpha 0) and orpo = ORPO (TRL's ORPOTrainer), both reference-free, on length-normalised "
+            "log-probs; kto = KTO (TRL's KTOTrainer) on unpaired {prompt, completion, label} records, against the "
+            "reference, with its KL estimate from mismatched prompt/completion rows."
         ),
     ] = "sft"
     beta: Annotated[
@@ -739,10 +778,21 @@ class TrainingSpec(Section):
         Field(
             gt=0,
             le=100,
-            description="The preference objective's beta (TRL's default 0.1 for each): DPO's, how far the policy "
-            "may move from the reference; SimPO's reward scale; ORPO's weight of the odds-ratio term (lambda).",
+            description="The preference objective's beta (TRL's default 0.1 for each): DPO's and KTO's, how far the "
+            "policy may move from the reference; IPO's regularisation tau (its target margin is 1 / (2 beta)); "
+            "SimPO's reward scale; ORPO's weight of the odds-ratio term (lambda).",
         ),
     ] = 0.1
+    desirable_weight: Annotated[
+        float,
+        Field(gt=0, le=1000, description="KTO's weight of the desirable (label true) records' losses (TRL's "
+              "KTOConfig default 1.0); only with `objective: kto`."),
+    ] = 1.0
+    undesirable_weight: Annotated[
+        float,
+        Field(gt=0, le=1000, description="KTO's weight of the undesirable (label false) records' losses (TRL's "
+              "KTOConfig default 1.0); only with `objective: kto`."),
+    ] = 1.0
     simpo_gamma: Annotated[
         float | None,
         Field(
@@ -766,6 +816,10 @@ class TrainingSpec(Section):
         if self.simpo_gamma is not None and self.objective != "simpo":
             raise ValueError(f"`training.simpo_gamma` is SimPO's: set `training.objective: simpo`, or drop "
                              f"simpo_gamma (objective {self.objective})")  # fmt: skip
+        weighted = [f for f in ("desirable_weight", "undesirable_weight") if f in self.model_fields_set]
+        if weighted and self.objective != "kto":
+            raise ValueError(f"`training.{weighted[0]}` is KTO's: set `training.objective: kto`, or drop it "
+                             f"(objective {self.objective})")  # fmt: skip
         return self
 
     @property

@@ -1,4 +1,4 @@
-"""Preference pairs: a record of TRL's preference conventions as the two chats DPO, SimPO and ORPO score.
+"""Preference pairs: a record of TRL's preference conventions as the two chats DPO, IPO, SimPO and ORPO score.
 
 Two layouts, as TRL's DPOTrainer reads them, so a user's data set works unchanged:
 
@@ -28,18 +28,18 @@ CHOSEN, REJECTED = "chosen", "rejected"
 
 
 def check_objective(fmt: str, pairs: bool, where: object) -> None:
-    """ConfigError when the record format and the objective disagree: pairs need a preference objective (dpo, simpo,
-    orpo), which needs pairs."""
+    """ConfigError when the record format and the objective disagree: pairs need a preference objective (dpo, ipo,
+    simpo, orpo), which needs pairs."""
     if pairs and fmt != "preference":
         raise ConfigError(
-            f"{where}: a preference objective (training.objective dpo, simpo or orpo) needs preference pairs "
+            f"{where}: a preference objective (training.objective dpo, ipo, simpo or orpo) needs preference pairs "
             f"({{prompt, chosen, rejected}} texts, or chosen/rejected message lists), got a {fmt} record; point "
             "data.path at preference data or set training.objective: sft"
         )
     if not pairs and fmt == "preference":
         raise ConfigError(
             f"{where}: a preference pair ({CHOSEN!r}/{REJECTED!r}) trains with a preference objective; set "
-            "training.objective: dpo, simpo or orpo, or give prompt/response or messages records for sft"
+            "training.objective: dpo, ipo, simpo or orpo, or give prompt/response or messages records for sft"
         )
 
 

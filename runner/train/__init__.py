@@ -8,7 +8,7 @@
                 an OOM at any op on any rank
     loss.py     the chunked cross-entropy inside the output layer: the (tokens x vocab) fp32 logits never whole
     dpo.py      sigmoid DPO as TRL computes it, and TRL's metric names
-    objectives.py  the preference objectives (dpo, simpo, orpo): a micro-batch of pairs -> loss and metrics
+    objectives.py  the preference objectives (dpo, ipo, simpo, orpo): a micro-batch of pairs -> loss and metrics
     reference.py   DPO's reference log-probs: one pass of the starting model, cached beside the data
     engine.py   accelerate for one plan: DDP for `fast`, FSDP2 for the other tiers, mixed precision
     offload.py  `zero2_offload`'s optimizer: Adam's states and step on the host (torchao)

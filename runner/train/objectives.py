@@ -1,7 +1,8 @@
-"""The preference objectives: how a micro-batch of B pairs becomes a loss and TRL's metrics, for DPO, SimPO and ORPO.
+"""The preference objectives: how a micro-batch of B pairs becomes a loss and TRL's metrics, for DPO, IPO, SimPO and
+ORPO (KTO's unpaired records: runner/train/kto.py).
 
-Read after runner/train/dpo.py (sigmoid DPO against the cached reference). The step (runner/train/step.py) runs the
-model once over the micro-batch's 2B rows (the B chosen chats, then the B rejected ones) and hands `Objective.loss`
+Read after runner/train/dpo.py (sigmoid DPO and IPO against the cached reference). The step (runner/train/step.py) runs
+the model once over the micro-batch's 2B rows (the B chosen chats, then the B rejected ones) and hands `Objective.loss`
 each position's token loss (minus its log-prob; 0 where the labels say IGNORE). The completion's tokens are those the
 batch's `labels` mark, so a row's summed log-prob is the sum over them, and its length-normalised one (SimPO, ORPO:
 TRL's `average_log_prob=True`) that sum over their count. ORPO scores its chosen rows with `chosen_labels` instead,
@@ -78,7 +79,7 @@ def _reward_sums(chosen: torch.Tensor, rejected: torch.Tensor, r_chosen: torch.T
 class Objective:
     """A preference objective (`training.objective`) with its parameters; see the module docstring."""
 
-    name: str  # dpo | simpo | orpo
+    name: str  # dpo | ipo | simpo | orpo
     beta: float
     gamma: float = 0.0  # SimPO's target margin
 
@@ -120,10 +121,11 @@ class Objective:
               chosen_labels: torch.Tensor | None, nll_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
         completion = labels != IGNORE
         logps = -(token_losses * completion).sum(1)  # (2B,) summed completion log-probs
-        if self.name == "dpo":
+        if self.name in ("dpo", "ipo"):
             if reference is None:
-                raise ValueError("a DPO batch without its reference log-probs (runner/train/reference.py)")
-            return dpo.preference_loss(logps, reference, self.beta)
+                raise ValueError(f"a {self.name} batch without its reference log-probs (runner/train/reference.py)")
+            tokens = completion.sum(1) if self.name == "ipo" else None  # IPO's length average
+            return dpo.preference_loss(logps, reference, self.beta, tokens)
         pairs = len(logps) // 2
         avg = logps / completion.sum(1).clamp(min=1)  # length-normalised; a pair with an empty member is dropped
         chosen, rejected = avg[:pairs], avg[pairs:]
@@ -145,7 +147,7 @@ class Objective:
         sums, (chosen_sum, chosen_n, rejected_sum, rejected_n) = sums[:-4], sums[-4:]
         logits = {"logits/chosen": chosen_sum / max(chosen_n, 1.0),
                   "logits/rejected": rejected_sum / max(rejected_n, 1.0)}  # fmt: skip
-        if self.name == "dpo":
+        if self.name in ("dpo", "ipo"):
             return dpo.metrics(sums, pairs) | logits
         out = {name: value / max(pairs, 1.0) for name, value in zip(REWARDS, sums, strict=False)}
         if self.name == "orpo":

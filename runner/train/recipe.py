@@ -32,7 +32,7 @@ from jobspec import shared_dir
 from jobspec.contract import EXIT_OK, EXIT_OOM_RETRY_TIER, EXIT_PREEMPTED, METRICS_FILE, TIER_STATE_FILE
 from jobspec.errors import ConfigError
 from jobspec.plan.planner import rows_per_sample
-from jobspec.spec.models import JobSpec
+from jobspec.spec.models import REFERENCE_OBJECTIVES, JobSpec
 from runner import internals
 from runner.checkpoint import remote, run_files, store
 from runner.checkpoint.lease import Lease, LeaseHeld, check_holder
@@ -170,8 +170,8 @@ class Recipe:
         if spec.data.streaming:  # read and tokenized as the steps need it, by a thread (runner/data/stream.py)
             self.data = load_stream(spec, self.tokenizer, env.rank, env.world_size, write_index=env.is_main)
             self.order = self.data.order
-        else:  # DPO: pairs, chosen and rejected in one micro-batch (runner/data/preference.py)
-            pairs = spec.training.objective != "sft"  # dpo, simpo, orpo
+        else:  # pairs, chosen and rejected in one micro-batch; KTO: a record and its KL row (runner/data/preference.py)
+            pairs = spec.training.objective != "sft"  # dpo, ipo, simpo, orpo, kto
             self.data = load_preference(spec, self.tokenizer) if pairs else load_data(spec, self.tokenizer)
             self.order = data_order(spec, self.data)  # several sources: mixed by weight (runner/data/mix.py)
         # Samples of each source trained since the last train record (several sources only).
@@ -227,8 +227,8 @@ class Recipe:
             self.stepper = Stepper(self.accelerator, self.model, self.optimizer, self.data, self.ctrl, self.stop,
                                    max_grad_norm=spec.training.max_grad_norm, loss_kernel=spec.training.loss_kernel,
                                    objective=Objective.of(spec.training), rows=rows_per_sample(spec))  # fmt: skip
-        dpo = spec.training.objective == "dpo"  # SimPO and ORPO are reference-free
-        if dpo and isinstance(self.data, PreferenceData):  # the starting model's, before any checkpoint is loaded
+        scored = spec.training.objective in REFERENCE_OBJECTIVES  # dpo, ipo, kto: SimPO and ORPO are reference-free
+        if scored and isinstance(self.data, PreferenceData):  # the starting model's, before any checkpoint is loaded
             attach_reference(self.stepper, self.data, spec, precision=self.plan.precision, quantize=self.plan.quantize,
                              micro_batch=self.plan.micro_batch, is_main=env.is_main)  # fmt: skip
         probe_faults = faults.probe_injector(self.model, rank=env.rank, tier=self.plan.tier, run_dir=self.root)

@@ -89,7 +89,7 @@ def test_a_bad_pair_names_the_file_line_and_field(tmp_path, line, words):
 def test_pairs_need_dpo_and_dpo_needs_pairs(tmp_path):
     pairs = write_jsonl(tmp_path / "p.jsonl", text_pairs(4))
     sft = write_jsonl(tmp_path / "s.jsonl", [{"prompt": "a", "response": "b"}] * 4)
-    with pytest.raises(ConfigError, match=r"p\.jsonl:1: a preference pair .* training.objective: dpo, simpo or orpo"):
+    with pytest.raises(ConfigError, match=r"p\.jsonl:1: a preference pair .*objective: dpo, ipo, simpo or orpo"):
         load_data(tiny_spec(tmp_path / "run", data={"path": str(pairs)}), ByteTokenizer())
     with pytest.raises(ConfigError, match=r"s\.jsonl:1: a preference objective .* needs preference pairs"):
         load_preference(dpo(tmp_path, sft), ByteTokenizer())
