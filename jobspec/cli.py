@@ -55,12 +55,23 @@ def _load(args: argparse.Namespace) -> JobSpec:
     return load_spec(args.spec, args.overrides)
 
 
+def _here(args: argparse.Namespace, spec: JobSpec) -> tuple[JobSpec, list[str]]:
+    """The spec as this machine reads it, and the overrides that make it so: relative model and data paths from the
+    spec's folder, wherever the command runs (jobspec/local_paths.py), as `jobspec run` reads them."""
+    from jobspec.local_paths import read_overrides
+    from jobspec.spec.loader import load_spec
+
+    items = read_overrides(args.spec, spec, args.overrides)
+    overrides = [*args.overrides, *items]
+    return (load_spec(args.spec, overrides) if items else spec), overrides
+
+
 def cmd_validate(args: argparse.Namespace) -> int:
     from jobspec.local_paths import cluster_warnings, is_cluster_spec
     from jobspec.plan.planner import check_model
 
     spec = _load(args)
-    check_model(spec)  # a local or inline config.json (family, sizes), its attention kernel, its 4-bit base
+    check_model(_here(args, spec)[0])  # a local or inline config.json (family, sizes), attention kernel, 4-bit base
     tasks = _task_files(args.spec, spec, absent_absolute_ok=True)
     _shipped_task_files(args.spec, spec)  # what a cluster job carries: under the spec's directory, within bounds
     print(f"{args.spec}: ok ({spec.name}: {spec.world_size} rank(s), tier {spec.memory.tier})")
@@ -145,7 +156,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         raise ConfigError(f"--rows {args.rows}: expected the number of training records, 1 or more")
     if args.gpus and args.gpu_memory:
         raise ConfigError("--gpus and --gpu-memory cannot be combined: --gpus plans on each type's own memory")
-    spec, prices = _load(args), {}
+    (spec, overrides), prices = _here(args, _load(args)), {}  # a relative data.path counted from the spec's folder
     if args.gpus or args.price:
         from jobspec.plan.compare import compare, compare_dict, compare_table, parse_prices, select_gpus
 
@@ -167,7 +178,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         from jobspec.plan.planner import planned_precision
         from jobspec.plan.traced import trace_tiers
 
-        traced = trace_tiers(args.spec, args.overrides, report.plans, spec.world_size, planned_precision(spec))
+        traced = trace_tiers(args.spec, overrides, report.plans, spec.world_size, planned_precision(spec))
         report = replace(report, traced=traced)
     print(json.dumps(report.to_dict(), indent=2) if args.output == "json" else plan_table(report))
     return EXIT_OK if report.runs else EXIT_NO_FIT

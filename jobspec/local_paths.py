@@ -1,7 +1,7 @@
 """Where a spec's paths point, on this machine and in the pod.
 
 One spec goes from the laptop to the cluster, and its paths mean two things:
-- `jobspec run` and `jobspec validate` (this machine) read a relative path (data.path, data.eval_path,
+- `jobspec run`, `plan` and `validate` (this machine) read a relative path (model.path, data.path, data.eval_path,
   data.sources[].path, checkpoints.dir, checkpoints.local_dir, output.dir) written in the spec from the spec file's
   folder, wherever the command is run from, and one given with `--set` from the working directory (a path typed
   on a command line); `jobspec run` hands the runner absolute paths (`--set`), so it never guesses.
@@ -30,7 +30,8 @@ LOCAL_RUNS = "runs"  # a local run's default directory: runs/<name> in the worki
 def path_fields(spec: JobSpec) -> list[tuple[str, str, bool]]:
     """(override key, value, read as data) of every path the spec sets."""
     data = spec.data
-    found = [("data.path", data.path, True), ("data.eval_path", data.eval_path, True)]
+    found = [("model.path", spec.model.path, True), ("data.path", data.path, True), ("data.eval_path", data.eval_path,
+             True)]  # fmt: skip
     found += [(f"data.sources.{i}.path", s.path, True) for i, s in enumerate(data.sources or [])]
     found += [("checkpoints.dir", spec.checkpoints.dir, False), ("checkpoints.local_dir", spec.checkpoints.local_dir,
               False), ("output.dir", spec.output.dir, False)]  # fmt: skip
@@ -50,6 +51,31 @@ def field_label(key: str) -> str:
     return ".".join(parts[:2]) + f"[{parts[2]}]." + parts[3] if parts[:2] == ["data", "sources"] else key
 
 
+def read_overrides(
+    spec_file: str | Path, spec: JobSpec, overrides: list[str] | None = None, cwd: Path | None = None
+) -> list[str]:
+    """`--set` items that make what reads the spec here (`run`, `plan`, `validate`) find its relative inputs (the model
+    and data paths) in the spec's folder, wherever the command is run from; a path the user's own `overrides` give is
+    read from the working directory, as any path typed on a command line."""
+    return _absolute(spec_file, spec, overrides, cwd, read_only=True)
+
+
+def _absolute(
+    spec_file: str | Path, spec: JobSpec, overrides: list[str] | None, cwd: Path | None, *, read_only: bool
+) -> list[str]:
+    here = (cwd or Path.cwd()).resolve()
+    typed = {item.partition("=")[0].strip() for item in overrides or []}
+    folder = Path(spec_file).resolve().parent
+    out = []
+    for key, value, is_data in path_fields(spec):
+        if (read_only and not is_data) or (key == "checkpoints.dir" and _pod_volume(spec)):
+            continue  # a local run's checkpoints.dir is chosen in run_overrides
+        base = here if key in typed else folder
+        if _local(value, is_data, base) and not Path(value).is_absolute():
+            out.append(f"{key}={json.dumps(str(base / value))}")
+    return out
+
+
 def run_overrides(
     spec_file: str | Path, spec: JobSpec, overrides: list[str] | None = None, cwd: Path | None = None
 ) -> tuple[list[str], list[str]]:
@@ -57,15 +83,7 @@ def run_overrides(
     `overrides` give, from the working directory, as any path typed on a command line) and write under a local run
     directory, and the lines that say so."""
     here = (cwd or Path.cwd()).resolve()
-    typed = {item.partition("=")[0].strip() for item in overrides or []}
-    folder = Path(spec_file).resolve().parent
-    out, said = [], []
-    for key, value, is_data in path_fields(spec):
-        if key == "checkpoints.dir" and _pod_volume(spec):
-            continue  # replaced below
-        base = here if key in typed else folder
-        if _local(value, is_data, base) and not Path(value).is_absolute():
-            out.append(f"{key}={json.dumps(str(base / value))}")
+    out, said = _absolute(spec_file, spec, overrides, cwd, read_only=False), []
     if _pod_volume(spec) or (object_store.is_url(spec.checkpoints.dir) and not spec.checkpoints.local_dir):
         run_dir = here / LOCAL_RUNS / spec.name
         key = "checkpoints.local_dir" if object_store.is_url(spec.checkpoints.dir) else "checkpoints.dir"
@@ -96,7 +114,12 @@ def cluster_warnings(spec_file: str | Path, spec: JobSpec) -> list[str]:
         if not Path(value).is_absolute():
             where = str(PurePosixPath(WORKDIR) / value)
             here = " (it exists beside the spec, on this machine only)" if (base / value).exists() else ""
-            if is_data:
+            if key == "model.path":
+                out.append(
+                    f"model.path {value!r} is relative: the pod reads {where}, in its container's working "
+                    f"directory{here}; put the model on a volume (data.pvc) or name its hub id"
+                )
+            elif is_data:
                 out.append(
                     f"{label} {value!r} is relative: the pod reads {where}, in its container's working "
                     f"directory{here}; put the data on a volume (data.pvc) or in object storage (s3://...)"

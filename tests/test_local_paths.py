@@ -137,3 +137,22 @@ def test_validate_and_render_warn_of_paths_only_this_machine_has(tmp_path: Path)
     assert cluster_warnings(quiet, load_spec(quiet)) == []  # a URL, a hub id and the claim's mount are the pod's
     code, said = cli("validate", str(spec_in(tmp_path / "cpu")))  # a CPU spec runs here: no warning
     assert code == 0 and "relative" not in said
+
+
+def test_plan_and_validate_read_the_spec_folder_from_anywhere(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`plan` counted a relative data.path from the working directory: from elsewhere it knew no rows (no steps for
+    an epochs spec); it reads them from the spec's folder, as `run` does, and so does validate's model check."""
+    spec_file = spec_in(tmp_path / "project", CPU_SPEC.replace("steps: 2", "epochs: 1"))
+    (spec_file.parent / "data" / "train.jsonl").write_text('{"prompt": "a", "response": "b"}\n' * 40)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    code, said = cli("plan", str(spec_file), "--gpu-memory", "24Gi", "-o", "json")
+    assert code == 0, said
+    assert json.loads(said[said.index("{"):])["steps"] == 40 // 4
+    model = spec_file.parent / "my-model"  # a local model beside the spec: its config.json is read, not skipped
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"model_type": "no_such_family", "num_hidden_layers": 2}))
+    spec_file.write_text(spec_file.read_text().replace("model: {preset: tiny}", "model: {path: my-model}"))
+    code, said = cli("validate", str(spec_file))
+    assert code == 2 and "no_such_family" in said, said
