@@ -10,10 +10,13 @@ the key's parts in readable form. The key is a sha256 over everything that decid
   and the log says so; save it with `save_to_disk` and point the spec at the directory to cache it;
 - the tokenizer (`cache_identity()`: the byte tokenizer's name and version; a transformers tokenizer's
   serialized state, chat template and special tokens, hashed) and its chat template;
-- max_seq_len (records are cut to max_seq_len + 1 tokens), the record format and field names, the splits read,
+- max_seq_len (chats are cut to max_seq_len + 1 tokens; raw-text documents are stored whole), the record format and
+  field names, the splits read,
   and whether the records were read as preference pairs (two records each, checked as such when tokenized);
 - FORMAT_VERSION of this layout.
-Packing is not in the key: rows are grouped from the cached records at load time (a pass over the lengths).
+Packing and `data.text_overlap` are not in the key: rows are grouped, and raw-text documents longer than a row cut
+into blocks, from the cached records at load time (a pass over the lengths). An entry of FORMAT_VERSION 3 (documents
+truncated) is never read: the version is in the key and in meta.json.
 The source's path is not in the key either: the same bytes elsewhere hit the same entry.
 
 Content binds the entry: meta.json carries the key's parts (the source's digests, the tokenizer's identity) and a
@@ -68,8 +71,8 @@ from runner.data.tokenizer import Tokenizer
 from runner.data.tokens import Streams
 
 log = logging.getLogger("jobspec.runner")
-FORMAT_VERSION = 3  # of this layout and of the key's parts: raise it when either changes (3: a preference pair's
-# prompt turns are not targets)
+FORMAT_VERSION = 4  # of this layout and of the key's parts: raise it when either changes (3: a preference pair's
+# prompt turns are not targets; 4: a raw-text document is stored whole, not truncated to max_seq_len + 1 tokens)
 ARRAYS = {"ids": ("uint16", "int32"), "flags": ("bool",), "bounds": ("int64",), "trainable": ("bool",)}
 META = "meta.json"
 VERIFIED = "verified.stamp"  # the files a reader checked whole, by identity (read_entry)

@@ -4,10 +4,14 @@ Records come from JSONL, JSON, Parquet, a `datasets` directory or a hub id (`run
 `{prompt, response}` or `{messages: [{role, content}]}` (field names from the spec; `format: auto`
 decides per source from the first record). Each record becomes one row of at most
 `max_seq_len` positions: `input_ids` and `labels` already shifted by one (labels[t] is the token
-after input_ids[t], nanoGPT's x/y), -100 where there is no loss (prompt, padding). Longer records
+after input_ids[t], nanoGPT's x/y), -100 where there is no loss (prompt, padding). Longer chats
 are truncated; records left without any target token are dropped (and counted in the log). Text that
 truncation would drop is clipped before tokenizing (`clip_texts`): a 200 MB record costs its first
 (max_seq_len + 2) x `tokenizer.max_token_chars` characters of tokenizing, not gigabytes of token lists.
+A raw-text document (`format: text`) is never truncated: it is stored whole and, when longer than a row, cut into
+blocks of max_seq_len + 1 tokens when loaded, consecutive blocks sharing `data.text_overlap` tokens of context that
+only the first scores (`text_blocks`): every token of the document is a target exactly once. Train and eval are
+split by document before that, so no document has blocks on both sides.
 The rows are stored flat (runner/data/tokens.py): ~3 bytes a token, not two int64 arrays a record.
 
 Packing (`data.packing: true`): whole records are concatenated in file order into rows of up to
@@ -44,7 +48,7 @@ from runner.data.pairs import CHOSEN, REJECTED, check_objective, pair_chats
 from runner.data.prepare import CHUNK_RECORDS, Chat, ChunkRenderer, render_chunk
 from runner.data.records import EVAL_SPLITS, TRAIN_SPLITS, as_message_list, read_records
 from runner.data.tokenizer import Message, Segment, Tokenizer, segment_arrays
-from runner.data.tokens import IGNORE, Rows, Streams, StreamsBuilder, pack_groups, record_positions
+from runner.data.tokens import IGNORE, Blocks, Rows, Streams, StreamsBuilder, pack_groups, record_positions
 from runner.data.tokens import Row as Row  # (input_ids, labels), imported from here by the tests
 
 log = logging.getLogger("jobspec.runner")
@@ -150,15 +154,15 @@ def check_string(content: str, what: str) -> None:
             ) from None
 
 
-def record_text(record: dict, spec: DataSpec, chars: int) -> tuple[str, int]:
-    """A text record's document, cut to `chars` characters (what a row can reach, as `clip_texts`), with its length
-    when it was cut (0: it was not); ValueError naming the field when it is not a string."""
+def record_text(record: dict, spec: DataSpec) -> str:
+    """A text record's document, whole (a document longer than a row is cut into blocks when loaded, none of its
+    tokens dropped: runner/data/tokens.py `Blocks`); ValueError naming the field when it is not a string."""
     text = record.get(spec.text_field)
     if not isinstance(text, str):
         got = "missing" if text is None else f"of type {type(text).__name__}"
         raise ValueError(f"{spec.text_field!r} is {got}: a text record's {spec.text_field!r} must be a string")
     check_string(text, repr(spec.text_field))
-    return (text[:chars], len(text)) if len(text) > chars else (text, 0)
+    return text
 
 
 def flatten(segments: Sequence[Segment], limit: int) -> tuple[np.ndarray, np.ndarray]:
@@ -181,8 +185,7 @@ def record_chats(record: dict, fmt: str, spec: DataSpec, chars: int, reach: int,
     (runner/data/pairs.py); a text record's document is a string (rendered as raw text: runner/data/prepare.py)."""
     try:
         if fmt == "text":
-            text, cut = record_text(record, spec, chars)
-            return [(text, cut, 0)]
+            return [(record_text(record, spec), 0, 0)]
         chats = pair_chats(record, spec) if fmt == "preference" else (to_messages(record, fmt, spec),)
         out = [clip_texts(chat, chars, reach) for chat in chats]
         for messages, _, _ in out:
@@ -353,7 +356,8 @@ class SFTData:
 
 
 def _rows(streams: Streams, which: np.ndarray, spec: DataSpec, what: str) -> Rows:
-    """Rows of the records `which` (indices, in order) that have a target within max_seq_len."""
+    """Rows of the records `which` (indices, in order) that have a target within max_seq_len; raw-text documents
+    longer than a row (only they are stored longer) cut into blocks first (`text_blocks`)."""
     kept = which[streams.trainable[which]]
     if len(kept) < len(which):
         log.info(
@@ -363,11 +367,30 @@ def _rows(streams: Streams, which: np.ndarray, spec: DataSpec, what: str) -> Row
             len(which),
             spec.max_seq_len,
         )
+    store: Streams | Blocks = text_blocks(streams, kept, spec, what)
+    if store is not streams:
+        kept = np.arange(len(store))
     if not spec.packing:
-        return Rows(streams, kept, np.arange(len(kept) + 1))
-    rows = pack(streams, spec.max_seq_len, kept)
+        return Rows(store, kept, np.arange(len(kept) + 1))
+    rows = Rows(store, kept, pack_groups(store.lengths[kept], spec.max_seq_len))
     log.info("%s: packed %d records into %d rows of <= %d tokens", what, len(kept), len(rows), spec.max_seq_len)
     return rows
+
+
+def text_blocks(streams: Streams, kept: np.ndarray, spec: DataSpec, what: str) -> Streams | Blocks:
+    """`streams` itself when every record of `kept` fits a row; else `kept` cut into blocks of max_seq_len + 1 tokens
+    at most, consecutive blocks sharing `data.text_overlap` tokens of context (runner/data/tokens.py `Blocks`). Only
+    raw-text documents are stored longer than a row (chats are truncated when tokenized)."""
+    lengths = streams.lengths[kept]
+    if not len(kept) or int(lengths.max()) <= spec.max_seq_len + 1:
+        return streams
+    blocks = Blocks(streams, kept, spec.max_seq_len, spec.text_overlap)
+    log.info(
+        "%s: %d of %d documents longer than max_seq_len %d cut into blocks (%d tokens of overlap): %d blocks, every "
+        "token trained on", what, int((lengths > spec.max_seq_len + 1).sum()), len(kept), spec.max_seq_len,
+        spec.text_overlap, len(blocks),
+    )  # fmt: skip
+    return blocks
 
 
 def load_data(spec: JobSpec, tokenizer: Tokenizer) -> SFTData:

@@ -3,10 +3,10 @@
 A tokenizer's `render_batch` turns a chunk of chats into (ids, flags) arrays at once, its `render_texts` a chunk of
 raw documents (`data.format: text`, a chat given as a string: every token a target) (the byte tokenizer
 from each chat's UTF-8 bytes, transformers' fast tokenizers one batched call per chunk). `ChunkRenderer`
-hands out chunks in order and gives back each chunk's records in the same order, truncated to the row
-limit, rendered either in this process or, once a source shows itself large (POOL_AFTER records), by
-worker processes, one per core: the reader keeps parsing records while the workers tokenize, and the
-result is the same ids and flags whichever way a chunk went.
+hands out chunks in order and gives back each chunk's records in the same order, chats truncated to the row
+limit (raw documents whole: they are cut into blocks when loaded), rendered either in this process or, once a
+source shows itself large (POOL_AFTER records), by worker processes, one per core: the reader keeps parsing
+records while the workers tokenize, and the result is the same ids and flags whichever way a chunk went.
 
 Workers are forked where the platform can (Linux): they start in milliseconds, share the parent's pages
 copy-on-write and need no importable main module (`spawn` re-runs the caller's script in each worker, and
@@ -35,7 +35,7 @@ Chat = Sequence[Message] | str  # a chat, or a raw document (data.format: text)
 
 
 def render_chunk(tokenizer: Tokenizer, chats: Sequence[Chat], limit: int) -> Chunk:
-    """The chats (and raw documents) rendered and each truncated to `limit` tokens, joined end to end, with their
+    """The chats rendered and each truncated to `limit` tokens, raw documents whole, joined end to end, with their
     lengths."""
     docs = [k for k, c in enumerate(chats) if isinstance(c, str)]
     if len(docs) == len(chats):  # a text source's chunk
@@ -45,8 +45,10 @@ def render_chunk(tokenizer: Tokenizer, chats: Sequence[Chat], limit: int) -> Chu
         rendered = batch(chats) if batch is not None else [segment_arrays(tokenizer.render(m)) for m in chats]
     else:  # never from one source (its first record fixes its format); kept in order all the same
         rendered = [render_chunk_one(tokenizer, c) for c in chats]
-    ids = [i[:limit] for i, _ in rendered]
-    flags = [unscore_prompt_turns(chat, f)[:limit] for chat, (_, f) in zip(chats, rendered, strict=True)]
+    # A raw document stays whole: cut into blocks of a row when loaded (runner/data/tokens.py `Blocks`), not truncated.
+    pairs = list(zip(chats, rendered, strict=True))
+    ids = [i if isinstance(c, str) else i[:limit] for c, (i, _) in pairs]
+    flags = [f if isinstance(c, str) else unscore_prompt_turns(c, f)[:limit] for c, (_, f) in pairs]
     lengths = np.fromiter((len(i) for i in ids), dtype=np.int64, count=len(ids))
     if not ids:
         return np.zeros(0, np.int64), np.zeros(0, bool), lengths

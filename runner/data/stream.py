@@ -79,7 +79,7 @@ from runner.data.records import (
     source_kind,
 )
 from runner.data.tokenizer import Message, Tokenizer
-from runner.data.tokens import Row, record_positions, training_row
+from runner.data.tokens import Row, record_blocks, record_positions, training_row
 
 log = logging.getLogger("jobspec.runner")
 SHUFFLE_BUFFER = 1024  # records shuffled together by default (a window held in memory as parsed records)
@@ -122,10 +122,12 @@ class Position:
     line: int | None
     tokens: int = -1  # the sample's token count (the index's check), -1 unknown
     digest: str = ""  # the sample's token ids' digest (`token_digest`: the index's check)
+    block: int = 0  # the block of the record the sample starts at (a raw-text document longer than a row: `Blocks`)
 
     def entry(self) -> dict[str, Any]:
+        block = {"b": self.block} if self.block else {}  # left out at 0: an entry as before blocks existed
         return {"c": self.sample, "e": self.epoch, "w": self.window, "q": self.place, "off": self.offset,
-                "line": self.line, "n": self.tokens, "h": self.digest}  # fmt: skip
+                "line": self.line, "n": self.tokens, "h": self.digest, **block}  # fmt: skip
 
     @staticmethod
     def parse(entry: object) -> Position | None:
@@ -134,13 +136,13 @@ class Position:
             return None
         ints = [entry.get(k) for k in ("c", "e", "w", "q", "n")]
         opt = [entry.get(k) for k in ("off", "line")]
-        digest = entry.get("h")
-        if not all(_bounded(v) for v in ints) or not all(v is None or _bounded(v) for v in opt):
+        digest, block = entry.get("h"), entry.get("b", 0)
+        if not all(_bounded(v) for v in [*ints, block]) or not all(v is None or _bounded(v) for v in opt):
             return None
         if not isinstance(digest, str) or len(digest) != 16 or not all(ch in "0123456789abcdef" for ch in digest):
             return None
         c, e, w, q, n = ints
-        return Position(c, e, w, q, opt[0], opt[1], n, digest)  # type: ignore[arg-type]
+        return Position(c, e, w, q, opt[0], opt[1], n, digest, block)  # type: ignore[arg-type]
 
 
 def _bounded(value: object) -> bool:
@@ -153,7 +155,8 @@ def token_digest(ids: np.ndarray, pos: Position) -> str:
     0's place and digest under another sample number) then fails the check instead of resuming the stream at the
     wrong sample; an entry forged with a digest computed anew is what JOBSPEC_CHECKPOINT_KEY's signature is for."""
     where = np.array([pos.sample, pos.epoch, pos.window, pos.place, -1 if pos.offset is None else pos.offset,
-                      -1 if pos.line is None else pos.line], dtype=np.int64)  # fmt: skip
+                      -1 if pos.line is None else pos.line, *([pos.block] if pos.block else [])],
+                     dtype=np.int64)  # fmt: skip
     data = where.tobytes() + np.ascontiguousarray(ids, dtype=np.int64).tobytes()
     return hashlib.sha256(data).hexdigest()[:16]
 
@@ -279,9 +282,11 @@ class SourceStream:
     # --- tokenizing -----------------------------------------------------------------------------------------
 
     def _encoded(self, start: Position) -> Iterator[tuple[Position, np.ndarray, np.ndarray]]:
-        """(position, ids, flags) of each record with a target, in stream order, from `start`'s record on; a record
-        whose pass ends gets ids of length 0 after it (a marker: the packer closes its row)."""
+        """(position, ids, flags) of each record with a target, in stream order, from `start`'s record (and block) on,
+        a raw-text document longer than a row as its blocks (`record_blocks`); a record whose pass ends gets ids of
+        length 0 after it (a marker: the packer closes its row)."""
         first, whole, kept = True, start.window == 0 and start.place == 0, 0  # whole: the pass read from its start
+        skip = start.block  # blocks of the first record already trained before `start`
         for epoch, window, order, chunk, w_offset, w_line in self._windows(start):
             if window == 0 and not first:
                 if whole and not kept:  # a whole pass without a record to train on: no pass ever has one
@@ -309,11 +314,14 @@ class SourceStream:
                 bounds = np.concatenate(([0], np.cumsum(lengths))).tolist()
                 for q, (x, y) in zip(part, itertools.pairwise(bounds), strict=True):
                     rid, rflags = ids[x:y], flags[x:y]
+                    skipped, skip = skip, 0
                     if len(rid) < 2 or not rflags[1:].any():
                         self.dropped += 1
                         continue
                     kept += 1
-                    yield Position(-1, epoch, window, q, w_offset, w_line), rid, rflags
+                    cut = record_blocks(rid, rflags, self.spec.max_seq_len, self.spec.text_overlap)
+                    for j, (bid, bflags) in enumerate(cut[skipped:], skipped):
+                        yield Position(-1, epoch, window, q, w_offset, w_line, block=j), bid, bflags
 
     def _messages(self, where: Location, record: dict) -> list[Message]:
         self.fmt = self.fmt or detect_format(record, self.spec, str(where))
@@ -362,14 +370,15 @@ class SourceStream:
         for where, sample in rows:
             if where.sample % INDEX_EVERY == 0:
                 self.index.add(Position(where.sample, where.epoch, where.window, where.place, where.offset,
-                                        where.line, len(sample.ids), token_digest(sample.ids, where)))  # fmt: skip
+                                        where.line, len(sample.ids), token_digest(sample.ids, where),
+                                        where.block))  # fmt: skip
             if where.sample >= start:
                 yield sample
 
 
 def _with(pos: Position | None, sample: int) -> Position:
     assert pos is not None
-    return Position(sample, pos.epoch, pos.window, pos.place, pos.offset, pos.line)
+    return Position(sample, pos.epoch, pos.window, pos.place, pos.offset, pos.line, block=pos.block)
 
 
 def _sample(records: list[tuple[np.ndarray, np.ndarray]]) -> Sample:
@@ -549,6 +558,8 @@ def index_path(spec: JobSpec, source: str, field: str, tokenizer: Tokenizer, num
                                                                  "shuffle_buffer"})}  # fmt: skip
     if d.text_field != "text":  # text records' field (at its default left out: no other index moves)
         parts["text_field"] = d.text_field
+    if d.text_overlap:  # raw-text blocks' overlap (0 left out: as the text_field)
+        parts["text_overlap"] = d.text_overlap
     if Path(source).is_file():
         st = os.stat(source)
         parts["stat"] = [st.st_size, st.st_mtime_ns]

@@ -7,7 +7,8 @@ bytes a token and 8 a record, where a list of two int64 arrays per record took ~
 short records of one Parquet row group. Flat arrays also stay shared with forked DataLoader workers,
 where a list of small arrays is copied page by page as their reference counts change.
 
-`Rows` are record indices into that store, one record a row or several packed, made into the
+`Rows` are record indices into that store (or into its `Blocks`: a long raw-text document cut into rows, none of its
+tokens dropped), one record a row or several packed, made into the
 (input_ids, labels) int64 pair of a training row when one is read; `Rows.positions(r)` gives a packed row's
 position ids, restarting at 0 at each record, from the record bounds alone.
 """
@@ -55,6 +56,15 @@ class Streams:
 
     def __iter__(self) -> Iterator[tuple[np.ndarray, np.ndarray]]:
         return (self[k] for k in range(len(self)))
+
+    def joined(self, ks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Records `ks` end to end: (int64 ids, flags)."""
+        bounds = self.bounds
+        if ks[-1] - ks[0] == len(ks) - 1:  # consecutive records: one span of the store
+            span = slice(bounds[ks[0]], bounds[ks[-1] + 1])
+            return self.ids[span].astype(np.int64), self.flags[span]
+        ids = np.concatenate([self.ids[bounds[k] : bounds[k + 1]] for k in ks]).astype(np.int64)
+        return ids, np.concatenate([self.flags[bounds[k] : bounds[k + 1]] for k in ks])
 
     def select(self, keep: np.ndarray) -> Streams:
         """The records where `keep` (one bool per record) is true, in their order."""
@@ -134,6 +144,85 @@ class StreamsBuilder:
         return Streams(ids, flags, bounds, np.array(self._trainable, dtype=bool))
 
 
+class Blocks:
+    """Records of `Streams` cut into blocks of at most max_seq_len + 1 tokens: a raw-text document (`data.format:
+    text`, kept whole in the store) longer than a row is trained on block by block, none of its tokens dropped.
+
+    Block b is the store's tokens [starts[b], ends[b]) with its first context[b] tokens read but not scored (their
+    target flags cleared): a block after a document's first begins `overlap` tokens before its first new target, plus
+    the token read to predict that target (`block_spans`). Each target of the document is scored in exactly one block.
+    Indices, not copies: the store (memory-mapped from the cache) is shared; a block costs three int64.
+    """
+
+    def __init__(self, streams: Streams, records: np.ndarray, max_seq_len: int, overlap: int):
+        self.streams = streams
+        lengths = streams.lengths[records]
+        doc, start, end, self.context = block_spans(lengths, max_seq_len, overlap)
+        base = streams.bounds[records][doc]
+        self.starts, self.ends = base + start, base + end
+        self.record = records[doc]  # the store's record each block comes from
+        self.trainable = np.ones(len(doc), dtype=bool)  # every block scores at least one target of a kept record
+
+    @property
+    def lengths(self) -> np.ndarray:
+        return self.ends - self.starts
+
+    def __len__(self) -> int:
+        return len(self.starts)
+
+    def __getitem__(self, b: int) -> tuple[np.ndarray, np.ndarray]:
+        a, _ = _span(np.arange(len(self) + 1), b, len(self))
+        return self.joined(np.array([a]))
+
+    def joined(self, ks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Blocks `ks` end to end: (int64 ids, flags), each block's context tokens not targets."""
+        ids, flags = [], []
+        for k in ks.tolist():
+            a, c = int(self.starts[k]), int(self.context[k])
+            ids.append(self.streams.ids[a : self.ends[k]])
+            f = self.streams.flags[a : self.ends[k]]
+            if c:
+                f = f.copy()
+                f[:c] = False
+            flags.append(f)
+        return np.concatenate(ids).astype(np.int64), np.concatenate(flags)
+
+
+def block_spans(lengths: np.ndarray, max_seq_len: int, overlap: int) -> tuple[np.ndarray, ...]:
+    """(record, start, end, context) of each block of records of `lengths` tokens (int64 arrays, one entry a block):
+    block j of a record holds its tokens [start, end), at most max_seq_len + 1, the first `context` not scored.
+
+    A row of n tokens scores n - 1 targets (its first token is only read). A record of up to max_seq_len + 1 tokens is
+    one block. A longer one: block 0 is tokens [0, L + 1) (targets 1..L, L = max_seq_len); block j >= 1 scores the
+    next L - overlap targets [a, b) and starts at a - 1 - overlap: `overlap` tokens of context, then the token that
+    predicts a (context = overlap + 1). Every target 1..n-1 is scored once (what perplexity with a stride does)."""
+    n = np.asarray(lengths, dtype=np.int64)
+    step = max_seq_len - overlap  # new targets per block after the first
+    if step < 1:
+        raise ValueError(f"overlap {overlap} leaves no new token in a block of {max_seq_len}")
+    count = 1 + np.maximum(0, -(-(n - max_seq_len - 1) // step))  # blocks per record
+    record = np.repeat(np.arange(len(n)), count)
+    j = np.arange(int(count.sum())) - np.repeat(np.cumsum(count) - count, count)  # block number within its record
+    first = max_seq_len + 1 + (j - 1) * step  # the first new target of block j >= 1
+    start = np.where(j == 0, 0, first - 1 - overlap)
+    end = np.minimum(n[record], np.where(j == 0, max_seq_len + 1, first + step))
+    context = np.where(j == 0, 0, overlap + 1)
+    return record, start, end, context
+
+
+def record_blocks(ids: np.ndarray, flags: np.ndarray, max_seq_len: int, overlap: int) -> list[Row]:
+    """One record's (ids, flags) as `Blocks` cuts it: itself when it fits a row, else each block's tokens with its
+    context not scored (`block_spans`)."""
+    if len(ids) <= max_seq_len + 1:
+        return [(ids, flags)]
+    out = []
+    for _, a, b, c in zip(*block_spans(np.array([len(ids)]), max_seq_len, overlap), strict=True):
+        f = flags[a:b].copy()
+        f[:c] = False
+        out.append((ids[a:b], f))
+    return out
+
+
 def _join(chunks: list[np.ndarray], dtype: np.dtype) -> np.ndarray:
     """The chunks end to end, each freed once copied: the data held once plus a chunk, not twice over."""
     out = np.empty(sum(len(c) for c in chunks), dtype=dtype)
@@ -155,7 +244,7 @@ class Rows(Sequence[Row]):
     token is a target (nanoGPT's x/y). A slice gives a list of rows, as a list would.
     """
 
-    def __init__(self, streams: Streams, records: np.ndarray, groups: np.ndarray):
+    def __init__(self, streams: Streams | Blocks, records: np.ndarray, groups: np.ndarray):
         self.streams, self.records, self.groups = streams, records, groups
 
     @property
@@ -176,14 +265,9 @@ class Rows(Sequence[Row]):
         if isinstance(r, slice):
             return [self[i] for i in range(*r.indices(len(self)))]
         g0, g1 = _span(self.groups, r, len(self))
-        ks, bounds, store = self.records[g0:g1], self.streams.bounds, self.streams
-        if ks[-1] - ks[0] == len(ks) - 1:  # consecutive records: one span of the store
-            span = slice(bounds[ks[0]], bounds[ks[-1] + 1])
-            ids, flags = store.ids[span].astype(np.int64), store.flags[span]
-        else:
-            ids = np.concatenate([store.ids[bounds[k] : bounds[k + 1]] for k in ks]).astype(np.int64)
-            flags = np.concatenate([store.flags[bounds[k] : bounds[k + 1]] for k in ks])
-        return training_row(ids, flags, store.lengths[ks])
+        ks = self.records[g0:g1]
+        ids, flags = self.streams.joined(ks)
+        return training_row(ids, flags, self.streams.lengths[ks])
 
     @property
     def packed(self) -> bool:
