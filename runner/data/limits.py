@@ -5,8 +5,9 @@ json raises RecursionError past ~1000 levels and ValueError on integers over 430
 (converting an n-digit number costs O(n^2), the reason for that 4300-digit cap), or take gigabytes (a
 100 MB line is held as bytes, text and objects at once). Each limit is far above what a training record
 needs and far below the harm; a record over one is refused with exit 2 naming its file, line or row and
-the limit (`RecordError`, located by the reader). Records under them may still be long: the text that
-`max_seq_len` cannot use is clipped before tokenizing (runner/data/dataset.py, `clip_texts`).
+the limit (`RecordError`, located by the reader). Records under them may still be long: a chat's text that
+`max_seq_len` cannot use is clipped before tokenizing (runner/data/dataset.py, `clip_texts`); a raw-text document
+(`data.format: text`) is tokenized whole, up to MAX_RECORD_BYTES, and cut into blocks of a row when loaded.
 
 The checks cost next to nothing on ordinary records: the C parser runs as is unless the bytes hold a
 run of more than MAX_NUMBER_DIGITS digits (then a parser whose number hooks count them), and the parsed
@@ -20,9 +21,9 @@ import re
 from typing import Any
 
 MiB = 1024**2
-# A record max_seq_len (<= 131,072 tokens) can use is at most ~0.5 MB of text at ~4 characters a token,
-# ~3 MB as JSON with every character \u-escaped; 32 MiB leaves room for long documents that max_seq_len
-# truncates and for extra columns, while one record stays a few hundred MB at most once parsed.
+# A chat max_seq_len (<= 131,072 tokens) can use is at most ~0.5 MB of text at ~4 characters a token,
+# ~3 MB as JSON with every character \u-escaped; 32 MiB leaves room for long raw-text documents (cut into
+# blocks, every token trained) and for extra columns, while one record stays a few hundred MB at most once parsed.
 MAX_RECORD_BYTES = 32 * MiB
 MAX_LINE_BYTES = MAX_RECORD_BYTES  # a JSON-lines record is its line
 # Chat records nest 3 levels (record, messages, message), tool calls with JSON arguments about 8; 64 is

@@ -36,15 +36,15 @@ class Tokenizer(Protocol):
     def render_texts(self, texts: Sequence[str]) -> list[TokenArrays]: ...
 
 
-def _document(ids: Sequence[int], bos: int | None, eos: int) -> TokenArrays:
+def _document(ids: Sequence[int] | np.ndarray, bos: int | None, eos: int) -> TokenArrays:
     """A raw document's tokens for continued pretraining: `bos` first unless there (None: the tokenizer adds its own,
     if any), `eos` last unless there, every token a target (the first never is one: nothing comes before it)."""
-    out = list(ids)
-    if bos is not None and (not out or out[0] != bos):
-        out.insert(0, bos)
-    if not out or out[-1] != eos:
-        out.append(eos)
-    return np.asarray(out, dtype=np.int64), np.ones(len(out), dtype=bool)
+    out = np.asarray(ids, dtype=np.int64)  # arrays, not lists: a document is kept whole (up to MAX_RECORD_BYTES)
+    if bos is not None and (not len(out) or out[0] != bos):
+        out = np.concatenate(([bos], out))
+    if not len(out) or out[-1] != eos:
+        out = np.concatenate((out, [eos]))
+    return out, np.ones(len(out), dtype=bool)
 
 
 class ByteTokenizer:
@@ -113,7 +113,7 @@ class ByteTokenizer:
 
     def render_texts(self, texts: Sequence[str]) -> list[TokenArrays]:
         """Raw documents (`data.format: text`): <bos> bytes <eos>, every token a target."""
-        return [_document(self.encode(t), self.BOS, self.EOS) for t in texts]
+        return [_document(np.frombuffer(t.encode("utf-8"), np.uint8), self.BOS, self.EOS) for t in texts]
 
     def cache_identity(self) -> dict[str, str]:
         """What decides this tokenizer's output, for the tokenized-data cache key (runner/data/cache.py)."""
