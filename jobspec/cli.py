@@ -101,12 +101,17 @@ def _shipped_task_files(spec_file: str, spec: JobSpec) -> dict[str, str]:
 
 def _notes(spec: JobSpec) -> list[str]:
     """Valid, but worth knowing before the job runs."""
+    from jobspec.local_paths import is_cluster_spec
+    from jobspec.render.images import unpublished_note
+
     notes = []
     if not spec.checkpoints.pvc and not spec.remote_dir and spec.hardware.vendor != "cpu":
         notes.append("checkpoints.pvc is not set: checkpoints live in the pod and are lost when it is replaced")
     if spec.checkpoints.pvc and spec.hardware.nodes > 1:
         notes.append(f"{spec.hardware.nodes} nodes write into checkpoints.pvc: it must be ReadWriteMany")
     image = spec.image.name
+    if is_cluster_spec(spec) and unpublished_note(spec):  # a CPU spec may only ever run here, with no image
+        notes.append(unpublished_note(spec) or "")
     if image and "@" not in image:  # the spec checked the digest's shape; a tag can move under a running job
         tag = image.rpartition("/")[2].partition(":")[2] or "latest"
         notes.append(
@@ -132,8 +137,12 @@ def cmd_render(args: argparse.Namespace) -> int:
     from jobspec.render import render, to_json, to_yaml
 
     spec = _load(args)
+    from jobspec.render.images import unpublished_note
+
     objects = render(spec, _shipped_task_files(args.spec, spec))
-    for line in cluster_warnings(args.spec, spec):  # stderr: `render | kubectl apply -f -` reads stdout only
+    image_note = unpublished_note(spec)
+    for line in cluster_warnings(args.spec, spec) + ([image_note] if image_note else []):  # stderr: `render |
+        # kubectl apply -f -` reads stdout only
         print(f"warning: {line}", file=sys.stderr)
     sys.stdout.write(to_json(objects) if args.output == "json" else to_yaml(objects))
     return EXIT_OK
@@ -452,6 +461,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_eval_args(p)
     p.set_defaults(func=cmd_eval)
 
+    from jobspec.image.cli import add_image_commands
+
+    add_image_commands(sub, common)
     try:
         from jobspec.cluster.cli import add_cluster_commands
     except ImportError:  # pragma: no cover - the cluster package is part of the distribution

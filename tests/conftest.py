@@ -27,6 +27,11 @@ settings.register_profile("fuzz", deadline=None, print_blob=True)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "dev"))
 
 
+# The record of images `jobspec image push` wrote (~/.config/jobspec/images.json) would change what every rendered Job
+# runs: the tests read none unless they make one (tests/test_image_cli.py). Subprocesses inherit it.
+os.environ["JOBSPEC_IMAGES"] = os.path.join(os.path.dirname(__file__), ".no-image-record", "images.json")
+
+
 # Triton decides at import whether its kernels compile for a GPU or run in its interpreter (TRITON_INTERPRET=1, on
 # CPU tensors), and torchao imports it at collection: without a GPU, the interpreter is the only way a Triton kernel
 # runs (tests/runner/train/test_loss_liger.py runs Liger Kernel's). A GPU machine (the gpu tier) compiles them.

@@ -98,13 +98,21 @@ def cli_page() -> str:
         "```text\n" + EPILOG.strip() + "\n```\n",
     ]
     for name, (summary, sub) in _subcommands(parser).items():
-        sub.prog = f"jobspec {name}"
-        out += [f"## jobspec {name}\n", _cell(summary) + "\n"]
-        if sub.description and sub.description.strip() != summary.strip():
-            out.append(_cell(sub.description) + "\n")
-        out.append("```text\n" + sub.format_usage().strip() + "\n```\n")
-        out += ["| argument | default | what it does |", "| --- | --- | --- |", *map(_flag_row, cli_flags(sub)), ""]
+        out += _command_section(f"jobspec {name}", summary, sub, "##")
     return "\n".join(out).rstrip() + "\n"
+
+
+def _command_section(prog: str, summary: str, sub: argparse.ArgumentParser, level: str) -> list[str]:
+    """One command's heading, text, usage and arguments; its own subcommands (`jobspec image build`) below it."""
+    sub.prog = prog
+    out = [f"{level} {prog}\n", _cell(summary) + "\n"]
+    if sub.description and sub.description.strip() != summary.strip():
+        out.append(_cell(sub.description) + "\n")
+    out.append("```text\n" + sub.format_usage().strip() + "\n```\n")
+    out += ["| argument | default | what it does |", "| --- | --- | --- |", *map(_flag_row, cli_flags(sub)), ""]
+    for name, (text, nested) in _subcommands(sub).items():
+        out += _command_section(f"{prog} {name}", text, nested, level + "#")
+    return out
 
 
 # -- exit codes and error classes -------------------------------------------------------------------------------

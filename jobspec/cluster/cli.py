@@ -257,6 +257,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
     from jobspec.cluster.preflight import preflight
     from jobspec.cluster.submit import in_namespace, submit
     from jobspec.render import render, to_yaml
+    from jobspec.render.images import unpublished_note
     from jobspec.spec.benchmarks import ship_task_files
     from jobspec.spec.loader import load_spec
 
@@ -276,6 +277,9 @@ def cmd_submit(args: argparse.Namespace) -> int:
     if spec.namespace != namespace:
         spec = load_spec(args.spec, [*args.overrides, f'namespace="{namespace}"'])  # quoted: "no" is no bool
     objects = in_namespace(render(spec, ship_task_files(spec.eval.benchmarks, Path(args.spec).parent)), namespace)
+    note = unpublished_note(spec)
+    if note:
+        print(f"warning: {note}", file=sys.stderr)
     if mode == "client":
         sys.stdout.write(to_yaml(objects))
         return EXIT_OK

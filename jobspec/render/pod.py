@@ -23,7 +23,7 @@ from jobspec.contract import (
 from jobspec.errors import ConfigError
 from jobspec.render.env import GCS_KEY_DIR, GCS_KEY_PATH, container_env
 from jobspec.render.hub import cache_volume
-from jobspec.render.images import image_for
+from jobspec.render.images import image_for, pull_policy
 from jobspec.spec.benchmarks import shipped_paths
 from jobspec.spec.models import DEFAULT_MEMORY_PER_RANK, JobSpec, Toleration
 from jobspec.spec.units import format_bytes
@@ -115,7 +115,7 @@ def _container(spec: JobSpec, mounts: list[Obj]) -> Obj:
     container: Obj = {
         "name": CONTAINER_NAME,
         "image": image_for(spec),
-        "imagePullPolicy": spec.image.pull_policy,
+        "imagePullPolicy": pull_policy(spec, image_for(spec)),
         "args": [SPEC_PATH],  # the image's ENTRYPOINT is `python -m runner`
         "workingDir": WORKDIR,
         "env": container_env(spec),

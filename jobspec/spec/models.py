@@ -212,12 +212,15 @@ class ImageSpec(Section):
         BeforeValidator(lambda v: _image_reference(v) if isinstance(v, str) else v),
         Field(
             description="Container image, e.g. `repo:tag` or pinned `repo@sha256:<digest>`. "
-            "Default: the jobspec runner image for `hardware.vendor` (docs/getting-started/one-machine.md)."
+            "Default: the image `jobspec image push` recorded for `hardware.vendor`, pinned by digest, else the tag "
+            "ghcr.io/jobspec/runner:<version>-<vendor> (docs/getting-started/cluster.md#images)."
         ),
     ] = None
     pull_policy: Annotated[
-        Literal["Always", "IfNotPresent", "Never"], Field(description="Kubernetes imagePullPolicy.")
-    ] = "IfNotPresent"
+        Literal["Always", "IfNotPresent", "Never"] | None,
+        Field(description="Kubernetes imagePullPolicy; default IfNotPresent for an image pinned by digest, Always for "
+              "a tag (which can move)."),
+    ] = None
     pull_secrets: Annotated[
         list[DnsLabel], Field(description="Names of Secrets (in the job's namespace) used to pull the image.")
     ] = []
