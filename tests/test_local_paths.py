@@ -52,6 +52,8 @@ def test_init_writes_a_cpu_spec_for_this_machine(tmp_path: Path, monkeypatch: py
         spec = load_spec(tmp_path / f"{processes}.yaml")
         assert (spec.hardware.vendor, spec.world_size, spec.checkpoints.pvc) == ("cpu", processes, None)
         assert cli("validate", f"{processes}.yaml")[0] == 0
+        text = (tmp_path / f"{processes}.yaml").read_text()  # its comments speak of this machine, not of a GPU
+        assert "on the GPU" not in text and "a GPU" not in text and "GiB a process" in text, text
 
 
 def test_a_local_run_reads_relative_paths_from_the_spec_folder(tmp_path: Path) -> None:

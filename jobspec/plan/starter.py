@@ -178,7 +178,8 @@ def _text(req: Request, name: str, seq: int, lora: bool, gpus: str, nodes: int, 
         "training:",
         f"  objective: {req.objective}",
         f"  global_batch: {batch}  # the effective batch: fixed, whatever micro-batch fits",
-        "  micro_batch: auto  # the runner verifies the plan's micro-batch on the GPU (see below)",
+        f"  micro_batch: auto  # the runner verifies the plan's micro-batch {'here' if cpu else 'on the GPU'} (see "
+        "below)",
         f"  learning_rate: {lr}",
         "  epochs: 1",
         "hardware:",
@@ -234,10 +235,13 @@ def _explain(report: PlanReport) -> list[str]:
     assert run is not None
     world = report.spec.world_size
     used, budget = run.estimate.gpu_bytes / GiB, run.budget / GiB
+    cpu = report.spec.hardware.vendor == "cpu"
+    where = f"this machine's memory, {report.gpu_bytes / GiB:.1f} GiB a process" if cpu else report.gpu_label
     lines = [
-        f"`jobspec plan` on {report.gpu_label}: tier {run.tier} fits at micro-batch {run.micro_batch} x "
+        f"`jobspec plan` on {where}: tier {run.tier} fits at micro-batch {run.micro_batch} x "
         f"{run.grad_accum} accumulation x {world} rank(s) = global batch {report.spec.training.global_batch},",
-        f"{used:.1f} of {budget:.1f} GiB a GPU (the budget is {report.spec.memory.target_utilization:.0%} of it).",
+        f"{used:.1f} of {budget:.1f} GiB a {'process' if cpu else 'GPU'} (the budget is "
+        f"{report.spec.memory.target_utilization:.0%} of it).",
     ]
     order = [p.tier for p in report.plans]
     faster = [p.tier for p in report.plans if p.useful and not p.fits and order.index(p.tier) < order.index(run.tier)]
