@@ -56,21 +56,28 @@ def test_the_reference_pass_is_a_forward_over_every_pairs_two_rows(tmp_path):
     assert data["reference_tokens"] == PAIRS * 2 * s and data["tiers"][0]["reference_seconds"] is not None
 
 
-def test_a_pairs_step_is_two_rows_and_only_dpo_has_a_reference_pass(tmp_path):
+def test_a_pairs_step_is_two_rows_and_only_reference_objectives_have_a_reference_pass(tmp_path):
+    """A pair is two rows, and so is a KTO record (its completion and its KL row); DPO, IPO and KTO score against the
+    starting model, once before training, over every sample's two rows."""
     sft_dict = spec_dict(tmp_path, "sft")
     sft_dict["data"]["path"] = None
     sft = plan_spec(parse_spec(yaml.safe_dump(sft_dict)))
-    for objective in ("dpo", "simpo", "orpo"):
+    for objective in ("dpo", "ipo", "simpo", "orpo", "kto"):
         pref = plan_spec(spec(tmp_path, objective))
         assert pref.length.tokens_per_step == 2 * sft.length.tokens_per_step == 2 * 32 * 1024
         tier = pref.chosen.tier
         if tier in sft.times:
             sft_tokens = sft.times[tier].step_seconds / sft.length.tokens_per_step
             assert pref.times[tier].step_seconds / pref.length.tokens_per_step == pytest.approx(sft_tokens)
-        assert bool(pref.reference) == (objective == "dpo")
+        scored = objective in ("dpo", "ipo", "kto")
+        assert bool(pref.reference) == scored
+        assert pref.length.reference_tokens == (PAIRS * 2 * 1024 if scored else None)
         table = plan_table(pref)
-        assert ("ref pass" in table) == (objective == "dpo")
-        assert "tokens/step 32 pairs x 2 rows x 1024" in table
+        assert ("ref pass" in table) == scored
+        what = "records x 2 rows (with the KL row)" if objective == "kto" else "pairs x 2 rows"
+        assert f"tokens/step 32 {what} x 1024" in table
+        if scored:
+            assert f"ref pass ({objective.upper()}, once before training)" in table
 
 
 def test_plan_prints_the_reference_pass_beside_the_training_time(tmp_path):

@@ -2,8 +2,10 @@
 
 `jobspec plan` turns this into a duration per tier; the runner counts steps the same way
 (runner/data/dataset.py: `DataOrder`, `total_steps`). A preference pair is two rows (chosen and rejected), so its
-step has twice the tokens; DPO's reference pass, once before training, runs the starting model forward over every
-pair of the data (and of `data.eval_path`): `reference_tokens`.
+step has twice the tokens; a KTO record is two rows too, its completion and its KL row (the prompt with another
+record's completion, scored without gradients: TRL's KL pass doubles the forward). The reference pass of DPO, IPO
+and KTO, once before training, runs the starting model forward over every pair's (record's) two rows of the data (and
+of `data.eval_path`): `reference_tokens`.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from dataclasses import dataclass, replace
 from importlib.util import find_spec
 from pathlib import Path
 
-from jobspec.spec.models import JobSpec
+from jobspec.spec.models import REFERENCE_OBJECTIVES, JobSpec
 
 
 @dataclass(frozen=True)
@@ -23,15 +25,16 @@ class JobLength:
     steps: int | None  # None: epochs over data this machine cannot count
     tokens_per_step: int
     how: str  # where `steps` comes from, or why it is unknown
-    # DPO: the tokens of its reference pass (every pair's two rows, full length; None: the pairs cannot be counted
-    # here) and where they come from; None and "" for the other objectives
+    # DPO, IPO, KTO: the tokens of the reference pass (every pair's two rows, full length; None: the pairs cannot be
+    # counted here) and where they come from; None and "" for the other objectives
     reference_tokens: int | None = None
     reference_how: str = ""
 
 
 def rows_per_sample(spec: JobSpec) -> int:
-    """Sequences one sample of the global batch is: a preference pair (dpo, simpo, orpo) is 2, chosen and rejected
-    in one micro-batch. SimPO and ORPO have no reference pass; DPO's runs once before training."""
+    """Sequences one sample of the global batch is: a preference pair (dpo, ipo, simpo, orpo) is 2, chosen and
+    rejected in one micro-batch; a KTO record is 2, its completion and its KL row. SimPO and ORPO have no reference
+    pass; DPO's, IPO's and KTO's runs once before training."""
     return 1 if spec.training.objective == "sft" else 2
 
 
@@ -85,16 +88,17 @@ def job_length(spec: JobSpec, rows: int | None = None) -> JobLength:
     counts them: eval_fraction held out (of each source), an epoch's last partial batch dropped, epochs x steps
     per epoch rounded up."""
     length = _steps(spec, rows)
-    if spec.training.objective != "dpo":
+    if spec.training.objective not in REFERENCE_OBJECTIVES:
         return length
     tokens, how = reference_tokens(spec, rows)
     return replace(length, reference_tokens=tokens, reference_how=how)
 
 
 def reference_tokens(spec: JobSpec, rows: int | None = None) -> tuple[int | None, str]:
-    """(tokens, where from) of DPO's reference pass: every pair of the training source (the held-out ones too: they
-    share its records; `rows`: that source's pairs, as --rows gives them) and of `data.eval_path`, each pair two rows
-    of max_seq_len tokens (an upper bound, as for the steps); None when the pairs cannot be counted here."""
+    """(tokens, where from) of the reference pass (DPO, IPO, KTO): every pair (KTO: record) of the training source
+    (the held-out ones too: they share its records; `rows`: that source's pairs, as --rows gives them) and of
+    `data.eval_path`, each pair two rows of max_seq_len tokens (an upper bound, as for the steps); None when the pairs
+    cannot be counted here."""
     pairs, where = (rows, "--rows") if rows is not None else count_rows(spec)
     counts = [(pairs, where)]
     if spec.data.eval_path:
@@ -102,7 +106,8 @@ def reference_tokens(spec: JobSpec, rows: int | None = None) -> tuple[int | None
     total, where = _total(counts)
     if total is None:
         return None, f"pairs unknown ({where}): pass --rows N"
-    return 2 * total * spec.data.max_seq_len, f"{total:,} pairs x 2 rows x {spec.data.max_seq_len} tokens"
+    what = "records x 2 rows (with the KL row)" if spec.training.objective == "kto" else "pairs x 2 rows"
+    return 2 * total * spec.data.max_seq_len, f"{total:,} {what} x {spec.data.max_seq_len} tokens"
 
 
 def _steps(spec: JobSpec, rows: int | None) -> JobLength:

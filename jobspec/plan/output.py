@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from jobspec.plan import memory, throughput
 from jobspec.plan.planner import GiB, PlanReport, assumptions, lora_shape
+from jobspec.spec.models import REFERENCE_OBJECTIVES
 
 
 def plan_table(report: PlanReport) -> str:
@@ -13,7 +14,7 @@ def plan_table(report: PlanReport) -> str:
         f"global batch {spec.training.global_batch} over {spec.world_size} rank(s), {report.gpu_label} per GPU"
     )
     priced = report.price is not None
-    dpo = spec.training.objective == "dpo"  # its reference pass, once before training, beside the training's time
+    dpo = spec.training.objective in REFERENCE_OBJECTIVES  # DPO's, IPO's, KTO's reference pass, once before training
     rows = [("tier", "GiB/GPU", "host GiB", "fits", "micro", "accum", "ckpt", "step", "tok/s", "MFU", "time")]
     rows[0] += ("ref pass",) * dpo + ("cost",) * priced + ("note",)
     for p in report.plans:
@@ -96,7 +97,7 @@ def time_notes(report: PlanReport, peak: str | None = None) -> list[str]:
     lines = [
         f"time: FLOPs/token {formula} = {flops / 1e9:,.2f} GFLOP (N: weights in matmuls, L layers, h hidden, s seq)",
         "  activation checkpointing (ckpt yes) runs the forward again: a third more work (half with LoRA)",
-        f"  tokens/step {spec.training.global_batch}{' pairs x 2 rows' if a['rows'] == 2 else ''} x "
+        f"  tokens/step {spec.training.global_batch}{_rows(spec.training.objective) if a['rows'] == 2 else ''} x "
         f"{spec.data.max_seq_len}: every row full length (an upper bound unless data.packing)",
         f"  peak: {peak or f'{gpu}{report.peak_tflops:g} TFLOPS'} (dense 16-bit, datasheet) per GPU "
         f"x {spec.world_size}; assumed share of peak: {eff}; communication hidden",
@@ -104,11 +105,17 @@ def time_notes(report: PlanReport, peak: str | None = None) -> list[str]:
     if length:
         total = f" = {length.steps * length.tokens_per_step:,} tokens" if length.steps else ""
         lines.append(f"  job: {length.how}{total}")
-    if spec.training.objective == "dpo" and length:
+    if spec.training.objective in REFERENCE_OBJECTIVES and length:
         forward = throughput.forward_flops(report.shape, a["s"], lora=lora_shape(spec))
         tokens = f" = {length.reference_tokens:,} tokens" if length.reference_tokens is not None else ""
         share = forward / flops  # a third of a full step's work; half of a LoRA step's (no weight gradients)
-        lines.append(f"  ref pass (DPO, once before training): the starting model forward only, 2N + 2·L·h·s = "
+        name = spec.training.objective.upper()
+        lines.append(f"  ref pass ({name}, once before training): the starting model forward only, 2N + 2·L·h·s = "
                      f"{forward / 1e9:,.2f} GFLOP/token ({share:.0%} of a step's), over {length.reference_how}{tokens},"
                      " shared by the ranks; not in the time column")  # fmt: skip
     return lines
+
+
+def _rows(objective: str) -> str:
+    """What a sample's two rows are: a pair's chosen and rejected chats, or a KTO record and its KL row."""
+    return " records x 2 rows (with the KL row)" if objective == "kto" else " pairs x 2 rows"

@@ -281,10 +281,10 @@ def assumptions(report: PlanReport) -> dict[str, Any]:
         "h": shape.hidden,
         "s": spec.data.max_seq_len,
         "rows": rows_per_sample(spec),
-        "tokens_per_step": "global_batch * rows per sample (2 for a preference pair) * max_seq_len (every row full "
-        "length: an upper bound without packing)",
-        "reference_pass": "DPO: once before training, forward only: 2*N + 2*L*h*s per token (LoRA: + 2*adapter "
-        "params) over every pair's 2 rows of max_seq_len tokens, at the tier's efficiency",
+        "tokens_per_step": "global_batch * rows per sample (2 for a preference pair, or a KTO record with its KL "
+        "row) * max_seq_len (every row full length: an upper bound without packing)",
+        "reference_pass": "DPO, IPO, KTO: once before training, forward only: 2*N + 2*L*h*s per token (LoRA: + "
+        "2*adapter params) over every pair's (KTO record's) 2 rows of max_seq_len tokens, at the tier's efficiency",
         "efficiency": dict(throughput.EFFICIENCY),
         "peak": "dense 16-bit matrix TFLOPS per GPU from the vendor's datasheet (jobspec/catalog/gpus.py)",
         "communication": "hidden behind compute",

@@ -97,7 +97,7 @@ FIELDS: dict[str, Rule] = {
     "rewards/chosen": _LOSS, "rewards/rejected": _LOSS, "rewards/margins": _LOSS,
     "rewards/accuracies": Rule(_NUM, 0, 1), "logps/chosen": _LOSS, "logps/rejected": _LOSS,
     "nll_loss": _LOSS, "log_odds_ratio": _LOSS, "log_odds_chosen": _LOSS, "router_aux_loss": Rule(_NUM, 0, 1e30),
-    "logits/chosen": _LOSS, "logits/rejected": _LOSS,
+    "logits/chosen": _LOSS, "logits/rejected": _LOSS, "kl": _LOSS,  # KTO's KL estimate
 }  # fmt: skip
 # Fields that hold an object: its keys names (of at most key_chars characters), its values held to a rule.
 MAPS: dict[str, tuple[int, int, Rule]] = {  # field: (most entries, key_chars, rule of each value)

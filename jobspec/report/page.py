@@ -96,9 +96,10 @@ def _objective_charts(run: Run) -> list[Chart]:
             Chart("rewards.png", "Preference rewards (TRL's rewards/*)", "reward (beta x log-ratio)", "rewards/margins",
                   [Series("margins", train.points("rewards/margins")), Series("chosen", train.points("rewards/chosen")),
                    Series("rejected", train.points("rewards/rejected"), "--")], from_zero=False),
-            Chart("accuracies.png", "Preference accuracy (rewards/accuracies)", "chosen preferred",
-                  "rewards/accuracies", [Series("accuracy", train.points("rewards/accuracies"))]),
         ]  # fmt: skip
+    if train.points("rewards/accuracies"):  # not KTO's: its records are unpaired
+        out.append(Chart("accuracies.png", "Preference accuracy (rewards/accuracies)", "chosen preferred",
+                         "rewards/accuracies", [Series("accuracy", train.points("rewards/accuracies"))]))  # fmt: skip
     if train.points("router_aux_loss"):
         out.append(Chart("router.png", "Router load-balancing loss", "aux loss (unweighted)", "router_aux_loss",
                          [Series("router_aux_loss", train.points("router_aux_loss"))], from_zero=False))  # fmt: skip

@@ -764,7 +764,7 @@ class TrainingSpec(Section):
         ),
     ] = "chunked"
     objective: Annotated[
-        Literal["sft", "dpo", "ipo", "simpo", "orpo"],
+        Literal["sft", "dpo", "ipo", "simpo", "orpo", "kto"],
         Field(
             description="sft = token cross-entropy on the responses; the preference objectives train on "
             "{prompt, chosen, rejected} pairs (TRL's conventions): dpo = Direct Preference Optimization (sigmoid), "

@@ -397,6 +397,11 @@ def _objective(spec: SpecView) -> list[Problem]:
     if d.sources is not None and len(d.sources) > 1:
         out.append(("data.sources", f"training.objective {objective} reads one source of preference pairs",
                     "join the sources into one file, or give it as data.path"))  # fmt: skip
+    formats = {d.format, *(s.format for s in d.sources or [] if s.format is not None)}
+    if objective == "kto" and formats != {"auto"}:
+        out.append(("data.format", f"training.objective kto reads TRL's unpaired {{prompt, completion, label}} "
+                    f"records, not data.format {', '.join(sorted(formats - {'auto'}))}",
+                    "leave data.format at auto (and no source's format)"))  # fmt: skip
     return out
 
 

@@ -1,5 +1,5 @@
-"""Preference data for DPO, SimPO and ORPO: pairs of tokenized chats kept together (DPO: its reference log-probs beside
-them).
+"""Preference data for DPO, IPO, SimPO and ORPO: pairs of tokenized chats kept together (DPO, IPO: their reference
+log-probs beside them); and KTO's unpaired records, each kept with its KL row the same way (runner/data/unpaired.py).
 
 Each preference record is two consecutive records of the tokenized store (runner/data/pairs.py): chosen, rejected.
 `PreferenceData` is `SFTData` whose sample ids are pairs: train row 2i is pair i's chosen chat and 2i+1 its rejected
@@ -9,13 +9,17 @@ B pairs is 2B rows, the B chosen chats then the B rejected ones (TRL's concatena
 pairs (the step's loss is the mean over the global step's pairs) and its `reference` the (B, 2) reference
 log-probs of those pairs, once `set_reference` has them (runner/train/reference.py computes them once; DPO only),
 and its `chosen_labels` the chosen chats' every next token, prompt included (ORPO's NLL term, as TRL scores it).
+For KTO a sample is a record: row 2i its chat, 2i+1 its KL row, so a micro-batch of B records is the B chats then
+their B KL rows, its `reference` the (B, 2) reference log-probs of both and its `desirable` the B labels (`KTOBatch`);
+a record is dropped when its own chat keeps no target within max_seq_len (its KL row may have none: it scores 0, as
+in TRL).
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Literal
 
 import numpy as np
@@ -28,9 +32,17 @@ from runner.data.dataset import BUNDLED, Batch, SFTData, _split, encode_keyed, m
 from runner.data.records import EVAL_SPLITS
 from runner.data.tokenizer import Tokenizer
 from runner.data.tokens import IGNORE, Rows, Streams
+from runner.data.unpaired import check_balance, encode_unpaired
 
 log = logging.getLogger("jobspec.runner")
 Split = Literal["train", "eval"]
+
+
+@dataclass(frozen=True)
+class KTOBatch(Batch):
+    """A KTO micro-batch: B records' chats then their B KL rows, and the records' labels."""
+
+    desirable: torch.Tensor | None = None  # (B,) bool: each record's label (true: a desirable completion)
 
 
 def pair_rows(streams: Streams, pairs: np.ndarray, spec: DataSpec, what: str) -> Rows:
@@ -52,6 +64,7 @@ class PreferenceData(SFTData):
         self.offsets = np.array([0, len(train) // 2], dtype=np.int64)  # sample ids are pairs
         self.keys = keys
         self.reference: dict[Split, np.ndarray | None] = {"train": None, "eval": None}  # (pairs, 2) per split
+        self.labels: dict[Split, np.ndarray | None] = {"train": None, "eval": None}  # KTO: each store record's label
 
     def rows(self, split: Split) -> Rows:
         return self.train if split == "train" else self.eval  # type: ignore[return-value]
@@ -80,12 +93,20 @@ class PreferenceData(SFTData):
         for b, i in enumerate(ids):  # a row of n tokens scores tokens 1..n-1: all of them, the prompt's too
             tokens = rows_of.streams[int(rows_of.records[2 * i])][0][1:]
             chosen[b, : len(tokens)] = tokens
-        return replace(batch, targets=len(ids), pairs=True, reference=ref, chosen_labels=torch.from_numpy(chosen))
+        out = replace(batch, targets=len(ids), pairs=True, reference=ref, chosen_labels=torch.from_numpy(chosen))
+        labels = self.labels["train" if split == "train" else "eval"]
+        if labels is None:
+            return out
+        records = rows_of.records[2 * np.asarray(ids, dtype=np.int64)] // 2  # each sample's record in the file
+        return KTOBatch(**{f: getattr(out, f) for f in out.__dataclass_fields__}, desirable=torch.from_numpy(
+            labels[records]))  # fmt: skip
 
 
 def load_preference(spec: JobSpec, tokenizer: Tokenizer) -> PreferenceData:
     """Train pairs of `data.path` (one source: jobspec/spec/rules.py) and eval pairs: `data.eval_path`, or
     `eval_fraction` of the pairs held out by seed."""
+    if spec.training.objective == "kto":
+        return load_unpaired(spec, tokenizer)
     d, cache = spec.data, usable_root(spec)
     if d.packing:
         log.info("data.packing off for training.objective %s: each chosen and rejected chat is a row of its own",
@@ -107,3 +128,40 @@ def load_preference(spec: JobSpec, tokenizer: Tokenizer) -> PreferenceData:
     log.info("data: %d training pairs, %d eval pairs (chosen and rejected in one micro-batch)", len(train_rows) // 2,
              len(eval_rows) // 2)  # fmt: skip
     return PreferenceData(train_rows, eval_rows, tokenizer.pad_id, d.max_seq_len, {"train": key, "eval": eval_key})
+
+
+def unpaired_rows(streams: Streams, records: np.ndarray, spec: DataSpec, what: str) -> Rows:
+    """The rows of the KTO `records` (indices, in order) whose own chat keeps a target: its chat, then its KL row."""
+    kept = records[streams.trainable[2 * records]]
+    if len(kept) < len(records):
+        log.info("%s: dropped %d of %d KTO records left without a completion token within max_seq_len %d", what,
+                 len(records) - len(kept), len(records), spec.max_seq_len)  # fmt: skip
+    rows = np.stack([2 * kept, 2 * kept + 1], axis=1).reshape(-1)
+    return Rows(streams, rows, np.arange(len(rows) + 1))
+
+
+def load_unpaired(spec: JobSpec, tokenizer: Tokenizer) -> PreferenceData:
+    """KTO's train records of `data.path` (one source: jobspec/spec/rules.py) with their KL rows and labels, and eval
+    records: `data.eval_path`, or `eval_fraction` of the records held out by seed (runner/data/unpaired.py)."""
+    d, cache = spec.data, usable_root(spec)
+    if d.packing:
+        log.info("data.packing off for training.objective kto: each record and its KL row are rows of their own")
+    source = d.train_sources(str(BUNDLED))[0]
+    field = "data.path" if d.sources is None else "data.sources[0].path"
+    streams, labels, key = encode_unpaired(source.path, d, tokenizer, field, cache_dir=cache)
+    fraction = 0.0 if d.eval_path else d.eval_fraction
+    train, held = _split(len(labels), fraction, [spec.training.seed, 0x5EED])
+    check_balance(labels[train], spec.training, f"{field} {source.path}")
+    train_rows = unpaired_rows(streams, train, d, "train")
+    eval_rows, eval_key, eval_labels = unpaired_rows(streams, held, d, "eval"), key, labels
+    if d.eval_path:
+        held_out, eval_labels, eval_key = encode_unpaired(d.eval_path, d, tokenizer, "data.eval_path", EVAL_SPLITS,
+                                                          cache_dir=cache)  # fmt: skip
+        eval_rows = unpaired_rows(held_out, np.arange(len(eval_labels)), d, "eval")
+    if not len(train_rows):
+        raise ConfigError(f"{field} {source.path}: no training records left (every record held out or dropped)")
+    log.info("data: %d training records (%d desirable), %d eval records (each with its KL row in one micro-batch)",
+             len(train_rows) // 2, int(labels[train_rows.records[::2] // 2].sum()), len(eval_rows) // 2)  # fmt: skip
+    data = PreferenceData(train_rows, eval_rows, tokenizer.pad_id, d.max_seq_len, {"train": key, "eval": eval_key})
+    data.labels = {"train": labels, "eval": eval_labels}
+    return data

@@ -37,7 +37,7 @@ import torch.nn.functional as F
 
 from jobspec.spec.models import TrainingSpec
 from runner.data.tokens import IGNORE
-from runner.train import dpo
+from runner.train import dpo, kto
 
 REWARDS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies", "logps/chosen",
            "logps/rejected")  # fmt: skip
@@ -79,19 +79,23 @@ def _reward_sums(chosen: torch.Tensor, rejected: torch.Tensor, r_chosen: torch.T
 class Objective:
     """A preference objective (`training.objective`) with its parameters; see the module docstring."""
 
-    name: str  # dpo | ipo | simpo | orpo
+    name: str  # dpo | ipo | simpo | orpo | kto
     beta: float
     gamma: float = 0.0  # SimPO's target margin
+    weights: tuple[float, float] = (1.0, 1.0)  # KTO's desirable and undesirable weights
 
     @classmethod
     def of(cls, training: TrainingSpec) -> Objective | None:
         """The spec's preference objective; None for sft."""
         if training.objective == "sft":
             return None
-        return cls(training.objective, training.beta, training.gamma if training.objective == "simpo" else 0.0)
+        return cls(training.objective, training.beta, training.gamma if training.objective == "simpo" else 0.0,
+                   (training.desirable_weight, training.undesirable_weight))  # fmt: skip
 
     @property
     def metric_names(self) -> tuple[str, ...]:
+        if self.name == "kto":
+            return kto.METRICS
         return (REWARDS + ORPO_EXTRA if self.name == "orpo" else REWARDS) + LOGITS
 
     @property
@@ -100,13 +104,16 @@ class Objective:
         return self.name == "orpo"
 
     def loss(self, token_losses: torch.Tensor, labels: torch.Tensor, *, reference: torch.Tensor | None = None,
-             chosen_labels: torch.Tensor | None = None, nll_scale: float = 1.0,
-             mean_logits: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+             chosen_labels: torch.Tensor | None = None, nll_scale: float = 1.0, mean_logits: torch.Tensor | None = None,
+             desirable: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
         """(summed loss over the B pairs, the sums behind `metrics`: fp32, detached) from the (2B, T) fp32 token
         losses of the micro-batch's rows and their completion `labels` (2B, T); `reference`: DPO's (B, 2) log-probs.
         ORPO: the chosen rows were scored at `chosen_labels` (B, T), and their NLL's sum times `nll_scale` (the step's
         pairs over its chosen positions) joins the loss. `mean_logits` (2B, T): each position's mean logit, summed
-        over the completion tokens into the last 4 sums (0 without it)."""
+        over the completion tokens into the last 4 sums (0 without it). KTO: runner/train/kto.py, its rows the records
+        then their KL rows, `desirable` their (B,) labels."""
+        if self.name == "kto":
+            return kto.loss(token_losses, labels, reference, desirable, mean_logits, self.beta, self.weights)
         loss, sums = self._loss(token_losses, labels, reference, chosen_labels, nll_scale)
         completion = (labels != IGNORE).float()
         pairs = len(labels) // 2
@@ -143,7 +150,9 @@ class Objective:
 
     def metrics(self, sums: list[float], pairs: float) -> dict[str, float]:
         """TRL's metric names, each the mean over the global step's `pairs` of the all-reduced sums; ORPO's nll_loss
-        the mean over its chosen positions."""
+        the mean over its chosen positions; KTO's from its own sums (runner/train/kto.py)."""
+        if self.name == "kto":
+            return kto.metrics(sums)
         sums, (chosen_sum, chosen_n, rejected_sum, rejected_n) = sums[:-4], sums[-4:]
         logits = {"logits/chosen": chosen_sum / max(chosen_n, 1.0),
                   "logits/rejected": rejected_sum / max(rejected_n, 1.0)}  # fmt: skip

@@ -300,9 +300,16 @@ class Stepper:
             chosen = self._to_device(batch.chosen_labels)
             scored = torch.cat([chosen, y[len(chosen) :]])
         means: list[torch.Tensor] = []
-        losses = token_losses(self.model, self.head, x, scored, router, means)
+        if objective.name == "kto":  # the KL rows (the second half) without gradients first, as TRL's KL pass
+            half = len(x) // 2
+            with torch.no_grad():
+                kl_rows = token_losses(self.model, self.head, x[half:], y[half:])
+            losses = torch.cat([token_losses(self.model, self.head, x[:half], y[:half], router, means), kl_rows])
+        else:
+            losses = token_losses(self.model, self.head, x, scored, router, means)
         loss, sums = objective.loss(losses, y, reference=batch.reference, chosen_labels=chosen,
-                                    nll_scale=self.nll_scale, mean_logits=means[0] if means else None)  # fmt: skip
+                                    nll_scale=self.nll_scale, mean_logits=means[0] if means else None,
+                                    desirable=getattr(batch, "desirable", None))  # fmt: skip
         self.preference_sums.append(sums)
         return loss
 
