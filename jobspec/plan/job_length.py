@@ -1,11 +1,12 @@
 """How long a job is: optimizer steps and tokens per step, from the spec (and the data, when it is here).
 
 `jobspec plan` turns this into a duration per tier; the runner counts steps the same way
-(runner/data/dataset.py: `DataOrder`, `total_steps`). A preference pair is two rows (chosen and rejected), so its
-step has twice the tokens; a KTO record is two rows too, its completion and its KL row (the prompt with another
-record's completion, scored without gradients: TRL's KL pass doubles the forward). The reference pass of DPO, IPO
-and KTO, once before training, runs the starting model forward over every pair's (record's) two rows of the data (and
-of `data.eval_path`): `reference_tokens`.
+(runner/data/dataset.py: `DataOrder`, `total_steps`), over its rows: a record each, unless packed, and raw text
+(`data.format: text`) cut into blocks of max_seq_len, which only a tokenizer can count (the plan says so).
+A preference pair is two rows (chosen and rejected), so its step has twice the tokens; a KTO record is two rows
+too, its completion and its KL row (the prompt with another record's completion, scored without gradients: TRL's KL
+pass doubles the forward). The reference pass of DPO, IPO and KTO, once before training, runs the starting model
+forward over every pair's (record's) two rows of the data (and of `data.eval_path`): `reference_tokens`.
 """
 
 from __future__ import annotations
@@ -132,5 +133,17 @@ def _steps(spec: JobSpec, rows: int | None) -> JobLength:
         few = f"{train:,} training rows ({where}) are fewer than global batch {tr.global_batch}"
         return JobLength(None, tokens, few)
     steps = max(1, math.ceil(epochs * per_epoch))
-    how = f"{epochs:g} epoch(s) x {per_epoch:,} steps ({train:,} training rows of {where} / global batch)"
+    note = _text_rows(spec)
+    how = f"{epochs:g} epoch(s) x {per_epoch:,} steps ({train:,} training rows of {where} / global batch{note})"
     return JobLength(steps, tokens, how)
+
+
+def _text_rows(spec: JobSpec) -> str:
+    """What the row count misses for raw text: the runner cuts a document longer than max_seq_len into blocks (and
+    packs them), so its rows are not the records counted here, and counting tokens needs the tokenizer."""
+    d = spec.data
+    if "text" not in (d.format, *(s.format for s in d.sources or [])):
+        return ""
+    return (f"; raw text: a document longer than max_seq_len {d.max_seq_len} is several rows (blocks) when loaded"
+            f"{', then packed' if d.packing else ''}, so the runner's rows (logged at start) are not these records: "
+            "pass --rows N with its count")  # fmt: skip
