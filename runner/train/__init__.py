@@ -9,6 +9,7 @@
     loss.py     the chunked cross-entropy inside the output layer: the (tokens x vocab) fp32 logits never whole
     dpo.py      sigmoid DPO as TRL computes it, and TRL's metric names
     objectives.py  the preference objectives (dpo, ipo, simpo, orpo): a micro-batch of pairs -> loss and metrics
+    kto.py      KTO on unpaired records and their KL rows, as TRL's KTOTrainer computes it
     reference.py   DPO's reference log-probs: one pass of the starting model, cached beside the data
     engine.py   accelerate for one plan: DDP for `fast`, FSDP2 for the other tiers, mixed precision
     offload.py  `zero2_offload`'s optimizer: Adam's states and step on the host (torchao)

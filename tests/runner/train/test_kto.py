@@ -185,6 +185,28 @@ def test_a_kto_run_by_the_runner_starts_at_one_half_and_lowers_the_loss(tmp_path
     assert margins[-1] > 0.5, margins
 
 
+def test_a_kto_run_resumes_exactly_and_an_oom_shrinks_a_step_with_the_same_records(tmp_path, monkeypatch):
+    """Resumed from step 4: the same losses and metrics (the KL rows are fixed per record, the references cached).
+    An injected OOM shrinks the first step from 4 records to 2 micro-batches of 2: the loss is the same step's mean
+    (each micro-batch keeps its own KL estimate, as TRL's per-batch one, so the loss moves by the estimate only)."""
+    from runner.oom.faults import ENV_VAR
+
+    data = th.write_jsonl(tmp_path / "k.jsonl", kto_records())
+    sections = _sections(data, steps=6) | {"checkpoints": {"every_steps": 3}}
+    th.train_and_resume(tmp_path, sections, at=3)
+    a = {r["step"]: r for r in th.records(tmp_path / "full")}
+    b = {r["step"]: r for r in th.records(tmp_path / "part")}
+    assert sorted(b) == [4, 5, 6]
+    for step in (4, 5, 6):
+        for key in ("loss", *(k for k in kto.METRICS if k in a[step])):
+            assert b[step][key] == pytest.approx(a[step][key], abs=1e-5), (step, key)
+    monkeypatch.setenv(ENV_VAR, "mbs>2")  # a forward of more than 2 rows runs out (the KL rows have their own)
+    assert th.train_in_process(_spec(tmp_path / "shrunk", data, micro_batch=4, steps=1))[0] == EXIT_OK
+    events = th.records(tmp_path / "shrunk" / "run", "event")
+    assert [(e["from_micro_batch"], e["to_micro_batch"]) for e in events if e["event"] == "oom_shrink"] == [(4, 2)]
+    assert th.records(tmp_path / "shrunk" / "run")[0]["loss"] == pytest.approx(0.5, abs=1e-4)  # policy = reference
+
+
 BAD = [
     ({"prompt": "p", "completion": "a"}, "k.jsonl:3: 'label' is missing: KTO .* needs a boolean 'label'"),
     ({"prompt": "p", "completion": "a", "label": 1}, "k.jsonl:3: 'label' is int: KTO"),
