@@ -8,7 +8,10 @@ TRL's KTOTrainer reads `{"prompt", "completion", "label"}`, so a data set made f
 - `label`: a boolean, true for a desirable completion, false for an undesirable one. A record without one, or with
   another type (1, "yes"), is refused naming its file, line and field, and so is a training set of one label only:
   KTO weighs desirable against undesirable completions (TRL's KTOTrainer balances them by `desirable_weight` and
-  `undesirable_weight`, and warns, as this log does, when their counts and weights disagree).
+  `undesirable_weight`, and warns, as this log does, when their counts and weights disagree);
+- a preference pair `{prompt, chosen, rejected}` (runner/data/pairs.py, implicit prompts too) is unpaired as TRL's
+  `unpair_preference_dataset` unpairs it: two records, the chosen completion desirable, the rejected one not (here
+  one after the other; TRL puts each map batch's chosen ones before its rejected ones, which only moves KL partners).
 
 Each record is rendered with the chat template (runner/data/tokenizer.py) and its targets are the completion's
 assistant turns, as for SFT and the preference pairs. Its KL row is the KL estimate's mismatched pair, built as TRL
@@ -37,7 +40,7 @@ from jobspec.errors import ConfigError
 from jobspec.spec.models import DataSpec, TrainingSpec
 from runner.data.cache import CacheKey, cache_key, cached_streams
 from runner.data.dataset import _locate, check_text, clip_texts
-from runner.data.pairs import CHOSEN, REJECTED, _kind, _prompt_turn
+from runner.data.pairs import CHOSEN, REJECTED, _kind, _prompt_turn, pair_chats
 from runner.data.prepare import CHUNK_RECORDS, Chat, ChunkRenderer
 from runner.data.records import TRAIN_SPLITS, as_message_list, read_records
 from runner.data.tokenizer import Message, Tokenizer
@@ -52,9 +55,6 @@ def unpaired_chat(record: dict, spec: DataSpec) -> list[Message]:
     """The chat of a KTO record (its prompt, then its completion); ValueError naming the field that is wrong."""
     prompt_field = spec.prompt_field
     prompt, completion = as_message_list(record.get(prompt_field)), as_message_list(record.get(COMPLETION))
-    if completion is None and CHOSEN in record and REJECTED in record:
-        raise ValueError(f"a preference pair ({CHOSEN!r}/{REJECTED!r}): KTO reads unpaired records {{{prompt_field!r}, "
-                         f"{COMPLETION!r}, {LABEL!r}}}; train pairs with objective dpo, ipo, simpo, orpo")  # fmt: skip
     if isinstance(completion, str):
         if not isinstance(prompt, str):
             raise ValueError(f"{prompt_field!r} is {_kind(prompt)}: a text {COMPLETION!r} needs a text prompt")
@@ -73,10 +73,24 @@ def unpaired_chat(record: dict, spec: DataSpec) -> list[Message]:
                      f"{COMPLETION!r}, {LABEL!r}}}, prompt and completion both texts or both message lists")
 
 
+def is_pair(record: dict) -> bool:
+    """A preference pair given to KTO (unpaired as TRL unpairs it: see the module docstring)."""
+    return record.get(COMPLETION) is None and record.get(CHOSEN) is not None and record.get(REJECTED) is not None
+
+
+def record_chats(record: dict, spec: DataSpec) -> list[list[Message]]:
+    """The chats of a record: its own, or a pair's chosen then rejected one."""
+    return list(pair_chats(record, spec)) if is_pair(record) else [unpaired_chat(record, spec)]
+
+
 def read_labels(source: str | Path, spec: DataSpec, field: str, splits: Sequence[str] = TRAIN_SPLITS) -> np.ndarray:
-    """Each record's `label` (bool), in file order; a ConfigError at the first record without a boolean one."""
+    """Each record's `label` (bool), in file order (a pair's: true, false); a ConfigError at the first record without
+    a boolean one."""
     labels = []
     for where, record in read_records(source, spec, field, splits):
+        if isinstance(record, dict) and is_pair(record):
+            labels += [True, False]
+            continue
         label = record.get(LABEL) if isinstance(record, dict) else None
         if not isinstance(label, (bool, np.bool_)):
             raise ConfigError(
@@ -146,12 +160,13 @@ def _render(source: str | Path, spec: DataSpec, tokenizer: Tokenizer, field: str
 
         for where, record in read_records(source, spec, field, splits):
             try:
-                messages, _, _ = clip_texts(unpaired_chat(record, spec), chars, reach)
-                check_text(messages)
+                clipped = [clip_texts(chat, chars, reach)[0] for chat in record_chats(record, spec)]
+                for messages in clipped:
+                    check_text(messages)
             except ValueError as err:
                 raise ConfigError(f"{where}: {err} (KTO records)") from None
-            chats.append(messages)
-            places.append(where)
+            chats += clipped
+            places += [where] * len(clipped)
             if len(chats) >= CHUNK_RECORDS:
                 renderer.put(chats, (places, chats))
                 chats, places = [], []
@@ -159,7 +174,7 @@ def _render(source: str | Path, spec: DataSpec, tokenizer: Tokenizer, field: str
         if chats:
             renderer.put(chats, (places, chats))
         collect(drain=True)
-    log.info("data %s: %d KTO records, each with its KL row", source, len(out))
+    log.info("data %s: %d KTO records (a preference pair is two), each with its KL row", source, len(out))
     return with_kl_rows(out.build(), spec.max_seq_len, tokenizer.vocab_size)
 
 

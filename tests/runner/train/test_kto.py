@@ -82,6 +82,20 @@ def test_each_record_is_its_chat_and_its_kl_row_text_and_conversational_alike(tm
     assert int((y != IGNORE).sum()) == len(_split(*streams[int(a.train.records[0])])[1])
 
 
+def test_preference_pairs_are_unpaired_as_trl_unpairs_them(tmp_path):
+    """TRL's KTOTrainer takes {prompt, chosen, rejected} too (`unpair_preference_dataset`): each pair is two records,
+    the chosen completion desirable and the rejected one not; here one after the other, so the rows are those of the
+    same records written unpaired."""
+    pairs = th.write_jsonl(tmp_path / "p.jsonl", text_pairs(5))
+    unpaired = th.write_jsonl(tmp_path / "u.jsonl", kto_records(5))
+    a = load_preference(_spec(tmp_path, pairs), ByteTokenizer())
+    b = load_preference(_spec(tmp_path, unpaired), ByteTokenizer())
+    assert a.labels["train"].tolist() == b.labels["train"].tolist() == [True, False] * 5
+    assert len(a.train.streams) == len(b.train.streams) == 20
+    for k in range(20):
+        assert all(np.array_equal(u, v) for u, v in zip(a.train.streams[k], b.train.streams[k], strict=True))
+
+
 def _trl_kto(beta: float, weights: tuple[float, float]) -> SimpleNamespace:
     """A stand-in for TRL 1.16's KTOTrainer `self`: what its `_compute_loss` reads (precomputed references, the KL
     term on, loss_type kto)."""
@@ -213,7 +227,6 @@ BAD = [
     ({"prompt": "p", "completion": "a", "label": "true"}, "k.jsonl:3: 'label' is str: KTO"),
     ({"prompt": "p", "label": True}, r"k.jsonl:3: 'completion' is missing: KTO's records .* \{'prompt', 'completion', "
      "'label'}"),
-    ({"prompt": "p", "chosen": "a", "rejected": "b", "label": True}, "k.jsonl:3: a preference pair"),
     ({"prompt": 3, "completion": "a", "label": False}, "k.jsonl:3: 'prompt' is int"),
 ]
 
