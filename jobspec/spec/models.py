@@ -134,6 +134,15 @@ def annotation_types(annotation: Any) -> list[Any]:
     return [annotation]
 
 
+def _compile_scope(value: Any) -> Any:
+    """`training.compile`: true is `blocks` and false `off` (the switch it was); a number is neither."""
+    if isinstance(value, bool):
+        return "blocks" if value else "off"
+    if isinstance(value, int | float):
+        raise ValueError(f"the number {value!r} is not a compile scope: write blocks, model or off (true: blocks)")
+    return value
+
+
 class Section(BaseModel):
     # allow_inf_nan: `.inf` or an overflowing 1e999 is never a setting.
     model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=False, allow_inf_nan=False)
@@ -754,7 +763,16 @@ class TrainingSpec(Section):
     log_every: Annotated[int, Field(ge=1, description="Optimizer steps between metric records.")] = 10
     eval_every: Annotated[int | None, Field(ge=1, description="Steps between evaluations; null: at the end.")] = None
     eval_batches: Annotated[int, Field(ge=1, description="Micro-batches per evaluation.")] = 8
-    compile: Annotated[bool, Field(description="torch.compile the model.")] = False
+    compile: Annotated[
+        Literal["off", "blocks", "model"],
+        BeforeValidator(_compile_scope),
+        Field(
+            description="torch.compile: `blocks` (or true) compiles each transformer block on its own (regional "
+            "compilation: one block's code compiled once and reused by every layer, under FSDP2 and activation "
+            "checkpointing; the loss head stays eager), `model` the whole model in one graph, `off` (or false) none. "
+            "The first steps are slower while it compiles."
+        ),
+    ] = "off"
     loss_kernel: Annotated[
         Literal["chunked", "liger"],
         Field(

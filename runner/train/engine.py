@@ -161,6 +161,26 @@ def enable_checkpointing(model: nn.Module, *, lora: bool) -> None:
         model.enable_input_require_grads()
 
 
+def compile_model(model: nn.Module, scope: str) -> int:
+    """torch.compile `model` in place (`training.compile`), state-dict keys unchanged; the modules compiled.
+
+    `blocks`: each transformer block on its own (regional compilation, as torchtitan and accelerate do it): the
+    blocks share their code, so dynamo compiles it once and every layer reuses it, where one graph of the whole model
+    takes a compile per layer; FSDP2's hooks run eagerly between the blocks (dynamo skips them), a checkpointed block
+    recomputes its compiled forward, and the chunked loss head stays eager (runner/train/loss.py). `model`: the whole
+    model in one graph (slower to compile, graph breaks at FSDP2's hooks). `off`: nothing."""
+    if scope == "off":
+        return 0
+    if scope == "model":
+        model.compile()
+        return 1
+    names = set(block_class_names(model))
+    blocks = [m for m in model.modules() if type(m).__name__ in names]
+    for block in blocks:
+        block.compile()
+    return len(blocks)
+
+
 def prepare(
     plan: Plan,
     spec: JobSpec,
@@ -199,17 +219,17 @@ def prepare(
         optimizer = accelerator.prepare_optimizer(stepping, device_placement=False)
         internals.forget_optimizer(accelerator, placeholder)
         log.info("engine: optimizer states and step on the host (torchao CPUOffloadOptimizer)")
-    if spec.training.compile:
-        model.compile()  # in place: state-dict keys stay those of the plain model
+    compiled = compile_model(model, spec.training.compile)
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True  # fp32 matmuls on tensor cores (TF32), Ampere and later
         torch.backends.cudnn.allow_tf32 = True
     where = "FSDP2" if plugin is not None else "DDP" if plan.world_size > 1 else "single process"
     log.info(
-        "engine: accelerate %s, mixed precision %s, checkpointing %s, compile %s",
+        "engine: accelerate %s, mixed precision %s, checkpointing %s, compile %s%s",
         where,
         MIXED[plan.precision],
         plan.checkpointing,
         spec.training.compile,
+        f" ({compiled} module(s); the first steps compile them)" if compiled else "",
     )
     return accelerator, model, optimizer

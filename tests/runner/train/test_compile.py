@@ -1,0 +1,67 @@
+"""`training.compile` (issue 42): regional compilation of the transformer blocks trains as the eager step does.
+
+The runner's own path (Recipe: plan, engine, Stepper with the chunked loss head, the optimizer) with `compile:
+blocks`, against the same run eager: the same losses step by step, to float32 tolerance (inductor fuses and
+reorders the arithmetic), each block compiled in place (state-dict keys unchanged), the loss head eager. torch.compile
+runs on the CPU here with inductor's C++ backend; the GPU suite times it (bench/throughput.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from jobspec.spec.loader import parse_spec
+from runner.train.engine import compile_model
+from tests.runner.train_helpers import records, tiny_spec, train_in_process
+
+
+def losses(run_dir, compile_scope: str) -> list[float]:
+    training = {"global_batch": 8, "micro_batch": 8, "steps": 3, "warmup_steps": 1, "log_every": 1}
+    spec = tiny_spec(run_dir, training={**training, "compile": compile_scope})  # one shape: one compile
+    code, _ = train_in_process(spec)
+    assert code == 0
+    return [r["loss"] for r in records(run_dir)]
+
+
+def test_blocks_compiled_train_the_same_losses_as_eager(tmp_path) -> None:
+    try:
+        eager = losses(tmp_path / "eager", "off")
+        compiled = losses(tmp_path / "blocks", "blocks")
+    finally:
+        torch.compiler.reset()
+    assert len(eager) == len(compiled) == 3
+    torch.testing.assert_close(torch.tensor(compiled), torch.tensor(eager), rtol=1e-4, atol=1e-4)
+
+
+def test_each_block_is_compiled_in_place_and_the_rest_stays_eager() -> None:
+    from runner.model.build import block_class_names
+    from tests.runner.train.test_loss import tiny_model
+
+    model = tiny_model("tiny")
+    keys = list(model.state_dict())
+    try:
+        count = compile_model(model, "blocks")
+        names = set(block_class_names(model))
+        blocks = [m for m in model.modules() if type(m).__name__ in names]
+        assert count == len(blocks) == model.config.n_layer
+        assert all(getattr(b, "_compiled_call_impl", None) is not None for b in blocks)
+        assert getattr(model, "_compiled_call_impl", None) is None  # the model (and its loss head) stays eager
+        assert list(model.state_dict()) == keys
+        assert compile_model(model, "off") == 0
+    finally:
+        torch.compiler.reset()
+
+
+@pytest.mark.parametrize(("value", "scope"), [(True, "blocks"), (False, "off"), ("model", "model"), ("off", "off")])
+def test_the_switch_reads_true_as_blocks(value: object, scope: str) -> None:
+    text = f"name: c\nmodel: {{preset: tiny}}\ntraining: {{global_batch: 4, steps: 1, compile: {value!r}}}\n"
+    assert parse_spec(text.replace("True", "true").replace("False", "false")).training.compile == scope
+
+
+@pytest.mark.parametrize("value", ["1", "'yes'", "fast"])
+def test_a_number_or_a_word_that_is_no_scope_is_refused(value: str) -> None:
+    from jobspec.errors import SpecError
+
+    with pytest.raises(SpecError) as err:
+        parse_spec(f"name: c\nmodel: {{preset: tiny}}\ntraining: {{global_batch: 4, steps: 1, compile: {value}}}\n")
+    assert "training.compile" in str(err.value)
