@@ -41,7 +41,7 @@ from jobspec.spec.models import JobSpec
 from runner.checkpoint.storage import describe, volume_error
 from runner.dist import DistEnv
 from runner.oom.shrink import tier_failed
-from runner.process import heartbeat, redaction
+from runner.process import heartbeat, noise, redaction
 from runner.sizing.plan import NoFit
 from runner.train.recipe import Recipe
 from runner.train.step import StopFlag, Stopped
@@ -102,6 +102,7 @@ def setup_logging(rank: int) -> None:
     )
     logging.getLogger("jobspec.runner").setLevel(level)
     redaction.install()
+    noise.quiet()  # before torchao's import (peft's and transformers'): its .so and pytree warnings
 
 
 def main(argv: list[str] | None = None) -> int:
