@@ -333,7 +333,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "be reached): written into the spec as model.architecture")  # fmt: skip
     p.add_argument("--gpus", required=True, metavar="TYPE:COUNT", help="GPU type and count per node, e.g. A100-80GB:2")
     p.add_argument("--data", required=True, metavar="PATH", help="training data (data.path): file, directory or hub id")
-    p.add_argument("--objective", default="sft", metavar="sft|dpo|simpo|orpo", help="training objective (default sft)")
+    p.add_argument("--objective", default="sft", metavar="sft|dpo|ipo|kto|simpo|orpo",
+                   help="training objective (default sft)")  # fmt: skip
     p.add_argument("--format", metavar="FORMAT", help="data.format, e.g. text: raw documents for continued pretraining")
     p.add_argument("--nodes", type=int, default=1, metavar="N", help="nodes (default 1)")
     p.add_argument("--lora", action="store_true", help="train LoRA adapters (rank 16) instead of all weights")

@@ -166,7 +166,9 @@ def _text(req: Request, name: str, seq: int, lora: bool, gpus: str, nodes: int, 
         if seq == positions < req.max_seq_len
         else ""
     )
-    fmt = ["  # records: " + ("{prompt, chosen, rejected} pairs" if dpo else "{prompt, response} or {messages: [...]}")]
+    records = ("{prompt, completion, label: true|false} (unpaired; or pairs, split)" if req.objective == "kto" else
+               "{prompt, chosen, rejected} pairs" if dpo else "{prompt, response} or {messages: [...]}")  # fmt: skip
+    fmt = ["  # records: " + records]
     if req.data_format:
         what = "raw documents {text}: loss on every token, packed" if req.data_format == "text" else "its layout"
         fmt = [f"  format: {req.data_format}  # {what}"]
