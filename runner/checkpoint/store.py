@@ -59,11 +59,12 @@ from jobspec.errors import ConfigError
 from jobspec.shared_dir import signing
 from runner.checkpoint import files, manifest, rng, storage, unpickle
 from runner.checkpoint.rng import rng_state, set_rng_state
+from runner.checkpoint.steps import DONE, STEP_NAME, complete, latest
+from runner.checkpoint.steps import is_step_dir as is_step_dir  # re-exported: callers name store.is_step_dir
 from runner.checkpoint.storage import StorageError
 from runner.dist import Control
 
 log = logging.getLogger("jobspec.runner")
-DONE = "DONE"
 META = "meta.json"
 SPEC = "spec.yaml"
 DCP_METADATA = unpickle.METADATA
@@ -75,7 +76,6 @@ FORMAT = 4  # meta.json "format": 2 and later have a manifest.json (a missing on
 STEP_ITEM = ("jobspec", "step")  # {"jobspec": {"step": N}} beside "model" and "optim": DCP's item "jobspec.step"
 RANK_STEP = "rank_step"  # {"jobspec": {"rank_step": {"<rank>": N}}}: item "jobspec.rank_step.<rank>", its own file
 OPTIMIZER_STEPS = "optimizer_steps"  # meta.json: the sum of every parameter's optimizer step counter at save
-_STEP = re.compile(r"^step-(\d+)$")
 T = TypeVar("T")
 
 
@@ -96,10 +96,6 @@ def _oom_in(exc: BaseException, is_oom: Callable[[BaseException], bool]) -> bool
 
 class DamagedCheckpoint(ConfigError):
     """Complete checkpoints exist but none verifies: resuming one would train on broken state."""
-
-
-def is_step_dir(path: Path) -> bool:
-    return bool(_STEP.match(path.name))
 
 
 def fsync_dir(path: Path) -> None:
@@ -127,23 +123,6 @@ def _state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, trainable_o
     return {"model": model_sd, "optim": optim_sd}
 
 
-def complete(root: str | Path) -> list[tuple[int, Path]]:
-    """(step, path) of every checkpoint with its DONE marker, oldest first."""
-    root = Path(root)
-    found = []
-    for p in root.iterdir() if root.is_dir() else ():
-        m = _STEP.match(p.name)
-        if m and (p / DONE).is_file():
-            found.append((int(m.group(1)), p))
-    return sorted(found)
-
-
-def latest(root: str | Path) -> Path | None:
-    """The newest complete checkpoint, or None."""
-    done = complete(root)
-    return done[-1][1] if done else None
-
-
 def read_meta(path: Path) -> dict[str, Any]:
     """meta.json of checkpoint `path` (a bounded read of a regular file); OSError or ValueError otherwise."""
     return files.read_json(path / META, META_MAX_BYTES, "checkpoint's meta.json")
@@ -158,7 +137,7 @@ def verify(path: str | Path, *, full: bool = False) -> str | None:
     checkpoint from before manifests (meta.json without "format") is checked for its files' presence and
     its pickles."""
     path = Path(path)
-    m = _STEP.match(path.name)
+    m = STEP_NAME.match(path.name)
     if m is None:
         return f"{path.name} is not a step-N checkpoint directory"
     if path.is_symlink():
@@ -357,7 +336,7 @@ def resume_point(root: str | Path, *, rank: int, ctrl: Control) -> Path | None:
     if rank == 0:
         try:
             path = newest_intact(root, quarantine=True)
-            found = -1.0 if path is None else float(_STEP.match(path.name).group(1))  # type: ignore[union-attr]
+            found = -1.0 if path is None else float(STEP_NAME.match(path.name).group(1))  # type: ignore[union-attr]
         except DamagedCheckpoint as exc:
             found, err = -2.0, exc
     agreed = ctrl.all_reduce([found if rank == 0 else -3.0], "max")[0]
@@ -530,7 +509,7 @@ def prune(root: Path, keep: int) -> None:
     newest = done[-1][0] if done else -1
     doomed = [p for _, p in done[:-keep]]
     for p in root.iterdir():
-        m = _STEP.match(p.name)
+        m = STEP_NAME.match(p.name)
         if p.name.startswith(".tmp-step-") or (m and int(m.group(1)) < newest and not (p / DONE).is_file()):
             doomed.append(p)
     for p in doomed:

@@ -101,11 +101,15 @@ def finished(spec: JobSpec) -> str | None:
     export's provenance; anything unreadable, or a newest checkpoint that fails its manifest, means "not
     known to be finished" and the workers decide (they resume from the newest intact one).
     """
-    from runner.checkpoint import files, store
+    from runner.checkpoint.steps import latest
 
     root = Path(spec.run_dir)  # with an object store: what this pod has staged (the workers read the bucket)
-    newest = store.latest(root)
-    if newest is None or store.verify(newest) is not None:
+    newest = latest(root)
+    if newest is None:  # a fresh run: no torch imported here (runner/checkpoint/steps.py)
+        return None
+    from runner.checkpoint import files, store
+
+    if store.verify(newest) is not None:
         return None
     try:
         meta = store.read_meta(newest)
