@@ -10,6 +10,7 @@
     trace.py       the dispatch mode and op schemas (OOM-anywhere), FakeTensors and memory trackers (the trace)
     kernels.py     Liger Kernel's cross-entropy kernel, transformers' mixture-of-experts matmul
     offload.py     torchao's CPUOffloadOptimizer, as zero2_offload's HostAdamW reads it
+    imports.py     transformers' torchao check, answered "absent" where the run needs no torchao through it
     checkpoint.py  DCP's metadata globals, for the restricted unpickler
 
 Every function is re-exported here: callers write `from runner import internals; internals.reset_fsdp(model)`.
@@ -126,6 +127,7 @@ from runner.internals.fsdp import (
     reset_ddp,
     reset_fsdp,
 )
+from runner.internals.imports import keep_torchao_out_of_transformers
 from runner.internals.kernels import check_liger, install_experts_matmul, liger_rows
 from runner.internals.offload import OFFLOAD_PARTS, OffloadParts, offload_parts
 from runner.internals.states import accelerate_states, attention_kernel, force_fsdp, forget_optimizer, reset_accelerate
@@ -156,6 +158,7 @@ __all__ = [
     "install_experts_matmul",
     "installed",
     "is_fake",
+    "keep_torchao_out_of_transformers",
     "liger_rows",
     "memory_tracker",
     "missing",

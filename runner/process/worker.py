@@ -38,6 +38,8 @@ from jobspec.errors import EXIT_DOCS, TROUBLESHOOTING, JobspecError, docs_link, 
 from jobspec.spec.benchmarks import check_task_files
 from jobspec.spec.loader import load_spec
 from jobspec.spec.models import JobSpec
+from runner import internals
+from runner.checkpoint import files
 from runner.checkpoint.storage import describe, volume_error
 from runner.dist import DistEnv
 from runner.oom.shrink import tier_failed
@@ -92,6 +94,20 @@ def check_benchmarks(spec: JobSpec, task_dir: Path) -> None:
     benchmarks.check(items, benchmarks.task_manager(items))
 
 
+def torchao_quantized(model_path: str | None) -> bool:
+    """Whether a local model's config.json says torchao quantized it (transformers then loads it through its torchao
+    integration, which the worker otherwise keeps torchao out of: runner/internals/imports.py)."""
+    config = Path(model_path or "") / "config.json"
+    if not model_path or not config.is_file():
+        return False
+    try:
+        text = files.read_json(config, 64 * 2**20, "model config.json")
+    except (OSError, ValueError, JobspecError):
+        return True  # unreadable here: leave transformers as it is; the build reports the file
+    quant = text.get("quantization_config") if isinstance(text, dict) else None
+    return isinstance(quant, dict) and str(quant.get("quant_method", "")).lower() == "torchao"
+
+
 def setup_logging(rank: int) -> None:
     level = logging.INFO if rank == 0 else logging.WARNING
     logging.basicConfig(
@@ -120,6 +136,8 @@ def main(argv: list[str] | None = None) -> int:
     code = EXIT_FAILED
     try:
         spec = load_spec(args.spec, args.overrides)
+        if not torchao_quantized(spec.model.path):  # before transformers' model classes are imported
+            internals.keep_torchao_out_of_transformers()
         gang = heartbeat.start(env, spec.scheduling.heartbeat_timeout_seconds,
                                lambda loss: gang_lost(loss, worker, env), addr=os.environ.get("MASTER_ADDR"),
                                port=int(os.environ.get("MASTER_PORT") or 0))  # fmt: skip

@@ -136,3 +136,38 @@ def test_only_the_adapter_names_private_framework_internals() -> None:
     )  # fmt: skip
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-2000:]
     assert "private framework names only through runner.internals KEPT" in " ".join(out.stdout.split())
+
+
+def test_transformers_builds_a_model_without_importing_torchao_when_told_so(tmp_path) -> None:
+    """The worker answers transformers' torchao check "absent" (runner/internals/imports.py): where torchao is
+    installed (the GPU images, CI's dev install), a model class no longer imports it (about 2.6 s of CPU a start).
+    Too late once transformers' modeling modules are imported: nothing is changed then."""
+    import subprocess
+    import sys
+
+    code = """
+import sys
+from runner import internals
+assert internals.keep_torchao_out_of_transformers()
+from transformers import AutoModelForCausalLM, GPT2Config
+AutoModelForCausalLM.from_config(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64))
+assert not internals.keep_torchao_out_of_transformers()  # modeling imported: too late, nothing changed
+print("torchao" in sys.modules)
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip() == "False"
+
+
+def test_a_torchao_quantized_checkpoint_keeps_transformers_integration(tmp_path) -> None:
+    import json
+
+    from runner.process.worker import torchao_quantized
+
+    assert not torchao_quantized(None) and not torchao_quantized(str(tmp_path / "none"))
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    assert not torchao_quantized(str(tmp_path))
+    (tmp_path / "config.json").write_text(json.dumps({"quantization_config": {"quant_method": "torchao"}}))
+    assert torchao_quantized(str(tmp_path))
+    (tmp_path / "config.json").write_text("{")
+    assert torchao_quantized(str(tmp_path))  # unreadable: left as it is
