@@ -34,7 +34,18 @@ CONFIGS: dict[str, dict[str, Any]] = json.loads((Path(__file__).with_name("famil
 def tiny(name: str, vocab: int = 512) -> dict[str, Any]:
     """`CONFIGS[name]` shrunk to 2 layers of width 64 (CPU training in seconds): the family's own keys, its experts
     (4, top 2), latent attention, soft cap and scale kept; head counts and widths scaled down."""
-    cfg = dict(CONFIGS[name])
+    return _shrunk(dict(CONFIGS[name]), vocab)
+
+
+def _shrunk(cfg: dict[str, Any], vocab: int) -> dict[str, Any]:
+    """`tiny`'s work on one config; a multimodal one's text model shrunk so, its vision tower to one layer of 32."""
+    if "text_config" in cfg:
+        vision = {**cfg["vision_config"], "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
+                  "num_attention_heads": 2, "image_size": 28, "patch_size": 14}  # fmt: skip
+        text = _shrunk({**dict(FAMILIES[cfg["model_type"]].text_defaults), **cfg["text_config"]}, vocab)
+        return {**cfg, "text_config": text, "vision_config": vision, "mm_tokens_per_image": 4,
+                "image_token_index": vocab - 2, "boi_token_index": 2, "eoi_token_index": 3,
+                "pad_token_id": vocab - 1, "bos_token_id": 0, "eos_token_id": 1}  # fmt: skip
     if cfg["model_type"] == "gpt2":
         cfg.update(n_layer=2, n_embd=64, n_head=4, vocab_size=vocab, n_positions=512, bos_token_id=0, eos_token_id=1)
         return cfg
@@ -55,6 +66,12 @@ def tiny(name: str, vocab: int = 512) -> dict[str, Any]:
         cfg["num_experts_per_tok"] = 2
     if cfg.get("kv_lora_rank"):
         cfg.update(kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16)
+    if cfg.get("q_lora_rank"):
+        cfg["q_lora_rank"] = 32
+    if cfg.get("first_k_dense_replace"):  # one dense layer, one mixture of experts
+        cfg["first_k_dense_replace"] = 1
+    if (cfg.get("n_group") or 1) > 1:  # group-limited routing kept: 2 groups of 2 experts, the best group's top 2
+        cfg.update(n_group=2, topk_group=1)
     if cfg.get("sliding_window"):
         cfg["sliding_window"] = 32
     cfg["pad_token_id"] = vocab - 1  # some config classes default to an id of the full vocabulary

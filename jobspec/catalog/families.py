@@ -4,7 +4,9 @@
    (jobspec/catalog/model_config.py reads those): the block the activation coefficients were traced on (Llama-style,
    Phi-3's fused projections, GPT-2), QK-norm, the tie default, mixture-of-experts (`ExpertKeys`: where the config
    keeps the routed experts, their width, the shared experts, the dense layers, the router's auxiliary loss),
-   multi-head latent attention, logit soft-capping and scaling, and the attention kernels transformers accepts.
+   multi-head latent attention, logit soft-capping and scaling, the attention kernels transformers accepts, and for
+   a multimodal checkpoint the text model inside it (`text_model`: Gemma 3 4B+ is planned and trained as the
+   `gemma3_text` model of its `text_config`, the vision tower left out).
 2. `FAMILIES`: the table. A `model_type` outside it is refused (`family`: ConfigError, exit 2, naming it and the
    supported ones): a family the memory model was never checked on would be planned as dense Llama blocks, which is
    how a 14 B mixture-of-experts model came to be planned as 1.9 B.
@@ -78,6 +80,10 @@ class Family:
     # what it keeps (the scores' gradients, the softmax's and the sinks' copies): with checkpointing the recomputed
     # layer peaks there once the sequence is long (gpt-oss: 6.0-6.5 in all at 1-4k tokens, kept 2.0; 0: not traced,
     # the layer's activations and gradients are its peak)
+    text_model: str | None = None  # a multimodal checkpoint whose `text_config` (of this model_type) is the model
+    # planned and trained, its vision tower left out (Gemma 3 4B+: the runner loads its language model's weights)
+    text_defaults: tuple[tuple[str, object], ...] = ()  # the text config class's defaults, for the keys a published
+    # text_config leaves out (Gemma 3's lists only what differs from Gemma3TextConfig)
 
 
 _ROUTED = ("num_local_experts", "num_experts")  # transformers' name, and the alias a config.json may use
@@ -105,6 +111,12 @@ FAMILIES: dict[str, Family] = {
             "gemma3_text", "Gemma 3 (text)", qk_norm=True, tie_default=True, softcap_key="final_logit_softcapping",
             extra_norms=2, act_extra=((4, (17.0, 5.2)), (2, (21.0, 5.2))), window_mask=2.0 * 5 / 6,
         ),
+        Family(
+            "gemma3", "Gemma 3 (multimodal: its text model)", text_model="gemma3_text",
+            text_defaults=(("vocab_size", 262208), ("hidden_size", 2304), ("intermediate_size", 9216),
+                           ("num_hidden_layers", 26), ("num_attention_heads", 8), ("num_key_value_heads", 4),
+                           ("head_dim", 256), ("max_position_embeddings", 131072), ("sliding_window", 4096)),
+        ),  # Gemma3TextConfig's defaults in transformers 5.24
         Family("mixtral", "Mixtral", experts=ExpertKeys(_ROUTED, "intermediate_size")),
         Family(
             "qwen2_moe", "Qwen 1.5 / 2 MoE",
@@ -121,6 +133,13 @@ FAMILIES: dict[str, Family] = {
                                shared="n_shared_experts", shared_is_count=True, dense_first="first_k_dense_replace",
                                aux_loss=False),
             act_extra=((4, (1.5, 0.0)), (2, (4.5, 0.0))),  # the latent's norm and the rope split
+        ),
+        Family(
+            "deepseek_v3", "DeepSeek-V3", mla=True,
+            experts=ExpertKeys(("n_routed_experts", "num_local_experts"), "moe_intermediate_size",
+                               shared="n_shared_experts", shared_is_count=True, dense_first="first_k_dense_replace",
+                               aux_loss=False),  # sigmoid, group-limited routing with a bias buffer: no aux loss
+            act_extra=((4, (1.5, 0.0)), (2, (4.5, 0.0))),
         ),
         Family("gpt_oss", "gpt-oss", experts=ExpertKeys(_ROUTED, "intermediate_size", bias=True),
                attentions=frozenset({"eager"}), act_extra=((4, (0.0, 4.0)), (2, (0.0, 4.0))), routed_extra=(0.0, 5.3),

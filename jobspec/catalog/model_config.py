@@ -88,6 +88,9 @@ def shape_from_config(cfg: dict[str, Any], where: str = "config.json") -> ModelS
     `model_type` (this project's tests and benches) is read as GPT-2 or Llama keys, whichever it has."""
     gpt2 = "n_embd" in cfg
     fam = family(cfg.get("model_type", "gpt2" if gpt2 else "llama"), where)
+    if fam.text_model:
+        cfg = text_config(cfg, where)
+        fam = family(cfg["model_type"], f"{where} text_config")
     keys = _GPT2_KEYS if fam.block == "gpt2" else _LLAMA_KEYS
     v: dict[str, Any] = _checked(
         cfg, keys, ("layers", "hidden", "heads", "vocab", *(() if fam.block == "gpt2" else ("intermediate",))), where
@@ -111,6 +114,21 @@ def shape_from_config(cfg: dict[str, Any], where: str = "config.json") -> ModelS
                       residual_dropout=_dropout(cfg, "resid_pdrop", 0.0), model_type=fam.name, mla=mla,
                       extra_norms=fam.extra_norms, sliding_window=_window(cfg, where) if fam.window_mask else None,
                       **_experts(cfg, fam, v["layers"], v["intermediate"], where))  # fmt: skip
+
+
+def text_config(cfg: dict[str, Any], where: str = "config.json") -> dict[str, Any]:
+    """The text model's config of a multimodal checkpoint whose family trains its text model alone (Gemma 3 4B+:
+    `text_config`, of model_type gemma3_text), the keys it leaves out at the text config class's defaults; `cfg`
+    itself for any other family. ConfigError when the text config is missing or of another model_type."""
+    fam = family(cfg.get("model_type"), where)
+    if not fam.text_model:
+        return cfg
+    text = cfg.get("text_config")
+    if not isinstance(text, dict) or text.get("model_type", fam.text_model) != fam.text_model:
+        why = (f"must be the {fam.text_model} config of the text model, not "
+               f"{_shown(text.get('model_type')) if isinstance(text, dict) else _shown(text)}")  # fmt: skip
+        raise ConfigProblems(f"{where}: text_config {why}: fix the file", [("text_config", why)])
+    return {**dict(fam.text_defaults), **text, "model_type": fam.text_model}
 
 
 def _window(cfg: dict[str, Any], where: str) -> int | None:

@@ -126,7 +126,32 @@ def checked_config(path: str) -> object:
             f"model.path {path!r}: cannot read its config ({type(err).__name__}: {str(err)[:300]})"
         ) from None
     check_config(config.to_dict(), where=f"model.path {path!r} config")
-    return config
+    return text_part(config)
+
+
+# A multimodal checkpoint's language-model weights as its text model's causal LM names them (Gemma 3: the hub files'
+# `language_model.model.*`, and `model.language_model.*` as transformers >= 4.52 writes them): the vision tower's
+# weights match none and are left unread (transformers reports them as unexpected).
+TEXT_WEIGHTS = {r"^language_model\.model\.": "model.", r"^model\.language_model\.": "model.",
+                r"^language_model\.lm_head\.": "lm_head."}  # fmt: skip
+
+
+def text_part(config: object) -> object:
+    """The config of the model a run trains: for a family that trains a multimodal checkpoint's text model alone
+    (jobspec/catalog/families.py `text_model`: Gemma 3 4B+), its `text_config` (AutoModelForCausalLM builds
+    Gemma3ForCausalLM from it); `config` otherwise."""
+    fam = FAMILIES.get(getattr(config, "model_type", ""))
+    return config.text_config if fam is not None and fam.text_model else config  # type: ignore[attr-defined]
+
+
+def load_pretrained(path: str, config: object, **kwargs: object) -> nn.Module:
+    """AutoModelForCausalLM.from_pretrained of `path` built as `config` (checked_config's): a multimodal checkpoint's
+    text model reads the language model's weights (TEXT_WEIGHTS), so it loads exactly what the file holds."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    stored = AutoConfig.from_pretrained(path)
+    mapping = {"key_mapping": TEXT_WEIGHTS} if text_part(stored) is not stored else {}
+    return AutoModelForCausalLM.from_pretrained(path, config=config, **mapping, **kwargs)
 
 
 def build_model(
@@ -170,9 +195,7 @@ def build_model(
     else:
         config = checked_config(m.path)
         try:
-            model = AutoModelForCausalLM.from_pretrained(
-                m.path, config=config, dtype=DTYPES[m.dtype], attn_implementation=attention, **where
-            )
+            model = load_pretrained(m.path, config, dtype=DTYPES[m.dtype], attn_implementation=attention, **where)
         except (OSError, ValueError) as err:
             raise ConfigError(f"model.path {m.path!r}: cannot load the model ({err})") from None
         if vocab > model.get_input_embeddings().num_embeddings:

@@ -58,7 +58,14 @@ from jobspec.plan.quantize import base_quantization
 from jobspec.spec.models import LoraSpec
 from runner import internals
 from runner.data.dataset import Batch
-from runner.model.build import apply_lora, frozen_base_width, preset_config, ready_for_training, router_aux_coef
+from runner.model.build import (
+    apply_lora,
+    frozen_base_width,
+    preset_config,
+    ready_for_training,
+    router_aux_coef,
+    text_part,
+)
 from runner.model.quantize import parts_to_empty, quantize_base
 from runner.train import engine
 
@@ -131,6 +138,7 @@ def hf_config(model: ModelShape | dict[str, Any] | Any) -> Any:
         cfg = model
     else:
         raise ConfigError(f"trace: cannot make a transformers config of {type(model).__name__}")
+    cfg = text_part(cfg)  # a multimodal checkpoint's text model, as build_model trains it (Gemma 3 4B+)
     cfg.use_cache = False  # as build_model: no KV cache in training
     return cfg
 

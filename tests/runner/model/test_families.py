@@ -22,10 +22,12 @@ from jobspec.catalog.model_config import shape_from_config
 from jobspec.contract import EXIT_OK
 from jobspec.errors import ConfigError
 from jobspec.plan import memory
+from runner.model.build import checked_config, load_pretrained
 from tests.runner.train_helpers import records, save_test_tokenizer, tiny_spec, train_in_process
 
 ONE_PER_TYPE = list({cfg["model_type"]: name for name, cfg in reversed(CONFIGS.items())}.values())
-ADAPTED = {"gpt2": ["c_attn"], "phi3": ["qkv_proj", "o_proj"], "deepseek_v2": ["q_proj", "kv_b_proj", "o_proj"]}
+ADAPTED = {"gpt2": ["c_attn"], "phi3": ["qkv_proj", "o_proj"], "deepseek_v2": ["q_proj", "kv_b_proj", "o_proj"],
+           "deepseek_v3": ["q_b_proj", "kv_b_proj", "o_proj"]}
 
 
 def local_model(tmp_path: Path, name: str) -> Path:
@@ -64,11 +66,12 @@ def test_every_family_trains_from_a_local_path_and_exports_a_model_that_loads(tm
     assert len(losses) == 5 and all(map(lambda x: x == x, losses))  # no NaN
     assert losses[-1] < losses[0], losses
     x = torch.randint(0, 300, (1, 12))
-    if lora:
-        loaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), run / "model").eval()
+    text_type = FAMILIES[model_type].text_model or model_type  # Gemma 3 4B+ trains and exports its text model
+    if lora:  # the adapter is the text model's: its base loaded as the runner loads it
+        loaded = PeftModel.from_pretrained(load_pretrained(str(base), checked_config(str(base))), run / "model").eval()
     else:
         loaded = AutoModelForCausalLM.from_pretrained(run / "model").eval()
-        assert json.loads((run / "model" / "config.json").read_text())["model_type"] == model_type
+        assert json.loads((run / "model" / "config.json").read_text())["model_type"] == text_type
     with torch.no_grad():
         assert torch.isfinite(loaded(input_ids=x).logits).all()
 
@@ -164,17 +167,19 @@ def test_a_mixture_of_experts_is_planned_with_every_expert():
 
 @pytest.mark.parametrize(
     ("name", "tier"), [("mixtral-8x7b", "fast"), ("mixtral-8x7b", "zero3"), ("gemma-2-2b", "zero2"),
-                       ("deepseek-v2-lite", "fast"), ("olmo-2-7b", "zero2")],
+                       ("deepseek-v2-lite", "fast"), ("olmo-2-7b", "zero2"), ("gemma-3-4b", "fast"),
+                       ("gemma-3-4b", "zero3"), ("deepseek-v3", "fast"), ("deepseek-v3", "zero3")],
 )  # fmt: skip
 def test_formula_and_trace_agree_on_mid_sized_families(name, tier):
-    """4 layers at width 512 of the family's own blocks (experts, latent attention, the soft-capped head), traced
-    at two micro-batches: the formula within 5 % of the trace (both without the fixed overhead)."""
+    """4 layers (Gemma 3 4B: 6) at width 512 of the family's own blocks (experts, latent attention, the soft-capped
+    head), traced at two micro-batches: the formula within 5 % of the trace (both without the fixed overhead)."""
     from runner.train.trace import trace_step
 
-    cfg = {**tiny(name, vocab=4096), "num_hidden_layers": 4, "hidden_size": 512, "intermediate_size": 1024,
-           "num_attention_heads": 8, "num_key_value_heads": 4}  # fmt: skip
-    if "head_dim" in cfg:
-        cfg["head_dim"] = 64
+    cfg = tiny(name, vocab=4096)
+    text = cfg.get("text_config", cfg)  # a multimodal checkpoint's text model (Gemma 3 4B+)
+    layers = 6 if name == "gemma-3-4b" else 4  # Gemma 3: one period of its layers, 5 sliding-window and 1 global
+    text.update(num_hidden_layers=layers, hidden_size=512, intermediate_size=1024, num_attention_heads=8,
+                num_key_value_heads=4, **({"head_dim": 64} if "head_dim" in text else {}))  # fmt: skip
     shape = shape_from_config(cfg)
     attention = "eager" if "sdpa" not in FAMILIES[cfg["model_type"]].attentions else "sdpa"
     ranks = 1 if tier == "fast" else 2
