@@ -54,6 +54,7 @@ class Family:
     label: str  # as people write it
     block: Block = "llama"
     qk_norm: bool = False  # an RMSNorm on each head's queries and keys
+    qk_norm_key: str | None = None  # the config key that turns that norm on (GLM-4.5's use_qk_norm), where optional
     tie_default: bool = False  # tie_word_embeddings when the config leaves it out (the config class's default)
     experts: ExpertKeys | None = None
     mla: bool = False  # multi-head latent attention (DeepSeek-V2): low-rank k/v (kv_lora_rank), split rope dims
@@ -140,6 +141,12 @@ FAMILIES: dict[str, Family] = {
                                shared="n_shared_experts", shared_is_count=True, dense_first="first_k_dense_replace",
                                aux_loss=False),  # sigmoid, group-limited routing with a bias buffer: no aux loss
             act_extra=((4, (1.5, 0.0)), (2, (4.5, 0.0))),
+        ),
+        Family(
+            "glm4_moe", "GLM-4.5", qk_norm_key="use_qk_norm",
+            experts=ExpertKeys(("n_routed_experts", "num_local_experts"), "moe_intermediate_size",
+                               shared="n_shared_experts", shared_is_count=True, dense_first="first_k_dense_replace",
+                               aux_loss=False),  # DeepSeek-V3's router; partial rotary, q/k/v biases
         ),
         Family("gpt_oss", "gpt-oss", experts=ExpertKeys(_ROUTED, "intermediate_size", bias=True),
                attentions=frozenset({"eager"}), act_extra=((4, (0.0, 4.0)), (2, (0.0, 4.0))), routed_extra=(0.0, 5.3),

@@ -110,7 +110,8 @@ def shape_from_config(cfg: dict[str, Any], where: str = "config.json") -> ModelS
                       vocab=v["vocab"], max_positions=v["max_positions"] or 2048, intermediate=v["intermediate"],
                       tie_embeddings=tie if isinstance(tie, bool) else fam.tie_default,
                       head_dim=head_dim if head_dim != v["hidden"] // v["heads"] else None,
-                      qk_norm=fam.qk_norm, fused_projections=fam.block == "phi3",
+                      qk_norm=fam.qk_norm or (fam.qk_norm_key is not None and cfg.get(fam.qk_norm_key) is True),
+                      fused_projections=fam.block == "phi3",
                       residual_dropout=_dropout(cfg, "resid_pdrop", 0.0), model_type=fam.name, mla=mla,
                       extra_norms=fam.extra_norms, sliding_window=_window(cfg, where) if fam.window_mask else None,
                       **_experts(cfg, fam, v["layers"], v["intermediate"], where))  # fmt: skip
