@@ -126,8 +126,8 @@ def text_config(cfg: dict[str, Any], where: str = "config.json") -> dict[str, An
         return cfg
     text = cfg.get("text_config")
     if not isinstance(text, dict) or text.get("model_type", fam.text_model) != fam.text_model:
-        why = (f"must be the {fam.text_model} config of the text model, not "
-               f"{_shown(text.get('model_type')) if isinstance(text, dict) else _shown(text)}")  # fmt: skip
+        shown = "missing" if text is None else _shown(text.get("model_type") if isinstance(text, dict) else text)
+        why = f"must be the {fam.text_model} config of the text model, not {shown}"
         raise ConfigProblems(f"{where}: text_config {why}: fix the file", [("text_config", why)])
     return {**dict(fam.text_defaults), **text, "model_type": fam.text_model}
 

@@ -155,6 +155,21 @@ def test_an_unknown_model_type_is_refused_with_the_supported_families(tmp_path):
     assert "mixtral" in str(err.value) and "gemma2" in str(err.value)
 
 
+def test_gemma3_is_planned_as_its_text_model_from_the_published_sparse_text_config():
+    """Gemma 3 4B's hub config.json lists only what differs from Gemma3TextConfig: the rest at its defaults, the same
+    shape as the config written out in full; a gemma3 config without a gemma3_text text_config is refused."""
+    full = CONFIGS["gemma-3-4b"]
+    sparse = {"model_type": "gemma3", "vision_config": full["vision_config"],
+              "text_config": {"model_type": "gemma3_text", "hidden_size": 2560, "intermediate_size": 10240,
+                              "num_hidden_layers": 34, "sliding_window": 1024}}  # fmt: skip
+    shape = shape_from_config(sparse)
+    assert shape == shape_from_config(full) and shape.model_type == "gemma3_text" and 3.8e9 < shape.params < 3.9e9
+    wrong = {**sparse, "text_config": {"model_type": "llama"}}
+    for bad, said in (({"model_type": "gemma3"}, "missing"), (wrong, "llama")):
+        with pytest.raises(ConfigError, match=f"text_config must be the gemma3_text config .*{said}"):
+            shape_from_config(bad, where="x/config.json")
+
+
 def test_a_mixture_of_experts_is_planned_with_every_expert():
     """Qwen1.5-MoE-A2.7B: 14.3 B parameters with its 60 experts a layer (it was planned as 1.86 B, dense), 2.7 B
     a token passes through."""
