@@ -68,8 +68,9 @@ def calls(log: Path) -> list[list[str]]:
 
 
 def test_build_tags_by_version_and_content_from_each_dockerfile(engine: Path) -> None:
+    mirror = "PIP_INDEX_URL=https://user:s3cret@mirror/simple"
     code, said = cli("image", "build", "--vendor", "cuda,cpu", "--repository", "ghcr.io/me/runner",
-                     "--source", str(REPO), "--build-arg", "PIP_INDEX_URL=https://user:s3cret@mirror/simple")  # fmt: skip
+                     "--source", str(REPO), "--build-arg", mirror)  # fmt: skip
     assert code == 0, said
     builds = [c for c in calls(engine) if c[1] == "build"]
     assert [c[0] for c in builds] == ["docker", "docker"]  # docker first when both are there
