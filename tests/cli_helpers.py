@@ -27,3 +27,23 @@ def cli(*argv: str) -> tuple[int, str]:
         except SystemExit as exc:  # argparse
             code = int(exc.code or 0)
     return code, out.getvalue() + err.getvalue()
+
+
+def refused_at_line(path: Path, field: str, line: int, words: str, capsys) -> str:  # capsys: pytest's fixture
+    """Assert that loading spec `path` fails with one issue on `field` at `line` whose message or hint holds `words`,
+    and that `jobspec validate` exits 2 naming `path:line` without a traceback; validate's stderr."""
+    import pytest
+
+    from jobspec.errors import SpecError
+    from jobspec.spec.loader import load_spec
+
+    with pytest.raises(SpecError) as info:
+        load_spec(path)
+    issue = next((i for i in info.value.issues if i.path == field), None)
+    assert issue is not None, f"no issue for {field}: {info.value}"
+    assert issue.line == line, str(info.value)
+    assert words in f"{issue.message} {issue.hint}", str(info.value)
+    assert main(["validate", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert f"{path}:{line}" in err and "Traceback" not in err
+    return err

@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from jobspec.cli import main
-from jobspec.errors import ConfigError, SpecError
+from jobspec.errors import ConfigError
 from jobspec.plan.job_length import count_rows, job_length
 from jobspec.report.metrics import MetricsFile, validate
 from jobspec.spec.loader import load_spec, parse_spec
+from tests.cli_helpers import refused_at_line
 
 HEAD = """name: mix
 model:
@@ -56,15 +56,7 @@ BAD = {  # data section -> (field, line, words in the message)
 def test_a_bad_source_is_refused_at_its_line(case, tmp_path, capsys):
     data, field, line, words = BAD[case]
     path = write(tmp_path, data)
-    with pytest.raises(SpecError) as info:
-        load_spec(path)
-    issue = next((i for i in info.value.issues if i.path == field), None)
-    assert issue is not None, f"no issue for {field}: {info.value}"
-    assert issue.line == line, str(info.value)
-    assert words in f"{issue.message} {issue.hint}", str(info.value)
-    assert main(["validate", str(path)]) == 2
-    err = capsys.readouterr().err
-    assert f"{path}:{line}" in err and "Traceback" not in err
+    err = refused_at_line(path, field, line, words, capsys)
     assert "hunter22" not in err and "ghiJKL789" not in err  # a credential is never echoed
 
 
