@@ -50,7 +50,8 @@ def job_dir(tmp_path: Path, benchmarks: list[str], pad: int = 0) -> Path:
 def rendered(spec_file: Path) -> dict[str, dict[str, Any]]:
     code, out = cli("render", str(spec_file))
     assert code == EXIT_OK, out
-    return by_kind([o for o in yaml.safe_load_all(out) if o])
+    text = "\n".join(line for line in out.splitlines() if not line.startswith("warning: "))  # stderr's notes
+    return by_kind([o for o in yaml.safe_load_all(text) if o])
 
 
 def project(configmap: dict[str, Any], volume: dict[str, Any], into: Path) -> Path:

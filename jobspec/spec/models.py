@@ -837,7 +837,8 @@ class TrainingSpec(Section):
         if self.simpo_gamma is not None and self.objective != "simpo":
             raise ValueError(f"`training.simpo_gamma` is SimPO's: set `training.objective: simpo`, or drop "
                              f"simpo_gamma (objective {self.objective})")  # fmt: skip
-        weighted = [f for f in ("desirable_weight", "undesirable_weight") if f in self.model_fields_set]
+        weighted = [f for f in ("desirable_weight", "undesirable_weight")  # TRL's 1.0 is no weighting (a spec
+                    if f in self.model_fields_set and getattr(self, f) != 1.0]  # dumped and read again has it set)
         if weighted and self.objective != "kto":
             raise ValueError(f"`training.{weighted[0]}` is KTO's: set `training.objective: kto`, or drop it "
                              f"(objective {self.objective})")  # fmt: skip
