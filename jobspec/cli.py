@@ -110,8 +110,9 @@ def _notes(spec: JobSpec) -> list[str]:
     if spec.checkpoints.pvc and spec.hardware.nodes > 1:
         notes.append(f"{spec.hardware.nodes} nodes write into checkpoints.pvc: it must be ReadWriteMany")
     image = spec.image.name
-    if is_cluster_spec(spec) and unpublished_note(spec):  # a CPU spec may only ever run here, with no image
-        notes.append(unpublished_note(spec) or "")
+    unpublished = unpublished_note(spec) if is_cluster_spec(spec) else None  # a CPU spec may only run here, no image
+    if unpublished:
+        notes.append(unpublished)
     if image and "@" not in image:  # the spec checked the digest's shape; a tag can move under a running job
         tag = image.rpartition("/")[2].partition(":")[2] or "latest"
         notes.append(
@@ -135,14 +136,13 @@ def _notes(spec: JobSpec) -> list[str]:
 def cmd_render(args: argparse.Namespace) -> int:
     from jobspec.local_paths import cluster_warnings
     from jobspec.render import render, to_json, to_yaml
-
-    spec = _load(args)
     from jobspec.render.images import unpublished_note
 
+    spec = _load(args)
     objects = render(spec, _shipped_task_files(args.spec, spec))
     image_note = unpublished_note(spec)
-    for line in cluster_warnings(args.spec, spec) + ([image_note] if image_note else []):  # stderr: `render |
-        # kubectl apply -f -` reads stdout only
+    # stderr: `render | kubectl apply -f -` reads stdout only
+    for line in cluster_warnings(args.spec, spec) + ([image_note] if image_note else []):
         print(f"warning: {line}", file=sys.stderr)
     sys.stdout.write(to_json(objects) if args.output == "json" else to_yaml(objects))
     return EXIT_OK

@@ -102,12 +102,16 @@ def _builds(args: argparse.Namespace) -> tuple[engine.Engine, Path, list[context
     return found, root, [context.plan_build(root, v, repository, build_args) for v in vendors], build_args
 
 
+def _build(found: engine.Engine, root: Path, plan: context.Build, build_args: dict[str, str], revision: str) -> None:
+    print(f"building the {plan.vendor} image from {root} with {found.name}: {plan.content_tag}", file=sys.stderr)
+    engine.build(found, root, plan, build_args, revision)
+
+
 def cmd_build(args: argparse.Namespace) -> int:
     found, root, builds, build_args = _builds(args)
     revision = _revision(root)
     for plan in builds:
-        print(f"building the {plan.vendor} image from {root} with {found.name}: {plan.content_tag}", file=sys.stderr)
-        engine.build(found, root, plan, build_args, revision)
+        _build(found, root, plan, build_args, revision)
         print(f"{plan.vendor}: {plan.version_tag}, {plan.content_tag}")
     return EXIT_OK
 
@@ -117,9 +121,7 @@ def cmd_push(args: argparse.Namespace) -> int:
     revision = _revision(root)
     for plan in builds:
         if not args.no_build:
-            print(f"building the {plan.vendor} image from {root} with {found.name}: {plan.content_tag}",
-                  file=sys.stderr)  # fmt: skip
-            engine.build(found, root, plan, build_args, revision)
+            _build(found, root, plan, build_args, revision)
         digest = engine.push(found, plan)
         pinned = f"{plan.content_tag}@{digest}"
         where = record.record_pushed(plan.vendor, pinned, plan.content)

@@ -112,10 +112,11 @@ def _container_security_context() -> Obj:
 
 
 def _container(spec: JobSpec, mounts: list[Obj]) -> Obj:
+    image = image_for(spec)  # reads the record of pushed images once
     container: Obj = {
         "name": CONTAINER_NAME,
-        "image": image_for(spec),
-        "imagePullPolicy": pull_policy(spec, image_for(spec)),
+        "image": image,
+        "imagePullPolicy": pull_policy(spec, image),
         "args": [SPEC_PATH],  # the image's ENTRYPOINT is `python -m runner`
         "workingDir": WORKDIR,
         "env": container_env(spec),
