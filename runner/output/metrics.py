@@ -18,6 +18,7 @@ import logging
 import resource
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -69,8 +70,11 @@ class GpuUtil:
 class Metrics:
     """Appends records to `<dir>/metrics.jsonl` and logs a line for each (rank 0 only)."""
 
-    def __init__(self, path: Path, enabled: bool, trackers: Any = None):
+    def __init__(self, path: Path, enabled: bool, trackers: Any = None, fence: Callable[[], None] | None = None):
         self.enabled = enabled
+        # Called right before each line is written (runner/train/recipe.py `fence`): raises when the gang or the run
+        # directory moved on without this process, so a rank frozen anywhere up to here writes nothing.
+        self.fence = fence
         self.trackers = trackers  # runner.output.tracking.Trackers: the same records to TensorBoard, W&B, MLflow
         self.file = None
         self.progress = ProgressLine()  # the live-progress log line of each train record (output/progress.py)
@@ -93,7 +97,10 @@ class Metrics:
         if self.file is None:
             return
         stamped = {"time": round(time.time(), 3), **record}
-        self.file.write(json.dumps(stamped, separators=(",", ":")) + "\n")
+        line = json.dumps(stamped, separators=(",", ":")) + "\n"
+        if self.fence is not None:
+            self.fence()  # the last thing before the write: the record is built, the line serialized
+        self.file.write(line)
         if record.get("kind") != "event":  # events (an OOM shrink) were logged in words where they happened
             log.info("%s", format_line(record))
         line = self.progress.observe(stamped)

@@ -107,8 +107,7 @@ def train_record(r: Any, res: StepResult, tokens_per_s: float) -> None:
     r.status.update(step=r.step, loss=loss)
     used, total = memory_bytes(r.device, r.host.total_bytes)
     p = r.plan
-    r.fence()
-    r.metrics.write(
+    r.metrics.write(  # fenced right before the line is written (Metrics.fence)
         {
             "kind": "train",
             "step": r.step,

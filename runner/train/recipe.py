@@ -160,7 +160,7 @@ class Recipe:
         extra = (*(objective.metric_names if objective else ()), *(("router_aux_loss",) if self.stepper.router_aux_coef
                                                                       else ()))  # fmt: skip
         trackers = tracking.Trackers(spec, self.root, enabled=env.is_main, config=config, extra=extra)
-        self.metrics = Metrics(self.root / METRICS_FILE, enabled=env.is_main, trackers=trackers)
+        self.metrics = Metrics(self.root / METRICS_FILE, enabled=env.is_main, trackers=trackers, fence=self.fence)
         self._write_plan(resumed=resume is not None)
         self.gpu_util = GpuUtil(self.device)
 
@@ -510,7 +510,6 @@ class Recipe:
             self.metrics.write({"kind": "event", "event": "eval_skipped", "step": self.step, "reason": str(err)})
             return
         self.eval_loss = loss
-        self.fence()
         self.metrics.write({"kind": "eval", "step": self.step, "eval_loss": loss, "eval_tokens": n})
 
     def _save(self, *, final: bool = False) -> None:

@@ -109,3 +109,26 @@ def test_rank_0s_text_reaches_every_rank_exactly(tmp_path):
 
 def test_superseded_is_no_config_error():
     assert not issubclass(Superseded, ConfigError)
+
+
+def test_every_metrics_line_is_fenced_after_it_is_built(tmp_path):
+    """A rank frozen anywhere before the write (building a train record, an OOM event) finds out at the write: the
+    fence is the last thing before the line lands, and a superseded rank's line never does."""
+    from runner.output.metrics import Metrics
+
+    lease = Lease(tmp_path, "job-a")
+    lease.acquire()
+    holder = lease.holder
+    metrics = Metrics(tmp_path / "metrics.jsonl", enabled=True, fence=lambda: check_holder(tmp_path, holder, "job-a"))
+    metrics.write({"kind": "event", "event": "oom_recovered", "step": 3})
+    lease.release()
+    Lease(tmp_path, "job-a").acquire()  # the gang restarted without this rank: a new attempt holds the directory
+    for record in (
+        {"kind": "event", "event": "oom_recovered", "step": 4},
+        {"kind": "eval", "step": 4, "eval_loss": 1.0, "eval_tokens": 8},
+    ):
+        with pytest.raises(Superseded):
+            metrics.write(record)
+    metrics.close()
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(line)["step"] for line in lines] == [3]
