@@ -93,13 +93,15 @@ class Metrics:
                                   "never written through a link): remove it, or give the run another checkpoints.dir"
                                   ) from None  # fmt: skip
 
-    def write(self, record: dict[str, Any]) -> None:
+    def write(self, record: dict[str, Any], fence: Callable[[], None] | None = None) -> None:
+        """Append `record` (rank 0). `fence`: instead of the one given at construction, for this record."""
         if self.file is None:
             return
         stamped = {"time": round(time.time(), 3), **record}
         line = json.dumps(stamped, separators=(",", ":")) + "\n"
-        if self.fence is not None:
-            self.fence()  # the last thing before the write: the record is built, the line serialized
+        fence = fence or self.fence
+        if fence is not None:
+            fence()  # the last thing before the write: the record is built, the line serialized
         self.file.write(line)
         if record.get("kind") != "event":  # events (an OOM shrink) were logged in words where they happened
             log.info("%s", format_line(record))

@@ -79,7 +79,7 @@ def gang_lost(loss: heartbeat.Loss, recipe: Recipe | None, env: DistEnv) -> None
                       "silent_s": round(loss.silent_s, 3), "detected_at": round(loss.detected_at, 3), "by": loss.by,
                       "checkpoint_step": resumes, "steps_to_redo": step - resumes}  # fmt: skip
             with contextlib.suppress(Exception):  # the record is a courtesy; the exit is what matters
-                recipe.metrics.write(record)
+                recipe.metrics.write(record, fence=recipe.holds_lease)  # the gang is lost: the lease alone decides
     finally:  # whatever the record met, the process ends: its main thread may never return
         _exit(EXIT_FAILED)
 

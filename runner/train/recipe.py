@@ -93,12 +93,16 @@ class Recipe:
         # raises, or ends the process, when the gang has moved on without it (runner/process/heartbeat.py).
         gang = fence or (lambda: None)
 
-        def fenced() -> None:  # the heartbeat's verdict, then the run directory's: still the attempt that holds it
-            gang()
+        def holds() -> None:  # the run directory's verdict: still the attempt that holds it
             if self.attempt:
                 check_holder(self.root, self.attempt, self.spec.name, self.lease_file)
 
+        def fenced() -> None:  # the heartbeat's verdict, then the run directory's
+            gang()
+            holds()
+
         self.fence = fenced
+        self.holds_lease = holds  # a survivor recording the loss of a member (worker.gang_lost): the gang is gone
         self.attempt = ""  # rank 0's lease holder when this attempt started, known to every rank (_take_lease)
         self.lease: Lease | None = None  # rank 0's claim on the run directory (runner/checkpoint/lease.py)
         self.step = 0  # optimizer steps completed
