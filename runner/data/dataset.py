@@ -30,6 +30,7 @@ one id space, mixed by weight by `MixedOrder` (runner/data/mix.py); one source k
 from __future__ import annotations
 
 import itertools
+import json
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -50,6 +51,7 @@ from runner.data.records import EVAL_SPLITS, TRAIN_SPLITS, as_message_list, read
 from runner.data.tokenizer import Message, Segment, Tokenizer, segment_arrays
 from runner.data.tokens import IGNORE, Blocks, Rows, Streams, StreamsBuilder, pack_groups, record_positions
 from runner.data.tokens import Row as Row  # (input_ids, labels), imported from here by the tests
+from runner.data.tools import TOOLS_FIELD, ToolChat, with_tools
 
 log = logging.getLogger("jobspec.runner")
 BUNDLED = Path(__file__).with_name("sft_synthetic.jsonl")
@@ -100,7 +102,7 @@ def to_messages(record: dict, fmt: str, spec: DataSpec) -> list[Message]:
         messages = as_message_list(record.get(spec.messages_field))
         if not isinstance(messages, list) or not messages:
             raise ValueError(f"{spec.messages_field!r} must be a non-empty list of {{role, content}}")
-        return messages
+        return with_tools(messages, record)  # a tool-calling chat: runner/data/tools.py
     prompt, response = record.get(spec.prompt_field), record.get(spec.response_field)
     for name, value in ((spec.prompt_field, prompt), (spec.response_field, response)):
         if not isinstance(value, str):
@@ -130,7 +132,8 @@ def clip_texts(messages: list[Message], chars: int, max_messages: int) -> tuple[
                 m, longest = {**m, "content": content[:left]}, max(longest, len(content))
             left = max(0, left - len(content))
         out.append(m)
-    return out, longest, max(0, len(messages) - max_messages)
+    kept = messages.like(out) if isinstance(messages, ToolChat) else out  # a tool chat keeps its tools
+    return kept, longest, max(0, len(messages) - max_messages)
 
 
 def check_text(messages: list[Message]) -> None:
@@ -140,6 +143,10 @@ def check_text(messages: list[Message]) -> None:
         content = m.get("content") if isinstance(m, dict) else None
         if isinstance(content, str):
             check_string(content, f"message {i}")
+        if isinstance(m, dict) and m.get("tool_calls"):  # normalized by runner/data/tools.py: JSON-able
+            check_string(json.dumps(m["tool_calls"], ensure_ascii=False), f"message {i} tool_calls")
+    if getattr(messages, "tools", None):
+        check_string(json.dumps(messages.tools, ensure_ascii=False), repr(TOOLS_FIELD))  # type: ignore[attr-defined]
 
 
 def check_string(content: str, what: str) -> None:
@@ -186,7 +193,10 @@ def record_chats(record: dict, fmt: str, spec: DataSpec, chars: int, reach: int,
     try:
         if fmt == "text":
             return [(record_text(record, spec), 0, 0)]
-        chats = pair_chats(record, spec) if fmt == "preference" else (to_messages(record, fmt, spec),)
+        if fmt == "preference":
+            chats = [with_tools(chat, record) for chat in pair_chats(record, spec)]
+        else:
+            chats = [to_messages(record, fmt, spec)]
         out = [clip_texts(chat, chars, reach) for chat in chats]
         for messages, _, _ in out:
             check_text(messages)

@@ -1,8 +1,9 @@
 """Tokenizers: a byte-level one for the presets (nothing to download) and transformers' for `model.path`.
 
 Both render a chat (a list of {role, content}) as segments `(token ids, is_target)`; the loss is
-taken on target segments only (the assistant's replies and their end-of-turn token), so prompt
-tokens get label -100 downstream. Prompt/response records are a two-message chat (user, assistant).
+taken on target segments only (the assistant's replies, their tool calls and their end-of-turn token), so
+prompt tokens get label -100 downstream. Prompt/response records are a two-message chat (user, assistant). A
+tool-calling chat (runner/data/tools.py `ToolChat`) carries its tools, which the chat template renders.
 """
 
 from __future__ import annotations
@@ -12,16 +13,17 @@ import json
 import logging
 import re
 from collections.abc import Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
 from jobspec.errors import ConfigError
+from runner.data.tools import tool_call_text, tools_text
 
 log = logging.getLogger("jobspec.runner")
 Segment = tuple[list[int], bool]  # (token ids, is_target)
 TokenArrays = tuple[np.ndarray, np.ndarray]  # a rendered chat: (int64 token ids, bool target flags)
-Message = dict[str, str]  # {"role": "system" | "user" | "assistant", "content": str}
+Message = dict[str, Any]  # {"role": "system" | "user" | "assistant" | "tool", "content": str, "tool_calls": [...]}
 
 
 class Tokenizer(Protocol):
@@ -51,15 +53,16 @@ class ByteTokenizer:
     """UTF-8 bytes are ids 0-255; specials follow. No merges, no vocabulary file.
 
     Chat template (one special token per role, so no text can fake a turn):
-        <bos> {<system>|<user> content-bytes}... <assistant> reply-bytes <eos> ...
-    Targets: each assistant reply's bytes and its <eos>; everything else is prompt.
+        <bos> [<system> tools: JSON] {<system>|<user>|<tool> content-bytes}... <assistant> reply-bytes <eos> ...
+    Targets: each assistant reply's bytes (its tool calls after its content, each `<tool_call>JSON</tool_call>`)
+    and its <eos>; everything else is prompt.
     """
 
-    PAD, BOS, EOS, SYSTEM, USER, ASSISTANT = range(256, 262)
-    ROLES = {"system": SYSTEM, "user": USER, "assistant": ASSISTANT}
+    PAD, BOS, EOS, SYSTEM, USER, ASSISTANT, TOOL = range(256, 263)
+    ROLES = {"system": SYSTEM, "user": USER, "assistant": ASSISTANT, "tool": TOOL}
     name = "bytes"
-    VERSION = 1  # raise when the ids this class gives change: the cached tokenized data is keyed by it
-    vocab_size = 262  # every preset's vocabulary (>= 512) holds it; the rows above stay unused
+    VERSION = 2  # raise when the ids this class gives change: the cached tokenized data is keyed by it
+    vocab_size = 263  # every preset's vocabulary (>= 512) holds it; the rows above stay unused
     pad_id = PAD
     eos_id = EOS
     max_token_chars = 1  # a token is one byte, at most one character
@@ -71,21 +74,22 @@ class ByteTokenizer:
         return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
 
     # Special tokens as text, in id order (256...), for the exported Hugging Face tokenizer.
-    SPECIAL_TEXT = ("<|pad|>", "<|bos|>", "<|eos|>", "<|system|>", "<|user|>", "<|assistant|>")
+    SPECIAL_TEXT = ("<|pad|>", "<|bos|>", "<|eos|>", "<|system|>", "<|user|>", "<|assistant|>", "<|tool|>")
     CHAT_TEMPLATE = (
-        "{{ bos_token }}{% for m in messages %}{% if m['role'] == 'assistant' %}"
-        "<|assistant|>{{ m['content'] }}{{ eos_token }}{% else %}<|{{ m['role'] }}|>{{ m['content'] }}{% endif %}"
+        "{{ bos_token }}{% if tools %}<|system|>tools: {{ tools | tojson }}{% endif %}"
+        "{% for m in messages %}{% if m['role'] == 'assistant' %}<|assistant|>{{ m['content'] }}"
+        "{% for c in m['tool_calls'] or [] %}<tool_call>{{ c['function'] | tojson }}</tool_call>{% endfor %}"
+        "{{ eos_token }}{% else %}<|{{ m['role'] }}|>{{ m['content'] }}{% endif %}"
         "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"
     )
 
     def render(self, messages: Sequence[Message]) -> list[Segment]:
         segments: list[Segment] = [([self.BOS], False)]
-        for m in messages:
-            role = _role(m, self.ROLES)
+        for role, text in _turns(messages, self.ROLES):
             if role == "assistant":
-                segments += [([self.ASSISTANT], False), ([*self.encode(m["content"]), self.EOS], True)]
+                segments += [([self.ASSISTANT], False), ([*self.encode(text), self.EOS], True)]
             else:
-                segments.append(([self.ROLES[role], *self.encode(m["content"])], False))
+                segments.append(([self.ROLES[role], *self.encode(text)], False))
         return segments
 
     def render_ids(self, messages: Sequence[Message]) -> TokenArrays:
@@ -94,9 +98,10 @@ class ByteTokenizer:
 
         Pieces in order: <bos>, then per message its role token, its content bytes, and for a reply <eos>.
         """
-        roles = [_role(m, self.ROLES) for m in messages]
-        blob = [m["content"].encode("utf-8") for m in messages]
-        n = len(messages)
+        turns = _turns(messages, self.ROLES)
+        roles = [role for role, _ in turns]
+        blob = [text.encode("utf-8") for _, text in turns]
+        n = len(turns)
         reply = np.array([r == "assistant" for r in roles], dtype=bool)
         fill = np.empty(3 * n + 1, dtype=np.int64)  # token of each piece; -1: the content bytes go there
         fill[0], fill[1::3], fill[2::3], fill[3::3] = self.BOS, [self.ROLES[r] for r in roles], -1, self.EOS
@@ -177,9 +182,14 @@ class HFTokenizer:
     tokenizes each piece apart. Where the template's special tokens separate the turns (every common
     template) both give the same ids; a merge across a prompt/reply boundary would differ.
     Without a template: `role: content\n` per message, the reply after `assistant: `, then EOS.
+
+    A tool-calling chat (runner/data/tools.py) is rendered with its tools (`apply_chat_template(tools=...)`) on every
+    path; a reply that calls a tool takes path 1 or 3 (the markers of path 2 would cover its content, not the calls
+    the template writes after it). A template that does not render tools or tool calls fails such a chat: the model
+    would learn calls to functions it was never shown.
     """
 
-    VERSION = 1  # raise when the ids or targets `render` gives change (the cached tokenized data is keyed by it)
+    VERSION = 2  # raise when the ids or targets `render` gives change (the cached tokenized data is keyed by it)
 
     def __init__(self, tokenizer: object, path: str):
         self.tok = tokenizer
@@ -201,12 +211,12 @@ class HFTokenizer:
     def encode(self, text: str) -> list[int]:
         return list(self.tok.encode(text, add_special_tokens=False)) if text else []  # type: ignore[attr-defined]
 
-    def _chat(self, messages: Sequence[Message], generation_prompt: bool) -> str:
+    def _chat(self, messages: Sequence[Message], generation_prompt: bool, tools: Any = None) -> str:
         if not messages:
             return ""
         return str(
             self.tok.apply_chat_template(  # type: ignore[attr-defined]
-                list(messages), tokenize=False, add_generation_prompt=generation_prompt
+                list(messages), tools=tools, tokenize=False, add_generation_prompt=generation_prompt
             )
         )
 
@@ -214,17 +224,32 @@ class HFTokenizer:
         roles = [_role(m, ByteTokenizer.ROLES) for m in messages]  # a bad message fails on every path
         if not self.has_template:
             return self._render_plain(messages)
+        tools, calls = self._check_tools(messages)
         if self.mask_from == "generation":
-            return self._render_generation(messages)
-        if self.mask_from == "markers":
+            return self._render_generation(messages, tools)
+        if self.mask_from == "markers" and not calls:
             segments = self._render_marked(messages, roles)
             if segments is not None:
                 return segments
         return self._render_by_prefixes(messages)
 
-    def _render_generation(self, messages: Sequence[Message]) -> list[Segment]:
+    def _check_tools(self, messages: Sequence[Message]) -> tuple[Any, bool]:
+        """The chat's tools and whether a reply calls one (runner/data/tools.py); ConfigError when the template
+        leaves out what the chat holds (it never mentions `tools`, or `tool_calls`)."""
+        tools, calls = _tool_parts(messages)
+        template = _template_text(self.tok) if tools or calls else ""
+        for needed, word in ((tools, "tools"), (calls, "tool_calls")):
+            if needed and word not in template:
+                raise ConfigError(
+                    f"model.path {self.name!r}: its chat template does not render {word}, and the data holds them: "
+                    "the model would learn tool calls it is never shown as it will be at inference. Use a model whose "
+                    "template renders tools (Llama 3.1+, Qwen 2.5+, Mistral, Hermes), or data without tools"
+                )
+        return tools, calls
+
+    def _render_generation(self, messages: Sequence[Message], tools: Any = None) -> list[Segment]:
         out = self.tok.apply_chat_template(  # type: ignore[attr-defined]
-            list(messages), tokenize=True, return_dict=True, return_assistant_tokens_mask=True
+            list(messages), tools=tools, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
         )
         ids, mask = list(out["input_ids"]), out["assistant_masks"]
         if "eos" not in self._told and any(mask):
@@ -249,20 +274,21 @@ class HFTokenizer:
         """The chat's plain rendering and the target (start, end) characters of each reply in it; None when a
         check of path 2 fails."""
         replies = [i for i, r in enumerate(roles) if r == "assistant"]
-        text = self._chat(messages, False)
+        tools = getattr(messages, "tools", None)
+        text = self._chat(messages, False, tools)
         spans: list[tuple[int, int]] = []  # target (start, end) characters of each reply in `text`
         if replies:
             if any(OPEN in m["content"] or CLOSE in m["content"] for m in messages):
                 return self._fallback("a message holds the marker characters U+E000/U+E001")
             marked = [{**m, "content": OPEN + m["content"] + CLOSE} if r == "assistant" else m
                       for m, r in zip(messages, roles, strict=True)]  # fmt: skip
-            content = _unmark(self._chat(marked, False), len(replies))
+            content = _unmark(self._chat(marked, False, tools), len(replies))
             if content is None or content[0] != text:
                 return self._fallback("the template changes the text of a reply (trims or rewrites it)")
             first = replies[0]
-            base = self._chat(messages[:first], False)
-            prompt = self._chat(messages[:first], True)
-            full = self._chat(messages[: first + 1], False)
+            base = self._chat(messages[:first], False, tools)
+            prompt = self._chat(messages[:first], True, tools)
+            full = self._chat(messages[: first + 1], False, tools)
             reply = messages[first]["content"]
             if not (prompt.startswith(base) and full.startswith(prompt) and text.startswith(full)):
                 return self._fallback("the template is not incremental")
@@ -296,7 +322,9 @@ class HFTokenizer:
         where: list[tuple[int, list[tuple[int, int]]]] = []  # (chat index, target spans) of each text
         for k, messages in enumerate(chats):
             roles = [_role(m, ByteTokenizer.ROLES) for m in messages]
-            marked = self._marked_spans(messages, roles) if self.has_template and self.mask_from == "markers" else None
+            marked = None
+            if self.has_template and self.mask_from == "markers" and not self._check_tools(messages)[1]:
+                marked = self._marked_spans(messages, roles)
             if marked is None:
                 out[k] = segment_arrays(self.render(messages))
             else:
@@ -331,26 +359,26 @@ class HFTokenizer:
         """Path 3 of the class docstring: two renderings per reply."""
         segments: list[Segment] = []
         done = ""  # the text already turned into segments
+        tools = getattr(messages, "tools", None)
         for i, m in enumerate(messages):
             if _role(m, ByteTokenizer.ROLES) != "assistant":
                 continue
-            prompt, full = self._chat(messages[:i], True), self._chat(messages[: i + 1], False)
+            prompt, full = self._chat(messages[:i], True, tools), self._chat(messages[: i + 1], False, tools)
             if not (prompt.startswith(done) and full.startswith(prompt)):
                 raise ConfigError(f"tokenizer {self.name}: chat template is not incremental; use prompt/response data")
             segments += [(self.encode(prompt[len(done) :]), False), (self.encode(full[len(prompt) :]), True)]
             done = full
-        segments.append((self.encode(self._chat(messages, False)[len(done) :]), False))
+        segments.append((self.encode(self._chat(messages, False, tools)[len(done) :]), False))
         return segments
 
     def _render_plain(self, messages: Sequence[Message]) -> list[Segment]:
         bos = getattr(self.tok, "bos_token_id", None)
         segments: list[Segment] = [([int(bos)], False)] if bos is not None else []
-        for m in messages:
-            role = _role(m, ByteTokenizer.ROLES)
+        for role, text in _turns(messages, ByteTokenizer.ROLES):
             if role == "assistant":
-                segments += [(self.encode("assistant: "), False), ([*self.encode(m["content"]), self.eos_id], True)]
+                segments += [(self.encode("assistant: "), False), ([*self.encode(text), self.eos_id], True)]
             else:
-                segments.append((self.encode(f"{role}: {m['content']}\n"), False))
+                segments.append((self.encode(f"{role}: {text}\n"), False))
         return segments
 
 
@@ -426,6 +454,24 @@ def _role(message: Message, known: dict[str, int]) -> str:
     if role not in known or not isinstance(message.get("content"), str):
         raise ValueError(f"each message needs a role in {sorted(known)} and a string content, got {message!r:.80}")
     return str(role)
+
+
+def _turns(messages: Sequence[Message], known: dict[str, int]) -> list[tuple[str, str]]:
+    """(role, text) of each turn as the byte and template-less renderings write it: the chat's tools first, as a
+    system turn, and a reply's tool calls after its content."""
+    tools = getattr(messages, "tools", None)
+    turns = [("system", tools_text(tools))] if tools else []
+    for m in messages:
+        role = _role(m, known)
+        calls = m.get("tool_calls") if role == "assistant" else None
+        turns.append((role, m["content"] + "".join(tool_call_text(c) for c in calls or ())))
+    return turns
+
+
+def _tool_parts(messages: Sequence[Message]) -> tuple[Any, bool]:
+    """The chat's tools (None: none) and whether a reply calls one."""
+    calls = any(isinstance(m, dict) and m.get("tool_calls") for m in messages)
+    return getattr(messages, "tools", None), calls
 
 
 def load_tokenizer(path: str | None, model_vocab: int) -> Tokenizer:

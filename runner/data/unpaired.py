@@ -45,6 +45,7 @@ from runner.data.prepare import CHUNK_RECORDS, Chat, ChunkRenderer
 from runner.data.records import TRAIN_SPLITS, as_message_list, read_records
 from runner.data.tokenizer import Message, Tokenizer
 from runner.data.tokens import Streams, StreamsBuilder
+from runner.data.tools import with_tools
 
 log = logging.getLogger("jobspec.runner")
 COMPLETION, LABEL = "completion", "label"
@@ -80,7 +81,8 @@ def is_pair(record: dict) -> bool:
 
 def record_chats(record: dict, spec: DataSpec) -> list[list[Message]]:
     """The chats of a record: its own, or a pair's chosen then rejected one."""
-    return list(pair_chats(record, spec)) if is_pair(record) else [unpaired_chat(record, spec)]
+    chats = list(pair_chats(record, spec)) if is_pair(record) else [unpaired_chat(record, spec)]
+    return [with_tools(chat, record) for chat in chats]  # a tool-calling chat: runner/data/tools.py
 
 
 def read_labels(source: str | Path, spec: DataSpec, field: str, splits: Sequence[str] = TRAIN_SPLITS) -> np.ndarray:
