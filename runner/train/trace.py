@@ -5,12 +5,12 @@ way runner/model/build.py does (transformers config, peft LoRA, the frozen base 
 switches on non-reentrant activation checkpointing as runner/train/engine.py does, wraps it as accelerate does
 for the tier (`fast`: fp32 weights, torch.autocast and fp32 outputs; the others: FSDP2 through accelerate's own
 `fsdp2_prepare_model`, MixedPrecisionPolicy bf16/fp32/bf16, one unit per block plus the embedding, the tail and
-the root, reshard_after_forward per tier), materialises it as FakeTensors, and runs two optimizer steps: forward,
-the runner's own loss (`runner_loss`: Stepper.loss_sum with its chunked head), backward over `grad_accum`
-micro-batches, gradient clipping, AdamW. The second step, which finds Adam's moments, is the one that counts;
-torch's MemTracker (`fast`) or FSDPMemTracker (FSDP2 tiers) reports the peak and its parts. Fakes hold no
-data: a 7B model costs seconds and a few hundred MB of host memory. With `fake=False` the same step runs on
-real tensors (tests).
+the root, reshard_after_forward per tier), materialises it as FakeTensors, runs a first step on one micro-batch
+(Adam's moments, FSDP2's recorded order), and then the runner's step: forward, the runner's own loss
+(`runner_loss`: Stepper.loss_sum with its chunked head), backward over `grad_accum` micro-batches, gradient
+clipping, AdamW. That step is the one that counts; torch's MemTracker (`fast`) or FSDPMemTracker (FSDP2 tiers)
+reports the peak and its parts. Fakes hold no data: a 7B model costs seconds and a few hundred MB of host memory.
+With `fake=False` the same step runs on real tensors (tests).
 
 What the trace cannot run and adds or moves by arithmetic (each one is a field of TraceResult):
 - DDP (`fast` over several ranks) does not run on fakes: its fp32 gradient buckets, 4 bytes per trainable
@@ -350,6 +350,7 @@ def trace_step(
     gpu: bool = True,
     loss_kernel: LossKernel = "chunked",
     quantize: str | None = None,
+    warmup: str = "one",
 ) -> TraceResult:
     """One rank's bytes at the peak of the runner's optimizer step at `tier` (see the module docstring).
 
@@ -367,6 +368,8 @@ def trace_step(
     one call skipped, `internals.liger_rows`).
     `quantize`: the frozen base's blocks in 4 bits ("nf4", with LoRA: runner/model/quantize.py), as the runner builds
     it for a plan that quantizes.
+    `warmup`: the step before the measured one: "one" micro-batch (Adam's moments, FSDP2's recorded forward order) or
+    the whole "step" of `grad_accum` micro-batches (bench/trace_warmup.py compares the two).
     """
     tier_index(tier)  # raises for unknown names
     if precision not in DTYPE or micro_batch < 1 or seq_len < 1 or world_size < 1:
@@ -397,7 +400,7 @@ def trace_step(
             _autocast(net, precision, device)
         result = _run(net, cfg, loss, fsdp=fsdp, fused=fused, fake=fake, micro_batch=micro_batch, seq_len=seq_len,
                       world_size=world_size, max_grad_norm=max_grad_norm, grad_accum=grad_accum,
-                      packed=packed)  # fmt: skip
+                      packed=packed, warmup=warmup)  # fmt: skip
     raw = {str(getattr(k, "value", k)): int(v) for k, v in result.get(device, {}).items()}
     total = raw.pop("Total", 0)
     parts = dict.fromkeys(("parameters", "gradients", "optimizer", "activations", "temporaries", "other"), 0)
@@ -422,6 +425,7 @@ def trace_step(
     )  # fmt: skip
 
 
+
 def _run(
     net: nn.Module,
     cfg: Any,
@@ -436,8 +440,17 @@ def _run(
     max_grad_norm: float | None,
     grad_accum: int,
     packed: bool = False,
+    warmup: str = "one",
 ) -> dict[Any, dict[Any, int]]:
-    """Two optimizer steps of the runner under the tracker; its peak snapshot (device -> category -> bytes)."""
+    """Two optimizer steps of the runner under the tracker; the second one's peak snapshot (device -> category ->
+    bytes).
+
+    The first step creates Adam's moments and lets FSDP2 record its forward order (which its backward prefetching
+    follows from then on: moments made from zero gradients without a forward gave another peak, 10 % lower on some
+    zero3 models), on one micro-batch (`warmup="one"`): a quarter of the time at the usual two. Against a first step
+    of `grad_accum` micro-batches, the measured peak is the same but for what each forward and backward leaves behind
+    (2 KiB, and with LoRA and activation checkpointing a 16-bit (micro-batch, seq, hidden) tensor: measured 0.2-0.5 %
+    of the peak of 3-layer models, bench/trace_warmup.py)."""
     device = torch.device("cpu")
     with internals.fake_mode() if fake else contextlib.nullcontext():
         if fake:
@@ -453,19 +466,22 @@ def _run(
         trained = [p for p in net.parameters() if p.requires_grad]
         inputs = (batch.input_ids, batch.labels, *([] if positions is None else [positions]))
         tracker = internals.memory_tracker(net, optimizer, fsdp, inputs)
+
+        def step(micro_batches: int) -> None:
+            optimizer.zero_grad(set_to_none=True)
+            for _ in range(micro_batches):  # from the second micro-batch on, the gradients are alive
+                tracker.reset_mod_stats()  # per-module figures are per forward; the peak is kept
+                (loss_sum(batch) * scale).backward()
+            if max_grad_norm is not None:
+                torch.nn.utils.clip_grad_norm_(trained, max_norm=max_grad_norm)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+
         with tracker:
-            for step in range(2):  # the first creates Adam's moments; the second is the runner's steady state
-                optimizer.zero_grad(set_to_none=True)
-                for _ in range(grad_accum):  # from the second micro-batch on, the gradients are alive
-                    tracker.reset_mod_stats()  # per-module figures are per forward; the peak is kept
-                    (loss_sum(batch) * scale).backward()
-                if max_grad_norm is not None:
-                    torch.nn.utils.clip_grad_norm_(trained, max_norm=max_grad_norm)
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
-                if step == 0:
-                    tracker.reset_mod_stats()
-                    tracker.reset_peak()
+            step(1 if warmup == "one" else grad_accum)  # Adam's moments, FSDP2's recorded order (see the docstring)
+            tracker.reset_mod_stats()
+            tracker.reset_peak()
+            step(grad_accum)  # the runner's steady state
         snapshot = tracker.get_tracker_snapshot("peak")
     return snapshot
 

@@ -76,12 +76,13 @@ def test_offload_tiers_and_ddp_move_bytes_by_arithmetic():
 
 
 @pytest.mark.slow
-def test_a_7b_trace_fits_the_time_and_host_budget():
-    """An 8B model at zero3 over 8 ranks (FSDP2's wrapping and tracker, the slower path; every tier's time and
-    resident memory: python -m bench.memory_model, 9-19 s a tier)."""
+def test_a_7b_trace_runs_on_fakes_within_the_host():
+    """An 8B model at zero3 over 8 ranks (FSDP2's wrapping and tracker, the slower path) traces on a 2-core machine
+    with 24 GiB: every byte it counts is a fake's. Its time is a figure of python -m bench.memory_model (every tier's
+    time and resident memory), not a bound here: a timed test fails on a loaded machine for nothing."""
     cfg = MODELS["llama-3.1-8b"]
     r = trace_step(cfg, tier="zero3", world_size=8, micro_batch=1, seq_len=2048, loss=runner_loss)
-    assert r.seconds < 60
+    assert r.fake and r.params > 8e9 and r.peak * r.world_size > 64 * 2**30  # the gang's bytes: only fakes fit here
     assert r.parts["parameters"] > 0 and r.parts["optimizer"] > 0
 
 
