@@ -32,6 +32,13 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "dev"))
 os.environ["JOBSPEC_IMAGES"] = os.path.join(os.path.dirname(__file__), ".no-image-record", "images.json")
 
 
+# Under pytest-xdist (the test command: pytest -n 2) each worker runs its own trainings beside the other's: one torch
+# thread pool per process, not one per core each (the runner's supervisor gives its CPU ranks a share of the cores
+# the same way). Set before any test imports torch; subprocesses inherit it.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
 # Triton decides at import whether its kernels compile for a GPU or run in its interpreter (TRITON_INTERPRET=1, on
 # CPU tensors), and torchao imports it at collection: without a GPU, the interpreter is the only way a Triton kernel
 # runs (tests/runner/train/test_loss_liger.py runs Liger Kernel's). A GPU machine (the gpu tier) compiles them.

@@ -105,8 +105,12 @@ def test_one_rank_every_tier_and_region_recovers_at_a_sampled_op(tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("tier", "oom_on", "region"),
-    [("zero3", "one", "train"), ("fast", "one", "train-mb1"), ("zero2", "all", "eval"), ("zero3", "one", "save"),
-     ("fast", "one", "probe")],  # the last: every rank probes though one has the rule, DDP's exchange after agreeing
+    [("zero3", "one", "train"), ("zero2", "all", "eval"),
+     # the sweep tier (pytest -m sweep; 60-90 s each on 2 cores): the default tier keeps the two above
+     pytest.param("fast", "one", "train-mb1", marks=pytest.mark.sweep),
+     pytest.param("zero3", "one", "save", marks=pytest.mark.sweep),
+     # every rank probes though one has the rule, DDP's exchange after agreeing
+     pytest.param("fast", "one", "probe", marks=pytest.mark.sweep)],
 )
 def test_two_ranks_recover_at_a_sampled_op_with_no_hang(tmp_path, tier, oom_on, region):
     """Two ranks on gloo, the OOM on rank 1 alone or on both: every rank agrees, nobody waits in a collective the

@@ -270,8 +270,10 @@ def run_two_ranks(tmp_path: Path, spec: Path, **env_vars: str) -> list[str]:
 
 @pytest.mark.parametrize(
     ("tier", "where", "micro_batch"),
-    [("zero2", "backward", 4), ("zero3", "backward", 4), ("minimal", "backward", 4), ("zero3", "forward", 4),
-     ("zero2", "backward", 2)],  # the last: an accumulation micro-step (it reduce-scatters too: runner/train/step.py)
+    [("zero2", "backward", 4), ("zero3", "backward", 4), ("minimal", "backward", 4),
+     pytest.param("zero3", "forward", 4, marks=pytest.mark.sweep),  # the sweep tier: pytest -m sweep
+     # an accumulation micro-step (it reduce-scatters too: runner/train/step.py)
+     pytest.param("zero2", "backward", 2, marks=pytest.mark.sweep)],
 )  # fmt: skip
 def test_sharded_tier_rank_local_oom_shrinks_every_rank_in_process(tmp_path, tier, where, micro_batch):
     """Rank 1 alone runs out, mid-backward (or before its forward): the ranks agree before FSDP's next

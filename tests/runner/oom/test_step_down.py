@@ -141,7 +141,8 @@ def test_take_cuts_each_rank_its_fsdp_chunk():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("tier", "to_tier"), [("fast", "zero2"), ("zero2", "zero2_offload")])
+@pytest.mark.parametrize(("tier", "to_tier"), [("fast", "zero2"),
+                                               pytest.param("zero2", "zero2_offload", marks=pytest.mark.sweep)])
 def test_two_ranks_hand_their_shards_over_as_the_checkpoint_would(tmp_path, tier, to_tier):
     """fast (DDP, replicated) -> zero2 (FSDP2 over 2 ranks): each rank keeps its chunk; zero2 -> zero2_offload:
     each keeps its shard. Same losses and samples as the step-down that reads the checkpoint back."""

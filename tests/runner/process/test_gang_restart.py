@@ -94,7 +94,9 @@ def expected_ids(spec: Path) -> dict[int, dict[int, list[int]]]:
 
 @pytest.mark.parametrize(
     ("lost", "how", "replacement_s"),
-    [(1, signal.SIGSTOP, 10), (0, signal.SIGSTOP, 30), (1, signal.SIGKILL, 10)],
+    [(1, signal.SIGSTOP, 10), (0, signal.SIGSTOP, 30),
+     # the sweep tier (pytest -m sweep): a killed node's gang restart is also test_multinode's killed-node case
+     pytest.param(1, signal.SIGKILL, 10, marks=pytest.mark.sweep)],
     ids=["rank1-frozen", "rank0-store-host-frozen", "rank1-killed"],
 )
 def test_the_gang_restarts_together_and_trains_every_step_on_the_same_samples(tmp_path, lost, how, replacement_s):
