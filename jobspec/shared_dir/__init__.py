@@ -31,7 +31,7 @@ import errno
 import os
 import secrets
 import stat
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import IO, BinaryIO
@@ -149,11 +149,14 @@ def temp_name(name: str) -> str:
 
 
 def write_atomic(path: str | Path, data: bytes, *, fsync: bool = True, mode: int = 0o644,
-                 follow_dir: bool = True) -> None:  # fmt: skip
+                 follow_dir: bool = True, ready: Callable[[], bool] | None = None) -> bool:  # fmt: skip
     """`data` as the whole content of `path`: written to an exclusively created temporary in the same directory,
     fsynced (`fsync`), renamed over `path`, all relative to one descriptor of the directory. A link planted at
     `path` is replaced, never followed; a directory there fails (IsADirectoryError). Without `follow_dir` the
-    directory itself may not be a link either (ELOOP): one inside a shared directory that nobody chose."""
+    directory itself may not be a link either (ELOOP): one inside a shared directory that nobody chose.
+    `ready`: asked right before the rename, once the data is written and synced; False leaves `path` as it is (the
+    temporary removed) and returns False. A writer whose right to write may end meanwhile (a lease's holder) checks
+    it there: between the check and the rename there is no write or fsync, microseconds, not milliseconds."""
     path = Path(path)
     with opened_dir(path.parent, follow=follow_dir) as dfd:
         tmp = temp_name(path.name)
@@ -164,10 +167,14 @@ def write_atomic(path: str | Path, data: bytes, *, fsync: bool = True, mode: int
                 f.flush()
                 if fsync:
                     os.fsync(f.fileno())
+            if ready is not None and not ready():
+                _unlink_quietly(tmp, dfd)
+                return False
             os.replace(tmp, path.name, src_dir_fd=dfd, dst_dir_fd=dfd)
         except BaseException:
             _unlink_quietly(tmp, dfd)
             raise
+    return True
 
 
 def create_exclusive(path: str | Path, data: bytes, *, mode: int = 0o644) -> bool:

@@ -134,7 +134,8 @@ class Lease:
             if why is None:
                 raise LeaseHeld(self._held_message(current))
             log.warning("taking over the lease %s of %s: %s", self.file, describe(current), why)
-            after = self._read() if self._replace() else None  # a conditional store refuses a changed lease
+            seen = current.get("holder") if current is not None else None  # the stale record, as read
+            after = self._read() if self._replace(seen) else None  # a changed lease is not written over
             if after is None or after.get("holder") != self.holder:
                 raise LeaseHeld(f"{self._held_message(after)} (it took the stale lease over at the same time)")
             return self._took()
@@ -146,7 +147,7 @@ class Lease:
         if not self.held or (not force and now - self._renewed < self.interval):
             return
         current = self._read()
-        if current is None or current.get("holder") != self.holder or not self._replace():
+        if current is None or current.get("holder") != self.holder or not self._replace(self.holder):
             self.held = False
             raise LeaseLost(
                 f"the lease on {self.root} was taken over by {describe(current)} (this run last renewed it "
@@ -176,10 +177,11 @@ class Lease:
     def _create(self) -> bool:
         return self.file.create(self._record())
 
-    def _replace(self) -> bool:
-        """Write a new record over the lease; False when the store refused it because the lease changed since
-        this run last read it (an object store's conditional write: runner/checkpoint/remote.py)."""
-        return self.file.replace(self._record())
+    def _replace(self, seen: str | None) -> bool:
+        """Write a new record over the lease; False when it changed since this run read it holding `seen` (None: an
+        unreadable record), checked right before the rename (LeaseFile.replace), or refused by an object store's
+        conditional write (runner/checkpoint/remote.py)."""
+        return self.file.replace(self._record(), seen)
 
     def _read(self) -> dict[str, Any] | None:
         return self.file.read()
@@ -237,10 +239,17 @@ class LeaseFile:
         """Write the record if there is none (exclusively); False when one is there."""
         return shared_dir.create_exclusive(self.path, data)
 
-    def replace(self, data: bytes) -> bool:
-        """Write the record over the one there (a reader sees the old record or the new one)."""
-        shared_dir.write_atomic(self.path, data)
-        return True
+    def replace(self, data: bytes, seen: str | None) -> bool:
+        """Write the record over the one there (a reader sees the old record or the new one), only while the record
+        there is still the one read, held by `seen` (None: unreadable, and still there), checked right before the
+        rename (False: not written). A process frozen between its own check and its write (SIGSTOP, a hung node)
+        would otherwise bring back, on waking, a lease that a later attempt took over or released."""
+
+        def unchanged() -> bool:
+            record = read_record(self.path)
+            return record.get("holder") == seen if record is not None else seen is None and self.path.exists()
+
+        return shared_dir.write_atomic(self.path, data, ready=unchanged)
 
     def read(self) -> dict[str, Any] | None:
         return read_record(self.path)

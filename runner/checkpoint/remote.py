@@ -221,7 +221,9 @@ class RemoteLeaseFile(lease.LeaseFile):
         self.read()
         return self.etag
 
-    def replace(self, data: bytes) -> bool:
+    def replace(self, data: bytes, seen: str | None) -> bool:
+        """A conditional write on the lease's etag as last read: refused when anyone wrote it since (`seen`, the
+        holder that read found, is what the etag stands for)."""
         if self.etag is None:
             return False
         etag = self.bucket.put_bytes(data, lease.LEASE_FILE, if_match=self.etag)
