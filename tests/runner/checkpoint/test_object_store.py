@@ -217,7 +217,7 @@ def test_the_lease_in_a_bucket_is_one_writer_by_conditional_writes(s3, monkeypat
         first.beat(force=True)
     # A renewal that races a takeover is refused by the store, not written over it: an ETag that is not current.
     second.file.etag = '"0123456789abcdef0123456789abcdef"'
-    assert not second._replace()
+    assert not second._replace(second.holder)
     first.release()  # not its lease: left alone
     assert second.file.exists()
     second.file.read()
