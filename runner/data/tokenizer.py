@@ -202,7 +202,7 @@ class HFTokenizer:
         self.eos_id = int(eos)
         self.pad_id = int(pad if pad is not None else eos)  # padded positions are never targets
         self.max_token_chars = _longest_token(tokenizer)
-        template = _template_text(tokenizer)
+        template = self.template = _template_text(tokenizer)  # read once: every tool chat checks it (`_check_tools`)
         self.has_template = bool(template)
         fast = bool(getattr(tokenizer, "is_fast", False))  # offsets come from the Rust tokenizer only
         self.mask_from = "prefixes" if not fast else "generation" if GENERATION_TAG.search(template) else "markers"
@@ -237,9 +237,8 @@ class HFTokenizer:
         """The chat's tools and whether a reply calls one (runner/data/tools.py); ConfigError when the template
         leaves out what the chat holds (it never mentions `tools`, or `tool_calls`)."""
         tools, calls = _tool_parts(messages)
-        template = _template_text(self.tok) if tools or calls else ""
         for needed, word in ((tools, "tools"), (calls, "tool_calls")):
-            if needed and word not in template:
+            if needed and word not in self.template:
                 raise ConfigError(
                     f"model.path {self.name!r}: its chat template does not render {word}, and the data holds them: "
                     "the model would learn tool calls it is never shown as it will be at inference. Use a model whose "
