@@ -78,6 +78,9 @@ def _dead_pid() -> int:
     return proc.pid
 
 
+# gs:// runs in the sweep tier (pytest -m sweep; a minute on 2 cores): the same runner code as s3:// but for the
+# store, whose conditional writes test_the_lease_in_a_gcs_bucket_sends_the_conditions_gcs_enforces checks by default.
+@pytest.mark.parametrize("store", ["s3", pytest.param("gs", marks=pytest.mark.sweep)], indirect=True)
 def test_two_ranks_checkpoint_to_a_bucket_are_killed_resume_exactly_and_export(tmp_path, store):
     scheme, fs = store
     prefix = "runs/a"
@@ -223,6 +226,24 @@ def test_the_lease_in_a_bucket_is_one_writer_by_conditional_writes(s3, monkeypat
     second.file.read()
     second.release()
     assert not second.file.exists()
+
+
+def test_the_lease_in_a_gcs_bucket_sends_the_conditions_gcs_enforces(gcs):
+    """The emulator ignores ifGenerationMatch, which the lease finds out at its first create and says; what it sends
+    is what GCS itself enforces: create only where nothing is (generation 0), renew and release only the generation
+    it read."""
+    url = f"gs://{BUCKET}/runs/gs-lease"
+    before = len(gcs_server.requests.lines)
+    first = _lease(url)
+    first.acquire()
+    assert first.file.honoured is False
+    first.beat(force=True)
+    first.release()
+    assert not first.file.exists()
+    sent = [line for line in gcs_server.requests.lines[before:] if re.search(r"ifGenerationMatch=\d+", line)]
+    assert any("&ifGenerationMatch=0 " in line for line in sent), sent  # create
+    assert any(re.search(r"&ifGenerationMatch=[1-9]\d* ", line) for line in sent), sent  # renew
+    assert any(re.search(r"DELETE .*lease\.json\?ifGenerationMatch=[1-9]", line) for line in sent), sent  # release
 
 
 def test_a_torn_upload_is_never_a_checkpoint(tmp_path, store):

@@ -414,7 +414,14 @@ def _run_with_limit(spec: Path, limit: float) -> subprocess.CompletedProcess:
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
-@pytest.mark.parametrize("attack", ATTACKS)
+# Each attack is read in process by the tests above; end to end, the default tier takes one of each kind (a pickle in
+# DCP's metadata, one in a torch file, a file that is not regular) and the sweep tier (pytest -m sweep) the rest.
+END_TO_END = ["metadata-pickle", "rng-pickle", "shard-fifo"]
+
+
+@pytest.mark.parametrize(
+    "attack", [a if a in END_TO_END else pytest.param(a, marks=pytest.mark.sweep) for a in ATTACKS]
+)
 def test_a_resume_skips_a_forged_or_piped_checkpoint_runs_no_code_and_finishes(tmp_path, trained, marker, attack):
     """step-4 forged (its manifest rewritten to match), step-2 intact: the run warns naming the file, resumes at 2
     and finishes with exit 0; the attacker's code never ran. Before: code ran (exit 0 or 1), or the run hung."""
