@@ -11,6 +11,7 @@ from jobspec.catalog.presets import PRESETS
 from jobspec.errors import ConfigError
 from jobspec.spec.models import LoraSpec
 from runner.train.trace import fixed_bytes, largest_micro_batch, per_sample_bytes, runner_loss, trace_step
+from tests.matrix import half_fraction
 
 LORA = {"tiny": LoraSpec(rank=4, targets=["c_attn"]), "llama-tiny": LoraSpec(rank=4, targets=["q_proj", "v_proj"])}
 
@@ -22,10 +23,11 @@ def _trace(preset: str, tier: str, *, fake: bool, lora: bool, ckpt: bool, micro_
                       checkpointing=ckpt)  # fmt: skip
 
 
-@pytest.mark.parametrize("ckpt", [False, True], ids=["no-ckpt", "ckpt"])
-@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
-@pytest.mark.parametrize("tier", ["fast", "zero2", "zero3"])
-@pytest.mark.parametrize("preset", ["tiny", "llama-tiny"])  # GPT-2 (tied head) and a Llama with GQA (2 kv heads)
+@pytest.mark.parametrize(  # GPT-2 (tied head) and a Llama with GQA (2 kv heads); every pair of values by default
+    ("preset", "tier", "lora", "ckpt"),
+    half_fraction([["tiny", "llama-tiny"], ["fast", "zero2", "zero3"], [False, True], [False, True]],
+                  ids=[None, None, lambda v: "lora" if v else "full", lambda v: "ckpt" if v else "no-ckpt"]),
+)  # fmt: skip
 def test_fake_trace_equals_real_tensors_to_the_byte(preset, tier, lora, ckpt):
     fake = _trace(preset, tier, fake=True, lora=lora, ckpt=ckpt)
     real = _trace(preset, tier, fake=False, lora=lora, ckpt=ckpt)
@@ -97,8 +99,11 @@ GRID = [  # (family, hidden, intermediate, layers, heads, kv heads, vocab, tied)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("tier", ["fast", "zero2", "zero2_offload", "zero3", "minimal"])
-@pytest.mark.parametrize("shape", GRID, ids=lambda g: f"{g[0]}-h{g[1]}-v{g[6]}")
+@pytest.mark.parametrize(  # each shape at two or three tiers, each tier on two shapes by default
+    ("shape", "tier"),
+    half_fraction([GRID, ["fast", "zero2", "zero2_offload", "zero3", "minimal"]],
+                  ids=[lambda g: f"{g[0]}-h{g[1]}-v{g[6]}"]),
+)  # fmt: skip
 def test_the_formula_is_within_10_percent_of_the_trace(shape, tier):
     """The memory model's bytes without its fixed context and fragmentation allowance, against the traced step:
     generated shapes (GQA or not, tied or untied heads, vocabularies 40k-160k), every tier, 4 ranks, a micro-batch
@@ -209,15 +214,19 @@ CONFIGS = {  # config.json shapes no preset has, each with what sets its memory 
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("tier", "ranks"), [("fast", 4), ("zero2", 4), ("zero3", 4), ("minimal", 4), ("minimal", 1)])
-@pytest.mark.parametrize("name", CONFIGS)
-def test_the_formula_is_within_10_percent_on_config_json_shapes(name, tier, ranks):
+@pytest.mark.parametrize(  # each config at two or three tiers, each tier on two configs by default
+    ("name", "tier_ranks"),
+    half_fraction([list(CONFIGS), [("fast", 4), ("zero2", 4), ("zero3", 4), ("minimal", 4), ("minimal", 1)]],
+                  ids=[None, lambda t: f"{t[0]}-{t[1]}"]),
+)  # fmt: skip
+def test_the_formula_is_within_10_percent_on_config_json_shapes(name, tier_ranks):
     """Shapes read from config.json as `jobspec plan` reads them: Phi-3's fused projections, GPT-2 with its dropout,
     a tied 152k vocabulary on two small blocks (the step peaks at the end of backward, at the embedding's
     reduce-scatter), grouped-query attention with a sliding window; `minimal` on one GPU too."""
     from jobspec.catalog.model_config import shape_from_config
     from jobspec.plan import memory
 
+    tier, ranks = tier_ranks
     cfg = CONFIGS[name]
     traced = trace_step(cfg, tier=tier, world_size=ranks, micro_batch=2, seq_len=512, loss=runner_loss)
     e = memory.estimate(shape_from_config(cfg), tier=tier, seq_len=512, micro_batch=2, world_size=ranks)
