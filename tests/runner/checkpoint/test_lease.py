@@ -172,9 +172,13 @@ def test_a_second_run_on_the_same_directory_exits_2_and_the_first_goes_on(tmp_pa
     run = tmp_path / "run"
     endless = tiny_spec_dict(run, training={"steps": 100000}, checkpoints={"every_steps": 100000}, output=NO_EXPORT)
     spec = write_spec(tmp_path / "s.yaml", endless)
-    first = subprocess.Popen([sys.executable, "-m", "runner", str(spec)], cwd=ROOT, env=runner_env(),
-                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                             start_new_session=True)  # fmt: skip
+    # Its log goes to a file: a pipe nobody reads while the second run starts fills (64 KiB of step lines) and then
+    # blocks the first run in its next log line, which the loop below took for a first run that stopped training.
+    log_path = tmp_path / "first.stderr"
+    with log_path.open("w") as log_file:
+        first = subprocess.Popen([sys.executable, "-m", "runner", str(spec)], cwd=ROOT, env=runner_env(),
+                                 stdout=subprocess.DEVNULL, stderr=log_file, text=True,
+                                 start_new_session=True)  # fmt: skip
     try:
         limit = timeout_s()
         deadline = time.monotonic() + limit
@@ -195,15 +199,16 @@ def test_a_second_run_on_the_same_directory_exits_2_and_the_first_goes_on(tmp_pa
         seen, deadline = len(records(run)), time.monotonic() + limit
         while len(records(run)) < seen + 2:
             assert first.poll() is None, "the first run stopped after the second one was refused"
-            assert time.monotonic() < deadline, f"waited {limit:g} s for two more steps of the first run"
+            assert time.monotonic() < deadline, (f"waited {limit:g} s for two more steps of the first run:\n"
+                                                 f"{log_path.read_text()[-3000:]}")  # fmt: skip
             time.sleep(0.2)
         first.send_signal(signal.SIGTERM)
-        _, stderr = communicate_or_fail(first, "the first run to checkpoint and exit after SIGTERM")
+        communicate_or_fail(first, "the first run to checkpoint and exit after SIGTERM")
     finally:
         if first.poll() is None:  # the supervisor and its worker
             os.killpg(first.pid, signal.SIGKILL)
             first.wait(60)
-    assert first.returncode == EXIT_PREEMPTED, stderr[-3000:]
+    assert first.returncode == EXIT_PREEMPTED, log_path.read_text()[-3000:]
     steps = [r["step"] for r in records(run)]
     assert steps == list(range(1, len(steps) + 1))  # one writer: every step logged once, in order
     assert not (run / LEASE_FILE).exists()  # released at exit

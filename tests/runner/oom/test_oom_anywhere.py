@@ -256,6 +256,7 @@ def test_no_accelerate_engine_switch_outlives_a_sharded_tier(tmp_path, monkeypat
     assert getattr(recipe.accelerator.state, "fsdp_plugin", None) is None
 
 
+@pytest.mark.sweep  # the bench's own command line (15-25 s on 2 cores); the matrix it runs is tested above
 def test_sweep_cli_prints_the_matrix(tmp_path):
     out = subprocess.run([sys.executable, "bench/oom_anywhere.py", "--ranks", "1", "--tiers", "zero2", "--regions",
                           "save", "--lora", "off", "--checkpointing", "off", "--points", "1", "--json",
@@ -318,8 +319,11 @@ def test_an_oom_raised_by_a_collective_call_on_one_rank_joins_the_others(tmp_pat
     assert all(torch.equal(w0[k], w1[k]) for k in w0)
 
 
-@pytest.mark.parametrize(("objective", "tier", "region"), [("dpo", "fast", "train"), ("dpo", "zero3", "train-mb1"),
-                                                            ("orpo", "fast", "eval"), ("simpo", "zero2", "train-1")])
+@pytest.mark.parametrize(("objective", "tier", "region"),
+                         [("dpo", "zero3", "train-mb1"), ("simpo", "zero2", "train-1"),
+                          # the sweep tier (pytest -m sweep)
+                          pytest.param("dpo", "fast", "train", marks=pytest.mark.sweep),
+                          pytest.param("orpo", "fast", "eval", marks=pytest.mark.sweep)])  # fmt: skip
 def test_a_preference_objective_recovers_at_a_sampled_op(tmp_path, objective, tier, region):
     """The same matrix on preference pairs (a micro-batch of 2m rows, the pair loss, DPO's cached reference): an OOM at
     a sampled op ends with the clean run's pairs at every step and its weights."""

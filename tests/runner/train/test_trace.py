@@ -77,7 +77,7 @@ def test_offload_tiers_and_ddp_move_bytes_by_arithmetic():
     assert 0 < minimal.peak < trace_step(cfg, tier="zero3", **kw).peak and minimal.host > 0
 
 
-@pytest.mark.slow
+@pytest.mark.sweep  # 35-60 s on 2 cores; its figures: python -m bench.memory_model
 def test_a_7b_trace_runs_on_fakes_within_the_host():
     """An 8B model at zero3 over 8 ranks (FSDP2's wrapping and tracker, the slower path) traces on a 2-core machine
     with 24 GiB: every byte it counts is a fake's. Its time is a figure of python -m bench.memory_model (every tier's
@@ -122,8 +122,8 @@ def test_the_formula_is_within_10_percent_of_the_trace(shape, tier):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("tier", ["fast", "zero3"])
-@pytest.mark.parametrize("shape", [GRID[0], GRID[3]], ids=lambda g: f"{g[0]}-h{g[1]}")
+@pytest.mark.parametrize(("shape", "tier"), half_fraction([[GRID[0], GRID[3]], ["fast", "zero3"]],
+                                                         ids=[lambda g: f"{g[0]}-h{g[1]}"]))
 def test_the_formula_counts_the_packed_mask_as_the_trace_does(shape, tier):
     """`data.packing` under sdpa: the (b, 1, s, s) block-diagonal mask replaces SDPA's is_causal. The formula's packed
     step stays within 10% of the traced one, and what packing adds is the traced addition to within 25% (the mask,
@@ -143,8 +143,7 @@ def test_the_formula_counts_the_packed_mask_as_the_trace_does(shape, tier):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("tier", ["fast", "zero2", "zero3"])
-@pytest.mark.parametrize("model_type", ["llama", "qwen3"])
+@pytest.mark.parametrize(("model_type", "tier"), half_fraction([["llama", "qwen3"], ["fast", "zero2", "zero3"]]))
 def test_the_formula_follows_a_head_dim_that_is_not_hidden_over_heads(tier, model_type):
     """A config that names its head_dim (queries 1024 wide on a 640-wide model, as Qwen3-4B and Gemma have them),
     with and without Qwen3's norms on queries and keys: the shape read from it counts the parameters transformers
