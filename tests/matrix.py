@@ -1,6 +1,6 @@
 """Test matrices too large to run whole by default: half of the combinations, chosen so that pairs stay covered.
 
-`half_fraction(names, factors)` gives every combination of the factors as pytest params; a combination whose value
+`half_fraction(factors, ids)` gives every combination of the factors as pytest params; a combination whose value
 indices sum to an even number runs by default, the others carry the `sweep` mark (`pytest -m sweep` runs them).
 With three factors or more, every pair of values of two factors is still tested by default (the others' indices
 take both parities); with two, each value of each factor still is. The ids are the factors' ids joined by "-".

@@ -81,6 +81,15 @@ def _dead_pid() -> int:
 # gs:// runs in the sweep tier (pytest -m sweep; a minute on 2 cores): the same runner code as s3:// but for the
 # store, whose conditional writes test_the_lease_in_a_gcs_bucket_sends_the_conditions_gcs_enforces checks by default.
 @pytest.mark.parametrize("store", ["s3", pytest.param("gs", marks=pytest.mark.sweep)], indirect=True)
+def _assert_lease_conditions(lines: list[str]) -> None:
+    """The conditions GCS itself would enforce, among the requests logged in `lines`: the lease created only where
+    nothing is (generation 0), renewed and released only at the generation it read."""
+    sent = [line for line in lines if re.search(r"ifGenerationMatch=\d+", line)]
+    assert any("&ifGenerationMatch=0 " in line for line in sent), sent  # create
+    assert any(re.search(r"&ifGenerationMatch=[1-9]\d* ", line) for line in sent), sent  # renew
+    assert any(re.search(r"DELETE .*lease\.json\?ifGenerationMatch=[1-9]", line) for line in sent), sent  # release
+
+
 def test_two_ranks_checkpoint_to_a_bucket_are_killed_resume_exactly_and_export(tmp_path, store):
     scheme, fs = store
     prefix = "runs/a"
@@ -96,10 +105,7 @@ def test_two_ranks_checkpoint_to_a_bucket_are_killed_resume_exactly_and_export(t
     first = run("a")  # uninterrupted: steps 1..6, checkpoints 2, 4, 6 in the bucket, the model exported and uploaded
     if scheme == "gs":  # the emulator ignores ifGenerationMatch: found out at the lease's first create, and said
         assert "ignores conditional writes (ifGenerationMatch=0)" in first.stderr
-        sent = gcs_server.requests.matching(r"ifGenerationMatch=\d+")  # the conditions GCS itself would enforce
-        assert any("&ifGenerationMatch=0 " in line for line in sent)  # create
-        assert any(re.search(r"&ifGenerationMatch=[1-9]\d* ", line) for line in sent)  # renew
-        assert any(re.search(r"DELETE .*lease\.json\?ifGenerationMatch=[1-9]", line) for line in sent)  # release
+        _assert_lease_conditions(gcs_server.requests.lines)
     full = {r["step"]: r["loss"] for r in records(tmp_path / "a")}
     keys = _keys(fs, f"{prefix}/")
     for step in (2, 4, 6):
@@ -240,10 +246,7 @@ def test_the_lease_in_a_gcs_bucket_sends_the_conditions_gcs_enforces(gcs):
     first.beat(force=True)
     first.release()
     assert not first.file.exists()
-    sent = [line for line in gcs_server.requests.lines[before:] if re.search(r"ifGenerationMatch=\d+", line)]
-    assert any("&ifGenerationMatch=0 " in line for line in sent), sent  # create
-    assert any(re.search(r"&ifGenerationMatch=[1-9]\d* ", line) for line in sent), sent  # renew
-    assert any(re.search(r"DELETE .*lease\.json\?ifGenerationMatch=[1-9]", line) for line in sent), sent  # release
+    _assert_lease_conditions(gcs_server.requests.lines[before:])
 
 
 def test_a_torn_upload_is_never_a_checkpoint(tmp_path, store):
