@@ -47,3 +47,22 @@ def test_run_supervisor_reports_the_command_and_kills_it(monkeypatch: pytest.Mon
     text = str(info.value)
     assert "timed out after 0.5 s (JOBSPEC_TEST_TIMEOUT_SCALE=1)" in text
     assert f"JOBSPEC_KILL_GRACE_S=5 {sys.executable} -m runner {spec}" in text and "Last stderr:" in text
+
+
+LOUD_RANKS = """import sys, time
+sys.stderr.write("x" * 1_000_000)  # far past a pipe's 64 KiB
+sys.stderr.flush()
+sys.stdout.write(sys.argv[1] * 3)
+"""
+
+
+def test_drained_runs_never_block_in_a_full_pipe() -> None:
+    """Two processes that each write 1 MB to stderr, waited for one after the other: with Popen's pipes the second
+    would block in its write while the test waits on the first (a gang's collective then hangs both)."""
+    command = [sys.executable, "-c", LOUD_RANKS]
+    pipes = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, "text": True}
+    procs = [train_helpers.Drained([*command, str(r)], **pipes) for r in (0, 1)]
+    procs[1].wait(timeout=60)  # the one not being read: it ends, its pipe drained by a thread
+    outs = [communicate_or_fail(p, f"rank {r}", timeout=60) for r, p in enumerate(procs)]
+    assert outs == [("000", "x" * 1_000_000), ("111", "x" * 1_000_000)]
+    assert procs[0].read_so_far("stdout") == "000" and procs[0].read_so_far("missing") is None

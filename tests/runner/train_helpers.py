@@ -6,6 +6,7 @@ Real training everywhere (tiny preset, short sequences, few steps); only the GPU
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import os
 import shlex
@@ -13,6 +14,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -180,6 +182,51 @@ def run_supervisor(args: list[str], timeout: float = TRAINING_TIMEOUT_S, **env: 
         _kill_group(proc)
         raise
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+class Drained(subprocess.Popen):
+    """A Popen whose pipes are read while the process writes, each by a thread of its own.
+
+    A test that polls a run's files (or waits on one rank) while the run logs into a pipe nobody reads hangs the
+    run once 64 KiB are written: the run blocks in its next log line, and a gang's other rank in the collective
+    that waits for it (a 600 s hang in CI, test_lease, 2026-11-29). `communicate()` returns what was read, as
+    Popen's does; a grandchild that keeps the pipe open past the end delays it at most READER_JOIN_S."""
+
+    READER_JOIN_S = 30.0
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._chunks: dict[str, list[Any]] = {}
+        self._readers: list[threading.Thread] = []
+        for name in ("stdout", "stderr"):
+            stream = getattr(self, name)
+            if stream is not None:
+                chunks = self._chunks[name] = []
+                reader = threading.Thread(target=_read_all, args=(stream, chunks), daemon=True)
+                reader.start()
+                self._readers.append(reader)
+
+    def communicate(self, input: Any = None, timeout: float | None = None) -> tuple[Any, Any]:
+        if input is not None:
+            raise ValueError("Drained runs take no input")
+        self.wait(timeout)
+        for reader in self._readers:
+            reader.join(self.READER_JOIN_S)
+        return self.read_so_far("stdout"), self.read_so_far("stderr")
+
+    def read_so_far(self, name: str = "stderr") -> Any:
+        """What the process wrote to `name` until now (None when it is not a pipe)."""
+        chunks = self._chunks.get(name)
+        if chunks is None:
+            return None
+        text = isinstance(getattr(self, name), io.TextIOBase)
+        return ("" if text else b"").join(list(chunks))
+
+
+def _read_all(stream: Any, chunks: list[Any]) -> None:
+    with contextlib.suppress(ValueError, OSError):  # closed under us: the test is ending
+        for line in stream:
+            chunks.append(line)
 
 
 def communicate_or_fail(proc: subprocess.Popen, what: str, timeout: float | None = None) -> tuple[Any, Any]:

@@ -23,7 +23,7 @@ from jobspec.errors import ConfigError
 from runner.checkpoint import store
 from runner.checkpoint.lease import LEASE_FILE, Lease, LeaseLost, Superseded, check_holder
 from runner.dist import Control
-from tests.runner.train_helpers import ROOT, runner_env
+from tests.runner.train_helpers import ROOT, Drained, runner_env
 
 
 def test_the_attempt_that_holds_the_lease_writes_and_any_other_is_superseded(tmp_path):
@@ -100,7 +100,7 @@ def test_rank_0s_text_reaches_every_rank_exactly(tmp_path):
         print("ok", rank, flush=True)
         os._exit(0)  # gloo's teardown at interpreter exit can abort (see tests/runner/oom)
     """)
-    procs = [subprocess.Popen([sys.executable, "-c", script, str(r)], cwd=ROOT, env=runner_env(),
+    procs = [Drained([sys.executable, "-c", script, str(r)], cwd=ROOT, env=runner_env(),
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in (0, 1)]  # fmt: skip
     outs = [p.communicate(timeout=120) for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outs

@@ -18,6 +18,7 @@ from jobspec.contract import EXIT_OK, EXIT_PREEMPTED
 from runner.checkpoint import store
 from tests.runner.train_helpers import (
     ROOT,
+    Drained,
     communicate_or_fail,
     records,
     runner_env,
@@ -55,7 +56,7 @@ def test_sigterm_checkpoints_exits_143_and_the_checkpoint_resumes(tmp_path):
         tmp_path / "s.yaml", tiny_spec_dict(run, training={"steps": 100000}, checkpoints={"every_steps": 100000})
     )
     term = tmp_path / "termination-log"
-    proc = subprocess.Popen(
+    proc = Drained(
         [sys.executable, "-m", "runner", str(spec)],
         cwd=ROOT,
         env=runner_env(JOBSPEC_TERMINATION_LOG=str(term)),

@@ -25,6 +25,7 @@ from runner.data.records import read_records
 from runner.data.tokenizer import ByteTokenizer
 from runner.data.tokens import Streams, StreamsBuilder
 from tests.runner.data.test_chat_masks import CHATML, CHATML_GENERATION, CHATS, TRIMMING, chat, hf_tokenizer
+from tests.runner.train_helpers import Drained
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -323,7 +324,7 @@ print(json.dumps([Slow.calls, int(streams.ids.sum()), len(streams)]))
 def test_two_processes_asking_at_once_build_once(tmp_path):
     source, cache = write_chats(tmp_path / "chats.jsonl", 40), tmp_path / "cache"
     command = [sys.executable, "-c", BUILD_SCRIPT, str(source), str(cache)]
-    procs = [subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    procs = [Drained(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for _ in range(2)]  # fmt: skip
     results = []
     for p in procs:

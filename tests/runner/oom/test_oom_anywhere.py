@@ -299,13 +299,13 @@ def test_an_oom_raised_by_a_collective_call_on_one_rank_joins_the_others(tmp_pat
     raises an OOM while rank 0 waits inside it: rank 1 issues it again and joins, nobody hangs, both end on the same
     weights."""
     from tests.runner.oom.test_oom_recovery import _free_port
-    from tests.runner.train_helpers import communicate_or_fail, tiny_spec_dict, write_spec
+    from tests.runner.train_helpers import Drained, communicate_or_fail, tiny_spec_dict, write_spec
 
     spec = write_spec(tmp_path / "s.yaml", tiny_spec_dict(tmp_path / "run", training={"micro_batch": 4, "steps": 3},
                                                           memory={"tier": tier}))  # fmt: skip
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "WORLD_SIZE": "2",
            "LOCAL_WORLD_SIZE": "2", "OMP_NUM_THREADS": "1", "FLAKY": collective}  # fmt: skip
-    procs = [subprocess.Popen([sys.executable, "-c", COLLECTIVE_SCRIPT, str(spec), str(tmp_path / f"w{r}.pt")],
+    procs = [Drained([sys.executable, "-c", COLLECTIVE_SCRIPT, str(spec), str(tmp_path / f"w{r}.pt")],
                               cwd=ROOT, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, stderr=subprocess.PIPE,
                               text=True) for r in (0, 1)]  # fmt: skip
     try:

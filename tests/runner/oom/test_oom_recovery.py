@@ -23,6 +23,7 @@ from runner.oom.faults import ENV_VAR
 from runner.oom.ladder import load_state
 from tests.runner.train_helpers import (
     ROOT,
+    Drained,
     communicate_or_fail,
     records,
     run_supervisor,
@@ -216,7 +217,7 @@ def test_two_ranks_one_oom_no_hang_both_shrink_same_weights(tmp_path):
            "LOCAL_WORLD_SIZE": "2", "OMP_NUM_THREADS": "1", "JOBSPEC_RECORD_SAMPLES": "1",
            ENV_VAR: "mbs>2,rank=1"}  # fmt: skip
     procs = [
-        subprocess.Popen([sys.executable, "-c", RANK_SCRIPT, str(spec), str(tmp_path / f"w{r}.pt")], cwd=ROOT,
+        Drained([sys.executable, "-c", RANK_SCRIPT, str(spec), str(tmp_path / f"w{r}.pt")], cwd=ROOT,
                          env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, stderr=subprocess.PIPE, text=True)
         for r in (0, 1)
     ]  # fmt: skip
@@ -254,7 +255,7 @@ def run_two_ranks(tmp_path: Path, spec: Path, **env_vars: str) -> list[str]:
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "WORLD_SIZE": "2",
            "LOCAL_WORLD_SIZE": "2", "OMP_NUM_THREADS": "1", "JOBSPEC_RECORD_SAMPLES": "1", **env_vars}  # fmt: skip
     procs = [
-        subprocess.Popen([sys.executable, "-c", FULL_WEIGHTS_SCRIPT, str(spec), str(tmp_path / f"w{r}.pt")],
+        Drained([sys.executable, "-c", FULL_WEIGHTS_SCRIPT, str(spec), str(tmp_path / f"w{r}.pt")],
                          cwd=ROOT, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, stderr=subprocess.PIPE,
                          text=True)
         for r in (0, 1)

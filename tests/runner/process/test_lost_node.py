@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 
 from jobspec.contract import ENV_MASTER_ADDR, ENV_MASTER_PORT, ENV_NNODES, ENV_NODE_RANK, EXIT_FAILED
-from tests.runner.train_helpers import ROOT, records, runner_env, timeout_s, tiny_spec_dict, write_spec
+from tests.runner.train_helpers import ROOT, Drained, records, runner_env, timeout_s, tiny_spec_dict, write_spec
 
 pytestmark = pytest.mark.slow
 HEARTBEAT_S = 5  # scheduling.heartbeat_timeout_seconds in these tests
@@ -43,7 +43,7 @@ def start_nodes(tmp_path: Path, spec: Path) -> list[subprocess.Popen]:
         env = runner_env(**{ENV_NNODES: "2", ENV_NODE_RANK: str(node), ENV_MASTER_ADDR: "127.0.0.1",
                             ENV_MASTER_PORT: str(port), "JOBSPEC_DIST_TIMEOUT_S": "",
                             "JOBSPEC_TERMINATION_LOG": str(tmp_path / f"termination-{node}")})  # fmt: skip
-        nodes.append(subprocess.Popen([sys.executable, "-m", "runner", str(spec), "--nproc", "1"], cwd=ROOT, env=env,
+        nodes.append(Drained([sys.executable, "-m", "runner", str(spec), "--nproc", "1"], cwd=ROOT, env=env,
                                       stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                                       start_new_session=True))  # fmt: skip
     return nodes

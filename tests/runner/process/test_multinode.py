@@ -26,7 +26,16 @@ from runner.data.dataset import DataOrder, load_data
 from runner.data.tokenizer import ByteTokenizer
 from runner.oom.faults import ENV_VAR
 from runner.oom.ladder import load_state
-from tests.runner.train_helpers import ROOT, records, runner_env, timeout_s, tiny_spec, tiny_spec_dict, write_spec
+from tests.runner.train_helpers import (
+    ROOT,
+    Drained,
+    records,
+    runner_env,
+    timeout_s,
+    tiny_spec,
+    tiny_spec_dict,
+    write_spec,
+)
 
 pytestmark = pytest.mark.slow
 GLOBAL_BATCH = 8  # 2 nodes x 1 process: 4 samples a rank a step
@@ -44,7 +53,7 @@ def start_nodes(spec: Path, port: int, **env: str) -> list[subprocess.Popen]:
         node_env = {ENV_NNODES: "2", ENV_NODE_RANK: str(node), ENV_MASTER_ADDR: "127.0.0.1",
                     ENV_MASTER_PORT: str(port), "JOBSPEC_RECORD_SAMPLES": "1", "JOBSPEC_DIST_TIMEOUT_S": "30",
                     **env}  # fmt: skip
-        nodes.append(subprocess.Popen([sys.executable, "-m", "runner", str(spec), "--nproc", "1"], cwd=ROOT,
+        nodes.append(Drained([sys.executable, "-m", "runner", str(spec), "--nproc", "1"], cwd=ROOT,
                                       env=runner_env(**node_env), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                                       text=True, start_new_session=True))  # fmt: skip
     return nodes

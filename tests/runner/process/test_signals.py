@@ -16,6 +16,7 @@ from jobspec.contract import EXIT_PREEMPTED
 from runner.checkpoint import store
 from tests.runner.train_helpers import (
     ROOT,
+    Drained,
     communicate_or_fail,
     records,
     runner_env,
@@ -28,7 +29,7 @@ from tests.runner.train_helpers import (
 def test_sigint_checkpoints_and_exits_143(tmp_path):
     run = tmp_path / "run"
     spec = tiny_spec_dict(run, training={"steps": 100000}, checkpoints={"every_steps": 100000})
-    proc = subprocess.Popen([sys.executable, "-m", "runner", str(write_spec(tmp_path / "s.yaml", spec))], cwd=ROOT,
+    proc = Drained([sys.executable, "-m", "runner", str(write_spec(tmp_path / "s.yaml", spec))], cwd=ROOT,
                             env=runner_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)  # fmt: skip
     try:
         deadline = time.monotonic() + timeout_s()
@@ -82,7 +83,7 @@ def start_training(tmp_path, launcher: str) -> tuple[subprocess.Popen, int]:
                                                           checkpoints={"every_steps": 100000}))  # fmt: skip
     cmd = {"jobspec run": [sys.executable, "-m", "jobspec", "run", str(spec)],
            "python -m runner": [sys.executable, "-m", "runner", str(spec)]}[launcher]  # fmt: skip
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=runner_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+    proc = Drained(cmd, cwd=ROOT, env=runner_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                             text=True, start_new_session=True)  # fmt: skip
     deadline = time.monotonic() + timeout_s()
     while not records(run):
