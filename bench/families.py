@@ -42,6 +42,9 @@ def _shrunk(cfg: dict[str, Any], vocab: int) -> dict[str, Any]:
     if "text_config" in cfg:
         vision = {**cfg["vision_config"], "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
                   "num_attention_heads": 2, "image_size": 28, "patch_size": 14}  # fmt: skip
+        for key in ("vision_output_dim", "projector_input_dim", "projector_output_dim"):  # Llama 4's projector
+            if key in vision:
+                vision[key] = 64
         text = _shrunk({**dict(FAMILIES[cfg["model_type"]].text_defaults), **cfg["text_config"]}, vocab)
         return {**cfg, "text_config": text, "vision_config": vision, "mm_tokens_per_image": 4,
                 "image_token_index": vocab - 2, "boi_token_index": 2, "eoi_token_index": 3,
@@ -74,6 +77,9 @@ def _shrunk(cfg: dict[str, Any], vocab: int) -> dict[str, Any]:
         cfg.update(n_group=2, topk_group=1)
     if cfg.get("sliding_window"):
         cfg["sliding_window"] = 32
+    if cfg["model_type"] == "llama4_text":  # one dense layer and one MoE, the second without rope, chunks of 32
+        cfg.update(intermediate_size_mlp=256, interleave_moe_layer_step=2, no_rope_layers=[], no_rope_layer_interval=2,
+                   attention_chunk_size=32)  # fmt: skip
     cfg["pad_token_id"] = vocab - 1  # some config classes default to an id of the full vocabulary
     cfg.update(bos_token_id=0, eos_token_id=1)
     return cfg

@@ -40,6 +40,7 @@ FAMILIES = {
     "deepseek-v2-lite-lora": ("deepseek-v2-lite", "deepseek-ai/DeepSeek-V2-Lite", "A100-80GB:2", True, None),
     "olmoe-1b-7b": ("olmoe-1b-7b", "allenai/OLMoE-1B-7B-0924", "H100:8", False, None),
     "gpt-oss-20b-lora": ("gpt-oss-20b", "openai/gpt-oss-20b", "H100:2", True, None),
+    "llama-4-scout-lora": ("llama-4-scout", "meta-llama/Llama-4-Scout-17B-16E-Instruct", "H200:8", True, None),
     "gemma-2b-lora": ("gemma-2b", "google/gemma-2b", "L4:1", True, None),
     "gemma-2-2b-lora": ("gemma-2-2b", "google/gemma-2-2b-it", "L4:1", True, None),
     "gemma-3-1b": ("gemma-3-1b", "google/gemma-3-1b-it", "A100-40GB:1", False, None),

@@ -41,7 +41,12 @@ class ExpertKeys:
     shared_is_count: bool = False
     shared_gate: bool = False  # a sigmoid gate (hidden -> 1) on the shared expert's output (Qwen2-MoE)
     dense_first: str | None = None  # the first k layers keep a dense MLP (DeepSeek's first_k_dense_replace)
-    sparse_step: bool = False  # Qwen's decoder_sparse_step and mlp_only_layers pick the MoE layers
+    sparse_step: str | None = None  # the config key of the MoE layers' interval (layer i is MoE when (i + 1) % step
+    # is 0: Qwen's decoder_sparse_step, Llama 4's interleave_moe_layer_step)
+    dense_list: str | None = None  # the config key listing layers that keep a dense MLP (Qwen's mlp_only_layers)
+    moe_list: str | None = None  # the config key listing the MoE layers, over the interval (Llama 4's moe_layers)
+    every_expert: bool = False  # every expert computes every token, the router's score zero for the unchosen
+    # (transformers' Llama 4: its memory and time are those of top_k = experts, though one expert is chosen)
     bias: bool = False  # biases on the router and on every expert's projections (gpt-oss)
     aux_loss: bool = True  # transformers computes the router's load-balancing loss (`output_router_logits`)
 
@@ -83,6 +88,8 @@ class Family:
     # the layer's activations and gradients are its peak)
     text_model: str | None = None  # a multimodal checkpoint whose `text_config` (of this model_type) is the model
     # planned and trained, its vision tower left out (Gemma 3 4B+: the runner loads its language model's weights)
+    dense_width: str = "intermediate_size"  # the config key of a dense layer's MLP width (Llama 4:
+    # intermediate_size_mlp; its intermediate_size is an expert's)
     text_defaults: tuple[tuple[str, object], ...] = ()  # the text config class's defaults, for the keys a published
     # text_config leaves out (Gemma 3's lists only what differs from Gemma3TextConfig)
 
@@ -122,11 +129,12 @@ FAMILIES: dict[str, Family] = {
         Family(
             "qwen2_moe", "Qwen 1.5 / 2 MoE",
             experts=ExpertKeys(_QWEN, "moe_intermediate_size", shared="shared_expert_intermediate_size",
-                               shared_gate=True, sparse_step=True),
+                               shared_gate=True, sparse_step="decoder_sparse_step", dense_list="mlp_only_layers"),
             act_extra=((4, (7.0, 0.0)), (2, (2.7, 0.0))),  # the gated shared expert's output
         ),
         Family("qwen3_moe", "Qwen 3 MoE", qk_norm=True,
-               experts=ExpertKeys(_QWEN, "moe_intermediate_size", sparse_step=True)),
+               experts=ExpertKeys(_QWEN, "moe_intermediate_size", sparse_step="decoder_sparse_step",
+                                  dense_list="mlp_only_layers")),
         Family("olmoe", "OLMoE", qk_norm=True, experts=ExpertKeys(_QWEN, "intermediate_size")),
         Family(
             "deepseek_v2", "DeepSeek-V2", mla=True,
@@ -148,6 +156,20 @@ FAMILIES: dict[str, Family] = {
                                shared="n_shared_experts", shared_is_count=True, dense_first="first_k_dense_replace",
                                aux_loss=False),  # DeepSeek-V3's router; partial rotary, q/k/v biases
         ),
+        Family(
+            "llama4_text", "Llama 4 (text)", qk_norm_key="use_qk_norm", dense_width="intermediate_size_mlp",
+            experts=ExpertKeys(("num_local_experts",), "intermediate_size", shared="intermediate_size",
+                               sparse_step="interleave_moe_layer_step", moe_list="moe_layers", every_expert=True,
+                               aux_loss=False),  # a sigmoid of the top score, no load-balancing loss in transformers
+        ),
+        Family(
+            "llama4", "Llama 4 (multimodal: its text model)", text_model="llama4_text",
+            text_defaults=(("vocab_size", 202048), ("hidden_size", 5120), ("intermediate_size", 8192),
+                           ("intermediate_size_mlp", 16384), ("num_hidden_layers", 48), ("num_attention_heads", 40),
+                           ("num_key_value_heads", 8), ("head_dim", 128), ("max_position_embeddings", 131072),
+                           ("num_local_experts", 16), ("num_experts_per_tok", 1), ("interleave_moe_layer_step", 1),
+                           ("use_qk_norm", True)),
+        ),  # Llama4TextConfig's defaults in transformers 5.24
         Family("gpt_oss", "gpt-oss", experts=ExpertKeys(_ROUTED, "intermediate_size", bias=True),
                attentions=frozenset({"eager"}), act_extra=((4, (0.0, 4.0)), (2, (0.0, 4.0))), routed_extra=(0.0, 5.3),
                softmax_16bit=2.0, score_backward=4.25),

@@ -16,7 +16,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from jobspec.catalog.families import Family, family
+from jobspec.catalog.families import ExpertKeys, Family, family
 from jobspec.catalog.presets import ModelShape
 from jobspec.errors import ConfigError
 from jobspec.untrusted import json_loads, read_bounded
@@ -91,7 +91,7 @@ def shape_from_config(cfg: dict[str, Any], where: str = "config.json") -> ModelS
     if fam.text_model:
         cfg = text_config(cfg, where)
         fam = family(cfg["model_type"], f"{where} text_config")
-    keys = _GPT2_KEYS if fam.block == "gpt2" else _LLAMA_KEYS
+    keys = _GPT2_KEYS if fam.block == "gpt2" else {**_LLAMA_KEYS, "intermediate": fam.dense_width}
     v: dict[str, Any] = _checked(
         cfg, keys, ("layers", "hidden", "heads", "vocab", *(() if fam.block == "gpt2" else ("intermediate",))), where
     )
@@ -169,22 +169,28 @@ def _experts(cfg: dict[str, Any], fam: Family, layers: int, intermediate: int, w
         shared = raw * v["expert_width"] if keys.shared_is_count else raw
     return {"experts": v["experts"], "experts_per_token": v["top_k"], "expert_intermediate": v["expert_width"],
             "shared_intermediate": shared, "shared_gate": keys.shared_gate and shared > 0, "expert_bias": keys.bias,
-            "dense_layers": _dense_layers(cfg, keys.dense_first, keys.sparse_step, layers)}  # fmt: skip
+            "every_expert": keys.every_expert, "dense_at": _dense_at(cfg, keys, layers)}  # fmt: skip
 
 
-def _dense_layers(cfg: dict[str, Any], first: str | None, sparse_step: bool, layers: int) -> int:
-    """How many layers keep a dense MLP: DeepSeek's first k; Qwen's mlp_only_layers and the layers between its
-    decoder_sparse_step (layer i is MoE when (i + 1) % step == 0), as transformers builds them."""
-    if first:
-        k = cfg.get(first) or 0
-        return min(layers, k) if isinstance(k, int) and not isinstance(k, bool) and k > 0 else 0
-    if not sparse_step:
-        return 0
-    step = cfg.get("decoder_sparse_step", 1)
+def _dense_at(cfg: dict[str, Any], keys: ExpertKeys, layers: int) -> tuple[int, ...]:
+    """The layers that keep a dense MLP, as transformers builds them: DeepSeek's first k; those a list of the MoE
+    layers leaves out (Llama 4's moe_layers); those between an interval's MoE layers (layer i is MoE when
+    (i + 1) % step == 0: Qwen's decoder_sparse_step, Llama 4's interleave_moe_layer_step) and those Qwen's
+    mlp_only_layers names."""
+    if keys.dense_first:
+        k = cfg.get(keys.dense_first) or 0
+        return tuple(range(min(layers, k))) if isinstance(k, int) and not isinstance(k, bool) and k > 0 else ()
+    listed = cfg.get(keys.moe_list) if keys.moe_list else None
+    if isinstance(listed, list):
+        moe = {i for i in listed if isinstance(i, int) and not isinstance(i, bool)}
+        return tuple(i for i in range(layers) if i not in moe)
+    if not keys.sparse_step:
+        return ()
+    step = cfg.get(keys.sparse_step, 1)
     step = step if isinstance(step, int) and not isinstance(step, bool) and step > 0 else 1
-    only = cfg.get("mlp_only_layers") or []
+    only = cfg.get(keys.dense_list) if keys.dense_list else None
     only = {i for i in only if isinstance(i, int)} if isinstance(only, list) else set()
-    return sum(1 for i in range(layers) if i in only or (i + 1) % step)
+    return tuple(i for i in range(layers) if i in only or (i + 1) % step)
 
 
 def _mla(cfg: dict[str, Any], where: str) -> tuple[int, int, int, int, int]:

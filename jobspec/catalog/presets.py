@@ -35,15 +35,17 @@ class ModelShape:
     model_type: str = ""  # transformers' model_type (jobspec/catalog/families.py); "" for the presets' gpt2/llama
     # Mixture-of-experts (0 experts: dense). A MoE layer holds a router (experts x hidden), `experts` SwiGLU experts
     # of width `expert_intermediate` of which each token goes through `experts_per_token`, and shared experts of
-    # total width `shared_intermediate` that every token goes through; `dense_layers` of the layers keep a dense
-    # MLP of `intermediate` (DeepSeek's first layers, Qwen's mlp_only_layers).
+    # total width `shared_intermediate` that every token goes through; the layers `dense_at` lists keep a dense
+    # MLP of `intermediate` (DeepSeek's first layers, Qwen's mlp_only_layers, every other one of Llama 4 Maverick's).
     experts: int = 0
     experts_per_token: int = 0
     expert_intermediate: int = 0
     shared_intermediate: int = 0
     shared_gate: bool = False  # Qwen2-MoE's sigmoid gate (hidden -> 1) on the shared expert
     expert_bias: bool = False  # gpt-oss: biases on the router and the experts' projections
-    dense_layers: int = 0
+    every_expert: bool = False  # every expert computes every token (Llama 4 in transformers): activations and time
+    # of `experts` routed copies of each token, whatever experts_per_token says
+    dense_at: tuple[int, ...] = ()
     # Multi-head latent attention (DeepSeek-V2): (q_lora_rank or 0, kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim,
     # v_head_dim); None for the usual q, k, v and o projections
     mla: tuple[int, int, int, int, int] | None = None
@@ -69,9 +71,23 @@ class ModelShape:
         return self.experts > 0
 
     @property
+    def dense_layers(self) -> int:
+        """Layers whose MLP is dense in a mixture-of-experts model."""
+        return len(self.dense_at) if self.moe else 0
+
+    def moe_at(self, layer: int) -> bool:
+        """Whether layer `layer` (0-based; -1 the last) holds the experts."""
+        return self.moe and (layer % self.layers) not in self.dense_at
+
+    @property
     def moe_layers(self) -> int:
         """Layers whose MLP is a mixture of experts."""
         return self.layers - self.dense_layers if self.moe else 0
+
+    @property
+    def experts_computed(self) -> int:
+        """Experts that compute each token: the ones it is routed to, or all of them (`every_expert`)."""
+        return self.experts if self.every_expert else self.experts_per_token
 
     def attention_params(self) -> int:
         """Parameters of one block's attention (q, k, v and o; or MLA's low-rank projections and their norms)."""
@@ -90,7 +106,7 @@ class ModelShape:
         """A MoE layer's MLP: router, experts (only the `experts_per_token` a token passes through when `active`),
         shared experts."""
         h, e = self.hidden, self.expert_intermediate
-        n = self.experts_per_token if active else self.experts
+        n = self.experts_computed if active else self.experts
         bias = (2 * e + h) if self.expert_bias else 0
         router = self.experts * (h + (1 if self.expert_bias else 0))
         return router + n * (3 * h * e + bias) + 3 * h * self.shared_intermediate + (h if self.shared_gate else 0)
@@ -117,7 +133,8 @@ class ModelShape:
 
     @property
     def active_params(self) -> int:
-        """Parameters a token passes through: all of them for a dense model; the routed experts it is sent to."""
+        """Parameters a token passes through: all of them for a dense model; the routed experts it is sent to (every
+        expert where every one computes it: Llama 4 in transformers)."""
         if not self.moe:
             return self.params
         return self.params - self.moe_layers * (self.moe_mlp_params() - self.moe_mlp_params(active=True))

@@ -401,7 +401,6 @@ def _fsdp_peak(
     come on top. With LoRA the frozen base has no gradients; the adapters' are small and left out. A 4-bit base
     (`quantize`) gathers its blocks' linear layers in 4 bits: `block` counts them at their 16-bit equivalent."""
     head, half = shape.vocab * shape.hidden, HALF_BYTES
-    block = _block_params(shape) - gathered_saving(shape, quantize, world_size) // (HALF_BYTES * shape.layers)
     tied, reshard, full = shape.tie_embeddings, tier in ("zero3", "minimal"), lora is None
     buffer = half if world_size > 1 else 0  # one rank gathers nothing: its 16-bit copy is the unsharded module
     reduced = GRAD_BYTES if full else 0  # a module's gradient, reduce-scattered in fp32
@@ -412,14 +411,26 @@ def _fsdp_peak(
     offloaded = GRAD_BYTES * head if full and world_size == 1 else 0
     gather_head = (half * head if reshard else 0) + (0 if tied else buffer * head)
     head_grad = half * head if full else 0  # made by the fused loss in forward
-    padded = block + fsdp_padding(shape, world_size) // max(1, shape.moe_layers)  # a MoE block's buffers, padded
-    last, first = _block_gathers(head, block, kept, tied=tied, reshard=reshard, full=full, buffer=buffer,
-                                 padded=padded)  # fmt: skip
-    block_grads = reduced * padded + (head_grad if tied else 0)
-    if full and shape.moe:  # the routed experts' weight gradient leaves the grouped matmul transposed: a 16-bit copy
-        block_grads += HALF_BYTES * shape.experts * 3 * shape.hidden * shape.expert_intermediate  # of all of them
+    saving = gathered_saving(shape, quantize, world_size) // (HALF_BYTES * shape.layers)
+    pad = fsdp_padding(shape, world_size) // max(1, shape.moe_layers)
+
+    def at(layer: int) -> tuple[int, int, int]:
+        """Layer `layer`'s block: (its parameters, what its all-gather buffer holds (FSDP2 pads a MoE block's experts),
+        its gradients at its backward). Backward runs the last layer first and layer 0 last; in a model whose dense
+        and MoE layers alternate (Llama 4 Maverick) the block gathered ahead of the last one is a dense one."""
+        moe = shape.moe_at(layer)
+        block = (_block_params(shape) if moe or not shape.moe else shape.block_params(False)) - saving
+        padded = block + (pad if moe else 0)
+        grads = reduced * padded + (head_grad if tied else 0)
+        if full and moe:  # the routed experts' weight gradient leaves the grouped matmul transposed: a 16-bit copy
+            grads += HALF_BYTES * shape.experts * 3 * shape.hidden * shape.expert_intermediate  # of all of them
+        return block, padded, grads
+
+    (_, padded, block_grads), ahead, (first_block, _, first_grads) = at(-1), at(-2), at(0)
+    last, first = _block_gathers(head, first_block, kept, tied=tied, reshard=reshard, full=full, buffer=buffer,
+                                 ahead=ahead[:2])  # fmt: skip
     # the end: the root's embedding gathered again where forward reshards, a tied root's last block still reducing
-    end = (half * head if reshard and world_size > 1 else 0) + (reduced * block if world_size > 1 and tied else 0)
+    end = (half * head if reshard and world_size > 1 else 0) + (reduced * first_block if world_size > 1 and tied else 0)
     end -= 0 if reshard else _end_kept(kept, half * head, world_size)
     # the last block's all-gather, issued for backward at the loss; not with an untied frozen output layer (LoRA), whose
     # unit backward does not run (traced: 2-layer Phi-3, Mistral, Qwen2.5-7B, 4-layer Llama with LoRA at micro-batch 1
@@ -434,7 +445,7 @@ def _fsdp_peak(
         (gather_head + head_grad + prefetch, acts, loss_hidden + chunk),
         (gather_head + (head_grad + regather if tied else reduced * head + offloaded), acts, loss_hidden),
         (last + block_grads, acts + recompute, 0),
-        (first + block_grads, acts // max(1, shape.layers) + recompute, 0),  # one layer's saved inputs left
+        (first + first_grads, acts // max(1, shape.layers) + recompute, 0),  # one layer's saved inputs left
         (end + (head_grad + reduced * head + offloaded if full else 0), 0, 0),
     )  # fmt: skip
     return tuple(int(x) for x in max(moments, key=sum))  # type: ignore[return-value]
@@ -447,7 +458,8 @@ def _end_kept(kept: int, embedding: int, world_size: int) -> int:
 
 
 def _block_gathers(
-    head: int, block: int, kept: int, *, tied: bool, reshard: bool, full: bool, buffer: int, padded: int
+    head: int, first_block: int, kept: int, *, tied: bool, reshard: bool, full: bool, buffer: int,
+    ahead: tuple[int, int],
 ) -> tuple[int, int]:
     """16-bit weights gathered beyond `kept` (what forward left gathered: zero2's) at the last block's backward (the
     first one run, all activations saved) and at the first block's (the last one run, one layer's left), traced:
@@ -458,12 +470,16 @@ def _block_gathers(
       backward, and so has a fully trained tied embedding's root (its gradient came from the output layer), which
       the first block's backward then gathers ahead again; every other block reshards after its backward.
 
-    `padded`: the block's parameters with FSDP2's padding (`fsdp_padding`), what its all-gather buffer holds."""
-    if reshard:  # the next block's all-gather is issued ahead; at the first block, the root's
-        return HALF_BYTES * block + buffer * padded, HALF_BYTES * block + buffer * head
+    At the last block's gradients, where forward reshards, the block itself has resharded and the one backward runs
+    next (the one before it in the model) is gathered: `ahead`, its parameters and what its all-gather buffer holds
+    (with FSDP2's padding, `fsdp_padding`). Traced on Llama 4 Maverick, whose layers alternate: a dense block is
+    gathered while an MoE block's gradients reduce (0.59 GiB of unsharded parameters beside 60.7 GiB reduced). At
+    the first block, `first_block` and the root's embedding gathered ahead."""
+    if reshard:
+        return HALF_BYTES * ahead[0] + buffer * ahead[1], HALF_BYTES * first_block + buffer * head
     root_kept = not (tied and full)
     last = -HALF_BYTES * head * ((not tied) + (not root_kept))
-    return last, HALF_BYTES * block + (HALF_BYTES * head if root_kept else buffer * head) - kept
+    return last, HALF_BYTES * first_block + (HALF_BYTES * head if root_kept else buffer * head) - kept
 
 
 def residual_bytes(tier: str, precision: str, lora: LoraShape | None = None) -> int:
@@ -501,7 +517,7 @@ def _kind_bytes(shape: ModelShape, tier: str, precision: str, lora: LoraShape | 
     fam = FAMILIES.get(shape.model_type)
     if moe:  # the routed experts
         c_h, c_i = (a + b for a, b in zip(MOE_ROUTED_BYTES, fam.routed_extra if fam else (0.0, 0.0), strict=True))
-        extra_bytes += shape.experts_per_token * (c_h * shape.hidden + c_i * shape.expert_intermediate)
+        extra_bytes += shape.experts_computed * (c_h * shape.hidden + c_i * shape.expert_intermediate)
     extra = dict(fam.act_extra).get(residual_bytes(tier, precision, lora)) if fam else None
     if extra:  # what the family's blocks keep beyond the block they are traced as
         extra_bytes += extra[0] * shape.hidden + extra[1] * shape.q_width
@@ -512,7 +528,7 @@ def _kind_bytes(shape: ModelShape, tier: str, precision: str, lora: LoraShape | 
     modules = _lora_targets(shape, lora, moe)
     routed = {m for m in modules if m[3] == "experts"}  # adapters of the experts read each routed token's input
     modules -= routed
-    per_token += shape.experts_per_token * LORA_INPUT_BYTES * sum(fin // max(1, shape.experts)
+    per_token += shape.experts_computed * LORA_INPUT_BYTES * sum(fin // max(1, shape.experts)
                                                                   for _, fin, _, _ in routed)  # fmt: skip
     if tier == "fast" and precision != "fp32":  # autocast: every fp32 adapter saves a 16-bit copy of its input
         per_token += sum(LORA_INPUT_BYTES * fin for _, fin, _, _ in modules)

@@ -31,14 +31,16 @@ ADAPTED = {"gpt2": ["c_attn"], "phi3": ["qkv_proj", "o_proj"], "deepseek_v2": ["
 
 
 def local_model(tmp_path: Path, name: str) -> Path:
-    """`name`'s family at 2 layers, random weights, saved with a small tokenizer as a local model directory."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    """`name`'s family at 2 layers, random weights, saved with a small tokenizer as a local model directory (a
+    multimodal family's as the hub has it: the whole image-text model, the text model's weights under its names)."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
     base = tmp_path / "base"
     save_test_tokenizer(base)  # 300 tokens; the model has 320 rows
     cfg = tiny(name, vocab=320)
     torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(AutoConfig.for_model(**cfg)).save_pretrained(base)
+    auto = AutoModelForImageTextToText if FAMILIES[cfg["model_type"]].text_model else AutoModelForCausalLM
+    auto.from_config(AutoConfig.for_model(**cfg)).save_pretrained(base)
     return base
 
 
@@ -170,6 +172,26 @@ def test_gemma3_is_planned_as_its_text_model_from_the_published_sparse_text_conf
             shape_from_config(bad, where="x/config.json")
 
 
+def test_llama4_is_planned_with_its_interleaved_layers_and_every_expert_computing():
+    """Llama 4 Scout (16 experts, every layer MoE) and Maverick (128, every other layer): the parameters transformers
+    builds, dense layers at intermediate_size_mlp, experts and the shared expert at intermediate_size; transformers runs
+    every token through every expert (the router's sigmoid score is 0 for the unchosen), so the time and activations
+    are all the experts'. An explicit moe_layers list wins over the interval."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    scout, maverick = (shape_from_config(CONFIGS[n]) for n in ("llama-4-scout", "llama-4-maverick-text"))
+    assert scout.model_type == "llama4_text" and scout.dense_layers == 0 and 107.5e9 < scout.params < 108e9
+    assert maverick.dense_at == tuple(range(0, 48, 2)) and 400.5e9 < maverick.params < 401e9
+    assert maverick.intermediate == 16384 and maverick.expert_intermediate == maverick.shared_intermediate == 8192
+    assert scout.experts_computed == 16 and scout.active_params == scout.params and scout.qk_norm
+    assert not maverick.qk_norm and maverick.moe_at(-1) and not maverick.moe_at(0)
+    cfg = {**tiny("llama-4-maverick-text"), "num_hidden_layers": 6, "moe_layers": [1, 5]}
+    shape = shape_from_config(cfg)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**cfg))
+    assert shape.dense_at == (0, 2, 3, 4) and shape.params == sum(p.numel() for p in model.parameters())
+
+
 def test_a_mixture_of_experts_is_planned_with_every_expert():
     """Qwen1.5-MoE-A2.7B: 14.3 B parameters with its 60 experts a layer (it was planned as 1.86 B, dense), 2.7 B
     a token passes through."""
@@ -183,6 +205,7 @@ def test_a_mixture_of_experts_is_planned_with_every_expert():
 @pytest.mark.parametrize(
     ("name", "tier"), [("mixtral-8x7b", "zero3"), ("gemma-2-2b", "zero2"), ("deepseek-v2-lite", "fast"),
                        ("olmo-2-7b", "zero2"), ("gemma-3-4b", "zero3"), ("deepseek-v3", "zero3"), ("glm-4.5", "zero3"),
+                       ("llama-4-scout", "zero3"),  # dense and MoE layers alternating, every expert computing
                        # the sweep tier (pytest -m sweep): the same families unsharded (5-12 s each on 2 cores)
                        *(pytest.param(name, "fast", marks=pytest.mark.sweep)
                          for name in ("mixtral-8x7b", "gemma-3-4b", "deepseek-v3", "glm-4.5"))],
@@ -197,6 +220,8 @@ def test_formula_and_trace_agree_on_mid_sized_families(name, tier):
     layers = 6 if name == "gemma-3-4b" else 4  # Gemma 3: one period of its layers, 5 sliding-window and 1 global
     text.update(num_hidden_layers=layers, hidden_size=512, intermediate_size=1024, num_attention_heads=8,
                 num_key_value_heads=4, **({"head_dim": 64} if "head_dim" in text else {}))  # fmt: skip
+    if "intermediate_size_mlp" in text:  # Llama 4's dense layers: twice an expert's width, as published
+        text["intermediate_size_mlp"] = 2048
     shape = shape_from_config(cfg)
     attention = "eager" if "sdpa" not in FAMILIES[cfg["model_type"]].attentions else "sdpa"
     ranks = 1 if tier == "fast" else 2
