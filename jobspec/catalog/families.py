@@ -76,6 +76,7 @@ class Family:
     # soft-capped scores keep their tanh)
     window_mask: float = 0.0  # bytes per token pair a sliding-window layer keeps under sdpa when the sequence is
     # longer than the window (its (b, 1, s, s) mask, 16-bit), times the share of such layers
+    window_key: str = "sliding_window"  # the config key of that window (Llama 4's chunked attention: its chunk size)
     routed_extra: tuple[float, float] = (0.0, 0.0)  # (per hidden, per expert-width unit) a routed token keeps beyond
     # memory.MOE_ROUTED_BYTES (gpt-oss's clamped, biased experts)
     softmax_16bit: float | None = None  # eager attention's bytes per head and token pair under 16-bit weights (the
@@ -158,6 +159,7 @@ FAMILIES: dict[str, Family] = {
         ),
         Family(
             "llama4_text", "Llama 4 (text)", qk_norm_key="use_qk_norm", dense_width="intermediate_size_mlp",
+            window_key="attention_chunk_size", window_mask=2.0 * 3 / 4,  # 3 of 4 layers chunked (traced: 2 a pair)
             experts=ExpertKeys(("num_local_experts",), "intermediate_size", shared="intermediate_size",
                                sparse_step="interleave_moe_layer_step", moe_list="moe_layers", every_expert=True,
                                aux_loss=False),  # a sigmoid of the top score, no load-balancing loss in transformers

@@ -106,6 +106,7 @@ def shape_from_config(cfg: dict[str, Any], where: str = "config.json") -> ModelS
         raise ConfigProblems(f"{where}: tie_word_embeddings {why}: fix the file", [("tie_word_embeddings", why)])
     mla = _mla(cfg, where) if fam.mla else None
     head_dim = None if mla else v.get("head_dim")
+    window = _window(cfg, where, fam.window_key) if fam.window_mask else None
     return ModelShape("llama", layers=v["layers"], hidden=v["hidden"], heads=v["heads"], kv_heads=v["kv_heads"],
                       vocab=v["vocab"], max_positions=v["max_positions"] or 2048, intermediate=v["intermediate"],
                       tie_embeddings=tie if isinstance(tie, bool) else fam.tie_default,
@@ -113,7 +114,7 @@ def shape_from_config(cfg: dict[str, Any], where: str = "config.json") -> ModelS
                       qk_norm=fam.qk_norm or (fam.qk_norm_key is not None and cfg.get(fam.qk_norm_key) is True),
                       fused_projections=fam.block == "phi3",
                       residual_dropout=_dropout(cfg, "resid_pdrop", 0.0), model_type=fam.name, mla=mla,
-                      extra_norms=fam.extra_norms, sliding_window=_window(cfg, where) if fam.window_mask else None,
+                      extra_norms=fam.extra_norms, sliding_window=window,
                       **_experts(cfg, fam, v["layers"], v["intermediate"], where))  # fmt: skip
 
 
@@ -132,15 +133,15 @@ def text_config(cfg: dict[str, Any], where: str = "config.json") -> dict[str, An
     return {**dict(fam.text_defaults), **text, "model_type": fam.text_model}
 
 
-def _window(cfg: dict[str, Any], where: str) -> int | None:
-    """The config's sliding window in tokens, or None (absent, null or 0: every token attends to all before it).
-    Anything else is refused, naming the key: `sliding_window: yes` (a boolean), "4096" or -1 was dropped without a
-    word, and the model planned and trained with full attention instead of its window."""
-    value = cfg.get("sliding_window")
+def _window(cfg: dict[str, Any], where: str, key: str = "sliding_window") -> int | None:
+    """The config's sliding window (Llama 4: attention chunk) in tokens, or None (absent, null or 0: every token
+    attends to all before it). Anything else is refused, naming the key: `sliding_window: yes` (a boolean), "4096"
+    or -1 was dropped without a word, and the model planned and trained with full attention instead of its window."""
+    value = cfg.get(key)
     if value is None or (isinstance(value, int) and not isinstance(value, bool) and value >= 0):
         return value or None
     why = f"must be a number of tokens (or null for none), not {_shown(value)}"
-    raise ConfigProblems(f"{where}: sliding_window {why}: fix the file", [("sliding_window", why)])
+    raise ConfigProblems(f"{where}: {key} {why}: fix the file", [(key, why)])
 
 
 def _shown(value: Any) -> str:

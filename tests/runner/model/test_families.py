@@ -185,6 +185,14 @@ def test_llama4_is_planned_with_its_interleaved_layers_and_every_expert_computin
     assert maverick.intermediate == 16384 and maverick.expert_intermediate == maverick.shared_intermediate == 8192
     assert scout.experts_computed == 16 and scout.active_params == scout.params and scout.qk_norm
     assert not maverick.qk_norm and maverick.moe_at(-1) and not maverick.moe_at(0)
+    # chunked attention: 3 of 4 layers keep a (b, 1, s, s) mask under sdpa once the sequence outgrows the chunk
+    # (traced at 4 layers, chunk 128, 1,024 tokens: `fast` 0.991 without it, 1.003 with it)
+    assert scout.sliding_window == 8192 and memory._window_mask(scout, "sdpa", 8192) == 0
+    assert memory._window_mask(scout, "sdpa", 16384) == 1.5 and memory._window_mask(scout, "eager", 16384) == 0
+    bad = {**CONFIGS["llama-4-scout"], "text_config": {**CONFIGS["llama-4-scout"]["text_config"],
+                                                      "attention_chunk_size": "8k"}}  # fmt: skip
+    with pytest.raises(ConfigError, match="attention_chunk_size must be a number of tokens"):
+        shape_from_config(bad)
     cfg = {**tiny("llama-4-maverick-text"), "num_hidden_layers": 6, "moe_layers": [1, 5]}
     shape = shape_from_config(cfg)
     with torch.device("meta"):
