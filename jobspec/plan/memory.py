@@ -259,12 +259,13 @@ def trainable_params(shape: ModelShape, lora: LoraShape | None) -> int:
                                                  _lora_targets(shape, lora, moe))))  # fmt: skip
 
 
-def _block_params(shape: ModelShape) -> int:
-    """Parameters of one transformer block (FSDP2 gathers a block whole)."""
+def _block_params(shape: ModelShape, moe: bool) -> int:
+    """Parameters of one transformer block, a dense one or (`moe`) one that holds every one of its experts (FSDP2
+    gathers a block whole)."""
     h, i = shape.hidden, shape.intermediate
     if shape.family == "gpt2":
         return 4 * h * h + 2 * h * i + 9 * h + i
-    return shape.block_params(shape.moe)  # a MoE block holds every one of its experts
+    return shape.block_params(moe)
 
 
 @dataclass(frozen=True)
@@ -419,7 +420,7 @@ def _fsdp_peak(
         its gradients at its backward). Backward runs the last layer first and layer 0 last; in a model whose dense
         and MoE layers alternate (Llama 4 Maverick) the block gathered ahead of the last one is a dense one."""
         moe = shape.moe_at(layer)
-        block = (_block_params(shape) if moe or not shape.moe else shape.block_params(False)) - saving
+        block = _block_params(shape, moe) - saving
         padded = block + (pad if moe else 0)
         grads = reduced * padded + (head_grad if tied else 0)
         if full and moe:  # the routed experts' weight gradient leaves the grouped matmul transposed: a 16-bit copy

@@ -78,9 +78,6 @@ def _dead_pid() -> int:
     return proc.pid
 
 
-# gs:// runs in the sweep tier (pytest -m sweep; a minute on 2 cores): the same runner code as s3:// but for the
-# store, whose conditional writes test_the_lease_in_a_gcs_bucket_sends_the_conditions_gcs_enforces checks by default.
-@pytest.mark.parametrize("store", ["s3", pytest.param("gs", marks=pytest.mark.sweep)], indirect=True)
 def _assert_lease_conditions(lines: list[str]) -> None:
     """The conditions GCS itself would enforce, among the requests logged in `lines`: the lease created only where
     nothing is (generation 0), renewed and released only at the generation it read."""
@@ -90,6 +87,9 @@ def _assert_lease_conditions(lines: list[str]) -> None:
     assert any(re.search(r"DELETE .*lease\.json\?ifGenerationMatch=[1-9]", line) for line in sent), sent  # release
 
 
+# gs:// runs in the sweep tier (pytest -m sweep; a minute on 2 cores): the same runner code as s3:// but for the
+# store, whose conditional writes test_the_lease_in_a_gcs_bucket_sends_the_conditions_gcs_enforces checks by default.
+@pytest.mark.parametrize("store", ["s3", pytest.param("gs", marks=pytest.mark.sweep)], indirect=True)
 def test_two_ranks_checkpoint_to_a_bucket_are_killed_resume_exactly_and_export(tmp_path, store):
     scheme, fs = store
     prefix = "runs/a"
