@@ -35,8 +35,12 @@ class JobLength:
 def rows_per_sample(spec: JobSpec) -> int:
     """Sequences one sample of the global batch is: a preference pair (dpo, ipo, simpo, orpo) is 2, chosen and
     rejected in one micro-batch; a KTO record is 2, its completion and its KL row. SimPO and ORPO have no reference
-    pass; DPO's, IPO's and KTO's runs once before training."""
-    return 1 if spec.training.objective == "sft" else 2
+    pass; DPO's, IPO's and KTO's runs once before training. A GRPO prompt is its group of num_generations
+    completions, each a row of prompt and completion trained in one micro-batch."""
+    t = spec.training
+    if t.objective == "grpo":
+        return t.grpo.num_generations if t.grpo is not None else 8
+    return 1 if t.objective == "sft" else 2
 
 
 ROW_COUNT_LIMIT = 1024**3  # bytes of JSON lines `plan` counts rows in (about a second); beyond: --rows

@@ -727,6 +727,106 @@ class DataSpec(Section):
         return [DataSource(path=self.path or bundled)]
 
 
+REWARD_KINDS = ("accuracy", "format", "length", "python")
+THINK_FORMAT = r"^<think>(?!.*<think>)(.*?)</think>.*$"  # TRL's think_format_reward
+
+
+class RewardSpec(Section):
+    """One reward function of `objective: grpo`; the completion's reward is the weighted sum of them (TRL's
+    `reward_funcs` and `reward_weights`)."""
+
+    kind: Annotated[
+        Literal["accuracy", "format", "length", "python"],
+        Field(
+            description="accuracy = 1 when the completion's final answer (its last \\boxed{...}, else what follows "
+            "its last `####` or `answer:`, else its last number, else its last line) equals the record's `column` "
+            "after normalising (case, spaces, $, commas, a trailing period, numbers by value), else 0; None (left "
+            "out of the group's mean) for a record whose column is empty. format = 1 when the completion matches "
+            "`pattern` (Python regex, DOTALL and MULTILINE, from its start), else 0. length = TRL's soft overlong "
+            "punishment (DAPO, Eq. 13): 0 up to max_completion_length - `cache` tokens, then falling linearly to "
+            "-1 at max_completion_length. python = `function` of `file`, called as TRL calls a reward function: "
+            "f(prompts=..., completions=..., completion_ids=..., **the records' other columns) -> one float (or "
+            "None) per completion."
+        ),
+    ]
+    name: Annotated[
+        str | None,
+        StringConstraints(pattern=r"^[A-Za-z0-9_.-]{1,64}$"),
+        Field(description="The reward's name in the metrics (`rewards/<name>/mean`); default: the kind, or the "
+              "function's name."),
+    ] = None
+    weight: Annotated[float, Field(ge=-1000, le=1000, description="Its weight in the summed reward.")] = 1.0
+    column: Annotated[
+        str, StringConstraints(pattern=r"^[A-Za-z0-9_.-]{1,64}$"),
+        Field(description="accuracy: the record's field holding the reference answer."),
+    ] = "answer"
+    pattern: Annotated[
+        str, StringConstraints(min_length=1, max_length=1000),
+        Field(description="format: the regular expression a well-formed completion matches (default: TRL's "
+              "think_format_reward, one <think>...</think> block first)."),
+    ] = THINK_FORMAT
+    cache: Annotated[
+        int, Field(ge=0, le=65536, description="length: the soft punishment's window, in tokens (DAPO's L_cache).")
+    ] = 64
+    file: Annotated[
+        PathStr | None,
+        Field(description="python: the .py file holding `function`, relative to the spec file (shipped with the "
+              "job in its ConfigMap, as eval.benchmarks task files are) or absolute (a file in the image or on a "
+              "volume). Only a file the spec names is ever run."),
+    ] = None
+    function: Annotated[
+        str, StringConstraints(pattern=r"^[A-Za-z_][A-Za-z0-9_]{0,99}$"),
+        Field(description="python: the function's name in `file`."),
+    ] = "reward"
+
+    @model_validator(mode="after")
+    def _fields_of_kind(self) -> "RewardSpec":
+        if self.kind == "python":
+            if not self.file or not self.file.endswith(".py"):
+                raise ValueError("a python reward needs `file`: the path of a .py file holding `function` (relative "
+                                 "to the spec file, or absolute in the pod)")  # fmt: skip
+        elif self.file is not None:
+            raise ValueError(f"`file` is for kind: python; a {self.kind} reward is built in: remove `file`")
+        if self.kind == "format":
+            try:
+                re.compile(self.pattern)
+            except re.error as err:
+                raise ValueError(f"`pattern` is not a regular expression: {err}") from None
+        return self
+
+    @property
+    def label(self) -> str:
+        return self.name or (self.function if self.kind == "python" else self.kind)
+
+
+class GrpoSpec(Section):
+    """GRPO (TRL's GRPOTrainer, its defaults): each prompt's `num_generations` completions sampled by the model in
+    the pod, scored by `rewards`, and trained on with their group-normalised advantages."""
+
+    num_generations: Annotated[
+        int, Field(ge=2, le=256, description="Completions per prompt (the group; TRL's default 8). A sample of "
+                   "`training.global_batch` is one prompt with its group, so a step trains global_batch x "
+                   "num_generations completions.")
+    ] = 8
+    max_completion_length: Annotated[
+        int, Field(ge=1, le=2**17, description="Most tokens a completion is sampled to (TRL's default 512); the "
+                   "prompt keeps its last data.max_seq_len - max_completion_length tokens.")
+    ] = 512
+    temperature: Annotated[float, Field(gt=0, le=100, description="Sampling temperature (TRL's default 1.0).")] = 1.0
+    beta: Annotated[
+        float, Field(ge=0, le=100, description="Weight of the KL term against the starting model (TRL's default "
+                     "0: no reference); above 0 needs model.lora, whose disabled adapter is the reference.")
+    ] = 0.0
+    scale_rewards: Annotated[
+        Literal["group", "batch", "none"],
+        Field(description="What divides the advantages (reward minus its group's mean): the group's standard "
+              "deviation (TRL's default), the whole step's, or nothing (Dr. GRPO)."),
+    ] = "group"
+    rewards: Annotated[
+        list[RewardSpec], Field(max_length=16, description="The reward functions, summed by weight.")
+    ] = []
+
+
 class TrainingSpec(Section):
     global_batch: Annotated[
         int,
@@ -782,7 +882,7 @@ class TrainingSpec(Section):
         ),
     ] = "chunked"
     objective: Annotated[
-        Literal["sft", "dpo", "ipo", "simpo", "orpo", "kto"],
+        Literal["sft", "dpo", "ipo", "simpo", "orpo", "kto", "grpo"],
         Field(
             description="sft = token cross-entropy on the responses; the preference objectives train on "
             "{prompt, chosen, rejected} pairs (TRL's conventions): dpo = Direct Preference Optimization (sigmoid), "
@@ -791,7 +891,9 @@ class TrainingSpec(Section):
             "length-averaged log-ratios), against the same reference; simpo = SimPO (TRL's CPOTrainer, loss_type "
             "simpo, cpo_alpha 0) and orpo = ORPO (TRL's ORPOTrainer), both reference-free, on length-normalised "
             "log-probs; kto = KTO (TRL's KTOTrainer) on unpaired {prompt, completion, label} records, against the "
-            "reference, with its KL estimate from mismatched prompt/completion rows."
+            "reference, with its KL estimate from mismatched prompt/completion rows; grpo = GRPO (TRL's GRPOTrainer, "
+            "loss_type dapo) on prompt-only {prompt, ...} records: completions sampled in the pod, scored by "
+            "`training.grpo.rewards`."
         ),
     ] = "sft"
     beta: Annotated[
@@ -823,6 +925,9 @@ class TrainingSpec(Section):
             f"CPOConfig default, {SIMPO_GAMMA}.",
         ),
     ] = None
+    grpo: Annotated[
+        GrpoSpec | None, Field(description="GRPO's settings; only with `objective: grpo`, which needs rewards.")
+    ] = None
 
     @model_validator(mode="after")
     def _schedule(self) -> "TrainingSpec":
@@ -839,6 +944,12 @@ class TrainingSpec(Section):
                              f"simpo_gamma (objective {self.objective})")  # fmt: skip
         weighted = [f for f in ("desirable_weight", "undesirable_weight")  # TRL's 1.0 is no weighting (a spec
                     if f in self.model_fields_set and getattr(self, f) != 1.0]  # dumped and read again has it set)
+        if self.grpo is not None and self.objective != "grpo":
+            raise ValueError(f"`training.grpo` is GRPO's: set `training.objective: grpo`, or drop it "
+                             f"(objective {self.objective})")  # fmt: skip
+        if self.objective == "grpo" and (self.grpo is None or not self.grpo.rewards):
+            raise ValueError("`training.objective: grpo` needs `training.grpo.rewards`, e.g. [{kind: accuracy, "
+                             "column: answer}] (records {prompt, answer}) or [{kind: python, file: rewards.py}]")
         if weighted and self.objective != "kto":
             raise ValueError(f"`training.{weighted[0]}` is KTO's: set `training.objective: kto`, or drop it "
                              f"(objective {self.objective})")  # fmt: skip

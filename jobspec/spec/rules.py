@@ -85,6 +85,10 @@ class _Training(Protocol):
     def epochs(self) -> float | None: ...
     @property
     def loss_kernel(self) -> str: ...
+    @property
+    def objective(self) -> str: ...
+    @property
+    def grpo(self) -> Any: ...
 
 
 class _Image(Protocol):
@@ -97,6 +101,8 @@ class _Model(Protocol):
     def preset(self) -> str | None: ...
     @property
     def attention(self) -> str: ...
+    @property
+    def lora(self) -> Any: ...
 
 
 class _Source(Protocol):
@@ -115,6 +121,8 @@ class _Data(Protocol):
     def mount_path(self) -> str: ...
     @property
     def streaming(self) -> bool: ...
+    @property
+    def eval_path(self) -> str | None: ...
 
 
 class _Checkpoints(Protocol):
@@ -398,10 +406,35 @@ def _objective(spec: SpecView) -> list[Problem]:
         out.append(("data.sources", f"training.objective {objective} reads one source of preference pairs",
                     "join the sources into one file, or give it as data.path"))  # fmt: skip
     formats = {d.format, *(s.format for s in d.sources or [] if s.format is not None)}
-    if objective == "kto" and formats != {"auto"}:
-        out.append(("data.format", f"training.objective kto reads TRL's unpaired {{prompt, completion, label}} "
-                    f"records, not data.format {', '.join(sorted(formats - {'auto'}))}",
+    if objective in ("kto", "grpo") and formats != {"auto"}:
+        records = "unpaired {prompt, completion, label}" if objective == "kto" else "prompt-only {prompt, ...}"
+        out.append(("data.format", f"training.objective {objective} reads TRL's {records} records, not data.format "
+                    f"{', '.join(sorted(formats - {'auto'}))}",
                     "leave data.format at auto (and no source's format)"))  # fmt: skip
+    if objective == "grpo":
+        out += _grpo(spec)
+    return out
+
+
+def _grpo(spec: SpecView) -> list[Problem]:
+    """GRPO's prompt and completion share a row of data.max_seq_len; its KL term needs a reference in memory."""
+    g, out = spec.training.grpo, []
+    if g is None:
+        return out
+    if g.max_completion_length >= spec.data.max_seq_len:
+        out.append(("training.grpo.max_completion_length", f"{g.max_completion_length} leaves no room for the prompt "
+                    f"in data.max_seq_len {spec.data.max_seq_len} (a row holds the prompt, then the completion)",
+                    f"raise data.max_seq_len above it (e.g. {g.max_completion_length + 512}), or lower "
+                    "max_completion_length"))  # fmt: skip
+    if g.beta > 0 and spec.model.lora is None:
+        out.append(("training.grpo.beta", f"{g.beta}: the KL term scores the starting model, which full "
+                    "fine-tuning would have to hold as a second copy (not supported)",
+                    "set model.lora (its disabled adapter is the reference), or training.grpo.beta: 0 (TRL's "
+                    "default)"))  # fmt: skip
+    if spec.data.eval_path is not None:
+        out.append(("data.eval_path", "training.objective grpo has no held-out loss (its loss is measured on "
+                    "completions it samples); the rewards of every step are its metrics",
+                    "remove data.eval_path"))  # fmt: skip
     return out
 
 

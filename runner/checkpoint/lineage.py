@@ -50,6 +50,8 @@ def lineage(spec: JobSpec, train_rows: list[tuple[np.ndarray, np.ndarray]]) -> d
         objective = {"training.objective": spec.training.objective, "training.beta": spec.training.beta}
         if spec.training.objective == "simpo":
             objective["training.simpo_gamma"] = spec.training.gamma
+        if spec.training.grpo is not None:  # its sampling, rewards and loss make the trained steps
+            objective["training.grpo"] = spec.training.grpo.model_dump(mode="json")
         if spec.training.objective == "kto":
             objective |= {"training.desirable_weight": spec.training.desirable_weight,
                           "training.undesirable_weight": spec.training.undesirable_weight}  # fmt: skip

@@ -116,6 +116,13 @@ class ByteTokenizer:
     def render_batch(self, chats: Sequence[Sequence[Message]]) -> list[TokenArrays]:
         return [self.render_ids(m) for m in chats]
 
+    def generation_prompt(self, prompt: str | Sequence[Message]) -> list[int]:
+        """The ids a completion is sampled after (GRPO): a text prompt as raw text after <bos> (TRL: no template for
+        a text prompt), a chat rendered, then the assistant's role token (the generation prompt)."""
+        if isinstance(prompt, str):
+            return [self.BOS, *self.encode(prompt)]
+        return [*self.render_ids(prompt)[0].tolist(), self.ASSISTANT]
+
     def render_texts(self, texts: Sequence[str]) -> list[TokenArrays]:
         """Raw documents (`data.format: text`): <bos> bytes <eos>, every token a target."""
         return [_document(np.frombuffer(t.encode("utf-8"), np.uint8), self.BOS, self.EOS) for t in texts]
@@ -210,6 +217,20 @@ class HFTokenizer:
 
     def encode(self, text: str) -> list[int]:
         return list(self.tok.encode(text, add_special_tokens=False)) if text else []  # type: ignore[attr-defined]
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return str(self.tok.decode(list(ids), skip_special_tokens=True))  # type: ignore[attr-defined]
+
+    def generation_prompt(self, prompt: str | Sequence[Message]) -> list[int]:
+        """The ids a completion is sampled after (GRPO), as TRL's GRPOTrainer makes them: a text prompt tokenized as it
+        is, with the tokenizer's own special tokens (no template); a chat through the template with its generation
+        prompt (without a template: `role: content` lines, then `assistant: `)."""
+        if isinstance(prompt, str):
+            return list(self.tok.encode(prompt))  # type: ignore[attr-defined]
+        if not self.has_template:
+            segments = self._render_plain([*prompt, {"role": "assistant", "content": ""}])
+            return [t for ids, target in segments if not target for t in ids]
+        return self.encode(self._chat(prompt, True))
 
     def _chat(self, messages: Sequence[Message], generation_prompt: bool, tools: Any = None) -> str:
         if not messages:

@@ -52,7 +52,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -80,9 +80,10 @@ class LogitTransform:
 
     scale: float = 1.0
     cap: float | None = None
+    post: float = 1.0  # after the cap: 1 / the sampling temperature (GRPO scores its completions as it sampled them)
 
     def __bool__(self) -> bool:
-        return self.scale != 1.0 or self.cap is not None
+        return self.scale != 1.0 or self.cap is not None or self.post != 1.0
 
     def tokens(self, chunk: int, kernel: LossKernel) -> int:
         """Tokens of a chunk that stays within the bytes of `chunk` untransformed ones: a capped chunk holds its
@@ -97,10 +98,10 @@ class LogitTransform:
         if self.scale != 1.0:
             x = x.mul_(self.scale)
         if self.cap is None:
-            return x, self.scale
+            return (x.mul_(self.post) if self.post != 1.0 else x), self.scale * self.post
         t = x.div_(self.cap).tanh_()
-        slope = torch.mul(t, t).neg_().add_(1.0).mul_(self.scale)
-        return t.mul_(self.cap), slope
+        slope = torch.mul(t, t).neg_().add_(1.0).mul_(self.scale * self.post)
+        return t.mul_(self.cap * self.post), slope
 
 
 NO_TRANSFORM = LogitTransform()
@@ -374,13 +375,17 @@ class ChunkedLossHead:
         linear.forward = self.forward  # shadows nn.Linear.forward on this instance only
 
     @contextmanager
-    def targets(self, labels: torch.Tensor, means: list[torch.Tensor] | None = None, *,
-                summed: bool = False) -> Iterator[None]:  # fmt: skip
+    def targets(self, labels: torch.Tensor, means: list[torch.Tensor] | None = None, *, summed: bool = False,
+                temperature: float = 1.0) -> Iterator[None]:  # fmt: skip
         """While open, the layer returns the loss of each token against `labels` (B, T) (shifted; IGNORE masked), and
         the model's own soft cap or logit scale is off (the head applies it to each chunk). `means`: each forward
         appends its tokens' mean logits (B, T, 1) fp32 to it (`LinearCrossEntropy`). `summed`: the caller sums the
-        losses (times one scalar) before backward, which then needs no host sync (`linear_cross_entropy`)."""
+        losses (times one scalar) before backward, which then needs no host sync (`linear_cross_entropy`).
+        `temperature`: the loss of the logits over it (GRPO's, as TRL scores sampled completions)."""
         self._labels, self._means, self._summed = labels, means, summed
+        transform = self.transform
+        if temperature != 1.0:
+            self.transform = replace(transform, post=transform.post / temperature)
         kept = {key: getattr(self._config, key) for key in self._off}
         for key, value in self._off.items():
             setattr(self._config, key, value)
@@ -389,6 +394,7 @@ class ChunkedLossHead:
         finally:
             self._labels = self._means = None
             self._summed = False
+            self.transform = transform
             for key, value in kept.items():
                 setattr(self._config, key, value)
 

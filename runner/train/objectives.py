@@ -37,11 +37,14 @@ import torch.nn.functional as F
 
 from jobspec.spec.models import TrainingSpec
 from runner.data.tokens import IGNORE
-from runner.train import dpo, kto
+from runner.train import dpo, grpo, kto
 
 REWARDS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies", "logps/chosen",
            "logps/rejected")  # fmt: skip
 ORPO_EXTRA = ("nll_loss", "log_odds_ratio", "log_odds_chosen")
+GRPO_METRICS = ("reward", "reward_std", "frac_reward_zero_std", "completions/mean_length", "completions/min_length",
+                "completions/max_length", "completions/clipped_ratio", "completions/mean_terminated_length",
+                "completions/min_terminated_length", "completions/max_terminated_length")  # TRL's; runner/rl/rollout.py
 LOGITS = ("logits/chosen", "logits/rejected")  # the last 4 sums: chosen and rejected mean-logit sums and token counts
 
 
@@ -79,16 +82,22 @@ def _reward_sums(chosen: torch.Tensor, rejected: torch.Tensor, r_chosen: torch.T
 class Objective:
     """A preference objective (`training.objective`) with its parameters; see the module docstring."""
 
-    name: str  # dpo | ipo | simpo | orpo | kto
+    name: str  # dpo | ipo | simpo | orpo | kto | grpo
     beta: float
     gamma: float = 0.0  # SimPO's target margin
     weights: tuple[float, float] = (1.0, 1.0)  # KTO's desirable and undesirable weights
+    rewards: tuple[str, ...] = ()  # GRPO's reward names (its metrics)
+    temperature: float = 1.0  # GRPO's sampling temperature, at which its completions are scored
 
     @classmethod
     def of(cls, training: TrainingSpec) -> Objective | None:
-        """The spec's preference objective; None for sft."""
+        """The spec's preference or RL objective; None for sft."""
         if training.objective == "sft":
             return None
+        if training.objective == "grpo":
+            g = training.grpo
+            assert g is not None
+            return cls("grpo", g.beta, rewards=tuple(r.label for r in g.rewards), temperature=g.temperature)
         return cls(training.objective, training.beta, training.gamma if training.objective == "simpo" else 0.0,
                    (training.desirable_weight, training.undesirable_weight))  # fmt: skip
 
@@ -96,6 +105,9 @@ class Objective:
     def metric_names(self) -> tuple[str, ...]:
         if self.name == "kto":
             return kto.METRICS
+        if self.name == "grpo":
+            return (*GRPO_METRICS[:3], *(f"rewards/{n}/{m}" for n in self.rewards for m in ("mean", "std")),
+                    *GRPO_METRICS[3:], *(("kl",) if self.beta else ()))  # fmt: skip
         return (REWARDS + ORPO_EXTRA if self.name == "orpo" else REWARDS) + LOGITS
 
     @property
@@ -153,6 +165,8 @@ class Objective:
         the mean over its chosen positions; KTO's from its own sums (runner/train/kto.py)."""
         if self.name == "kto":
             return kto.metrics(sums)
+        if self.name == "grpo":
+            return grpo.metrics(sums, self.beta)
         sums, (chosen_sum, chosen_n, rejected_sum, rejected_n) = sums[:-4], sums[-4:]
         logits = {"logits/chosen": chosen_sum / max(chosen_n, 1.0),
                   "logits/rejected": rejected_sum / max(rejected_n, 1.0)}  # fmt: skip

@@ -129,6 +129,7 @@ def train_record(r: Any, res: StepResult, tokens_per_s: float) -> None:
             "gpu_util": r.gpu_util(),
             **mix(r),
             **routed,
+            **({} if r.stepper.rollouts is None else r.stepper.rollouts.metrics),  # GRPO's rewards and lengths
             **({} if res.preference is None or obj is None else obj.metrics(sums[1:], res.targets)),
         }
     )

@@ -63,7 +63,7 @@ from runner.sizing.plan import (
     with_micro_batch,
 )
 from runner.sizing.probe import describe, probe_host
-from runner.train import engine, handoff, outputs, stepdown, update
+from runner.train import engine, grpo, handoff, outputs, stepdown, update
 from runner.train.objectives import Objective
 from runner.train.reference import attach_reference
 from runner.train.step import EvalOOM, Preempted, Stepper, StepResult, StopFlag, get_lr
@@ -174,6 +174,9 @@ class Recipe:
         if spec.data.streaming:  # read and tokenized as the steps need it, by a thread (runner/data/stream.py)
             self.data = load_stream(spec, self.tokenizer, env.rank, env.world_size, write_index=env.is_main)
             self.order = self.data.order
+        elif spec.training.objective == "grpo":  # prompts; each step's rows are sampled (runner/rl/rollout.py)
+            self.data, self.rewards = grpo.load(spec, self.tokenizer, self.task_dir)
+            self.order = data_order(spec, self.data)
         else:  # pairs, chosen and rejected in one micro-batch; KTO: a record and its KL row (runner/data/preference.py)
             pairs = spec.training.objective != "sft"  # dpo, ipo, simpo, orpo, kto
             self.data = load_preference(spec, self.tokenizer) if pairs else load_data(spec, self.tokenizer)
@@ -235,6 +238,8 @@ class Recipe:
         if scored and isinstance(self.data, PreferenceData):  # the starting model's, before any checkpoint is loaded
             attach_reference(self.stepper, self.data, spec, precision=self.plan.precision, quantize=self.plan.quantize,
                              micro_batch=self.plan.micro_batch, is_main=env.is_main)  # fmt: skip
+        if spec.training.objective == "grpo":
+            grpo.attach(self.stepper, self.data, self.rewards, spec, self.tokenizer)  # type: ignore[arg-type]
         probe_faults = faults.probe_injector(self.model, rank=env.rank, tier=self.plan.tier, run_dir=self.root)
         # every rank probes when any does (a fault rule for one rank makes the CPU probe): the steps are collective
         probing = self.dev.is_gpu or self.ctrl.any(probe_faults is not None)
@@ -266,7 +271,7 @@ class Recipe:
         pin = self.plan.pin_memory and self.device.type == "cuda"  # workers collate the next steps meanwhile
         # A stream is tokenized ahead by its own thread, in this process: collating it is cheap, and no worker can
         # take it (runner/data/stream.py).
-        workers = 0 if isinstance(self.data, StreamData) else self.plan.num_workers
+        workers = 0 if isinstance(self.data, StreamData) or self.stepper.rollouts else self.plan.num_workers
         self.stepper.prefetch = Prefetcher(self.data, self.step_ids, start=self.step, total=self.total_steps,
                                            micro_batch=self.plan.micro_batch, num_workers=workers,
                                            pin_memory=pin)  # fmt: skip
@@ -381,6 +386,8 @@ class Recipe:
 
     def train_step(self, step: int) -> StepResult:
         """Optimizer step `step` at the plan's micro-batch; on OOM redone at a smaller one (runner.oom.shrink)."""
+        if self.stepper.rollouts is not None:  # GRPO: the step's completions are drawn for this step
+            self.stepper.rollouts.step = step
         return self.guard.train_step(step)
 
     def train(self) -> int:

@@ -39,6 +39,8 @@ from runner.model.packing import packed_inputs
 from runner.oom import fsdp
 from runner.oom.detect import Guarded, Headroom, allocated_bytes, guarded, headroom, release_memory
 from runner.oom.shrink import RankOOM, StepOOM, agreement, raise_agreed, reset_wrapper
+from runner.rl.rollout import RolloutBatch, Rollouts
+from runner.train import grpo
 from runner.train.loss import ChunkedLossHead, install_chunked_loss
 from runner.train.objectives import Objective
 from runner.train.update import APPLY_TRIES, PREPARE_TRIES, Update
@@ -88,21 +90,23 @@ def summed_loss(
 
 def token_losses(model: torch.nn.Module, head: ChunkedLossHead | None, input_ids: torch.Tensor,
                  labels: torch.Tensor, router: list[torch.Tensor] | None = None,
-                 means: list[torch.Tensor] | None = None) -> torch.Tensor:  # fmt: skip
+                 means: list[torch.Tensor] | None = None, temperature: float = 1.0) -> torch.Tensor:  # fmt: skip
     """(B, T) fp32: each position's token cross-entropy (minus the log-prob of its label), 0 at IGNORE, by the same
     loss head as `summed_loss`; `router` as there. `means`: each position's mean logit over the vocabulary (B, T)
-    fp32, detached, is appended to it (TRL's `mean_logits`, for `logits/chosen|rejected`)."""
+    fp32, detached, is appended to it (TRL's `mean_logits`, for `logits/chosen|rejected`). `temperature`: of the
+    logits over it (GRPO scores its completions at the temperature it sampled them)."""
     kwargs: dict[str, Any] = {"output_router_logits": True} if router is not None else {}
     if head is not None:
         found: list[torch.Tensor] | None = None if means is None else []
-        with head.targets(labels, found):
+        with head.targets(labels, found, temperature=temperature):
             out = model(input_ids=input_ids, use_cache=False, **kwargs)
         losses = out.logits.float().flatten(1)  # (B, T, 1) -> (B, T), 0 at IGNORE
         if means is not None and found:
             means.append(found[-1].detach().reshape(labels.shape))
     else:
         out = model(input_ids=input_ids, use_cache=False, **kwargs)
-        losses = F.cross_entropy(out.logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE,
+        logits = out.logits.float() / temperature if temperature != 1.0 else out.logits.float()
+        losses = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=IGNORE,
                                  reduction="none").view(labels.shape)  # fmt: skip
         if means is not None:
             means.append(out.logits.detach().mean(dim=-1, dtype=torch.float32))
@@ -238,6 +242,7 @@ class Stepper:
         self.inner = getattr(optimizer, "optimizer", optimizer)
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.prefetch = prefetch  # None: collate in process (probe steps, tests)
+        self.rollouts: Rollouts | None = None  # GRPO: the step's rows are sampled (set by the recipe)
         self.world_size = ctrl.world_size
         self.rank = accelerator.process_index
         # DDP exchanges gradients after the OOM agreement (all_reduce_grads), not inside the last backward
@@ -281,6 +286,8 @@ class Stepper:
         """Summed token cross-entropy of a micro-batch, in fp32 (`summed_loss`); `router`: see there. A batch of
         pairs: the preference objective's loss summed over its pairs (runner/train/objectives.py), its metric sums
         kept in `preference_sums`."""
+        if isinstance(batch, RolloutBatch):
+            return self._rollout_loss(batch, router)
         if batch.pairs:
             return self._pair_loss(batch, router)
         positions = None if batch.position_ids is None else self._to_device(batch.position_ids)
@@ -313,6 +320,19 @@ class Stepper:
         self.preference_sums.append(sums)
         return loss
 
+    def _rollout_loss(self, batch: RolloutBatch, router: list[torch.Tensor] | None = None) -> torch.Tensor:
+        """GRPO: one forward over the micro-batch's completions, scored at the sampling temperature
+        (runner/train/grpo.py); the KL metric's sums kept in `preference_sums`."""
+        objective = self.objective
+        if objective is None or batch.advantages is None:
+            raise ValueError("a GRPO batch, but training.objective is not grpo")
+        x, y = self._to_device(batch.input_ids), self._to_device(batch.labels)
+        losses = token_losses(self.model, self.head, x, y, router, temperature=objective.temperature)
+        ref = None if batch.ref_logps is None else self._to_device(batch.ref_logps)
+        loss, sums = grpo.loss(losses, y, batch.advantages, ref, objective.beta)
+        self.preference_sums.append(sums)
+        return loss
+
     def _set_nll_scale(self, ids: Sequence[int], counts: Sequence[float], split: str) -> list[float]:
         """All-reduce `counts` (with ORPO, this rank's chosen positions of `ids` after them) and set `nll_scale` from
         the global pairs and chosen positions; returns the reduced `counts`."""
@@ -342,7 +362,9 @@ class Stepper:
         self.inner.zero_grad(set_to_none=True)
         self.preference_sums, self.router_losses = [], []
         baseline = allocated_bytes()  # what the step starts with: an OOM's numbers are read against it
-        if self.prefetch is not None:
+        if self.rollouts is not None:  # GRPO: sampled by the model, once per step (runner/rl/rollout.py)
+            batches: Sequence[Batch] = self.rollouts.batches(sample_ids, micro_batch)
+        elif self.prefetch is not None:
             batches = self.prefetch.batches(sample_ids, micro_batch)
         else:
             batches = [self.data.collate(ids) for ids in micro_batches(sample_ids, micro_batch)]

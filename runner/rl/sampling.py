@@ -1,0 +1,40 @@
+"""Sampling whose draws belong to the completion, not to the batch it was generated in.
+
+`torch.multinomial` over a batch draws from one random stream: a completion's tokens would depend on which other
+prompts shared its batch, so a step redone at another micro-batch (an OOM shrink, a tier step-down) or after a
+restart would train on other completions. Here every completion has a generator of its own, seeded from (training
+seed, step, prompt, completion index), and samples by the Gumbel-max trick: argmax(logits / T + G) with G = -log(-log
+U), U uniform from that generator, is a draw from softmax(logits / T). transformers' `generate` runs greedy
+(`do_sample=False`) with `GumbelNoise` as its logits processor, so its argmax is the sample; every other part of
+generation (the KV cache, stopping at EOS, synced ranks under FSDP) is transformers' own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+
+def completion_seed(seed: int, step: int, prompt: int, index: int) -> int:
+    """A 63-bit seed for completion `index` of `prompt` at optimizer step `step` (numpy's SeedSequence hash)."""
+    state = np.random.SeedSequence([seed, step, prompt, index]).generate_state(2, dtype=np.uint32)
+    return int(state[0]) << 31 | int(state[1]) >> 1
+
+
+class GumbelNoise:
+    """A transformers logits processor: each row's scores over T plus Gumbel noise from that row's generator."""
+
+    def __init__(self, seeds: Sequence[int], temperature: float, device: torch.device):
+        self.temperature, self.device = temperature, device
+        self.generators = [torch.Generator(device=device).manual_seed(s) for s in seeds]
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        if scores.shape[0] != len(self.generators):
+            raise ValueError(f"{scores.shape[0]} rows of scores for {len(self.generators)} completions")
+        vocab = scores.shape[-1]
+        u = torch.stack([torch.rand(vocab, generator=g, device=self.device, dtype=torch.float32)
+                         for g in self.generators])  # fmt: skip
+        gumbel = -torch.log(-torch.log(u.clamp_(min=1e-20, max=1.0 - 1e-7)))
+        return scores.float() / self.temperature + gumbel

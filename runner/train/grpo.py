@@ -1,0 +1,106 @@
+"""GRPO's loss on a micro-batch of sampled completions (runner/rl/rollout.py), as TRL's GRPOTrainer computes it.
+
+TRL 1.16's defaults: loss_type `dapo`, num_iterations 1, importance_sampling_level `token`, epsilon 0.2, beta 0. Per
+completion token, with logp its log-prob under the policy at the sampling temperature (logits / T) and A its
+completion's advantage:
+
+    ratio = exp(logp - old_logp)          old_logp = logp.detach(): one optimisation pass per sampled batch
+    loss_t = -min(ratio * A, clip(ratio, 1 - eps, 1 + eps) * A) + beta * kl_t
+    kl_t = exp(ref - logp) - (ref - logp) - 1           (only with beta > 0; ref: the starting model's log-prob)
+
+summed over the completion tokens and divided by the global step's completion tokens (the step's `scale`, as for
+SFT's token mean). With one pass per batch the ratio is 1 (its gradient is that of logp), so the clip never binds
+and TRL's clip ratios are 0; they are not logged. Metric sums (fp32, detached, summed over ranks by the recipe):
+the KL term's sum and the completion tokens, for TRL's `kl`. Not computed: TRL's `entropy` (each token's entropy
+over the whole vocabulary, which the chunked loss head does not keep).
+
+Checked against TRL's own `GRPOTrainer._compute_loss` on the same batch in tests/runner/train/test_grpo.py.
+
+`load` reads the prompts and the reward functions before anything is built (a reward file that does not load is
+exit 2 then); `attach` gives a built `Stepper` its `Rollouts`, again after a tier step-down rebuilds it.
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from jobspec.spec.models import JobSpec
+from runner.data.prompts import PromptData, load_prompts
+from runner.data.tokens import IGNORE
+from runner.rl.rewards import Rewards
+from runner.rl.rollout import Rollouts
+
+if TYPE_CHECKING:
+    from runner.train.step import Stepper
+
+EPSILON = 0.2  # TRL's clip range; binds only after a batch's first pass, which GRPO here never takes
+
+
+def loss(token_losses: torch.Tensor, labels: torch.Tensor, advantages: torch.Tensor, ref_logps: torch.Tensor | None,
+         beta: float) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """(summed loss over the completion tokens, [kl sum, completion tokens] fp32 detached) from the (rows, T) fp32
+    token losses (minus each token's log-prob at the sampling temperature), the rows' `labels`, their (rows,)
+    advantages and, with `beta` > 0, the (rows, T) reference log-probs."""
+    mask = (labels != IGNORE).float()
+    logp = -token_losses
+    ratio = torch.exp(logp - logp.detach())
+    a = advantages.to(logp.device, torch.float32)[:, None]
+    per_token = -torch.min(ratio * a, torch.clamp(ratio, 1 - EPSILON, 1 + EPSILON) * a)
+    kl_sum = torch.zeros((), device=logp.device)
+    if beta:
+        if ref_logps is None:
+            raise ValueError("a GRPO batch with a KL term but no reference log-probs (runner/rl/rollout.py)")
+        delta = ref_logps.to(logp.device, torch.float32) - logp
+        kl = torch.exp(delta) - delta - 1
+        per_token = per_token + beta * kl
+        kl_sum = (kl.detach() * mask).sum()
+    return (per_token * mask).sum(), torch.stack([kl_sum, mask.sum()]).float()
+
+
+def metrics(sums: list[float], beta: float) -> dict[str, float]:
+    """TRL's `kl` (the mean over the step's completion tokens), logged when the KL term is on."""
+    kl, tokens = sums[:2]
+    return {"kl": kl / max(tokens, 1.0)} if beta else {}
+
+
+def load(spec: JobSpec, tokenizer: Any, base: Path) -> tuple[PromptData, Rewards]:
+    """The prompts and the reward functions (`base`: the directory a reward file's relative path starts from)."""
+    g = spec.training.grpo
+    assert g is not None
+    return load_prompts(spec, tokenizer), Rewards(g.rewards, base, g.max_completion_length)
+
+
+def attach(stepper: Stepper, data: PromptData, rewards: Rewards, spec: JobSpec, tokenizer: Any) -> None:
+    """Give the stepper its rollouts: sampled by the unwrapped model (FSDP2's hooks still gather; DDP's wrapper is
+    not needed without gradients), every rank stepping together under FSDP over several ranks (`synced_gpus`)."""
+    from runner.train.step import token_losses
+
+    g = spec.training.grpo
+    assert g is not None
+    model = stepper.model
+    unwrapped = stepper.accelerator.unwrap_model(model)
+    configured = getattr(getattr(unwrapped, "generation_config", None), "eos_token_id", None)
+    eos = [tokenizer.eos_id, *([] if configured is None else [configured] if isinstance(configured, int)
+                               else list(configured))]  # fmt: skip
+    reference = None
+    if g.beta:
+
+        def reference(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            """Each completion token's log-prob under the starting model: the adapter off, eval mode."""
+            off = unwrapped.disable_adapter() if hasattr(unwrapped, "disable_adapter") else nullcontext()
+            was_training = model.training
+            model.eval()
+            try:
+                with torch.no_grad(), off:
+                    return -token_losses(model, stepper.head, x, y, temperature=g.temperature)
+            finally:
+                model.train(was_training)
+
+    stepper.rollouts = Rollouts(model, unwrapped, data, rewards, g, stepper.ctrl, rank=stepper.rank,
+                                seed=spec.training.seed, eos=eos, device=stepper.device,
+                                synced=stepper.sharded_ranks, reference=reference,
+                                decode=tokenizer.decode)  # fmt: skip
