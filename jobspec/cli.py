@@ -81,12 +81,15 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
 
 def _task_files(spec_file: str, spec: JobSpec, *, absent_absolute_ok: bool = False) -> list[str]:
-    """eval.benchmarks' task YAML files, relative to the spec file: each must be a task (ConfigError otherwise)."""
+    """eval.benchmarks' task YAML files and training.grpo.rewards' Python files, relative to the spec file: each must
+    be what it stands for (ConfigError otherwise)."""
     from pathlib import Path
 
-    from jobspec.spec.benchmarks import check_task_files
+    from jobspec.spec.benchmarks import check_reward_files, check_task_files
 
-    return check_task_files(spec.eval.benchmarks, Path(spec_file).parent, absent_absolute_ok=absent_absolute_ok)
+    base = Path(spec_file).parent
+    return [*check_task_files(spec.eval.benchmarks, base, absent_absolute_ok=absent_absolute_ok),
+            *check_reward_files(spec, base, absent_absolute_ok=absent_absolute_ok)]  # fmt: skip
 
 
 def _shipped_task_files(spec_file: str, spec: JobSpec) -> dict[str, str]:
@@ -94,9 +97,9 @@ def _shipped_task_files(spec_file: str, spec: JobSpec) -> dict[str, str]:
     missing, no task, or over the bound)."""
     from pathlib import Path
 
-    from jobspec.spec.benchmarks import ship_task_files
+    from jobspec.spec.benchmarks import ship_task_files, shipped_entries, shipped_fields
 
-    return ship_task_files(spec.eval.benchmarks, Path(spec_file).parent)
+    return ship_task_files(shipped_entries(spec), Path(spec_file).parent, fields=shipped_fields(spec))
 
 
 def _notes(spec: JobSpec) -> list[str]:
@@ -333,7 +336,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "be reached): written into the spec as model.architecture")  # fmt: skip
     p.add_argument("--gpus", required=True, metavar="TYPE:COUNT", help="GPU type and count per node, e.g. A100-80GB:2")
     p.add_argument("--data", required=True, metavar="PATH", help="training data (data.path): file, directory or hub id")
-    p.add_argument("--objective", default="sft", metavar="sft|dpo|ipo|kto|simpo|orpo",
+    p.add_argument("--objective", default="sft", metavar="sft|dpo|ipo|kto|simpo|orpo|grpo",
                    help="training objective (default sft)")  # fmt: skip
     p.add_argument("--format", metavar="FORMAT", help="data.format, e.g. text: raw documents for continued pretraining")
     p.add_argument("--nodes", type=int, default=1, metavar="N", help="nodes (default 1)")

@@ -26,6 +26,7 @@ from jobspec.plan.starter import Request, init_spec  # noqa: E402
 
 SCHEMA = "# yaml-language-server: $schema=../../jobspec/schema/jobspec.schema.json\n"
 SFT, PREFS, TEXT = "/data/sft/chat.jsonl", "/data/prefs/pairs.jsonl", "/data/corpus/"
+PROMPTS = "/data/math/prompts.jsonl"  # GRPO: {prompt, answer}
 
 # file stem: (bench/families.json entry, hub id, GPUs, LoRA, quantize)
 FAMILIES = {
@@ -58,6 +59,7 @@ OBJECTIVES = {
     "simpo": ("llama-3.2-1b", "meta-llama/Llama-3.2-1B-Instruct", "A100-80GB:2", False, "simpo", PREFS, None),
     "orpo": ("mistral-7b", "mistralai/Mistral-7B-v0.3", "A100-80GB:1", True, "orpo", PREFS, None),
     "continued-pretraining": ("qwen3-8b", "Qwen/Qwen3-8B-Base", "H100:8", False, "sft", TEXT, "text"),
+    "grpo": ("qwen2.5-7b", "Qwen/Qwen2.5-7B-Instruct", "H100:1", True, "grpo", PROMPTS, None),
 }
 
 

@@ -55,10 +55,12 @@ from jobspec.render import (
     ROCM_SUPPLEMENTAL_GROUPS,
     WORKDIR,
     render,
+    shipped_hash,
     to_json,
     to_yaml,
 )
 from jobspec.render.pod import NODE_MONITOR_GRACE_PERIOD_S, NODE_MONITOR_PERIOD_S
+from jobspec.spec.benchmarks import ship_task_files, shipped_entries, shipped_fields
 from jobspec.spec.loader import load_spec, parse_spec
 from jobspec.spec.models import JobSpec
 from jobspec.spec.units import format_bytes
@@ -136,6 +138,17 @@ def mounts_of(objs: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
     return {m["mountPath"]: volumes[m["name"]] for m in container_of(objs)["volumeMounts"]}
 
 
+def shipped(example: Path) -> dict[str, str]:
+    """The files an example ships beside its spec (a reward file), as `jobspec render FILE` reads them."""
+    spec = load_spec(example)
+    return ship_task_files(shipped_entries(spec), example.parent, fields=shipped_fields(spec))
+
+
+def render_example(example: Path) -> list[dict[str, Any]]:
+    """An example rendered as `jobspec render FILE` renders it: with the files it ships."""
+    return render(load_spec(example), shipped(example))
+
+
 # --- schemas ------------------------------------------------------------------------------------
 
 
@@ -147,7 +160,7 @@ def test_versions_cover_oldest_supported_and_newest_shipped() -> None:
 @pytest.mark.parametrize("version", K8S_VERSIONS)
 @pytest.mark.parametrize("example", EXAMPLES, ids=lambda p: str(p.relative_to(ROOT / "examples")))
 def test_example_renders_to_strictly_valid_objects(example: Path, version: str) -> None:
-    for obj in render(load_spec(example)):
+    for obj in render_example(example):
         # Returns the schema version it used: it must be the one asked for, not an older fallback.
         assert kubernetes_validate.validate(obj, version, strict=True) == major_minor(version)
 
@@ -172,7 +185,7 @@ def test_strict_validation_catches_a_misspelt_field() -> None:
 @pytest.mark.parametrize("example", EXAMPLES, ids=lambda p: str(p.relative_to(ROOT / "examples")))
 def test_objects_come_in_apply_order_with_labels_and_hash(example: Path) -> None:
     spec = load_spec(example)
-    objs = render(spec)
+    objs = render_example(example)
     # a hub model's shared cache claim comes first (examples/hub_lora.yaml): the pods mount it
     claims = [("PersistentVolumeClaim", o["metadata"]["name"]) for o in objs if o["kind"] == "PersistentVolumeClaim"]
     hub = bool(spec.model.path) and "/" in spec.model.path and not spec.model.path.startswith("/")
@@ -191,7 +204,8 @@ def test_objects_come_in_apply_order_with_labels_and_hash(example: Path) -> None
         labels = meta["labels"]
         assert labels[LABEL_MANAGED_BY] == MANAGED_BY and labels[LABEL_NAME] == "jobspec"
         assert labels[LABEL_JOB] == spec.name
-        assert meta["annotations"][ANNOTATION_SPEC_HASH] == spec.spec_hash()
+        files = shipped(example)
+        assert meta["annotations"][ANNOTATION_SPEC_HASH] == (shipped_hash(spec, files) if files else spec.spec_hash())
 
 
 def test_user_labels_and_annotations_everywhere_but_ours_win() -> None:
@@ -206,7 +220,7 @@ def test_user_labels_and_annotations_everywhere_but_ours_win() -> None:
 
 @pytest.mark.parametrize("example", EXAMPLES, ids=lambda p: str(p.relative_to(ROOT / "examples")))
 def test_pod_meets_pod_security_restricted(example: Path) -> None:
-    pod = pod_of(by_kind(render(load_spec(example))))
+    pod = pod_of(by_kind(render_example(example)))
     context = pod["securityContext"]
     assert context["runAsNonRoot"] is True
     assert context["runAsUser"] == RUN_AS_UID != 0 and context["runAsGroup"] == RUN_AS_GID
@@ -259,8 +273,7 @@ def test_token_patterns_can_match(pattern: str, sample: str) -> None:
 
 @pytest.mark.parametrize("example", [*EXAMPLES, "kitchen-sink"], ids=lambda p: getattr(p, "stem", p))
 def test_no_credential_shaped_string_in_any_manifest(example: Path | str) -> None:
-    spec = load_spec(SFT, KITCHEN_SINK) if example == "kitchen-sink" else load_spec(example)
-    objs = render(spec)
+    objs = render(load_spec(SFT, KITCHEN_SINK)) if example == "kitchen-sink" else render_example(Path(example))
     for text in (to_yaml(objs), to_json(objs)):
         for pattern in TOKEN_PATTERNS:
             assert not re.search(pattern, text), pattern
@@ -385,7 +398,7 @@ def test_kueue_queue_labels_and_suspends_the_job() -> None:
 @pytest.mark.parametrize("example", EXAMPLES, ids=lambda p: str(p.relative_to(ROOT / "examples")))
 def test_pod_failure_policy_follows_the_exit_code_contract(example: Path) -> None:
     spec = load_spec(example)
-    job = by_kind(render(spec))["Job"]["spec"]
+    job = by_kind(render_example(example))["Job"]["spec"]
     ignore, fail, count = job["podFailurePolicy"]["rules"]
     assert ignore == {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]}
     assert fail["action"] == "FailJob"
@@ -516,7 +529,7 @@ def test_termination_message_for_the_failure_reason() -> None:
 @pytest.mark.parametrize("example", EXAMPLES, ids=lambda p: str(p.relative_to(ROOT / "examples")))
 def test_configmap_spec_reads_back_equal(example: Path) -> None:
     spec = load_spec(example)
-    text = by_kind(render(spec))["ConfigMap"]["data"][SPEC_FILE_NAME]
+    text = by_kind(render_example(example))["ConfigMap"]["data"][SPEC_FILE_NAME]
     assert parse_spec(text, "configmap") == spec
 
 

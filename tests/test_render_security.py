@@ -22,7 +22,18 @@ from jobspec.render import DEFAULT_CPU_PER_RANK, DEFAULT_MEMORY_PER_RANK, ENV_SP
 from jobspec.spec.loader import load_spec, parse_spec
 from jobspec.spec.units import format_bytes, parse_size
 
-from .test_render import EXAMPLES, K8S_VERSIONS, MULTINODE, QUICKSTART, ROCM, SFT, by_kind, container_of, rendered
+from .test_render import (
+    EXAMPLES,
+    K8S_VERSIONS,
+    MULTINODE,
+    QUICKSTART,
+    ROCM,
+    SFT,
+    by_kind,
+    container_of,
+    rendered,
+    shipped,  # fmt: skip
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 DIGEST = "sha256:" + "0123456789abcdef" * 4
@@ -89,7 +100,8 @@ def test_the_policy_model_can_say_no() -> None:
 @pytest.mark.parametrize("example", EXAMPLES, ids=lambda p: p.stem)
 def test_network_policy_admits_the_jobs_own_pods_on_any_tcp_port_and_nothing_else(example: Path) -> None:
     spec = load_spec(example)
-    objs = in_namespace(render(spec), spec.namespace)  # as submit places them (a spec without one renders none)
+    objs = in_namespace(render(spec, shipped(example)), spec.namespace)  # as submit places them (a spec without one
+    # renders none), with the files it ships
     (policy,) = policies_of(objs)
     kinds = by_kind(objs)
     pod_labels = kinds["Job"]["spec"]["template"]["metadata"]["labels"]
@@ -151,7 +163,7 @@ def test_network_policy_switch_off_drops_only_the_policy() -> None:
 @pytest.mark.parametrize("example", EXAMPLES, ids=lambda p: p.stem)
 def test_every_object_validates_strictly_with_the_policy_on_and_off(example: Path, version: str) -> None:
     for overrides in ((), ("scheduling.network_policy=false",), (f"image.name=ghcr.io/me/trainer@{DIGEST}",)):
-        objs = render(load_spec(example, overrides))
+        objs = render(load_spec(example, overrides), shipped(example))
         assert len(policies_of(objs)) == (0 if overrides == ("scheduling.network_policy=false",) else 1)
         for obj in objs:
             assert kubernetes_validate.validate(obj, version, strict=True) == major_minor(version)
@@ -191,7 +203,7 @@ def test_qos_model_tells_the_three_classes_apart() -> None:
 def test_every_pod_requests_cpu_and_memory_and_is_burstable(example: Path, unset: bool) -> None:
     overrides = ["hardware.cpu=null", "hardware.memory=null"] if unset else []
     spec = load_spec(example, overrides)
-    objs = by_kind(render(spec))
+    objs = by_kind(render(spec, shipped(example)))
     resources = container_of(objs)["resources"]
     assert {"cpu", "memory"} <= set(resources["requests"])
     assert qos_class(objs["Job"]["spec"]["template"]["spec"]) == "Burstable"

@@ -258,7 +258,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
     from jobspec.cluster.submit import in_namespace, submit
     from jobspec.render import render, to_yaml
     from jobspec.render.images import unpublished_note
-    from jobspec.spec.benchmarks import ship_task_files
+    from jobspec.spec.benchmarks import ship_task_files, shipped_entries, shipped_fields
     from jobspec.spec.loader import load_spec
 
     mode = _dry_run_mode(args)
@@ -276,7 +276,8 @@ def cmd_submit(args: argparse.Namespace) -> int:
     namespace = validate_namespace(chosen or spec.namespace or "default")
     if spec.namespace != namespace:
         spec = load_spec(args.spec, [*args.overrides, f'namespace="{namespace}"'])  # quoted: "no" is no bool
-    objects = in_namespace(render(spec, ship_task_files(spec.eval.benchmarks, Path(args.spec).parent)), namespace)
+    objects = in_namespace(render(spec, ship_task_files(shipped_entries(spec), Path(args.spec).parent,
+                                                            fields=shipped_fields(spec))), namespace)
     note = unpublished_note(spec)
     if note:
         print(f"warning: {note}", file=sys.stderr)

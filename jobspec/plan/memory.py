@@ -656,6 +656,7 @@ def estimate(
     loss_kernel: LossKernel = "chunked",
     quantize: str | None = None,
     rows: int = 1,
+    sampling: bool = False,
 ) -> MemoryEstimate:
     """Bytes one GPU needs to train `shape` at `tier` over `world_size` data-parallel ranks.
 
@@ -667,7 +668,10 @@ def estimate(
     `packed`: rows of several records (`data.packing`), whose attention mask sdpa then holds whole.
     `loss_kernel`: `training.loss_kernel`, which sizes the cross-entropy's chunk. `quantize`: the LoRA base's blocks
     in 4 bits ("nf4"; "auto" is the 16-bit base here, `plan_tier` tries both). `rows`: sequences a sample is (a DPO
-    pair is 2, its chosen and rejected rows in one micro-batch)."""
+    pair is 2, its chosen and rejected rows in one micro-batch). `sampling`: the micro-batch's rows are first sampled
+    by the model (GRPO), whose KV cache then stands where the activations will (`sampling_bytes`): the larger of the
+    two is counted, and the whole of the states beside it (the gradients, freed while it samples, too: the safe
+    side)."""
     if seq_len < 1 or micro_batch < 0 or world_size < 1 or rows < 1:
         raise ConfigError(
             f"seq_len {seq_len}, micro_batch {micro_batch}, world_size {world_size}: "
@@ -692,11 +696,21 @@ def estimate(
         per_pair = PACKED_MASK_CHECKPOINTED_BYTES if ckpt else shape.layers * PACKED_MASK_LAYER_BYTES[_family(shape)]
         acts += int(per_pair * micro_batch * rows * seq_len * seq_len)
     acts, logits = int(acts * sample_scale), int(logits * sample_scale)
+    if sampling:
+        acts = max(acts, sampling_bytes(shape, tokens, micro_batch * rows, precision) - logits)
     grads = st.gradients if grad_accum > 1 else max(0, st.gradients - acts - logits)
     states = st.weights + grads + st.optimizer + st.buckets + working
     overhead = overhead_bytes(states + acts + logits)
     return MemoryEstimate(tier, micro_batch, ckpt, st.trainable, st.weights, grads, st.optimizer, st.buckets,
                           working, acts, logits, overhead, st.host)  # fmt: skip
+
+
+def sampling_bytes(shape: ModelShape, tokens: int, sequences: int, precision: str) -> int:
+    """What sampling `sequences` rows of `tokens` in all holds besides the model (transformers' `generate`, a dynamic
+    cache): every layer's keys and values at the compute width (an upper bound for sliding-window layers), and the
+    last position's fp32 logits with the sampler's noise beside them (runner/rl/sampling.py)."""
+    width = 4 if precision == "fp32" else 2
+    return shape.layers * 2 * shape.kv_width * width * tokens + sequences * shape.vocab * 4 * 3
 
 
 @dataclass(frozen=True)
@@ -741,6 +755,7 @@ def plan_tier(
     loss_kernel: LossKernel = "chunked",
     quantize: str | None = None,
     rows: int = 1,
+    sampling: bool = False,
 ) -> TierPlan:
     """The largest micro-batch at `tier` that fits `utilization * gpu_bytes` and divides the per-rank batch,
     or, with `micro_batch` (the spec's fixed one), whether that one fits and by how much.
@@ -764,7 +779,7 @@ def plan_tier(
                                        world_size=world_size, seq_len=seq_len, utilization=utilization, lora=lora,
                                        checkpointing=checkpointing, attention=attention, precision=precision,
                                        sample_scale=sample_scale, micro_batch=micro_batch, packed=packed,
-                                       loss_kernel=loss_kernel, rows=rows))  # fmt: skip
+                                       loss_kernel=loss_kernel, rows=rows, sampling=sampling))  # fmt: skip
     quantize = base_quantization(quantize, lora)
     budget = int(utilization * gpu_bytes)
     est = partial(
@@ -782,6 +797,7 @@ def plan_tier(
         loss_kernel=loss_kernel,
         quantize=quantize,
         rows=rows,
+        sampling=sampling,
     )
 
     def at(m: int) -> MemoryEstimate:  # at micro-batch m, accumulating unless m is the whole per-rank batch
@@ -856,6 +872,7 @@ def plan_all(
     loss_kernel: LossKernel = "chunked",
     quantize: str | None = None,
     rows: int = 1,
+    sampling: bool = False,
 ) -> list[TierPlan]:
     """`plan_tier` for every tier, in TIERS order (cheapest first); `sample_scale`: measured corrections by tier;
     `micro_batch`: the spec's fixed micro-batch (each tier then says whether it fits)."""
@@ -878,6 +895,7 @@ def plan_all(
             loss_kernel=loss_kernel,
             quantize=quantize,
             rows=rows,
+            sampling=sampling,
         )
         for t in TIERS
     ]

@@ -97,7 +97,7 @@ def time_notes(report: PlanReport, peak: str | None = None) -> list[str]:
     lines = [
         f"time: FLOPs/token {formula} = {flops / 1e9:,.2f} GFLOP (N: weights in matmuls, L layers, h hidden, s seq)",
         "  activation checkpointing (ckpt yes) runs the forward again: a third more work (half with LoRA)",
-        f"  tokens/step {spec.training.global_batch}{_rows(spec.training.objective) if a['rows'] == 2 else ''} x "
+        f"  tokens/step {spec.training.global_batch}{_rows(spec.training.objective, a['rows'])} x "
         f"{spec.data.max_seq_len}: every row full length (an upper bound unless data.packing)",
         f"  peak: {peak or f'{gpu}{report.peak_tflops:g} TFLOPS'} (dense 16-bit, datasheet) per GPU "
         f"x {spec.world_size}; assumed share of peak: {eff}; communication hidden",
@@ -116,6 +116,11 @@ def time_notes(report: PlanReport, peak: str | None = None) -> list[str]:
     return lines
 
 
-def _rows(objective: str) -> str:
-    """What a sample's two rows are: a pair's chosen and rejected chats, or a KTO record and its KL row."""
+def _rows(objective: str, rows: int) -> str:
+    """What a sample's rows are: a pair's chosen and rejected chats, a KTO record and its KL row, or a GRPO prompt's
+    group of completions (the sampling itself not counted: its forwards hold no gradients)."""
+    if objective == "grpo":
+        return f" prompts x {rows} completions (their sampling not counted)"
+    if rows == 1:
+        return ""
     return " records x 2 rows (with the KL row)" if objective == "kto" else " pairs x 2 rows"

@@ -147,6 +147,7 @@ def estimate_kwargs(spec: JobSpec, world_size: int, precision: str) -> dict[str,
         "loss_kernel": spec.training.loss_kernel,
         "quantize": None if spec.model.quantize == "none" else spec.model.quantize,
         "rows": rows_per_sample(spec),
+        "sampling": spec.training.objective == "grpo",  # the rows are sampled first: their KV cache counts
     }
 
 

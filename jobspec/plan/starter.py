@@ -139,8 +139,11 @@ def _text(req: Request, name: str, seq: int, lora: bool, gpus: str, nodes: int, 
     cpu = gpus.partition(":")[0].lower() == "cpu"  # --gpus cpu:N: N processes on this machine's CPUs
     vendor = "cpu" if cpu else gpu.vendor if gpu else "cuda"
     dpo = req.objective != "sft"
-    batch = req.global_batch or (32 if dpo else 64)
+    grpo = req.objective == "grpo"
+    batch = req.global_batch or (16 if grpo else 32 if dpo else 64)  # GRPO: prompts, each of 8 completions
     lr = "5.0e-7" if dpo and not lora else ("2.0e-4" if lora else "2.0e-5")
+    if grpo:  # TRL's GRPOConfig: 1e-6 (full); adapters take ten times it
+        lr = "1.0e-5" if lora else "1.0e-6"
     model_lines, shape, positions = _model_lines(req.model, req.config)
     where = gpus + (f" x {nodes} nodes" if nodes > 1 else "")
     file = shlex.quote(req.file) if req.file and req.file.isprintable() else f"{name}.yaml"
@@ -167,6 +170,7 @@ def _text(req: Request, name: str, seq: int, lora: bool, gpus: str, nodes: int, 
         else ""
     )
     records = ("{prompt, completion, label: true|false} (unpaired; or pairs, split)" if req.objective == "kto" else
+               "{prompt, answer} (prompt-only; every other field goes to the rewards)" if grpo else
                "{prompt, chosen, rejected} pairs" if dpo else "{prompt, response} or {messages: [...]}")  # fmt: skip
     fmt = ["  # records: " + records]
     if req.data_format:
@@ -179,6 +183,14 @@ def _text(req: Request, name: str, seq: int, lora: bool, gpus: str, nodes: int, 
         f"  max_seq_len: {seq}" + capped,
         "training:",
         f"  objective: {req.objective}",
+        *([
+            "  grpo:",
+            "    num_generations: 8  # completions sampled per prompt (TRL's default); a step trains batch x 8",
+            f"    max_completion_length: {min(512, seq // 2)}  # the prompt keeps the rest of max_seq_len",
+            "    rewards:  # summed by weight; your own: {kind: python, file: rewards.py, function: NAME}",
+            "      - kind: accuracy  # 1 when the completion's final answer equals the record's `answer`",
+            "        column: answer",
+        ] if grpo else []),
         f"  global_batch: {batch}  # the effective batch: fixed, whatever micro-batch fits",
         f"  micro_batch: auto  # the runner verifies the plan's micro-batch {'here' if cpu else 'on the GPU'} (see "
         "below)",

@@ -23,7 +23,7 @@ from jobspec.contract import (
 )
 from jobspec.errors import ConfigError
 from jobspec.render.pod import CONTAINER_NAME, configmap_name, pod_spec
-from jobspec.spec.benchmarks import shipped_paths
+from jobspec.spec.benchmarks import is_task_file, shipped_entries, shipped_fields, shipped_paths
 from jobspec.spec.models import JobSpec
 
 Obj = dict[str, Any]
@@ -34,11 +34,12 @@ def spec_configmap(spec: JobSpec, task_files: Mapping[str, str] | None = None) -
     relative `eval.benchmarks` task file (`task_files`: its path -> its text, jobspec.spec.benchmarks.ship_task_files)
     under its own key, which the pod mounts at the same path relative to the spec."""
     data = {SPEC_FILE_NAME: yaml.safe_dump(spec_document(spec), sort_keys=False)}
-    for key, path in shipped_paths(spec.eval.benchmarks):
+    for key, path in shipped_paths(shipped_entries(spec), fields=shipped_fields(spec)):
         if task_files is None or path not in task_files:
-            raise ConfigError(f"eval.benchmarks: {path} is a task file relative to the spec file, and its text was not "
-                              "given to render: render the spec file (`jobspec render SPEC_FILE`), which reads it "
-                              "beside the spec")  # fmt: skip
+            what = "eval.benchmarks: {} is a task file" if is_task_file(path) else "training.grpo.rewards: {} is a file"
+            raise ConfigError(f"{what.format(path)} relative to the spec file, and its text was not given to render: "
+                              "render the spec file (`jobspec render SPEC_FILE`), which reads it beside the "
+                              "spec")  # fmt: skip
         data[key] = task_files[path]
     return {"apiVersion": "v1", "kind": "ConfigMap", "metadata": _metadata(spec, configmap_name(spec)), "data": data}
 

@@ -24,7 +24,7 @@ from jobspec.errors import ConfigError
 from jobspec.render.env import GCS_KEY_DIR, GCS_KEY_PATH, container_env
 from jobspec.render.hub import cache_volume
 from jobspec.render.images import image_for, pull_policy
-from jobspec.spec.benchmarks import shipped_paths
+from jobspec.spec.benchmarks import shipped_entries, shipped_fields, shipped_paths
 from jobspec.spec.models import DEFAULT_MEMORY_PER_RANK, JobSpec, Toleration
 from jobspec.spec.units import format_bytes
 
@@ -169,7 +169,7 @@ def _volumes(spec: JobSpec) -> tuple[list[Obj], list[Obj]]:
     # Without a PVC the checkpoints live (and die) with the pod, but the run directory stays writable.
     checkpoints = {"persistentVolumeClaim": {"claimName": pvc}} if pvc else {"emptyDir": {}}
     spec_volume: Obj = {"name": configmap_name(spec)}
-    shipped = shipped_paths(spec.eval.benchmarks)
+    shipped = shipped_paths(shipped_entries(spec), fields=shipped_fields(spec))
     if shipped:  # the task files at their paths relative to the spec (a key alone cannot hold a `/`)
         spec_volume["items"] = [{"key": SPEC_FILE_NAME, "path": SPEC_FILE_NAME},
                                 *({"key": key, "path": path} for key, path in shipped)]  # fmt: skip

@@ -1,5 +1,6 @@
 """`eval.benchmarks` on the submitter's side (no lm-eval, no torch): which entries are task YAML files, where they
-are, and whether each one is a task that lm-evaluation-harness can read.
+are, and whether each one is a task that lm-evaluation-harness can read. The Python files of `training.grpo.rewards`
+travel with the job the same way (`shipped_entries`, `reward_file_problem`): compiled here, never run.
 
 An entry ending in .yaml/.yml is a file of the user's (a task of their own, with its data set); any other entry is a
 task or group name of lm-evaluation-harness (its data set comes from the hub). A relative file is relative to the
@@ -24,6 +25,7 @@ import posixpath
 import re
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import yaml
 
@@ -33,6 +35,7 @@ from jobspec.spec.credentials import credential_kind, is_secret_name
 from jobspec.untrusted import read_bounded
 
 TASK_FILE_SUFFIXES = (".yaml", ".yml")
+REWARD_FILE_SUFFIX = ".py"  # training.grpo.rewards' Python files ship the same way
 MAX_TASK_BYTES = 1 << 20  # a task YAML is a page; its data lives in files of its own
 MAX_SHIPPED_BYTES = 512 << 10  # the task files of one job's ConfigMap, together (Kubernetes caps one at 1 MiB)
 _KEY_CHARS = re.compile(r"[^-._A-Za-z0-9]")  # what a ConfigMap key may not hold
@@ -41,6 +44,78 @@ _KEY_CHARS = re.compile(r"[^-._A-Za-z0-9]")  # what a ConfigMap key may not hold
 def is_task_file(entry: str) -> bool:
     """`entry` names a task YAML file (else an lm-evaluation-harness task or group name)."""
     return entry.lower().endswith(TASK_FILE_SUFFIXES)
+
+
+def is_shipped_file(entry: str) -> bool:
+    """`entry` is a file that travels with the job when relative: a task YAML or a reward function's Python file."""
+    return is_task_file(entry) or entry.endswith(REWARD_FILE_SUFFIX)
+
+
+def shipped_entries(spec: Any) -> list[str]:
+    """The spec's entries that may name files shipped with the job: `eval.benchmarks`, then the Python files of
+    `training.grpo.rewards` (each entry's field: `shipped_fields`)."""
+    return [entry for _, entry in _shipped(spec)]
+
+
+def shipped_fields(spec: Any) -> list[str]:
+    """The field of each of `shipped_entries`, for errors: `eval.benchmarks[i]`, `training.grpo.rewards[i].file`."""
+    return [field for field, _ in _shipped(spec)]
+
+
+def _shipped(spec: Any) -> list[tuple[str, str]]:
+    grpo = getattr(spec.training, "grpo", None)
+    rewards = [(f"training.grpo.rewards[{i}].file", r.file) for i, r in enumerate(grpo.rewards if grpo else [])
+               if r.file]  # fmt: skip
+    return [*((f"eval.benchmarks[{i}]", b) for i, b in enumerate(spec.eval.benchmarks)), *rewards]
+
+
+def reward_file_problem(path: Path) -> str | None:
+    """Why `path` is not a reward function's Python file the job can carry; None when it is. Compiled, never run
+    here (the runner runs it in the pod, because the spec names it); refused when it holds a credential (a shipped
+    file is in the job's ConfigMap, printed by render)."""
+    if not path.exists() and not path.is_symlink():
+        return "no such file"
+    try:
+        text = read_bounded(path, MAX_TASK_BYTES, what="reward file").decode("utf-8")
+    except ConfigError as err:
+        return str(err)
+    except UnicodeDecodeError:
+        return "not UTF-8 text"
+    except OSError as err:
+        return f"cannot be read ({err.strerror or err})"
+    try:
+        compile(text, str(path), "exec")  # parsed only: nothing in it runs here
+    except SyntaxError as err:
+        return f"line {err.lineno}: not Python ({err.msg})"
+    except ValueError as err:  # a NUL byte
+        return f"not Python ({err})"
+    for number, line in enumerate(text.splitlines(), 1):
+        for word in re.findall(r"[^\s'\"=:,()\[\]{}]+", line):
+            if kind := credential_kind(word):
+                return (f"line {number} holds a credential ({kind}; not shown: a shipped file is in the job's "
+                        "ConfigMap, printed by render); read it from the environment in the function instead, "
+                        "and give it to the pod from a Secret (env: {NAME: {secret: NAME, key: KEY}})")  # fmt: skip
+    return None
+
+
+def check_reward_files(spec: Any, base: str | Path, *, absent_absolute_ok: bool = False) -> list[str]:
+    """ConfigError (exit 2) naming the reward, the file and the fix for the first Python reward file that is not
+    one; notes for absolute paths this machine lacks (`absent_absolute_ok`: the pod's)."""
+    grpo = getattr(spec.training, "grpo", None)
+    notes = []
+    for i, reward in enumerate(grpo.rewards if grpo is not None else []):
+        if not reward.file:
+            continue
+        field = f"training.grpo.rewards[{i}].file"
+        path = Path(reward.file) if Path(reward.file).is_absolute() else Path(base) / reward.file
+        why = reward_file_problem(path)
+        if why == "no such file" and absent_absolute_ok and Path(reward.file).is_absolute():
+            notes.append(f"{field} {reward.file} is not on this machine: it must be in the pod (image or volume)")
+        elif why is not None:
+            where = "" if Path(reward.file).is_absolute() else f" (relative to {Path(base).resolve()})"
+            raise ConfigError(f"{field} {reward.file}: {path}{where}: {why}; give a Python file that defines "
+                              f"{reward.function!r}")  # fmt: skip
+    return notes
 
 
 def task_files(entries: Sequence[str], base: str | Path) -> list[tuple[int, Path]]:
@@ -133,46 +208,51 @@ def check_task_files(entries: Sequence[str], base: str | Path, field: str = "eva
     return notes
 
 
-def shipped_paths(entries: Sequence[str], field: str = "eval.benchmarks") -> list[tuple[str, str]]:
+def shipped_paths(entries: Sequence[str], field: str = "eval.benchmarks",
+                  fields: Sequence[str] | None = None) -> list[tuple[str, str]]:  # fmt: skip
     """(ConfigMap key, path relative to the spec's directory) of each relative task file among `entries`, once
     each: what the job's ConfigMap carries and the pod mounts beside the spec. ConfigError for one outside the
     spec's directory (the pod's mount holds nothing above it)."""
     out: dict[str, str] = {}
     for i, entry in enumerate(entries):
-        if not is_task_file(entry) or Path(entry).is_absolute():
+        if not is_shipped_file(entry) or Path(entry).is_absolute():
             continue
         path = posixpath.normpath(entry)
         if path == ".." or path.startswith("../"):
-            raise ConfigError(f"{field}[{i}] {entry}: a task file shipped with the job must be under the spec file's "
+            where = fields[i] if fields else f"{field}[{i}]"
+            raise ConfigError(f"{where} {entry}: a file shipped with the job must be under the spec file's "
                               "directory (the pod mounts the task files beside the spec, in /etc/jobspec); move it "
                               "there, or give an absolute path that exists in the pod (image or volume)")  # fmt: skip
         out.setdefault(path, f"task-{len(out)}-{_KEY_CHARS.sub('_', posixpath.basename(path))}")
     return [(key, path) for path, key in out.items()]
 
 
-def ship_task_files(entries: Sequence[str], base: str | Path, field: str = "eval.benchmarks") -> dict[str, str]:
+def ship_task_files(entries: Sequence[str], base: str | Path, field: str = "eval.benchmarks",
+                    fields: Sequence[str] | None = None) -> dict[str, str]:  # fmt: skip
     """{relative path: text} of the relative task files among `entries`, read from under `base` (the spec file's
     directory) for the job's ConfigMap: each one a task (as check_task_files), all of them within
     MAX_SHIPPED_BYTES. ConfigError naming the field, the entry and the fix otherwise."""
-    given = {posixpath.normpath(e): (i, e) for i, e in reversed(list(enumerate(entries))) if is_task_file(e)}
+    given = {posixpath.normpath(e): (i, e) for i, e in reversed(list(enumerate(entries))) if is_shipped_file(e)}
     texts: dict[str, str] = {}
     total = 0
-    for _, path in shipped_paths(entries, field):
+    for _, path in shipped_paths(entries, field, fields):
         i, entry = given[path]
+        where = fields[i] if fields else f"{field}[{i}]"
         file = Path(base) / path
-        why = task_file_problem(file)
+        reward = not is_task_file(path)
+        why = reward_file_problem(file) if reward else task_file_problem(file)
         if why is not None:
-            raise ConfigError(f"{field}[{i}] {entry}: {file} (relative to {Path(base).resolve()}): {why}; "
-                              "give the path of an lm-evaluation-harness task YAML, or a task name such as "
-                              "arc_easy")  # fmt: skip
+            fix = ("give a Python file of reward functions" if reward else "give the path of an "
+                   "lm-evaluation-harness task YAML, or a task name such as arc_easy")  # fmt: skip
+            raise ConfigError(f"{where} {entry}: {file} (relative to {Path(base).resolve()}): {why}; {fix}")
         try:  # never through a link (or a linked directory) out of the spec's directory: render would ship it
-            texts[path] = read_bounded(file, MAX_TASK_BYTES, what=f"{field}[{i}] task file", root=base).decode("utf-8")
+            texts[path] = read_bounded(file, MAX_TASK_BYTES, what=f"{where} file", root=base).decode("utf-8")
         except ConfigError as err:
             raise ConfigError(f"{err}; a task file shipped with the job must be a file under the spec file's "
                               "directory") from None  # fmt: skip
         total += len(texts[path].encode("utf-8"))
         if total > MAX_SHIPPED_BYTES:
-            raise ConfigError(f"{field}[{i}] {entry}: the task files shipped in the job's ConfigMap come to "
+            raise ConfigError(f"{where} {entry}: the files shipped in the job's ConfigMap come to "
                               f"{total:,} bytes with this one, over the {MAX_SHIPPED_BYTES:,} allowed (Kubernetes "
                               "holds a ConfigMap to 1 MiB); put large task files in the image or on a volume and "
                               "give their absolute paths")  # fmt: skip

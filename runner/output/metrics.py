@@ -141,8 +141,12 @@ def format_line(r: dict[str, Any]) -> str:
     if r.get("mem_used_bytes") is not None and r.get("mem_total_bytes"):
         mem = f" | mem {r['mem_used_bytes'] / GiB:.2f}/{r['mem_total_bytes'] / GiB:.1f} GiB"
     util = f" | gpu {r['gpu_util']}%" if r.get("gpu_util") is not None else ""
+    reward = ""  # GRPO: what its runs are watched by (its loss is near 0 by construction)
+    if r.get("reward") is not None:
+        reward = (f" | reward {r['reward']:.3f} (std {r['reward_std']:.3f}) | completion "
+                  f"{r['completions/mean_length']:.0f} tok")  # fmt: skip
     return (
-        f"step {r['step']}/{r['total_steps']} | loss {r['loss']:.4f} | lr {r['lr']:.2e} | "
+        f"step {r['step']}/{r['total_steps']} | loss {r['loss']:.4f}{reward} | lr {r['lr']:.2e} | "
         f"{r['tokens_per_s']:,.0f} input tok/s | {r['tier']} mbs {r['micro_batch']} x {r['grad_accum']} "
         f"x {r['world_size']} = {r['global_batch']}{mem}{util}{format_mix(r.get('samples_by_source'))}"
     )

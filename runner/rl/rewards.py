@@ -140,6 +140,9 @@ def load_function(spec: RewardSpec, base: Path, where: str) -> RewardFn:
     path = Path(spec.file) if Path(spec.file).is_absolute() else base / spec.file
     try:
         source = read_bounded(path, MAX_FILE_BYTES, what=f"{where}.file", root=path.parent).decode("utf-8")
+    except ConfigError as err:  # not a regular file, a link out of its directory, too large, absent
+        raise ConfigError(f"{where}.file {spec.file}: {err}; give a .py file beside the spec file (shipped with the "
+                          "job), or an absolute path in the pod") from None  # fmt: skip
     except UnicodeDecodeError:
         raise ConfigError(f"{where}.file {spec.file}: not UTF-8 text (a Python file)") from None
     except OSError as err:

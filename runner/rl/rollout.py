@@ -61,6 +61,7 @@ class RolloutBatch(Batch):
 class Group:
     """One prompt's completions: their rows, advantages and (KL term) reference log-probs per position."""
 
+    completions: list[list[int]]  # token ids, EOS kept where it came
     rows: list[tuple[np.ndarray, np.ndarray]]
     advantages: np.ndarray
     ref: list[np.ndarray] | None = None
@@ -135,13 +136,13 @@ class Rollouts:
         for k, i in enumerate(ids):
             advantages, flat = group_advantages(total[k], self.grpo.scale_rewards, step_std)
             zero_std += flat
-            rows = []
-            for c in completions[k * g : (k + 1) * g]:
+            rows, mine = [], completions[k * g : (k + 1) * g]
+            for c in mine:
                 prompt = self.data.prompt_ids(i)
                 tokens = np.concatenate([prompt, np.asarray(c, dtype=np.int64)])
                 flags = np.concatenate([np.zeros(len(prompt), bool), np.ones(len(c), bool)])
                 rows.append(training_row(tokens, flags, np.array([len(tokens)])))
-            groups[i] = Group(rows, advantages)
+            groups[i] = Group(mine, rows, advantages)
         if self.reference is not None:
             self._score_reference(ids, groups, micro_batch)
         self.metrics = self._metrics(per_fn, total, completions, zero_std, len(ids))

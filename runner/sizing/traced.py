@@ -34,6 +34,7 @@ import yaml
 from jobspec.catalog.tiers import SHARD_ONLY, TIERS, divisors
 from jobspec.errors import JobspecError
 from jobspec.plan import memory
+from jobspec.plan.planner import model_shape, rows_per_sample
 from jobspec.plan.traced import TraceFailed, run_trace
 from jobspec.spec.models import JobSpec
 from jobspec.spec.units import human_bytes as gib
@@ -155,6 +156,10 @@ def _traced(plan: Plan, spec: JobSpec, share: Share, *, is_main: bool, timeout_s
     fixed, per_sample = (int(x) for x in share(line))
     if per_sample <= 0:
         return skipped(plan, why or "rank 0 could not trace", warn=True), None
+    if spec.training.objective == "grpo":  # each prompt's rows are sampled first: their KV cache, where larger
+        rows = rows_per_sample(spec)
+        per_sample = max(per_sample, memory.sampling_bytes(model_shape(spec), rows * spec.data.max_seq_len, rows,
+                                                           plan.precision))  # fmt: skip
     top = 0
     while _with_overhead(fixed + per_sample * (top + 1)) <= plan.budget_bytes:
         top += 1

@@ -139,11 +139,14 @@ def test_every_example_is_submitted_explained_and_cancelled(cluster: tuple[Any, 
     from jobspec.cluster.status import collect_status, pod_selector
     from jobspec.cluster.submit import submit
     from jobspec.render import render
+    from jobspec.spec.benchmarks import ship_task_files, shipped_entries, shipped_fields
     from jobspec.spec.loader import load_spec
 
     client, namespace = cluster
     name = f"jobspec-ex-{uuid.uuid4().hex[:6]}"
-    objects = render(load_spec(REPO / "examples" / example, [f"name={name}", f"namespace={namespace}"]))
+    spec = load_spec(REPO / "examples" / example, [f"name={name}", f"namespace={namespace}"])
+    files = ship_task_files(shipped_entries(spec), (REPO / "examples" / example).parent, fields=shipped_fields(spec))
+    objects = render(spec, files)  # as `jobspec render FILE`: with the files it ships (a reward file)
     try:
         assert submit(client, objects, namespace).outcome == "created"
         deadline = time.monotonic() + EXPLAIN_WITHIN

@@ -1,0 +1,312 @@
+"""GRPO (`training.objective: grpo`): the loss and KL metric equal to TRL 1.16's own `GRPOTrainer._compute_loss` on a
+batch the runner sampled, advantages as TRL computes them, a tiny model that learns a verifiable reward on the CPU,
+a resumed run that trains on the same completions as an uninterrupted one, the KL term with LoRA, and specs and data
+refused with the field and the fix."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections import defaultdict
+from contextlib import nullcontext
+from functools import partial
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from jobspec.contract import EXIT_CONFIG, EXIT_OK
+from jobspec.errors import ConfigError
+from runner.rl.rollout import group_advantages
+from runner.train import grpo
+from runner.train.step import token_losses
+from tests.runner import train_helpers as th
+
+LOWERCASE = '''
+def lowercase(completions, **columns):
+    """The fraction of the completion's characters that are ASCII lowercase letters."""
+    texts = [c if isinstance(c, str) else c[-1]["content"] for c in completions]
+    return [sum("a" <= ch <= "z" for ch in t) / max(len(t), 1) for t in texts]
+'''
+
+
+def prompts(n: int = 32) -> list[dict]:
+    return [{"prompt": f"say a word ({i})", "answer": str(i % 5)} for i in range(n)]
+
+
+def _sections(tmp_path, data_file, rewards=None, **training) -> dict:
+    reward_file = tmp_path / "rewards.py"
+    reward_file.write_text(LOWERCASE)
+    rewards = rewards or [{"kind": "python", "file": str(reward_file), "function": "lowercase"}]
+    grpo_spec = {"num_generations": 4, "max_completion_length": 12, "rewards": rewards, **training.pop("grpo", {})}
+    return {"data": {"path": str(data_file), "max_seq_len": 40},
+            "training": {"objective": "grpo", "global_batch": 4, "learning_rate": 3e-3, "warmup_steps": 0,
+                         "steps": 4, "grpo": grpo_spec, **training},
+            "checkpoints": {"every_steps": 4}}  # fmt: skip
+
+
+def _spec(tmp_path, **training):
+    data_file = th.write_jsonl(tmp_path / "p.jsonl", prompts())
+    return th.tiny_spec(tmp_path / "run", **_sections(tmp_path, data_file, **training))
+
+
+def _trl_grpo(beta: float, temperature: float) -> SimpleNamespace:
+    """A stand-in for TRL 1.16's GRPOTrainer `self`: what its `_compute_loss` reads at its defaults (loss_type dapo,
+    num_iterations 1, token-level ratios, epsilon 0.2), one process, no accumulation."""
+    pytest.importorskip("trl")
+    from trl import GRPOTrainer
+
+    same = lambda t, **_: t  # noqa: E731  # one process: gathering and reducing are the identity
+    fake = SimpleNamespace(
+        model=SimpleNamespace(training=True), beta=beta, temperature=temperature, loss_type="dapo",
+        importance_sampling_level="token", epsilon_low=0.2, epsilon_high=0.2, top_entropy_quantile=1.0,
+        off_policy_mask_threshold=None, use_vllm=False, vllm_importance_sampling_correction=False,
+        aux_loss_enabled=False, _entropy_bonus_enabled=False, current_gradient_accumulation_steps=1,
+        args=SimpleNamespace(use_bias_correction_kl=False, delta=None, steps_per_generation=1),
+        accelerator=SimpleNamespace(num_processes=1, reduce=same, gather=same, autocast=nullcontext,
+                                    is_main_process=True),
+        _metrics={"train": defaultdict(list)},
+    )  # fmt: skip
+    fake._get_per_token_logps_and_entropies = partial(GRPOTrainer._get_per_token_logps_and_entropies, fake)
+    return fake
+
+
+@pytest.mark.parametrize(("beta", "temperature"), [(0.0, 1.0), (0.04, 0.7)], ids=["no-kl", "kl-tempered"])
+def test_the_loss_and_kl_equal_trls_grpo_trainer_on_a_batch_it_sampled(tmp_path, beta, temperature):
+    """Four prompts' groups sampled by the runner from a real tiny model, given random advantages (and reference
+    log-probs moved off the policy): the step's loss over the batch's completion tokens, and its KL metric, equal
+    TRL's own `GRPOTrainer._compute_loss` (its fused LM head at the same temperature) on the same prompt and
+    completion ids, to 1e-5."""
+    from trl import GRPOTrainer
+    from trl.trainer.utils import add_fused_lm_head
+
+    from runner.train.recipe import Recipe
+
+    worker = Recipe(_spec(tmp_path, steps=1, grpo={"temperature": temperature}))
+    try:
+        worker.setup()
+        stepper, data = worker.stepper, worker.data
+        stepper.objective = dataclasses.replace(stepper.objective, beta=beta)
+        ids = [0, 3, 5, 9]
+        batch = stepper.rollouts.batches(ids, len(ids))[0]
+        groups = stepper.rollouts._made[2]
+        rng = np.random.default_rng(0)
+        advantages = torch.from_numpy(rng.normal(0, 1, len(batch.advantages)).astype(np.float32))
+        with torch.no_grad():
+            logps = -token_losses(stepper.model, stepper.head, batch.input_ids, batch.labels, temperature=temperature)
+        ref = (logps + torch.from_numpy(rng.normal(0, 0.3, logps.shape).astype(np.float32))) * (batch.labels >= 0)
+        batch = dataclasses.replace(batch, advantages=advantages, ref_logps=ref if beta else None)
+        stepper.preference_sums = []
+        loss = float(stepper.loss_sum(batch).detach()) / batch.targets
+        ours = grpo.metrics(stepper.preference_sums[0].tolist(), beta)
+        model = worker.accelerator.unwrap_model(worker.model)
+        completions = [c for i in ids for c in groups[i].completions]
+        prompt_rows = [data.prompt_ids(i).tolist() for i in ids for _ in range(4)]
+        model_copy = type(model)(model.config)
+        model_copy.load_state_dict(model.state_dict())
+    finally:
+        worker.cleanup()
+    width, length = max(map(len, prompt_rows)), max(map(len, completions))
+    pad = data.pad_id
+    inputs = {
+        "prompt_ids": torch.tensor([[pad] * (width - len(p)) + p for p in prompt_rows]),
+        "prompt_mask": torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompt_rows]),
+        "completion_ids": torch.tensor([c + [pad] * (length - len(c)) for c in completions]),
+        "completion_mask": torch.tensor([[1] * len(c) + [0] * (length - len(c)) for c in completions]),
+        "advantages": advantages,
+        "num_items_in_batch": torch.tensor(float(sum(map(len, completions)))),
+    }
+    if beta:  # per completion token, as TRL lays them out (the prompt's part is cut off)
+        rows = [ref[r, len(p) - 1 : len(p) - 1 + len(c)] for r, (p, c) in enumerate(zip(prompt_rows, completions,
+                                                                                        strict=True))]  # fmt: skip
+        inputs["ref_per_token_logps"] = torch.stack([torch.nn.functional.pad(v, (0, length - len(v))) for v in rows])
+    add_fused_lm_head(model_copy, temperature=temperature, outputs=("log_probs", "entropy"))
+    trainer = _trl_grpo(beta, temperature)
+    with torch.no_grad():
+        want = float(GRPOTrainer._compute_loss(trainer, model_copy, inputs))
+    assert batch.targets == sum(map(len, completions))
+    assert loss == pytest.approx(want, abs=1e-5)
+    if beta:
+        assert ours["kl"] == pytest.approx(trainer._metrics["train"]["kl"][0], rel=1e-4, abs=1e-6)
+        assert ours["kl"] > 0.01
+    else:
+        assert ours == {}
+
+
+@pytest.mark.parametrize("scale", ["group", "batch", "none"])
+def test_advantages_are_trls_group_normalised_rewards(scale):
+    """TRL's sum_then_normalize: reward minus the group's nan-mean, over (std + 1e-4) of the group (unbiased) or of
+    the step; a completion no reward applied to gets 0; a group of equal rewards is counted as zero-std."""
+    rewards = np.array([1.0, 0.0, np.nan, 0.5])
+    step_std = 0.7
+    got, flat = group_advantages(rewards, scale, step_std)
+    t = torch.tensor(rewards)
+    mean = torch.nanmean(t)
+    std = torch.tensor([1.0, 0.0, 0.5]).std()
+    want = t - mean
+    if scale == "group":
+        want = want / (std + 1e-4)
+    elif scale == "batch":
+        want = want / (step_std + 1e-4)
+    assert np.allclose(got, torch.nan_to_num(want, nan=0.0).numpy())
+    assert got[2] == 0.0 and not flat
+    assert group_advantages(np.array([0.3, 0.3]), scale, step_std)[1]
+
+
+def test_a_tiny_model_learns_a_verifiable_reward_on_the_cpu(tmp_path):
+    """12 steps of 4 prompts x 4 completions, rewarded by the fraction of lowercase letters (a Python reward file the
+    spec names): the mean reward of the last 3 steps is well above the first 3's, and every TRL metric is logged."""
+    code, _ = th.train_in_process(_spec(tmp_path, steps=12, log_every=1, learning_rate=1e-2))
+    assert code == EXIT_OK
+    recs = th.records(tmp_path / "run")
+    assert [r["step"] for r in recs] == list(range(1, 13))
+    first, last = np.mean([r["reward"] for r in recs[:3]]), np.mean([r["reward"] for r in recs[-3:]])
+    assert last > first + 0.15, (first, last)
+    for name in ("reward", "reward_std", "frac_reward_zero_std", "rewards/lowercase/mean", "rewards/lowercase/std",
+                 "completions/mean_length", "completions/max_length", "completions/clipped_ratio",
+                 "completions/mean_terminated_length"):  # fmt: skip
+        assert all(np.isfinite(r[name]) for r in recs), name
+    assert all(r["rewards/lowercase/mean"] == pytest.approx(r["reward"]) for r in recs)
+    assert "kl" not in recs[0]
+    assert (tmp_path / "run" / "model" / "config.json").is_file()
+
+
+def test_a_resumed_run_samples_and_trains_as_an_uninterrupted_one(tmp_path):
+    """8 steps straight, and 4 then 4 more from the checkpoint: each completion's draws are its own (seed, step,
+    prompt, index), so the resumed steps sample the same completions and log the same rewards and losses."""
+    data_file = th.write_jsonl(tmp_path / "p.jsonl", prompts())
+    th.train_and_resume(tmp_path, _sections(tmp_path, data_file, steps=8, log_every=1))
+    full, part = th.records(tmp_path / "full"), th.records(tmp_path / "part")
+    assert [r["step"] for r in part] == [5, 6, 7, 8]
+    for a, b in zip(full[4:], part, strict=True):
+        assert b["reward"] == pytest.approx(a["reward"], abs=1e-6)
+        assert b["completions/mean_length"] == a["completions/mean_length"]
+        assert b["loss"] == pytest.approx(a["loss"], abs=1e-6)
+
+
+def test_completions_do_not_depend_on_how_a_step_is_batched(tmp_path):
+    """A step sampled 4 prompts a generate call, and again 1 prompt a call (as after an OOM halved it): the same
+    completions, token for token."""
+    from runner.train.recipe import Recipe
+
+    worker = Recipe(_spec(tmp_path, steps=1))
+    try:
+        worker.setup()
+        rollouts = worker.stepper.rollouts
+        rollouts.step = 3
+        ids = [1, 2, 7, 30]
+        rollouts.batches(ids, 4)
+        wide = {i: g.completions for i, g in rollouts._made[2].items()}
+        rollouts._made = None
+        rollouts.batches(ids, 1)
+        narrow = {i: g.completions for i, g in rollouts._made[2].items()}
+        rollouts.step, rollouts._made = 4, None
+        rollouts.batches(ids, 4)
+        later = {i: g.completions for i, g in rollouts._made[2].items()}
+    finally:
+        worker.cleanup()
+    assert wide == narrow
+    assert later != wide  # another step draws afresh
+
+
+def test_the_kl_term_with_lora_starts_at_zero_and_is_logged(tmp_path):
+    """beta > 0 with LoRA: the reference is the adapter off, so at the first step (the adapter's B = 0) the policy is
+    the reference and kl = 0; later steps move away from it."""
+    data_file = th.write_jsonl(tmp_path / "p.jsonl", prompts())
+    sections = _sections(tmp_path, data_file, steps=4, log_every=1, learning_rate=1e-2, grpo={"beta": 0.04})
+    spec = th.tiny_spec(tmp_path / "run", model={"lora": {"rank": 4, "targets": ["c_attn"]}}, **sections)
+    code, _ = th.train_in_process(spec)
+    assert code == EXIT_OK
+    kl = [r["kl"] for r in th.records(tmp_path / "run")]
+    assert kl[0] == pytest.approx(0.0, abs=1e-6) and kl[-1] > 1e-5
+
+
+def test_specs_and_prompts_that_cannot_train_are_refused_with_the_fix(tmp_path):
+    from jobspec.spec.loader import parse_spec
+
+    base = th.tiny_spec_dict(tmp_path / "run", data={"max_seq_len": 40},
+                             training={"objective": "grpo", "global_batch": 4})  # fmt: skip
+    with pytest.raises(ConfigError, match=r"needs `training.grpo.rewards`"):
+        parse_spec(json.dumps(base))
+    base["training"]["grpo"] = {"max_completion_length": 40, "beta": 0.1, "rewards": [{"kind": "accuracy"}]}
+    with pytest.raises(ConfigError) as err:
+        parse_spec(json.dumps(base))
+    assert "leaves no room for the prompt" in str(err.value) and "set model.lora" in str(err.value)
+    base["training"]["grpo"] = {"max_completion_length": 8, "rewards": [{"kind": "python"}]}
+    with pytest.raises(ConfigError, match=r"a python reward needs `file`"):
+        parse_spec(json.dumps(base))
+    sft = th.tiny_spec_dict(tmp_path / "run", training={"grpo": {"rewards": [{"kind": "accuracy"}]}})
+    with pytest.raises(ConfigError, match=r"`training.grpo` is GRPO's"):
+        parse_spec(json.dumps(sft))
+
+
+@pytest.mark.parametrize(
+    ("record", "message"),
+    [({"question": "q"}, "'prompt' is missing"), ({"prompt": ""}, "'prompt' is empty"),
+     ({"prompt": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}, "ends with an assistant")],
+    ids=["no-prompt", "empty", "ends-with-reply"],
+)  # fmt: skip
+def test_a_bad_prompt_record_is_refused_by_file_line_and_field(tmp_path, record, message):
+    from runner.data.prompts import load_prompts
+    from runner.data.tokenizer import ByteTokenizer
+
+    data_file = th.write_jsonl(tmp_path / "p.jsonl", [*prompts(3), record])
+    spec = th.tiny_spec(tmp_path / "run", **_sections(tmp_path, data_file))
+    with pytest.raises(ConfigError) as err:
+        load_prompts(spec, ByteTokenizer())
+    assert f"{data_file}:4" in str(err.value) and message in str(err.value)
+
+
+def test_a_reward_that_raises_exits_2_naming_it(tmp_path):
+    bad = tmp_path / "bad.py"
+    bad.write_text("def reward(completions, **kw):\n    return [1 / 0 for _ in completions]\n")
+    data_file = th.write_jsonl(tmp_path / "p.jsonl", prompts())
+    spec = th.tiny_spec(tmp_path / "run", **_sections(tmp_path, data_file, rewards=[{"kind": "python",
+                                                                                      "file": str(bad)}]))  # fmt: skip
+    spec_file = th.write_spec(tmp_path / "spec.yaml", spec.to_yaml_dict())
+    code, status = th.worker_in_process(spec_file, tmp_path / "status.json")
+    assert code == EXIT_CONFIG
+    assert "reward 'reward' raised ZeroDivisionError" in status["reason"] and "bad.py:2" in status["reason"]
+
+
+@pytest.mark.parametrize("tier", ["fast", "zero3"])
+def test_two_ranks_sample_and_train_what_one_process_does(tmp_path, tier):
+    """The same spec on one process and on two (DDP at `fast`; FSDP at `zero3`, whose ranks sample in step,
+    `synced_gpus`): each rank samples its share of the step's prompts with the completions' own seeds, the rewards,
+    their spread and the loss are reduced over the ranks, so the two runs log the same steps."""
+    data_file = th.write_jsonl(tmp_path / "p.jsonl", prompts())
+    logs = []
+    for nproc in (1, 2):
+        run = tmp_path / f"run{nproc}"
+        sections = _sections(tmp_path, data_file, steps=3, log_every=1)
+        spec = th.tiny_spec_dict(run, memory={"tier": tier}, **sections)
+        spec_file = th.write_spec(tmp_path / f"spec{nproc}.yaml", spec)
+        result = th.run_supervisor([str(spec_file), "--nproc", str(nproc)], timeout=600)
+        assert result.returncode == EXIT_OK, result.stderr[-3000:]
+        logs.append(th.records(run))
+    for a, b in zip(*logs, strict=True):
+        for key in ("reward", "reward_std", "completions/mean_length", "frac_reward_zero_std", "loss"):
+            assert b[key] == pytest.approx(a[key], abs=1e-5), (a["step"], key)
+        assert b["world_size"] == 2
+
+
+def test_the_plan_counts_the_kv_cache_of_the_sampled_rows_where_it_outgrows_the_step():
+    """GRPO's rows are sampled before they are trained: at `minimal` (activation checkpointing), a 7B model without
+    grouped-query attention keeps less for the step than its KV cache of the same rows, and the estimate counts the
+    cache there; with grouped-query attention (Qwen2.5-7B, 4 of 28 heads) the step's activations stay the larger."""
+    from jobspec.catalog.presets import ModelShape
+    from jobspec.plan import memory
+
+    mha = ModelShape(layers=32, hidden=4096, heads=32, vocab=32000, max_positions=4096, intermediate=11008,
+                     family="llama", tie_embeddings=False)
+    gqa = dataclasses.replace(mha, layers=28, hidden=3584, heads=28, kv_heads=4, intermediate=18944, vocab=152064)
+    kw = {"tier": "minimal", "seq_len": 4096, "micro_batch": 2, "world_size": 1, "rows": 8}
+    for shape, dominates in ((mha, True), (gqa, False)):
+        plain, sampled = (memory.estimate(shape, sampling=s, **kw) for s in (False, True))
+        cache = memory.sampling_bytes(shape, 2 * 8 * 4096, 16, "bf16")
+        assert cache == shape.layers * 2 * shape.kv_width * 2 * 2 * 8 * 4096 + 16 * shape.vocab * 12
+        if dominates:
+            assert sampled.activations + sampled.logits == cache > plain.activations + plain.logits
+        else:
+            assert sampled == plain and cache < plain.activations
