@@ -18,7 +18,7 @@ from jobspec.cli import _notes
 from jobspec.cluster.submit import in_namespace
 from jobspec.contract import ANNOTATION_SPEC_HASH, LABEL_JOB, RDZV_PORT
 from jobspec.errors import SpecError
-from jobspec.render import DEFAULT_CPU_PER_RANK, DEFAULT_MEMORY_PER_RANK, ENV_SPEC_HASH, render
+from jobspec.render import DEFAULT_CPU_PER_RANK, DEFAULT_MEMORY_PER_RANK, ENV_SPEC_HASH, render, shipped_hash
 from jobspec.spec.loader import load_spec, parse_spec
 from jobspec.spec.units import format_bytes, parse_size
 
@@ -99,15 +99,15 @@ def test_the_policy_model_can_say_no() -> None:
 
 @pytest.mark.parametrize("example", EXAMPLES, ids=lambda p: p.stem)
 def test_network_policy_admits_the_jobs_own_pods_on_any_tcp_port_and_nothing_else(example: Path) -> None:
-    spec = load_spec(example)
-    objs = in_namespace(render(spec, shipped(example)), spec.namespace)  # as submit places them (a spec without one
-    # renders none), with the files it ships
+    spec, files = load_spec(example), shipped(example)
+    objs = in_namespace(render(spec, files), spec.namespace)  # as submit places them (a spec without one renders none)
     (policy,) = policies_of(objs)
     kinds = by_kind(objs)
     pod_labels = kinds["Job"]["spec"]["template"]["metadata"]["labels"]
     assert policy["metadata"]["name"] == spec.name and policy["metadata"]["namespace"] == spec.namespace
     assert policy["metadata"]["labels"][LABEL_JOB] == spec.name
-    assert policy["metadata"]["annotations"][ANNOTATION_SPEC_HASH] == spec.spec_hash()  # cancel finds it by label
+    want = shipped_hash(spec, files) if files else spec.spec_hash()  # a job that ships files: theirs too
+    assert policy["metadata"]["annotations"][ANNOTATION_SPEC_HASH] == want  # cancel finds it by label
     # The policy selects exactly the pods the headless Service selects: this job's.
     assert policy["spec"]["podSelector"] == {"matchLabels": {LABEL_JOB: spec.name}}
     assert policy["spec"]["podSelector"]["matchLabels"] == kinds["Service"]["spec"]["selector"]

@@ -751,13 +751,13 @@ class RewardSpec(Section):
     ]
     name: Annotated[
         str | None,
-        StringConstraints(pattern=r"^[A-Za-z0-9_.-]{1,64}$"),
+        StringConstraints(max_length=64, pattern=r"^[A-Za-z0-9_.-]{1,64}$"),
         Field(description="The reward's name in the metrics (`rewards/<name>/mean`); default: the kind, or the "
               "function's name."),
     ] = None
     weight: Annotated[float, Field(ge=-1000, le=1000, description="Its weight in the summed reward.")] = 1.0
     column: Annotated[
-        str, StringConstraints(pattern=r"^[A-Za-z0-9_.-]{1,64}$"),
+        str, StringConstraints(max_length=64, pattern=r"^[A-Za-z0-9_.-]{1,64}$"),
         Field(description="accuracy: the record's field holding the reference answer."),
     ] = "answer"
     pattern: Annotated[
@@ -775,7 +775,7 @@ class RewardSpec(Section):
               "volume). Only a file the spec names is ever run."),
     ] = None
     function: Annotated[
-        str, StringConstraints(pattern=r"^[A-Za-z_][A-Za-z0-9_]{0,99}$"),
+        str, StringConstraints(max_length=100, pattern=r"^[A-Za-z_][A-Za-z0-9_]{0,99}$"),
         Field(description="python: the function's name in `file`."),
     ] = "reward"
 

@@ -10,6 +10,7 @@ import json
 from collections import defaultdict
 from contextlib import nullcontext
 from functools import partial
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -310,3 +311,25 @@ def test_the_plan_counts_the_kv_cache_of_the_sampled_rows_where_it_outgrows_the_
             assert sampled.activations + sampled.logits == cache > plain.activations + plain.logits
         else:
             assert sampled == plain and cache < plain.activations
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA or ROCm GPU")
+def test_grpo_samples_and_trains_on_one_gpu(tmp_path):
+    """The supervisor's path on a GPU at tier zero3 (FSDP2, `synced_gpus` sampling, bf16 autocast, the samplers'
+    generators on the device): three steps, each with its rewards and completion lengths logged."""
+    import subprocess
+    import sys
+
+    data_file = th.write_jsonl(tmp_path / "p.jsonl", prompts())
+    spec = th.tiny_spec_dict(tmp_path / "run", memory={"tier": "zero3"},
+                             **_sections(tmp_path, data_file, steps=3, log_every=1, precision="auto"))  # fmt: skip
+    spec["hardware"] = {"vendor": "cuda", "gpus": 1}
+    path = th.write_spec(tmp_path / "s.yaml", spec)
+    root = Path(__file__).resolve().parents[3]
+    result = subprocess.run([sys.executable, "-m", "runner", str(path)], cwd=root, env=th.runner_env(),
+                            capture_output=True, text=True, timeout=th.timeout_s())  # fmt: skip
+    assert result.returncode == EXIT_OK, result.stderr[-4000:]
+    recs = th.records(tmp_path / "run")
+    assert [r["step"] for r in recs] == [1, 2, 3] and th.records(tmp_path / "run", "plan")[0]["tier"] == "zero3"
+    assert all(np.isfinite(r["reward"]) and r["completions/mean_length"] > 0 for r in recs)
