@@ -26,7 +26,8 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -78,6 +79,23 @@ def group_advantages(rewards: np.ndarray, scale: str, step_std: float | None = N
     elif scale == "batch":
         out = out / ((step_std if step_std is not None else 0.0) + ADVANTAGE_EPS)
     return np.nan_to_num(out, nan=0.0), bool(np.isclose(std, 0.0)) if not np.isnan(std) else False
+
+
+@contextmanager
+def root_unsharded(model: torch.nn.Module) -> Iterator[None]:
+    """The FSDP2 root's own parameters (embeddings, final norm, output layer) gathered while it is open. peft's
+    `generate` calls the inner model's forward, past the root's pre-forward hook that would gather them; the blocks
+    are FSDP units of their own and gather themselves. Nothing to do for any other model."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if not isinstance(model, FSDPModule):
+        yield
+        return
+    model.unshard()
+    try:
+        yield
+    finally:
+        model.reshard()
 
 
 class Rollouts:
@@ -197,9 +215,10 @@ class Rollouts:
         config = GenerationConfig(do_sample=False, num_beams=1, max_new_tokens=limit, min_new_tokens=0,
                                   eos_token_id=self.eos, pad_token_id=pad, use_cache=True)  # fmt: skip
         noise = GumbelNoise(seeds, self.grpo.temperature, self.device)
-        out = self.generator.generate(input_ids=x.to(self.device), attention_mask=mask.to(self.device),
-                                      generation_config=config, logits_processor=LogitsProcessorList([noise]),
-                                      synced_gpus=self.synced)  # fmt: skip
+        with root_unsharded(self.model):
+            out = self.generator.generate(input_ids=x.to(self.device), attention_mask=mask.to(self.device),
+                                          generation_config=config, logits_processor=LogitsProcessorList([noise]),
+                                          synced_gpus=self.synced)  # fmt: skip
         completions = []
         eos = set(self.eos)
         for row in out[:, width:].tolist():

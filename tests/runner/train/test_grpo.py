@@ -211,16 +211,23 @@ def test_completions_do_not_depend_on_how_a_step_is_batched(tmp_path):
     assert later != wide  # another step draws afresh
 
 
-def test_the_kl_term_with_lora_starts_at_zero_and_is_logged(tmp_path):
+def test_the_kl_term_with_lora_starts_at_zero_and_is_logged_at_every_kind_of_tier(tmp_path):
     """beta > 0 with LoRA: the reference is the adapter off, so at the first step (the adapter's B = 0) the policy is
-    the reference and kl = 0; later steps move away from it."""
+    the reference and kl = 0; later steps move away from it. The same at `fast` (DDP) and at `zero3` (FSDP2, where
+    peft's `generate` passes by the root's hooks: its own parameters are gathered for it)."""
     data_file = th.write_jsonl(tmp_path / "p.jsonl", prompts())
-    sections = _sections(tmp_path, data_file, steps=4, log_every=1, learning_rate=1e-2, grpo={"beta": 0.04})
-    spec = th.tiny_spec(tmp_path / "run", model={"lora": {"rank": 4, "targets": ["c_attn"]}}, **sections)
-    code, _ = th.train_in_process(spec)
-    assert code == EXIT_OK
-    kl = [r["kl"] for r in th.records(tmp_path / "run")]
+    logs = {}
+    for tier in ("fast", "zero3"):
+        sections = _sections(tmp_path, data_file, steps=4, log_every=1, learning_rate=1e-2, grpo={"beta": 0.04})
+        spec = th.tiny_spec(tmp_path / tier, model={"lora": {"rank": 4, "targets": ["c_attn"]}},
+                            memory={"tier": tier}, **sections)  # fmt: skip
+        code, _ = th.train_in_process(spec)
+        assert code == EXIT_OK
+        logs[tier] = th.records(tmp_path / tier)
+    kl = [r["kl"] for r in logs["fast"]]
     assert kl[0] == pytest.approx(0.0, abs=1e-6) and kl[-1] > 1e-5
+    for a, b in zip(logs["fast"], logs["zero3"], strict=True):
+        assert b["kl"] == pytest.approx(a["kl"], rel=1e-3, abs=1e-7) and b["reward"] == pytest.approx(a["reward"])
 
 
 def test_specs_and_prompts_that_cannot_train_are_refused_with_the_fix(tmp_path):
