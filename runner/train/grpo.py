@@ -10,9 +10,11 @@ completion's advantage:
 
 summed over the completion tokens and divided by the global step's completion tokens (the step's `scale`, as for
 SFT's token mean). With one pass per batch the ratio is 1 (its gradient is that of logp), so the clip never binds
-and TRL's clip ratios are 0; they are not logged. Metric sums (fp32, detached, summed over ranks by the recipe):
-the KL term's sum and the completion tokens, for TRL's `kl`. Not computed: TRL's `entropy` (each token's entropy
-over the whole vocabulary, which the chunked loss head does not keep).
+and TRL's clip ratios are 0, logged as computed. Metric sums (fp32, detached, summed over ranks by the recipe): the
+KL term's sum, the completion tokens and the clipped ones (low: ratio below 1 - eps where A < 0; high: above 1 + eps
+where A > 0; region: either), for TRL's `kl` and `clip_ratio/low_mean`, `high_mean`, `region_mean`. Not computed:
+TRL's `entropy` (each token's entropy over the whole vocabulary, which the chunked loss head does not keep) and its
+per-sequence `clip_ratio/low_min` and `high_max`.
 
 Checked against TRL's own `GRPOTrainer._compute_loss` on the same batch in tests/runner/train/test_grpo.py.
 
@@ -42,9 +44,9 @@ EPSILON = 0.2  # TRL's clip range; binds only after a batch's first pass, which 
 
 def loss(token_losses: torch.Tensor, labels: torch.Tensor, advantages: torch.Tensor, ref_logps: torch.Tensor | None,
          beta: float) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """(summed loss over the completion tokens, [kl sum, completion tokens] fp32 detached) from the (rows, T) fp32
-    token losses (minus each token's log-prob at the sampling temperature), the rows' `labels`, their (rows,)
-    advantages and, with `beta` > 0, the (rows, T) reference log-probs."""
+    """(summed loss over the completion tokens, [kl sum, completion tokens, low, high and region clipped tokens] fp32
+    detached) from the (rows, T) fp32 token losses (minus each token's log-prob at the sampling temperature), the
+    rows' `labels`, their (rows,) advantages and, with `beta` > 0, the (rows, T) reference log-probs."""
     mask = (labels != IGNORE).float()
     logp = -token_losses
     ratio = torch.exp(logp - logp.detach())
@@ -58,13 +60,21 @@ def loss(token_losses: torch.Tensor, labels: torch.Tensor, advantages: torch.Ten
         kl = torch.exp(delta) - delta - 1
         per_token = per_token + beta * kl
         kl_sum = (kl.detach() * mask).sum()
-    return (per_token * mask).sum(), torch.stack([kl_sum, mask.sum()]).float()
+    low = ((ratio.detach() < 1 - EPSILON) & (a < 0)).float() * mask
+    high = ((ratio.detach() > 1 + EPSILON) & (a > 0)).float() * mask
+    region = torch.maximum(low, high)
+    sums = torch.stack([kl_sum, mask.sum(), low.sum(), high.sum(), region.sum()])
+    return (per_token * mask).sum(), sums.float()
+
+
+CLIP_RATIOS = ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean")
 
 
 def metrics(sums: list[float], beta: float) -> dict[str, float]:
-    """TRL's `kl` (the mean over the step's completion tokens), logged when the KL term is on."""
-    kl, tokens = sums[:2]
-    return {"kl": kl / max(tokens, 1.0)} if beta else {}
+    """TRL's clip ratios and, when the KL term is on, `kl`: means over the step's completion tokens."""
+    kl, tokens, *clipped = sums[:5]
+    out = {name: value / max(tokens, 1.0) for name, value in zip(CLIP_RATIOS, clipped, strict=True)}
+    return out | ({"kl": kl / max(tokens, 1.0)} if beta else {})
 
 
 def load(spec: JobSpec, tokenizer: Any, base: Path) -> tuple[PromptData, Rewards]:

@@ -107,7 +107,7 @@ class Objective:
             return kto.METRICS
         if self.name == "grpo":
             return (*GRPO_METRICS[:3], *(f"rewards/{n}/{m}" for n in self.rewards for m in ("mean", "std")),
-                    *GRPO_METRICS[3:], *(("kl",) if self.beta else ()))  # fmt: skip
+                    *GRPO_METRICS[3:], *grpo.CLIP_RATIOS, *(("kl",) if self.beta else ()))  # fmt: skip
         return (REWARDS + ORPO_EXTRA if self.name == "orpo" else REWARDS) + LOGITS
 
     @property

@@ -128,11 +128,13 @@ def test_the_loss_and_kl_equal_trls_grpo_trainer_on_a_batch_it_sampled(tmp_path,
         want = float(GRPOTrainer._compute_loss(trainer, model_copy, inputs))
     assert batch.targets == sum(map(len, completions))
     assert loss == pytest.approx(want, abs=1e-5)
+    theirs = {k: v[0] for k, v in trainer._metrics["train"].items()}
     if beta:
-        assert ours["kl"] == pytest.approx(trainer._metrics["train"]["kl"][0], rel=1e-4, abs=1e-6)
-        assert ours["kl"] > 0.01
+        assert ours["kl"] == pytest.approx(theirs["kl"], rel=1e-4, abs=1e-6) and ours["kl"] > 0.01
     else:
-        assert ours == {}
+        assert "kl" not in ours
+    for name in grpo.CLIP_RATIOS:  # one pass per sampled batch: the ratio is 1, nothing clipped, at TRL's too
+        assert ours[name] == theirs[name] == 0.0, name
 
 
 @pytest.mark.parametrize("scale", ["group", "batch", "none"])
@@ -169,6 +171,7 @@ def test_a_tiny_model_learns_a_verifiable_reward_on_the_cpu(tmp_path):
                  "completions/mean_terminated_length"):  # fmt: skip
         assert all(np.isfinite(r[name]) for r in recs), name
     assert all(r["rewards/lowercase/mean"] == pytest.approx(r["reward"]) for r in recs)
+    assert all(r["clip_ratio/region_mean"] == 0.0 for r in recs)
     assert "kl" not in recs[0]
     assert (tmp_path / "run" / "model" / "config.json").is_file()
 
