@@ -79,6 +79,7 @@ def test_the_loss_and_kl_equal_trls_grpo_trainer_on_a_batch_it_sampled(tmp_path,
     log-probs moved off the policy): the step's loss over the batch's completion tokens, and its KL metric, equal
     TRL's own `GRPOTrainer._compute_loss` (its fused LM head at the same temperature) on the same prompt and
     completion ids, to 1e-5."""
+    pytest.importorskip("trl")
     from trl import GRPOTrainer
     from trl.trainer.utils import add_fused_lm_head
 
