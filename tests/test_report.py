@@ -290,3 +290,29 @@ def test_a_dpo_run_reports_trls_rewards(tmp_path: Path):
     assert (f"Preference (last step) | rewards/accuracies {last['rewards/accuracies']:.3f}, "
             f"rewards/margins {last['rewards/margins']:.4f} (step 4)") in md  # fmt: skip
     assert "router" not in md and "rewards.png skipped" not in md
+
+
+def test_a_grpo_run_reports_its_rewards_and_completion_lengths(tmp_path: Path):
+    """A real tiny GRPO run: the summary has its last reward, each reward function's mean (their names come from the
+    spec, `rewards/<name>/mean`) and its completion length; the reward and length plots are drawn; a reward key past
+    its bounds refuses its record, as any other field does."""
+    from jobspec.report.metrics import validate
+    from tests.runner.train.test_grpo import _spec
+    from tests.runner.train_helpers import records, train_in_process
+
+    assert train_in_process(_spec(tmp_path, steps=3, log_every=1))[0] == 0
+    run_dir = tmp_path / "run"
+    assert main(["report", str(run_dir)]) == 0
+    out = run_dir / "report"
+    if importlib.util.find_spec("matplotlib") is not None:
+        for name in ("reward.png", "completions.png"):
+            assert_not_blank(out / name)
+    md = (out / "report.md").read_text()
+    last = records(run_dir)[-1]
+    assert (f"Reward (last step) | {last['reward']:.3f} (std {last['reward_std']:.3f}); lowercase "
+            f"{last['rewards/lowercase/mean']:.3f}; completions {last['completions/mean_length']:.0f} tokens") in md
+    assert "Preference (last step)" not in md
+    kept, _ = validate(last)
+    assert kept is not None and kept["rewards/lowercase/mean"] == last["rewards/lowercase/mean"]
+    assert validate({**last, "rewards/lowercase/mean": 1e31})[0] is None
+    assert "rewards/" + "x" * 90 + "/mean" not in (validate({**last, "rewards/" + "x" * 90 + "/mean": 1.0})[0] or {})

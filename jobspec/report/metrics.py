@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -97,8 +98,16 @@ FIELDS: dict[str, Rule] = {
     "rewards/chosen": _LOSS, "rewards/rejected": _LOSS, "rewards/margins": _LOSS,
     "rewards/accuracies": Rule(_NUM, 0, 1), "logps/chosen": _LOSS, "logps/rejected": _LOSS,
     "nll_loss": _LOSS, "log_odds_ratio": _LOSS, "log_odds_chosen": _LOSS, "router_aux_loss": Rule(_NUM, 0, 1e30),
-    "logits/chosen": _LOSS, "logits/rejected": _LOSS, "kl": _LOSS,  # KTO's KL estimate
+    "logits/chosen": _LOSS, "logits/rejected": _LOSS, "kl": _LOSS,  # KTO's KL estimate, GRPO's KL term
+    # GRPO's (runner/rl/rollout.py, runner/train/grpo.py); each reward's `rewards/<name>/mean|std` by REWARD_KEY
+    "reward": _LOSS, "reward_std": _LOSS, "frac_reward_zero_std": Rule(_NUM, 0, 1),
+    "completions/mean_length": Rule(_NUM, 0, 1e9), "completions/min_length": Rule(_NUM, 0, 1e9),
+    "completions/max_length": Rule(_NUM, 0, 1e9), "completions/clipped_ratio": Rule(_NUM, 0, 1),
+    "completions/mean_terminated_length": Rule(_NUM, 0, 1e9), "completions/min_terminated_length": Rule(_NUM, 0, 1e9),
+    "completions/max_terminated_length": Rule(_NUM, 0, 1e9), "clip_ratio/low_mean": Rule(_NUM, 0, 1),
+    "clip_ratio/high_mean": Rule(_NUM, 0, 1), "clip_ratio/region_mean": Rule(_NUM, 0, 1),
 }  # fmt: skip
+REWARD_KEY = re.compile(r"rewards/[A-Za-z0-9_.-]{1,64}/(mean|std)")  # a GRPO reward's, named in the spec
 # Fields that hold an object: its keys names (of at most key_chars characters), its values held to a rule.
 MAPS: dict[str, tuple[int, int, Rule]] = {  # field: (most entries, key_chars, rule of each value)
     "samples_by_source": (64, 256, _COUNT),  # data.sources: at most 64, each named by a word
@@ -119,7 +128,9 @@ def validate(obj: Any) -> tuple[Record | None, str]:
         return None, "kind: missing" if kind is None else f"kind: expected a string, got {_type_name(kind)}"
     clean: Record = {}
     for key, value in obj.items():
-        limits = _LIMITS.get(key)
+        limits, named = _LIMITS.get(key), key
+        if limits is None and len(key) <= 80 and REWARD_KEY.fullmatch(key):
+            limits, named = _LIMITS["reward"], "reward"
         if limits is None and key in MAPS and value is not None:
             why = _map_why_not(key, value)
             if why:
@@ -131,7 +142,7 @@ def validate(obj: Any) -> tuple[Record | None, str]:
         types, low, high = limits
         kind_of = type(value)
         if kind_of not in types or not low <= (len(value) if kind_of is str else value) <= high:
-            return None, f"{key}: {FIELDS[key].why_not(value)}"
+            return None, f"{key}: {FIELDS[named].why_not(value)}"
         clean[key] = value
     for key in REQUIRED.get(kind, ()):
         if key not in clean:

@@ -100,6 +100,12 @@ def _objective_charts(run: Run) -> list[Chart]:
     if train.points("rewards/accuracies"):  # not KTO's: its records are unpaired
         out.append(Chart("accuracies.png", "Preference accuracy (rewards/accuracies)", "chosen preferred",
                          "rewards/accuracies", [Series("accuracy", train.points("rewards/accuracies"))]))  # fmt: skip
+    if train.points("reward"):  # GRPO: the summed reward of the step's completions, and how long they were
+        out.append(Chart("reward.png", "GRPO reward (TRL's reward and reward_std)", "summed reward", "reward",
+                         [Series("reward", train.points("reward")), Series("reward_std", train.points("reward_std"),
+                                                                           "--")], from_zero=False))  # fmt: skip
+        out.append(Chart("completions.png", "GRPO completion length (completions/mean_length)", "tokens",
+                         "completions/mean_length", [Series("mean", train.points("completions/mean_length"))]))
     if train.points("router_aux_loss"):
         out.append(Chart("router.png", "Router load-balancing loss", "aux loss (unweighted)", "router_aux_loss",
                          [Series("router_aux_loss", train.points("router_aux_loss"))], from_zero=False))  # fmt: skip
@@ -227,6 +233,12 @@ def summary_rows(run: Run) -> list[list[str]]:
     if _is_number(last.get("rewards/accuracies")):  # a preference objective (DPO, SimPO, ORPO): TRL's names
         rows.append(["Preference (last step)", f"rewards/accuracies {last['rewards/accuracies']:.3f}, "
                      f"rewards/margins {last.get('rewards/margins', float('nan')):.4f} (step {last['step']})"])
+    if _is_number(last.get("reward")):  # GRPO: TRL's names
+        each = ", ".join(f"{k[len('rewards/'):-len('/mean')]} {v:.3f}" for k, v in last.items()
+                         if k.startswith("rewards/") and k.endswith("/mean") and _is_number(v))  # fmt: skip
+        rows.append(["Reward (last step)", f"{last['reward']:.3f} (std {last.get('reward_std', float('nan')):.3f})"
+                     f"{f'; {each}' if each else ''}; completions {last.get('completions/mean_length', 0):.0f} tokens, "
+                     f"{last.get('completions/clipped_ratio', 0):.0%} cut at the limit (step {last['step']})"])
     if _is_number(last.get("router_aux_loss")):
         rows.append(["Router load-balancing loss (last step)", f"{last['router_aux_loss']:.4f}"])
     rows.append(["Eval loss", _eval_text(run)])

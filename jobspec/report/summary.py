@@ -15,7 +15,8 @@ from jobspec.report.metrics import Record
 
 MAX_POINTS = 2000  # per series: more than a plot's width in pixels
 MEANS = ("loss", "lr", "tokens_per_s", "mem_total_bytes", "eval_loss",  # plotted as the mean of a bucket
-         "rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies", "router_aux_loss")
+         "rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies", "router_aux_loss",
+         "reward", "reward_std", "completions/mean_length")  # the last three: GRPO's
 PEAK, BEST = "mem_used_bytes", "eval_loss"  # the largest and the smallest are kept with their record
 
 

@@ -283,4 +283,4 @@ class Rollouts:
         else:  # TRL: zeros when no completion ended
             out |= dict.fromkeys(("completions/mean_terminated_length", "completions/min_terminated_length",
                                   "completions/max_terminated_length"), 0.0)  # fmt: skip
-        return out
+        return {k: v for k, v in out.items() if np.isfinite(v)}  # TRL's NaN (no reward applied): left out
