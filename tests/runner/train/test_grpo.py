@@ -345,3 +345,26 @@ def test_grpo_samples_and_trains_on_one_gpu(tmp_path):
     recs = th.records(tmp_path / "run")
     assert [r["step"] for r in recs] == [1, 2, 3] and th.records(tmp_path / "run", "plan")[0]["tier"] == "zero3"
     assert all(np.isfinite(r["reward"]) and r["completions/mean_length"] > 0 for r in recs)
+
+
+def test_an_oom_halves_the_sampling_and_shrinks_the_step_with_the_same_result(tmp_path, monkeypatch, caplog):
+    """A forward of more than 8 rows runs out of memory (JOBSPEC_FAULT_OOM): the step's sampling, 4 prompts x 4
+    completions a `generate` call, goes on at 2 prompts a call, and the step then shrinks from 4 prompts a micro-batch
+    to 2. The completions are the same as an uninterrupted run's at micro-batch 2 (each has its own generator), and so
+    are the rewards and the losses."""
+    from runner.oom.faults import ENV_VAR
+
+    data_file = th.write_jsonl(tmp_path / "p.jsonl", prompts())
+    monkeypatch.setenv(ENV_VAR, "mbs>8")
+    shrunk = th.tiny_spec(tmp_path / "shrunk", **_sections(tmp_path, data_file, steps=3, log_every=1, micro_batch=4))
+    with caplog.at_level("WARNING", logger="jobspec.runner"):
+        assert th.train_in_process(shrunk)[0] == EXIT_OK
+    monkeypatch.delenv(ENV_VAR)
+    plain = th.tiny_spec(tmp_path / "plain", **_sections(tmp_path, data_file, steps=3, log_every=1, micro_batch=2))
+    assert th.train_in_process(plain)[0] == EXIT_OK
+    events = [(e["step"], e["from_micro_batch"], e["to_micro_batch"]) for e in th.records(tmp_path / "shrunk", "event")
+              if e.get("event") == "oom_shrink"]  # fmt: skip
+    assert events == [(1, 4, 2)] and "GRPO sampling: 4 -> 2 prompts a generate call" in caplog.text
+    for a, b in zip(th.records(tmp_path / "shrunk"), th.records(tmp_path / "plain"), strict=True):
+        for key in ("loss", "reward", "reward_std", "completions/mean_length"):
+            assert a[key] == pytest.approx(b[key], abs=1e-5), (a["step"], key)
