@@ -5,7 +5,8 @@ GRPO. For a step's prompts it, once per step (a step redone after an OOM, at a s
 
 1. samples `num_generations` completions of each prompt with the model as it is (eval mode, no gradients, the
    adapter on), `micro_batch` prompts to a `generate` call, prompts padded on the left, each completion from its own
-   seeded generator (runner/rl/sampling.py), until EOS (kept, as TRL keeps it) or `max_completion_length` tokens;
+   seeded generator (runner/rl/sampling.py), until EOS (kept, as TRL keeps it) or `max_completion_length` tokens,
+   with no other logits processor (the checkpoint's generation_config.json does not leak in);
    out of memory on any rank (agreed): that call again at half as many prompts, then the rest at that size;
 2. scores them (runner/rl/rewards.py) and sums the rewards by weight;
 3. takes the advantages as TRL's GRPOTrainer does (`scale_rewards`, multi_objective_aggregation
@@ -96,6 +97,23 @@ def root_unsharded(model: torch.nn.Module) -> Iterator[None]:
         yield
     finally:
         model.reshard()
+
+
+@contextmanager
+def generation_defaults(model: torch.nn.Module, config: Any) -> Iterator[None]:
+    """`config` as the model's own generation config while it is open. transformers fills every field a passed
+    config leaves unset from the model's (a checkpoint's generation_config.json: Qwen's repetition_penalty 1.05, a
+    `suppress_tokens` list...), and those processors would bend the sampled distribution away from
+    softmax(logits / T); TRL sets its sampling fields itself the same way."""
+    owners = [m for m in model.modules() if getattr(m, "generation_config", None) is not None]
+    kept = [m.generation_config for m in owners]
+    for m in owners:
+        m.generation_config = config
+    try:
+        yield
+    finally:
+        for m, own in zip(owners, kept, strict=True):
+            m.generation_config = own
 
 
 class Rollouts:
@@ -213,9 +231,10 @@ class Rollouts:
         from transformers import GenerationConfig, LogitsProcessorList
 
         config = GenerationConfig(do_sample=False, num_beams=1, max_new_tokens=limit, min_new_tokens=0,
-                                  eos_token_id=self.eos, pad_token_id=pad, use_cache=True)  # fmt: skip
+                                  eos_token_id=self.eos, pad_token_id=pad, use_cache=True,
+                                  repetition_penalty=1.0)  # fmt: skip
         noise = GumbelNoise(seeds, self.grpo.temperature, self.device)
-        with root_unsharded(self.model):
+        with root_unsharded(self.model), generation_defaults(self.generator, config):
             out = self.generator.generate(input_ids=x.to(self.device), attention_mask=mask.to(self.device),
                                           generation_config=config, logits_processor=LogitsProcessorList([noise]),
                                           synced_gpus=self.synced)  # fmt: skip

@@ -368,3 +368,28 @@ def test_an_oom_halves_the_sampling_and_shrinks_the_step_with_the_same_result(tm
     for a, b in zip(th.records(tmp_path / "shrunk"), th.records(tmp_path / "plain"), strict=True):
         for key in ("loss", "reward", "reward_std", "completions/mean_length"):
             assert a[key] == pytest.approx(b[key], abs=1e-5), (a["step"], key)
+
+
+def test_the_checkpoints_own_generation_settings_do_not_bend_the_sampling(tmp_path):
+    """A generation_config.json's repetition penalty, suppressed tokens and sampling settings (Qwen ships a
+    repetition_penalty, Llama-Instruct do_sample, temperature and top_p) are not applied: the completions are those
+    of the same model without them, drawn from softmax(logits / T) alone; the model's own config is put back."""
+    from runner.train.recipe import Recipe
+
+    worker = Recipe(_spec(tmp_path, steps=1))
+    try:
+        worker.setup()
+        rollouts = worker.stepper.rollouts
+        ids = [0, 1, 2, 3]
+        rollouts.batches(ids, 4)
+        plain = {i: g.completions for i, g in rollouts._made[2].items()}
+        own = rollouts.generator.generation_config
+        own.update(repetition_penalty=50.0, suppress_tokens=list(range(97, 123)), do_sample=True, temperature=0.1,
+                   top_p=0.5, no_repeat_ngram_size=1)  # fmt: skip
+        rollouts._made = None
+        rollouts.batches(ids, 4)
+        bent = {i: g.completions for i, g in rollouts._made[2].items()}
+        assert rollouts.generator.generation_config is own and own.repetition_penalty == 50.0
+    finally:
+        worker.cleanup()
+    assert bent == plain
