@@ -30,7 +30,8 @@ def test_a_type_count_pair_is_never_read_as_a_base_60_number(tmp_path, gpus, say
         assert code == 0, out
         assert load_spec(path).hardware.gpus.count == 2
     else:
-        assert code == 2 and says in out and "64" not in out, out
+        said = out.replace(path, "<spec>")  # the message, not the temporary path (pytest-264 holds a 64)
+        assert code == 2 and says in said and "at most 64" not in said and "64" not in said, out
 
 
 def test_steps_over_an_epochs_spec_says_how_to_drop_the_epochs(tmp_path):
