@@ -271,6 +271,16 @@ def test_a_link_planted_at_the_report_directory_is_refused_and_its_target_untouc
     assert (elsewhere / "report.md").read_text().startswith("#")
 
 
+def reported(run_dir: Path, *plots: str) -> str:
+    """`jobspec report RUN_DIR`'s report.md, after checking that each of `plots` is drawn (where matplotlib is)."""
+    assert main(["report", str(run_dir)]) == 0
+    out = run_dir / "report"
+    if importlib.util.find_spec("matplotlib") is not None:
+        for name in plots:
+            assert_not_blank(out / name)
+    return (out / "report.md").read_text()
+
+
 def test_a_dpo_run_reports_trls_rewards(tmp_path: Path):
     """A real tiny DPO run: the report's summary has its last rewards/accuracies and margins, the rewards and accuracy
     plots are drawn; an SFT run's report has neither and says nothing of them."""
@@ -280,12 +290,7 @@ def test_a_dpo_run_reports_trls_rewards(tmp_path: Path):
     data = write_jsonl(tmp_path / "p.jsonl", text_pairs(12))
     assert train_in_process(dpo(tmp_path, data, steps=4, eval_every=None))[0] == 0
     run_dir = tmp_path / "run"
-    assert main(["report", str(run_dir)]) == 0
-    out = run_dir / "report"
-    if importlib.util.find_spec("matplotlib") is not None:
-        for name in ("rewards.png", "accuracies.png"):
-            assert_not_blank(out / name)
-    md = (out / "report.md").read_text()
+    md = reported(run_dir, "rewards.png", "accuracies.png")
     last = records(run_dir)[-1]
     assert (f"Preference (last step) | rewards/accuracies {last['rewards/accuracies']:.3f}, "
             f"rewards/margins {last['rewards/margins']:.4f} (step 4)") in md  # fmt: skip
@@ -302,12 +307,7 @@ def test_a_grpo_run_reports_its_rewards_and_completion_lengths(tmp_path: Path):
 
     assert train_in_process(_spec(tmp_path, steps=3, log_every=1))[0] == 0
     run_dir = tmp_path / "run"
-    assert main(["report", str(run_dir)]) == 0
-    out = run_dir / "report"
-    if importlib.util.find_spec("matplotlib") is not None:
-        for name in ("reward.png", "completions.png"):
-            assert_not_blank(out / name)
-    md = (out / "report.md").read_text()
+    md = reported(run_dir, "reward.png", "completions.png")
     last = records(run_dir)[-1]
     assert (f"Reward (last step) | {last['reward']:.3f} (std {last['reward_std']:.3f}); lowercase "
             f"{last['rewards/lowercase/mean']:.3f}; completions {last['completions/mean_length']:.0f} tokens") in md

@@ -69,20 +69,28 @@ def _shipped(spec: Any) -> list[tuple[str, str]]:
     return [*((f"eval.benchmarks[{i}]", b) for i, b in enumerate(spec.eval.benchmarks)), *rewards]
 
 
+def _shipped_text(path: Path, what: str) -> tuple[str | None, str]:
+    """(the text of a file a job may carry, "") or (None, why it cannot be read): absent, not a regular file, over
+    MAX_TASK_BYTES, not UTF-8, unreadable."""
+    if not path.exists() and not path.is_symlink():
+        return None, "no such file"
+    try:
+        return read_bounded(path, MAX_TASK_BYTES, what=what).decode("utf-8"), ""
+    except ConfigError as err:  # not a regular file, too large
+        return None, str(err)
+    except UnicodeDecodeError:
+        return None, "not UTF-8 text"
+    except OSError as err:
+        return None, f"cannot be read ({err.strerror or err})"
+
+
 def reward_file_problem(path: Path) -> str | None:
     """Why `path` is not a reward function's Python file the job can carry; None when it is. Compiled, never run
     here (the runner runs it in the pod, because the spec names it); refused when it holds a credential (a shipped
     file is in the job's ConfigMap, printed by render)."""
-    if not path.exists() and not path.is_symlink():
-        return "no such file"
-    try:
-        text = read_bounded(path, MAX_TASK_BYTES, what="reward file").decode("utf-8")
-    except ConfigError as err:
-        return str(err)
-    except UnicodeDecodeError:
-        return "not UTF-8 text"
-    except OSError as err:
-        return f"cannot be read ({err.strerror or err})"
+    text, why = _shipped_text(path, "reward file")
+    if text is None:
+        return why
     try:
         compile(text, str(path), "exec")  # parsed only: nothing in it runs here
     except SyntaxError as err:
@@ -130,16 +138,9 @@ def hub_tasks(entries: Sequence[str]) -> list[str]:
 
 def task_file_problem(path: Path) -> str | None:
     """Why `path` is not a task YAML lm-evaluation-harness can index; None when it is."""
-    if not path.exists() and not path.is_symlink():
-        return "no such file"
-    try:
-        text = read_bounded(path, MAX_TASK_BYTES, what="task file").decode("utf-8")
-    except ConfigError as err:  # not a regular file, too large
-        return str(err)
-    except UnicodeDecodeError:
-        return "not UTF-8 text"
-    except OSError as err:
-        return f"cannot be read ({err.strerror or err})"
+    text, why = _shipped_text(path, "task file")
+    if text is None:
+        return why
     try:
         root = safe_yaml.compose(text)  # bounded (size, nodes, depth); nothing constructed, so no tag runs
     except safe_yaml.YamlLimit as err:
