@@ -82,6 +82,12 @@ def group_advantages(rewards: np.ndarray, scale: str, step_std: float | None = N
     return np.nan_to_num(out, nan=0.0), bool(np.isclose(std, 0.0)) if not np.isnan(std) else False
 
 
+def sample_std(n: float, s: float, ss: float, empty: float = float("nan")) -> float:
+    """The unbiased standard deviation (torch's std, TRL's nanstd) of n values from their sum and sum of squares,
+    reduced over the ranks; `empty` for fewer than two."""
+    return float(np.sqrt(max(ss - s * s / n, 0.0) / (n - 1))) if n > 1 else empty
+
+
 @contextmanager
 def root_unsharded(model: torch.nn.Module) -> Iterator[None]:
     """The FSDP2 root's own parameters (embeddings, final norm, output layer) gathered while it is open. peft's
@@ -262,7 +268,7 @@ class Rollouts:
     def _step_std(self, total: np.ndarray) -> float:
         valid = total[~np.isnan(total)]
         n, s, ss = self.ctrl.all_reduce([float(len(valid)), float(valid.sum()), float((valid**2).sum())])
-        return float(np.sqrt(max(ss - s * s / n, 0.0) / (n - 1))) if n > 1 else 0.0
+        return sample_std(n, s, ss, empty=0.0)
 
     def _metrics(self, per_fn: np.ndarray, total: np.ndarray, completions: list[list[int]], zero_std: int,
                  prompts: int) -> dict[str, float]:  # fmt: skip
@@ -287,7 +293,7 @@ class Rollouts:
         for k, name in enumerate(names):
             n, s, ss = sums[3 * k : 3 * k + 3]
             mean = s / n if n else float("nan")
-            std = float(np.sqrt(max(ss - s * s / n, 0.0) / (n - 1))) if n > 1 else float("nan")
+            std = sample_std(n, s, ss)
             if k == 0:
                 out |= {"reward": mean, "reward_std": std}
             else:
