@@ -65,6 +65,13 @@ MASTER_BYTES = 4
 FROZEN_BYTES = 2
 GRAD_BYTES = 4
 ADAM_BYTES = 8
+# `training.optimizer: adamw_8bit` (torchao's AdamW8bit) on the tiers that keep the optimizer on the GPU: each moment a
+# uint8 code per value and an fp32 scale per block of 256 (2 + 8/256 bytes a parameter; the few tensors under 4096
+# values keep fp32 moments, counted as 8-bit here), and its step's fp32 working copies of one parameter (its value,
+# gradient and two moments: an upper bound, not traced; the largest parameter's shard counts)
+LOW_BIT_NUM, LOW_BIT_DEN = 65, 32  # 2.03125 bytes a parameter
+LOW_BIT_STEP_BYTES = 16
+OPTIMIZERS = ("adamw", "adamw_8bit")
 HALF_BYTES = 2  # a 16-bit copy: autocast's weight casts, FSDP2's gathered parameters
 # DDP (`fast` on more than one rank) copies the grads into flat fp32 all-reduce buckets (the gradient's
 # dtype) unless gradient_as_bucket_view=True. On one rank accelerate does not wrap the model in DDP.
@@ -312,8 +319,39 @@ class _States:
     trainable: int
 
 
+def optimizer_bytes(shape: ModelShape, lora: LoraShape | None, optimizer: str, params: int, shards: int) -> int:
+    """The optimizer's GPU bytes for `params` trainable parameters split over `shards` ranks (1: not sharded): AdamW's
+    fp32 m and v, or adamw_8bit's 8-bit ones and its step's working copies of the largest parameter's shard."""
+    if optimizer == "adamw":
+        return ADAM_BYTES * params // shards
+    if optimizer != "adamw_8bit":
+        raise ConfigError(f"unknown optimizer {optimizer!r}; expected one of {', '.join(OPTIMIZERS)}")
+    working = LOW_BIT_STEP_BYTES * largest_trainable(shape, lora) // shards
+    return LOW_BIT_NUM * params // (LOW_BIT_DEN * shards) + working
+
+
+def optimizer_change(shape: ModelShape, tier: str, world_size: int, lora: LoraShape | None, quantize: str | None,
+                     optimizer: str) -> int:  # fmt: skip
+    """GPU bytes `optimizer` holds at `tier` beyond AdamW (negative: fewer): what corrects a trace of the AdamW step."""
+    base = base_quantization(quantize, lora)
+    with_it = _states(shape, tier, world_size, lora, base, optimizer).optimizer
+    return with_it - _states(shape, tier, world_size, lora, base).optimizer
+
+
+def largest_trainable(shape: ModelShape, lora: LoraShape | None) -> int:
+    """Values in the largest trainable tensor: the embedding, an MLP projection, a layer's fused routed experts (3-D,
+    gate and up together); under LoRA an adapter's larger factor."""
+    widths = [shape.hidden, shape.intermediate, shape.q_width, shape.kv_width]
+    if lora is not None:
+        return lora.rank * max(widths)
+    experts = shape.experts * 2 * shape.expert_intermediate * shape.hidden
+    return max(shape.vocab * shape.hidden, shape.intermediate * shape.hidden * 2 if shape.fused_projections else 0,
+               shape.intermediate * shape.hidden, experts)  # fmt: skip
+
+
 def _states(
-    shape: ModelShape, tier: str, world_size: int, lora: LoraShape | None, quantize: str | None = None
+    shape: ModelShape, tier: str, world_size: int, lora: LoraShape | None, quantize: str | None = None,
+    optimizer: str = "adamw",
 ) -> _States:
     """The model states of `tier` on one GPU and on the host (per rank), as the table in the module docstring.
 
@@ -323,7 +361,8 @@ def _states(
     source) and gradient shard stay on the GPU. tests/runner/train/test_offload.py counts these bytes on
     real tensors. Several ranks accumulating over micro-batches without gradient sync hold unsharded fp32
     gradients (4t) until the last one, which this does not count. `quantize` (LoRA): the blocks' linear layers of the
-    frozen base in 4 bits (jobspec/plan/quantize.py), held, sharded and gathered so.
+    frozen base in 4 bits (jobspec/plan/quantize.py), held, sharded and gathered so. `optimizer`: the spec's
+    `training.optimizer` (`optimizer_bytes`), on the tiers whose optimizer is on the GPU.
     """
     t = trainable_params(shape, lora)
     w = shape.params + (t if lora else 0)  # weights held: base (frozen with LoRA) + adapters
@@ -332,11 +371,12 @@ def _states(
     if tier == "fast":
         buckets = DDP_BUCKET_BYTES * t if n > 1 else 0
         weights = MASTER_BYTES * t + FROZEN_BYTES * f - saved
-        return _States(weights, GRAD_BYTES * t, ADAM_BYTES * t, buckets, HALF_BYTES * t, 0, t)
+        return _States(weights, GRAD_BYTES * t, optimizer_bytes(shape, lora, optimizer, t, 1), buckets, HALF_BYTES * t,
+                       0, t)  # fmt: skip
     pad = fsdp_padding(shape, n)  # the experts' rows FSDP2 pads its shards with: trained, or frozen under LoRA
     ts, fs = (t + pad, f) if lora is None else (t, f + pad)
     shards = (MASTER_BYTES * ts + FROZEN_BYTES * fs - saved) // n
-    grads, adam = GRAD_BYTES * ts // n, ADAM_BYTES * ts // n
+    grads, adam = GRAD_BYTES * ts // n, optimizer_bytes(shape, lora, optimizer, ts, n)
     host_offload = HOST_TRAINABLE_BYTES * ts // n
     # FSDP2 tiers: what stays gathered the whole step (every weight in 16 bits where forward does not reshard);
     # the module gathered at the peak, and its gradient, depend on the moment (_fsdp_peak)
@@ -657,6 +697,7 @@ def estimate(
     quantize: str | None = None,
     rows: int = 1,
     sampling: bool = False,
+    optimizer: str = "adamw",
 ) -> MemoryEstimate:
     """Bytes one GPU needs to train `shape` at `tier` over `world_size` data-parallel ranks.
 
@@ -671,7 +712,7 @@ def estimate(
     pair is 2, its chosen and rejected rows in one micro-batch). `sampling`: the micro-batch's rows are first sampled
     by the model (GRPO), whose KV cache then stands where the activations will (`sampling_bytes`): the larger of the
     two is counted, and the whole of the states beside it (the gradients, freed while it samples, too: the safe
-    side)."""
+    side). `optimizer`: `training.optimizer` (`optimizer_bytes`)."""
     if seq_len < 1 or micro_batch < 0 or world_size < 1 or rows < 1:
         raise ConfigError(
             f"seq_len {seq_len}, micro_batch {micro_batch}, world_size {world_size}: "
@@ -679,7 +720,7 @@ def estimate(
         )
     ckpt = CHECKPOINTING[TIERS[tier_index(tier)]] if checkpointing is None else checkpointing
     quantize = base_quantization(quantize, lora)
-    st = _states(shape, tier, world_size, lora, quantize)
+    st = _states(shape, tier, world_size, lora, quantize, optimizer)
     tokens = seq_len * micro_batch * rows
     acts = _activations(shape, tier, tokens, seq_len, ckpt, attention, precision, lora)
     recompute = _recompute(shape, tier, tokens, seq_len, attention, precision, lora) if ckpt else 0
@@ -756,6 +797,7 @@ def plan_tier(
     quantize: str | None = None,
     rows: int = 1,
     sampling: bool = False,
+    optimizer: str = "adamw",
 ) -> TierPlan:
     """The largest micro-batch at `tier` that fits `utilization * gpu_bytes` and divides the per-rank batch,
     or, with `micro_batch` (the spec's fixed one), whether that one fits and by how much.
@@ -779,7 +821,8 @@ def plan_tier(
                                        world_size=world_size, seq_len=seq_len, utilization=utilization, lora=lora,
                                        checkpointing=checkpointing, attention=attention, precision=precision,
                                        sample_scale=sample_scale, micro_batch=micro_batch, packed=packed,
-                                       loss_kernel=loss_kernel, rows=rows, sampling=sampling))  # fmt: skip
+                                       loss_kernel=loss_kernel, rows=rows, sampling=sampling,
+                                       optimizer=optimizer))  # fmt: skip
     quantize = base_quantization(quantize, lora)
     budget = int(utilization * gpu_bytes)
     est = partial(
@@ -798,6 +841,7 @@ def plan_tier(
         quantize=quantize,
         rows=rows,
         sampling=sampling,
+        optimizer=optimizer,
     )
 
     def at(m: int) -> MemoryEstimate:  # at micro-batch m, accumulating unless m is the whole per-rank batch
@@ -873,6 +917,7 @@ def plan_all(
     quantize: str | None = None,
     rows: int = 1,
     sampling: bool = False,
+    optimizer: str = "adamw",
 ) -> list[TierPlan]:
     """`plan_tier` for every tier, in TIERS order (cheapest first); `sample_scale`: measured corrections by tier;
     `micro_batch`: the spec's fixed micro-batch (each tier then says whether it fits)."""
@@ -896,6 +941,7 @@ def plan_all(
             quantize=quantize,
             rows=rows,
             sampling=sampling,
+            optimizer=optimizer,
         )
         for t in TIERS
     ]

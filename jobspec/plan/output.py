@@ -58,6 +58,10 @@ def plan_table(report: PlanReport) -> str:
         lines.append(f"GiB/GPU is at that micro-batch; sized to {budget} of the GPU.")
     else:
         lines.append(f"\nGiB/GPU is at the micro-batch shown (1 when nothing fits); sized to {budget} of the GPU.")
+    if spec.training.optimizer == "adamw_8bit":
+        lines.append("optimizer: adamw_8bit (training.optimizer): Adam's moments in 8 bits on fast, zero2 and zero3, "
+                     "with the step's fp32 working copies of the largest parameter; the offload tiers keep fp32 "
+                     "moments on the host")  # fmt: skip
     if report.measured:
         lines.append("\nmeasured (--from): " + "\n  ".join(report.measured))
     if report.traced:

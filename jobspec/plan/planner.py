@@ -148,6 +148,7 @@ def estimate_kwargs(spec: JobSpec, world_size: int, precision: str) -> dict[str,
         "quantize": None if spec.model.quantize == "none" else spec.model.quantize,
         "rows": rows_per_sample(spec),
         "sampling": spec.training.objective == "grpo",  # the rows are sampled first: their KV cache counts
+        "optimizer": spec.training.optimizer,
     }
 
 

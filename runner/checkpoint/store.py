@@ -57,6 +57,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 from jobspec import shared_dir
 from jobspec.errors import ConfigError
 from jobspec.shared_dir import signing
+from runner import internals
 from runner.checkpoint import files, manifest, rng, storage, unpickle
 from runner.checkpoint.rng import rng_state, set_rng_state
 from runner.checkpoint.steps import DONE, STEP_NAME, complete, latest
@@ -120,7 +121,35 @@ def _state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, trainable_o
         inner = getattr(model, "module", model)  # DDP's wrapper; FSDP2 shards in place
         names = {n for n, p in inner.named_parameters(remove_duplicate=False) if p.requires_grad}
         model_sd = {k: v for k, v in model_sd.items() if k in names}
-    return {"model": model_sd, "optim": optim_sd}
+    groups = [{**g, "lr": float(g["lr"])} if torch.is_tensor(g.get("lr")) else g for g in optim_sd["param_groups"]]
+    plain = _plain_states(optim_sd.get("state") or {})  # torchao's lr is a 0-d tensor: saved as any other's float
+    return {"model": model_sd, "optim": {**optim_sd, "state": plain, "param_groups": groups}}
+
+
+LOW_BIT = "_low_bit"  # a state dict's {(parameter, key): the optimizer's own 8-bit state} (never written)
+
+
+def _plain_states(states: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """The optimizer state by parameter, each 8-bit moment (training.optimizer adamw_8bit) as fp32 values on the host
+    (runner/internals/lowbit.py): what DCP writes and reshards like any state shaped as its parameter. New dicts:
+    the optimizer's own keep their 8-bit tensors, listed under LOW_BIT for `load` to write the values read into."""
+    out: dict[str, Any] = {}
+    low: dict[tuple[str, str], torch.Tensor] = {}
+    for name, entry in states.items():
+        out[name] = dict(entry)
+        for key, value in entry.items():
+            if internals.is_quantized(value):
+                low[(name, key)] = value
+                out[name][key] = internals.dequantized(value)
+    return {**out, LOW_BIT: low} if low else out
+
+
+def _low_bit_back(states: dict[str, Any], low: dict[tuple[str, str], torch.Tensor]) -> None:
+    """After DCP has read the fp32 values of `_plain_states` into `states`: each written into the optimizer's own
+    8-bit state in `low` (the same codes and scales it was saved with, on the same layout), which takes its place."""
+    for (name, key), target in low.items():
+        internals.requantize_into(target, states[name][key])
+        states[name][key] = target
 
 
 def read_meta(path: Path) -> dict[str, Any]:
@@ -389,7 +418,8 @@ def save(
     tmp, final = temp_dir(root, step, attempt), root / f"step-{step}"
     phase = _Phase(ctrl, rank, root, tmp, fence, is_oom)
     phase.need = phase.run(lambda: _prepare(root, tmp, expected_bytes(root, model, trainable_only)) if rank == 0 else 0)
-    state = _state(model, optimizer, trainable_only)
+    state = phase.run(lambda: _state(model, optimizer, trainable_only))  # 8-bit moments: fp32, one at a time
+    state["optim"]["state"].pop(LOW_BIT, None)
     state[STEP_ITEM[0]] = {STEP_ITEM[1]: step, RANK_STEP: {str(rank): step}}  # the last: in this rank's own file
     entries = phase.run(lambda: _write_rank_files(tmp, state, rank, ctrl))
     hashed = {name: e for part in ctrl.all_gather_object(entries) for name, e in part.items()}
@@ -531,6 +561,7 @@ def load(
     here, after `verify` passed (a file changed since, or tensors that do not fit the model), is
     DamagedCheckpoint: exit 2 naming the checkpoint, never a traceback."""
     state = _state(model, optimizer, trainable_only)  # also initialises Adam's state, for DCP to load into
+    low_bit = state["optim"]["state"].pop(LOW_BIT, {})
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         try:
@@ -542,6 +573,7 @@ def load(
                      no_dist=not dist.is_initialized())  # fmt: skip
         except (Exception, CheckpointException) as exc:  # CheckpointException (DCP) is a BaseException
             raise _unloadable(path, unpickle.load_failure(exc)) from None
+    _low_bit_back(state["optim"]["state"], low_bit)
     set_state_dict(
         model,
         optimizer,

@@ -10,6 +10,7 @@
     trace.py       the dispatch mode and op schemas (OOM-anywhere), FakeTensors and memory trackers (the trace)
     kernels.py     Liger Kernel's cross-entropy kernel, transformers' mixture-of-experts matmul
     offload.py     torchao's CPUOffloadOptimizer, as zero2_offload's HostAdamW reads it
+    lowbit.py      torchao's AdamW8bit (training.optimizer adamw_8bit): its states made, saved, handed over
     imports.py     transformers' torchao check, answered "absent" where the run needs no torchao through it
     checkpoint.py  DCP's metadata globals, for the restricted unpickler
 
@@ -51,6 +52,11 @@ Each internal: what it is for; why no public API does it; what a run loses witho
 - torchao `CPUOffloadOptimizer.optim_dict`, `param_d2h_map`, `queue`, `stream`, `device`: `zero2_offload`'s
   `HostAdamW` (runner/train/offload.py) gives torch's optimizer layout and steps on clipped gradients;
   torchao exposes only `step`, `zero_grad` and `state_dict` in its own layout. Required for `zero2_offload`.
+
+- torchao `_AdamBase._new_buffer`, and `OptimState8bit`'s `codes`, `scale`, `qmap` with `quant_utils`' quantize and
+  dequantize: `training.optimizer: adamw_8bit` (runner/internals/lowbit.py). Its first step makes the states (the
+  update's `prime` must, before anything changes) and its states are 8-bit blocks that no other layout can read;
+  torchao exposes only the optimizer. Required for `adamw_8bit`; checked on torchao 0.18.
 
 - torch `_foreach_mul_`: gradient clipping's in-place scaling with a coefficient allocated ahead of the optimizer
   step (runner/train/update.py), so that nothing in the step's mutating phase allocates. torch's public
@@ -129,6 +135,15 @@ from runner.internals.fsdp import (
 )
 from runner.internals.imports import keep_torchao_out_of_transformers
 from runner.internals.kernels import check_liger, install_experts_matmul, liger_rows
+from runner.internals.lowbit import (
+    adamw_8bit,
+    dequantized,
+    is_low_bit,
+    is_quantized,
+    new_state,
+    requantize_into,
+    set_lr,
+)
 from runner.internals.offload import OFFLOAD_PARTS, OffloadParts, offload_parts
 from runner.internals.states import accelerate_states, attention_kernel, force_fsdp, forget_optimizer, reset_accelerate
 from runner.internals.trace import allocates, dispatch_mode, fake_mode, is_fake, memory_tracker
@@ -139,12 +154,14 @@ __all__ = [
     "OFFLOAD_PARTS",
     "Internal",
     "OffloadParts",
+    "adamw_8bit",
     "allocates",
     "attention_kernel",
     "check",
     "check_liger",
     "dcp_private_globals",
     "dcp_storage_info",
+    "dequantized",
     "dispatch_mode",
     "fake_mode",
     "force_fsdp",
@@ -158,16 +175,21 @@ __all__ = [
     "install_experts_matmul",
     "installed",
     "is_fake",
+    "is_low_bit",
+    "is_quantized",
     "keep_torchao_out_of_transformers",
     "liger_rows",
     "memory_tracker",
     "missing",
+    "new_state",
     "offload_parts",
+    "requantize_into",
     "reset_accelerate",
     "reset_ddp",
     "reset_fsdp",
     "reset_scaler",
     "scaler_found_inf",
+    "set_lr",
 ]
 
 

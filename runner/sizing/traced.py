@@ -34,7 +34,7 @@ import yaml
 from jobspec.catalog.tiers import SHARD_ONLY, TIERS, divisors
 from jobspec.errors import JobspecError
 from jobspec.plan import memory
-from jobspec.plan.planner import model_shape, rows_per_sample
+from jobspec.plan.planner import lora_shape, model_shape, rows_per_sample
 from jobspec.plan.traced import TraceFailed, run_trace
 from jobspec.spec.models import JobSpec
 from jobspec.spec.units import human_bytes as gib
@@ -156,6 +156,9 @@ def _traced(plan: Plan, spec: JobSpec, share: Share, *, is_main: bool, timeout_s
     fixed, per_sample = (int(x) for x in share(line))
     if per_sample <= 0:
         return skipped(plan, why or "rank 0 could not trace", warn=True), None
+    if spec.training.optimizer != "adamw":  # the trace steps AdamW (torchao's compiled step runs on no fakes)
+        fixed += memory.optimizer_change(model_shape(spec), plan.tier, plan.world_size, lora_shape(spec), plan.quantize,
+                                         spec.training.optimizer)  # fmt: skip
     if spec.training.objective == "grpo":  # each prompt's rows are sampled first: their KV cache, where larger
         rows = rows_per_sample(spec)
         per_sample = max(per_sample, memory.sampling_bytes(model_shape(spec), rows * spec.data.max_seq_len, rows,

@@ -32,6 +32,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
+from runner import internals
 from runner.checkpoint.store import rng_state, set_rng_state
 from runner.model.build import transient_buffers
 
@@ -109,6 +110,8 @@ def take(model: nn.Module, optimizer: Any, *, rank: int, world: int, trainable_o
             return "the optimizer holds a parameter the model does not name"
         cut: dict[str, Any] = {}
         for key, v in values.items():
+            if internals.is_quantized(v):  # an 8-bit moment (adamw_8bit): its fp32 values, cut like the parameter
+                v = internals.dequantized(v)
             if not torch.is_tensor(v) or v.dim() == 0:
                 cut[key] = v.detach().clone() if torch.is_tensor(v) else v
             elif tuple(v.shape) == tuple(p.shape):
@@ -180,10 +183,27 @@ def give(h: Handoff, model: nn.Module, optimizer: Any) -> None:
         buffers[n].copy_(b)
     names = _names(model)
     index = {names[id(p)]: i for i, p in enumerate(p for g in optimizer.param_groups for p in g["params"])}
-    state = {index[n]: {k: _like(v, params[n]) for k, v in s.items()} for n, s in h.state.items()}
-    groups = [{**g, "params": [index[n] for n in g["params"]]} for g in h.groups]
+    if internals.is_low_bit(optimizer):
+        state = {index[n]: _low_bit_like(optimizer, s, params[n]) for n, s in h.state.items()}
+    else:
+        state = {index[n]: {k: _like(v, params[n]) for k, v in s.items()} for n, s in h.state.items()}
+    groups = [{**g, "lr": float(g["lr"]), "params": [index[n] for n in g["params"]]} for g in h.groups]
     optimizer.load_state_dict({"state": state, "param_groups": groups})
     set_rng_state(h.rng)
+
+
+def _low_bit_like(optimizer: Any, kept: dict[str, Any], p: torch.Tensor) -> dict[str, Any]:
+    """A state kept as fp32 chunks -> torchao AdamW8bit's for the new parameter `p`: its moments 8-bit where it would
+    quantize them (runner/internals/lowbit.py), one fp32 chunk on the device at a time; the step on the host."""
+    state = internals.new_state(optimizer, p)
+    for key, value in kept.items():
+        if key == "step":
+            state[key] = torch.as_tensor(value, dtype=torch.float32).detach().to("cpu", copy=True)
+        elif internals.is_quantized(state.get(key)):
+            internals.requantize_into(state[key], value)
+        else:
+            state[key] = _like(value, p)
+    return state
 
 
 def _like(v: Any, p: torch.Tensor) -> Any:

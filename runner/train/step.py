@@ -533,7 +533,7 @@ class Stepper:
         rows = micro_batch * self.rows  # a DPO micro-batch of m pairs is 2m sequences
         x = torch.randint(0, vocab, (rows, seq_len), generator=g)
         batch = Batch(x, x.clone(), rows * seq_len, rows * seq_len, ())
-        lrs = [group["lr"] for group in self.inner.param_groups]
+        lrs = [float(group["lr"]) for group in self.inner.param_groups]  # a 0-d tensor (torchao's) is set in place
         self.inner.zero_grad(set_to_none=True)
         try:
             with self.faults("probe", micro_batch):

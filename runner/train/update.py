@@ -64,17 +64,19 @@ def prime(optimizer: Any, params: Sequence[torch.nn.Parameter]) -> bool:
     """Create Adam's state (zero moments, step 0) for every trainable parameter that has none, as its first step
     would: the step that follows then allocates no state, so it cannot run out of memory half-way through it.
 
-    torch's Adam and AdamW: the state their first step creates (`_adam_state`), every new entry built before any is
-    stored, so an OOM leaves none half-made (a state with `exp_avg` but no `exp_avg_sq` breaks the next step). Any
-    other optimizer (zero2_offload's host AdamW) by its own code: a step on zero gradients with lr 0, which leaves
-    every parameter bit for bit as it was (decay factor 1 - 0, update 0), then every state tensor set to zero, and
-    the states it made removed if it fails. Returns whether anything was created."""
+    torch's Adam and AdamW, and torchao's AdamW8bit: the state their first step creates (`_adam_state`,
+    `internals.new_state`), every new entry built before any is stored, so an OOM leaves none half-made (a state
+    with `exp_avg` but no `exp_avg_sq` breaks the next step). Any other optimizer (zero2_offload's host AdamW) by
+    its own code: a step on zero gradients with lr 0, which leaves every parameter bit for bit as it was (decay
+    factor 1 - 0, update 0), then every state tensor set to zero, and the states it made removed if it fails.
+    Returns whether anything was created."""
     missing = [p for p in params if p.requires_grad and not optimizer.state.get(p)]
     if not missing:
         return False
-    if isinstance(optimizer, torch.optim.Adam | torch.optim.AdamW):
+    if isinstance(optimizer, torch.optim.Adam | torch.optim.AdamW) or internals.is_low_bit(optimizer):
         group_of = {p: g for g in optimizer.param_groups for p in g["params"]}
-        made = {p: _adam_state(group_of[p], p) for p in missing}
+        make = internals.new_state if internals.is_low_bit(optimizer) else lambda o, p: _adam_state(group_of[p], p)
+        made = {p: make(optimizer, p) for p in missing}
         for p, state in made.items():
             optimizer.state[p] = state
         return True
@@ -151,6 +153,7 @@ class Progress:
     reduced: bool = False  # the sharded norm's all-reduce (a collective: exactly once)
     clipped: bool = False
     stepped: int = 0  # parameter groups stepped
+    param: int = 0  # parameters of the next group stepped (an optimizer stepped parameter by parameter)
     scaled: bool = False  # the fp16 scaler's update
 
 
@@ -180,8 +183,10 @@ class Update:
         self.buffers: dict[tuple[torch.dtype, torch.device], torch.Tensor] | None = None
         self.unscaled = False  # fp16: the scaler unscaled this step's gradients already
         # torch's optimizers step group by group; torchao's host optimizer (zero2_offload) steps every parameter
-        # at once and keeps its own groups
+        # at once and keeps its own groups; torchao's AdamW8bit runs a kernel a parameter, each allocating its fp32
+        # working copies: it steps parameter by parameter, so a retry after an OOM steps none twice
         self.by_group = isinstance(inner, torch.optim.Optimizer) and not hasattr(inner, "offload")
+        self.by_param = internals.is_low_bit(inner)
 
     # --- prepare: allocates, changes nothing -------------------------------------------------------------------
 
@@ -299,8 +304,7 @@ class Update:
                         here.copy_(coef)
                     internals.foreach_mul_(grads, here)
                 p.clipped = True
-            for group in self.inner.param_groups:
-                group["lr"] = lr
+            internals.set_lr(self.inner, lr)
             self._step(p)
         except BaseException:
             self._restore_counters(prepared)
@@ -347,16 +351,23 @@ class Update:
             return
         groups = self.inner.param_groups
         while p.stepped < len(groups):
-            self.inner.param_groups = [groups[p.stepped]]
-            try:
-                self.inner.step()
-            finally:
-                self.inner.param_groups = groups
-            p.stepped += 1
+            group = groups[p.stepped]
+            parts = [{**group, "params": [q]} for q in group["params"][p.param :]] if self.by_param else [group]
+            for part in parts:
+                self.inner.param_groups = [part]
+                try:
+                    self.inner.step()
+                finally:
+                    self.inner.param_groups = groups
+                p.param += self.by_param
+            p.stepped, p.param = p.stepped + 1, 0
 
     def _restore_counters(self, prepared: Prepared) -> None:
         """Put back the step counters of the groups not stepped yet (a fused step counts before its kernel runs)."""
-        done = {id(q) for g in self.inner.param_groups[: prepared.progress.stepped] for q in g["params"]}
+        groups, progress = self.inner.param_groups, prepared.progress
+        done = {id(q) for g in groups[: progress.stepped] for q in g["params"]}
+        if progress.stepped < len(groups):  # the parameters stepped one by one in the group that failed
+            done |= {id(q) for q in groups[progress.stepped]["params"][: progress.param]}
         stepped = {id(self.inner.state[q]) for q in self.params if id(q) in done and q in self.inner.state}
         for state, saved, row in prepared.counters:
             if id(state) not in stepped and isinstance(state.get("step"), torch.Tensor):

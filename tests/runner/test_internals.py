@@ -115,6 +115,28 @@ def test_torchao_without_the_parts_hostadamw_reads() -> None:
         internals.offload_parts(partial)
 
 
+def test_torchaos_8bit_adamw_has_what_the_runner_reads_of_it() -> None:
+    """`training.optimizer: adamw_8bit` (runner/internals/lowbit.py) on this torch and torchao: the state its first
+    step makes, made before it (8-bit for a tensor of 4096 values or more, fp32 below), read out as fp32 values and
+    written back into the same codes and scales; without `_new_buffer` one clear error."""
+    import torch
+
+    pytest.importorskip("torchao.optim")
+    big, small = torch.nn.Parameter(torch.randn(64, 128)), torch.nn.Parameter(torch.randn(128))
+    optimizer = internals.adamw_8bit([{"params": [big, small]}], 1e-3, (0.9, 0.999))
+    assert internals.is_low_bit(optimizer) and not internals.is_low_bit(torch.optim.AdamW([small]))
+    state, plain = internals.new_state(optimizer, big), internals.new_state(optimizer, small)
+    assert internals.is_quantized(state["exp_avg"]) and not internals.is_quantized(plain["exp_avg"])
+    state["exp_avg"].copy_(torch.randn(64, 128))
+    back = internals.new_state(optimizer, big)["exp_avg"]
+    internals.requantize_into(back, internals.dequantized(state["exp_avg"]))
+    assert torch.equal(back.codes, state["exp_avg"].codes) and torch.equal(back.scale, state["exp_avg"].scale)
+    internals.set_lr(optimizer, 0.5)
+    assert torch.is_tensor(optimizer.param_groups[0]["lr"]) and float(optimizer.param_groups[0]["lr"]) == 0.5
+    with pytest.raises(ConfigError, match=r"torchao .* lacks _AdamBase._new_buffer.*adamw_8bit"):
+        internals.new_state(SimpleNamespace(), big)
+
+
 def test_a_run_without_the_internal_stops_at_start_with_exit_2(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
