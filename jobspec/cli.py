@@ -188,10 +188,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
         from dataclasses import replace
 
         from jobspec.plan.planner import planned_precision
-        from jobspec.plan.traced import trace_tiers
+        from jobspec.plan.traced import trace_tiers, with_optimizer
 
         traced = trace_tiers(args.spec, overrides, report.plans, spec.world_size, planned_precision(spec))
-        report = replace(report, traced=traced)
+        report = replace(report, traced=with_optimizer(spec, report, traced))
     print(json.dumps(report.to_dict(), indent=2) if args.output == "json" else plan_table(report))
     return EXIT_OK if report.runs else EXIT_NO_FIT
 

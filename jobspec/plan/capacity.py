@@ -28,6 +28,8 @@ def check(shape: ModelShape, *, device_bytes: int, host_bytes: int | None, where
     least: tuple[int, int, str] | None = None  # (device bytes, host bytes, tier) of the smallest device need
     if estimate_kw.get("quantize") == "auto" and estimate_kw.get("lora") is not None:
         estimate_kw = {**estimate_kw, "quantize": "nf4"}  # the least the base can take: what `auto` may use
+    if estimate_kw.get("optimizer") == "auto":
+        estimate_kw = {**estimate_kw, "optimizer": "adamw_8bit"}  # the least the states can take, as above
     for tier in tier_names:
         est = memory.estimate(shape, tier=tier, micro_batch=0, **estimate_kw)
         if est.gpu_bytes <= device_bytes and (host_bytes is None or est.host <= host_bytes):

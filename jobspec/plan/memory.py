@@ -72,6 +72,7 @@ ADAM_BYTES = 8
 LOW_BIT_NUM, LOW_BIT_DEN = 65, 32  # 2.03125 bytes a parameter
 LOW_BIT_STEP_BYTES = 16
 OPTIMIZERS = ("adamw", "adamw_8bit")
+HOST_OPTIMIZER_TIERS = ("zero2_offload", "minimal")  # their AdamW steps on the host, its moments fp32 there
 HALF_BYTES = 2  # a 16-bit copy: autocast's weight casts, FSDP2's gathered parameters
 # DDP (`fast` on more than one rank) copies the grads into flat fp32 all-reduce buckets (the gradient's
 # dtype) unless gradient_as_bucket_view=True. On one rank accelerate does not wrap the model in DDP.
@@ -712,7 +713,7 @@ def estimate(
     pair is 2, its chosen and rejected rows in one micro-batch). `sampling`: the micro-batch's rows are first sampled
     by the model (GRPO), whose KV cache then stands where the activations will (`sampling_bytes`): the larger of the
     two is counted, and the whole of the states beside it (the gradients, freed while it samples, too: the safe
-    side). `optimizer`: `training.optimizer` (`optimizer_bytes`)."""
+    side). `optimizer`: `training.optimizer` (`optimizer_bytes`; "auto" counts AdamW, `plan_tier` decides)."""
     if seq_len < 1 or micro_batch < 0 or world_size < 1 or rows < 1:
         raise ConfigError(
             f"seq_len {seq_len}, micro_batch {micro_batch}, world_size {world_size}: "
@@ -720,6 +721,7 @@ def estimate(
         )
     ckpt = CHECKPOINTING[TIERS[tier_index(tier)]] if checkpointing is None else checkpointing
     quantize = base_quantization(quantize, lora)
+    optimizer = "adamw" if optimizer == "auto" else optimizer  # AdamW first; plan_tier decides 8-bit per tier
     st = _states(shape, tier, world_size, lora, quantize, optimizer)
     tokens = seq_len * micro_batch * rows
     acts = _activations(shape, tier, tokens, seq_len, ckpt, attention, precision, lora)
@@ -770,6 +772,7 @@ class TierPlan:
     fixed: bool = False  # micro_batch is the spec's `training.micro_batch`, not the model's choice
     quantize: str | None = None  # the LoRA base's blocks in 4 bits ("nf4"), as planned; None: 16 bits
     note: str = ""  # a choice made beyond the tier and micro-batch (`model.quantize: auto`), with its numbers
+    optimizer: str = "adamw"  # the optimizer's states as planned at this tier (`training.optimizer: auto` decides)
 
     @property
     def margin(self) -> int:
@@ -816,6 +819,14 @@ def plan_tier(
     per_rank = global_batch // world_size
     if micro_batch is not None and (micro_batch < 1 or per_rank % micro_batch):
         raise ConfigError(f"micro_batch {micro_batch} does not divide the per-rank batch {per_rank}")
+    if optimizer == "auto":
+        return _plan_auto_optimizer(partial(plan_tier, shape, tier=tier, gpu_bytes=gpu_bytes, global_batch=global_batch,
+                                            world_size=world_size, seq_len=seq_len, utilization=utilization, lora=lora,
+                                            checkpointing=checkpointing, attention=attention, precision=precision,
+                                            sample_scale=sample_scale, micro_batch=micro_batch, packed=packed,
+                                            loss_kernel=loss_kernel, quantize=quantize, rows=rows, sampling=sampling),
+                                    tier)  # fmt: skip
+    optimizer = "adamw" if tier in HOST_OPTIMIZER_TIERS else optimizer  # their host AdamW keeps fp32 moments
     if quantize == "auto" and lora is not None:
         return _plan_auto_base(partial(plan_tier, shape, tier=tier, gpu_bytes=gpu_bytes, global_batch=global_batch,
                                        world_size=world_size, seq_len=seq_len, utilization=utilization, lora=lora,
@@ -864,7 +875,7 @@ def plan_tier(
                 f"GiB: {short:.1f} GiB short (largest that fits: {top})"
             )
         return TierPlan(tier, useful, reason, fits, top, micro_batch, per_rank // micro_batch, budget, need, fixed=True,
-                        quantize=quantize)  # fmt: skip
+                        quantize=quantize, optimizer=optimizer)  # fmt: skip
     mbs = max((d for d in divisors(per_rank) if d <= top), default=0)
     if not mbs:
         reason = reason or f"needs {one.gpu_bytes / gib:.1f} GiB at micro-batch 1, budget {budget / gib:.1f} GiB"
@@ -879,6 +890,7 @@ def plan_tier(
         budget,
         at(mbs) if mbs else one,
         quantize=quantize,
+        optimizer=optimizer,
     )
 
 
@@ -896,6 +908,22 @@ def _plan_auto_base(plan: Callable[..., TierPlan]) -> TierPlan:
     why = (f"quantize auto -> nf4: the 16-bit base needs {need:.1f} GiB at micro-batch {max(1, plain.micro_batch)}, "
            f"the 4-bit one {four_need:.1f} GiB at {four.micro_batch}")  # fmt: skip
     return replace(four, note=why)
+
+
+def _plan_auto_optimizer(plan: Callable[..., TierPlan], tier: str) -> TierPlan:
+    """`training.optimizer: auto` at one tier: AdamW's fp32 moments where they fit, else 8-bit ones where those fit,
+    before any offloading (its note says so, with both figures); AdamW at the offload tiers (host moments)."""
+    plain = plan(optimizer="adamw")
+    if plain.fits or tier in HOST_OPTIMIZER_TIERS:
+        return plain
+    eight = plan(optimizer="adamw_8bit")
+    if not eight.fits:
+        return plain
+    gib = 1024**3
+    need, eight_need = plain.estimate.gpu_bytes / gib, eight.estimate.gpu_bytes / gib
+    why = (f"optimizer auto -> adamw_8bit: AdamW's fp32 moments need {need:.1f} GiB at micro-batch "
+           f"{max(1, plain.micro_batch)}, 8-bit ones {eight_need:.1f} GiB at {eight.micro_batch}")  # fmt: skip
+    return replace(eight, note="; ".join(filter(None, (eight.note, why))))
 
 
 def plan_all(

@@ -58,10 +58,12 @@ def plan_table(report: PlanReport) -> str:
         lines.append(f"GiB/GPU is at that micro-batch; sized to {budget} of the GPU.")
     else:
         lines.append(f"\nGiB/GPU is at the micro-batch shown (1 when nothing fits); sized to {budget} of the GPU.")
-    if spec.training.optimizer == "adamw_8bit":
-        lines.append("optimizer: adamw_8bit (training.optimizer): Adam's moments in 8 bits on fast, zero2 and zero3, "
-                     "with the step's fp32 working copies of the largest parameter; the offload tiers keep fp32 "
-                     "moments on the host")  # fmt: skip
+    eight = [p.tier for p in report.plans if p.optimizer == "adamw_8bit"]
+    if spec.training.optimizer != "adamw":
+        where = ", ".join(eight) if eight else "none of the tiers"
+        lines.append(f"optimizer: {spec.training.optimizer} (training.optimizer): Adam's moments in 8 bits at {where}, "
+                     "with the step's fp32 working copies of the largest parameter; fp32 moments elsewhere (the "
+                     "offload tiers keep theirs on the host)")  # fmt: skip
     if report.measured:
         lines.append("\nmeasured (--from): " + "\n  ".join(report.measured))
     if report.traced:

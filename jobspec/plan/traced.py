@@ -16,7 +16,10 @@ from typing import Any
 
 from jobspec import install_hint
 from jobspec.errors import ConfigError
+from jobspec.plan import memory
 from jobspec.plan.memory import TierPlan
+from jobspec.plan.planner import PlanReport, lora_shape
+from jobspec.spec.models import JobSpec
 
 TIMEOUT_S = 900.0  # seconds for every tier together; a 7B model's tier traces in seconds to a minute
 
@@ -41,6 +44,17 @@ def trace_tiers(
             why = f"{err}; plan without --trace" if err.timed_out else str(err)
             raise ConfigError(f"jobspec plan --trace: {why}") from None
     return {row["tier"]: row for row in rows}
+
+
+def with_optimizer(spec: JobSpec, report: PlanReport, traced: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """The traced peaks with the spec's `training.optimizer` in place of the AdamW the trace steps (torchao's compiled
+    8-bit step does not run on fake tensors): its state's difference, as the model counts it (`optimizer_change`)."""
+    lora, out = lora_shape(spec), dict(traced)
+    for p in report.plans:
+        if p.tier in traced and p.optimizer != "adamw":
+            change = memory.optimizer_change(report.shape, p.tier, spec.world_size, lora, p.quantize, p.optimizer)
+            out[p.tier] = {**traced[p.tier], "peak": traced[p.tier]["peak"] + change}
+    return out
 
 
 class TraceFailed(Exception):

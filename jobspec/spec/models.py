@@ -859,13 +859,15 @@ class TrainingSpec(Section):
     ] = "auto"
     weight_decay: Annotated[float, Field(ge=0, description="AdamW weight decay.")] = 0.0
     optimizer: Annotated[
-        Literal["adamw", "adamw_8bit"],
+        Literal["adamw", "adamw_8bit", "auto"],
         Field(
             description="adamw = torch's fused AdamW, its two moments in fp32 (8 bytes a trainable parameter); "
             "adamw_8bit = torchao's AdamW8bit, both moments block-wise in 8 bits (about 2 bytes a parameter; a "
             "tensor under 4096 values keeps fp32 ones), on the tiers whose optimizer state is on the GPU (fast, "
-            "zero2, zero3); the offload tiers (zero2_offload, minimal) keep AdamW's fp32 moments on the host. Needs "
-            "torchao (the GPU images carry it; pip install 'jobspec-k8s[offload]')."
+            "zero2, zero3); the offload tiers (zero2_offload, minimal) keep AdamW's fp32 moments on the host; auto = "
+            "adamw, or adamw_8bit at a tier where AdamW's moments do not fit and 8-bit ones do (chosen before "
+            "offloading; the plan and the log say so). adamw_8bit and auto need torchao (the GPU images carry it; "
+            "pip install 'jobspec-k8s[offload]')."
         ),
     ] = "adamw"
     max_grad_norm: Annotated[float | None, Field(gt=0, description="Gradient clipping norm; null disables.")] = 1.0

@@ -63,6 +63,7 @@ class Plan:
     probes: int = 0  # real probe steps run by verify_micro_batch
     reasons: tuple[str, ...] = field(default_factory=tuple)
     quantize: str | None = None  # the LoRA base's blocks in 4 bits ("nf4": `model.quantize`), None: 16 bits
+    optimizer: str = "adamw"  # the optimizer's states at this tier: "adamw_8bit" as `training.optimizer` planned
 
     def __post_init__(self) -> None:
         if self.tier not in tiers.TIERS or self.precision not in PRECISIONS:
@@ -142,6 +143,7 @@ def _sized(shape: ModelShape, tier: str, kw: dict[str, Any], bkw: dict[str, Any]
     """(tier plan, fixed bytes, bytes per sample) from the memory model."""
     tp = memory.plan_tier(shape, tier=tier, **kw, **bkw)
     kw["quantize"] = tp.quantize  # `model.quantize: auto` decided at this tier
+    kw["optimizer"] = tp.optimizer  # and `training.optimizer: auto`
     # the line through micro-batch 0 and the model's largest: the loss's one chunk of logits makes the first
     # samples dearer than the later ones, so the slope of the first alone would understate what fits
     top = max(1, min(tp.max_micro_batch, bkw["global_batch"]))
@@ -191,7 +193,7 @@ def size_for_tier(
         pin_memory=loader.pin_memory, seq_len=spec.data.max_seq_len, estimated_bytes=estimated,
         budget_bytes=tp.budget, fixed_bytes=fixed, per_sample_bytes=per_sample,
         model_max_micro_batch=tp.max_micro_batch, micro_batch_fixed=isinstance(spec.training.micro_batch, int),
-        reasons=tuple(notes), quantize=tp.quantize,
+        reasons=tuple(notes), quantize=tp.quantize, optimizer=tp.optimizer,
     )  # fmt: skip
 
 

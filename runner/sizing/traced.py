@@ -156,9 +156,9 @@ def _traced(plan: Plan, spec: JobSpec, share: Share, *, is_main: bool, timeout_s
     fixed, per_sample = (int(x) for x in share(line))
     if per_sample <= 0:
         return skipped(plan, why or "rank 0 could not trace", warn=True), None
-    if spec.training.optimizer != "adamw":  # the trace steps AdamW (torchao's compiled step runs on no fakes)
+    if plan.optimizer != "adamw":  # the trace steps AdamW (torchao's compiled step runs on no fakes)
         fixed += memory.optimizer_change(model_shape(spec), plan.tier, plan.world_size, lora_shape(spec), plan.quantize,
-                                         spec.training.optimizer)  # fmt: skip
+                                         plan.optimizer)  # fmt: skip
     if spec.training.objective == "grpo":  # each prompt's rows are sampled first: their KV cache, where larger
         rows = rows_per_sample(spec)
         per_sample = max(per_sample, memory.sampling_bytes(model_shape(spec), rows * spec.data.max_seq_len, rows,

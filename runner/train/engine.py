@@ -74,7 +74,8 @@ def pick_device(spec: JobSpec, local_rank: int, host: HostInfo) -> tuple[torch.d
     return device, probe_device(local_rank, host=host)
 
 
-def make_optimizer(model: nn.Module, spec: JobSpec, device: torch.device, tier: str) -> torch.optim.Optimizer:
+def make_optimizer(model: nn.Module, spec: JobSpec, device: torch.device, tier: str,
+                   planned: str = "adamw") -> torch.optim.Optimizer:  # fmt: skip
     """AdamW on the trainable parameters; weight decay on matrices only (not biases, norms); fused, on every device.
 
     The fused kernel (CUDA's, and the CPU's for `minimal`'s host parameters and CPU runs) updates a parameter group
@@ -83,23 +84,28 @@ def make_optimizer(model: nn.Module, spec: JobSpec, device: torch.device, tier: 
     zero2_offload on a GPU this AdamW only carries the parameter groups: `prepare` hands them, once FSDP2 has
     sharded them, to `offload_optimizer` (whose host AdamWs are fused CPU ones, runner/train/offload.py).
 
-    `training.optimizer: adamw_8bit`: torchao's AdamW8bit (runner/internals/lowbit.py) on the tiers whose optimizer
-    state is on the GPU; the offload tiers keep this fp32 AdamW, its moments on the host (`uses_low_bit`)."""
+    `training.optimizer: adamw_8bit` (or auto, where the plan chose it: `planned`): torchao's AdamW8bit (runner/
+    internals/lowbit.py) on the tiers whose optimizer state is on the GPU; the offload tiers keep this fp32 AdamW,
+    its moments on the host (`uses_low_bit`)."""
     groups = param_groups(model, spec.training.weight_decay)
-    if uses_low_bit(spec, tier):
-        log.info("optimizer: torchao AdamW8bit (training.optimizer adamw_8bit): Adam's moments in 8 bits; its first "
-                 "step compiles one kernel per parameter shape (torch.compile), later steps reuse them")  # fmt: skip
+    asked = spec.training.optimizer
+    if uses_low_bit(spec, tier, planned):
+        log.info("optimizer: torchao AdamW8bit (training.optimizer %s%s): Adam's moments in 8 bits; its first step "
+                 "compiles one kernel per parameter shape (torch.compile), later steps reuse them", asked,
+                 ": AdamW's fp32 moments do not fit at tier " + tier if asked == "auto" else "")  # fmt: skip
         return internals.adamw_8bit(groups, spec.training.peak_lr, BETAS)
-    if spec.training.optimizer == "adamw_8bit":
+    if asked == "adamw_8bit":
         log.info("optimizer: AdamW with fp32 moments at tier %s, which keeps them in host memory (training.optimizer "
                  "adamw_8bit quantizes them on the tiers that keep them on the GPU)", tier)  # fmt: skip
     return torch.optim.AdamW(groups, lr=spec.training.peak_lr, betas=BETAS, fused=True)
 
 
-def uses_low_bit(spec: JobSpec, tier: str) -> bool:
-    """Whether `tier` steps with 8-bit Adam states: the spec asks for them and the tier keeps its optimizer state on
-    the GPU (an offload tier's states cost host memory only, and its host AdamW is torch's fused fp32 one)."""
-    return spec.training.optimizer == "adamw_8bit" and tier not in OFFLOAD_TIERS
+def uses_low_bit(spec: JobSpec, tier: str, planned: str = "adamw") -> bool:
+    """Whether `tier` steps with 8-bit Adam states: the spec asks for them (adamw_8bit, or auto where the plan chose
+    them: `planned`) and the tier keeps its optimizer state on the GPU (an offload tier's states cost host memory
+    only, and its host AdamW is torch's fused fp32 one)."""
+    asked = spec.training.optimizer == "adamw_8bit" or planned == "adamw_8bit"
+    return asked and tier not in OFFLOAD_TIERS
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:

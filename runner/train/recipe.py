@@ -226,7 +226,7 @@ class Recipe:
             if empty and not handoff.give_transient(kept, model):  # type: ignore[arg-type]
                 raise RuntimeError("the state in memory lacks the model's non-persistent buffers")
         with phase("placing the model for tier %s (%s)", self.plan.tier, self.device):
-            optimizer = engine.make_optimizer(model, spec, self.device, self.plan.tier)
+            optimizer = engine.make_optimizer(model, spec, self.device, self.plan.tier, self.plan.optimizer)
             self.accelerator, self.model, self.optimizer = engine.prepare(self.plan, spec, self.device, model,
                                                                           optimizer)  # fmt: skip
         # the loss head's probe forward: the wrapped model's first (FSDP2's lazy init; 10 s of a CPU step-down's 14)

@@ -217,3 +217,105 @@ def test_the_plan_says_which_optimizer_and_the_spec_refuses_an_unknown_one(tmp_p
     bad = write_spec(tmp_path / "bad.yaml", tiny_spec_dict(tmp_path / "run", training={"optimizer": "adam8"}))
     assert main(["validate", str(bad)]) == 2
     assert "training.optimizer" in capsys.readouterr().err
+
+
+def test_auto_takes_8bit_moments_at_a_tier_where_adamws_do_not_fit_before_offloading():
+    """`training.optimizer: auto`: the planner keeps AdamW where it fits and takes 8-bit moments where only they fit,
+    before stepping down to an offload tier (the plan's reasons say so); the runner builds what the plan chose."""
+    from jobspec.spec.models import JobSpec
+    from runner.sizing.hostmem import HostInfo
+    from runner.sizing.plan import initial_plan
+    from runner.sizing.probe import DeviceInfo
+    from runner.train import engine
+
+    def spec(optimizer: str) -> JobSpec:
+        return JobSpec.model_validate({"name": "t", "model": {"preset": "llama-1b"}, "data": {"max_seq_len": 2048},
+                                       "training": {"global_batch": 32, "optimizer": optimizer},
+                                       "hardware": {"gpus": 1}, "memory": {"tier": "auto"}})  # fmt: skip
+
+    shape, gib = PRESETS["llama-1b"], 1024**3
+    need = {o: memory.estimate(shape, tier="fast", seq_len=2048, micro_batch=1, world_size=1, optimizer=o).gpu_bytes
+            for o in ("adamw", "adamw_8bit")}  # fmt: skip
+    total = int((need["adamw"] + need["adamw_8bit"]) / 2 / 0.9)  # between the two at 90 % utilization
+    device = DeviceInfo("cuda", "fake", total, total, (9, 0), True, 1, "pynvml")
+    host = HostInfo(total_bytes=1024 * gib, available_bytes=900 * gib, cpus=64)
+    auto = initial_plan(spec("auto"), device, host, 1)
+    assert (auto.tier, auto.optimizer) == ("fast", "adamw_8bit")
+    assert any(r.startswith("optimizer auto -> adamw_8bit: AdamW's fp32 moments need") for r in auto.reasons)
+    plain = initial_plan(spec("adamw"), device, host, 1)
+    assert plain.tier != "fast" and plain.optimizer == "adamw"
+    roomy = DeviceInfo("cuda", "fake", 4 * total, 4 * total, (9, 0), True, 1, "pynvml")
+    assert initial_plan(spec("auto"), roomy, host, 1).optimizer == "adamw"
+
+    model = torch.nn.Linear(128, 64)
+    cpu = torch.device("cpu")
+    assert internals.is_low_bit(engine.make_optimizer(model, spec("auto"), cpu, "fast", "adamw_8bit"))
+    assert not internals.is_low_bit(engine.make_optimizer(model, spec("auto"), cpu, "fast", "adamw"))
+    assert internals.is_low_bit(engine.make_optimizer(model, spec("adamw_8bit"), cpu, "zero3"))
+    assert type(engine.make_optimizer(model, spec("adamw_8bit"), cpu, "zero2_offload")) is torch.optim.AdamW
+
+
+def test_the_moments_take_the_bytes_the_model_counts():
+    """On real tensors: 2 bytes of codes and 8/256 of scales a value for each quantized tensor, 8 bytes for the rest;
+    the model's 65/32 a parameter is the first, within the few small tensors of a real model."""
+    params = [torch.nn.Parameter(torch.randn(512, 1024)), torch.nn.Parameter(torch.randn(1024))]
+    opt = internals.adamw_8bit([{"params": params}], 1e-3, (0.9, 0.999))
+    held = 0
+    for p in params:
+        for key, value in internals.new_state(opt, p).items():
+            if key != "step":
+                parts = (value.codes, value.scale) if internals.is_quantized(value) else (value,)
+                held += sum(t.numel() * t.element_size() for t in parts)
+    assert held == 512 * 1024 * 65 // 32 + 1024 * 8
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA or ROCm GPU")
+def test_on_a_gpu_the_8bit_step_holds_no_more_than_the_working_copies_counted():
+    """The compiled step of one 64M-value parameter: the bytes it allocates beyond the states, against the memory
+    model's LOW_BIT_STEP_BYTES a value (an upper bound until this measures it); the figure is printed."""
+    p = torch.nn.Parameter(torch.randn(8192, 8192, device="cuda"))
+    opt = internals.adamw_8bit([{"params": [p]}], 1e-3, (0.9, 0.999))
+    p.grad = torch.randn_like(p)
+    opt.step()  # compiles, makes the states
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    opt.step()
+    torch.cuda.synchronize()
+    extra = torch.cuda.max_memory_allocated() - base
+    print(f"adamw_8bit step: {extra / p.numel():.2f} bytes a value beyond the states "
+          f"(model: {memory.LOW_BIT_STEP_BYTES})")  # fmt: skip
+    assert extra <= memory.LOW_BIT_STEP_BYTES * p.numel()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA or ROCm GPU")
+def test_an_8bit_run_on_a_gpu_resumes_as_it_ran(tmp_path):
+    """The supervisor's path on a GPU at tier fast, bf16 autocast, 8-bit moments on the device: 4 steps, then the
+    same from step 2's checkpoint, each step's loss the same."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from tests.runner.train_helpers import runner_env, timeout_s, tiny_spec_dict, write_spec
+
+    root = Path(__file__).resolve().parents[3]
+    losses = []
+    for name in ("full", "part"):
+        spec = tiny_spec_dict(tmp_path / name, training={"micro_batch": 4, "steps": 4, "optimizer": "adamw_8bit",
+                                                         "precision": "auto"},
+                              checkpoints={"every_steps": 2}, memory={"tier": "fast"})  # fmt: skip
+        spec["hardware"] = {"vendor": "cuda", "gpus": 1}
+        if name == "part":
+            import shutil
+
+            (tmp_path / name).mkdir()
+            shutil.copytree(tmp_path / "full" / "step-2", tmp_path / name / "step-2")
+        path = write_spec(tmp_path / f"{name}.yaml", spec)
+        result = subprocess.run([sys.executable, "-m", "runner", str(path)], cwd=root, env=runner_env(),
+                                capture_output=True, text=True, timeout=timeout_s())  # fmt: skip
+        assert result.returncode == 0, result.stderr[-4000:]
+        assert "torchao AdamW8bit" in result.stderr
+        losses.append({r["step"]: r["loss"] for r in records(tmp_path / name)})
+    assert sorted(losses[1]) == [3, 4] and all(losses[1][s] == losses[0][s] for s in (3, 4)), losses
