@@ -813,6 +813,18 @@ class GrpoSpec(Section):
                    "prompt keeps its last data.max_seq_len - max_completion_length tokens.")
     ] = 512
     temperature: Annotated[float, Field(gt=0, le=100, description="Sampling temperature (TRL's default 1.0).")] = 1.0
+    top_k: Annotated[
+        int, Field(ge=0, le=2**20, description="Sample from the k likeliest tokens only (TRL's default 0: all); the "
+                   "loss's log-probs stay those of the whole distribution at the temperature, as TRL's.")
+    ] = 0
+    top_p: Annotated[
+        float, Field(gt=0, le=1, description="Sample from the smallest set of likeliest tokens whose probability "
+                     "reaches top_p (nucleus sampling; TRL's default 1.0: all).")
+    ] = 1.0
+    min_p: Annotated[
+        float | None, Field(ge=0, le=1, description="Drop tokens less likely than min_p times the likeliest one "
+                            "(TRL's default null: none).")
+    ] = None
     beta: Annotated[
         float, Field(ge=0, le=100, description="Weight of the KL term against the starting model (TRL's default "
                      "0: no reference); above 0 needs model.lora, whose disabled adapter is the reference.")

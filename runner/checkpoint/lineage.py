@@ -50,8 +50,11 @@ def lineage(spec: JobSpec, train_rows: list[tuple[np.ndarray, np.ndarray]]) -> d
         objective = {"training.objective": spec.training.objective, "training.beta": spec.training.beta}
         if spec.training.objective == "simpo":
             objective["training.simpo_gamma"] = spec.training.gamma
-        if spec.training.grpo is not None:  # its sampling, rewards and loss make the trained steps
-            objective["training.grpo"] = spec.training.grpo.model_dump(mode="json")
+        if spec.training.grpo is not None:  # its sampling, rewards and loss make the trained steps (the sampling
+            # filters added since only where set: a run from before them resumes as it was)
+            grpo = spec.training.grpo
+            later = {k for k, off in (("top_k", 0), ("top_p", 1.0), ("min_p", None)) if getattr(grpo, k) == off}
+            objective["training.grpo"] = grpo.model_dump(mode="json", exclude=later)
         if spec.training.objective == "kto":
             objective |= {"training.desirable_weight": spec.training.desirable_weight,
                           "training.undesirable_weight": spec.training.undesirable_weight}  # fmt: skip

@@ -239,7 +239,8 @@ class Rollouts:
         config = GenerationConfig(do_sample=False, num_beams=1, max_new_tokens=limit, min_new_tokens=0,
                                   eos_token_id=self.eos, pad_token_id=pad, use_cache=True,
                                   repetition_penalty=1.0)  # fmt: skip
-        noise = GumbelNoise(seeds, self.grpo.temperature, self.device)
+        noise = GumbelNoise(seeds, self.grpo.temperature, self.device, top_k=self.grpo.top_k, top_p=self.grpo.top_p,
+                            min_p=self.grpo.min_p)  # fmt: skip
         with root_unsharded(self.model), generation_defaults(self.generator, config):
             out = self.generator.generate(input_ids=x.to(self.device), attention_mask=mask.to(self.device),
                                           generation_config=config, logits_processor=LogitsProcessorList([noise]),

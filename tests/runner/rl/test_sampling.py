@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from runner.data.tokenizer import ByteTokenizer, HFTokenizer
-from runner.rl.sampling import GumbelNoise, completion_seed
+from runner.rl.sampling import GumbelNoise, completion_seed, truncate
 from tests.runner import train_helpers as th
 
 
@@ -25,6 +25,27 @@ def test_gumbel_max_draws_follow_the_tempered_softmax(temperature):
     se = torch.sqrt(p * (1 - p) / n)
     assert freq[4] == 0
     assert torch.all((freq - p).abs() <= 3 * se + 1e-9), (freq, p)
+
+
+@pytest.mark.parametrize(("top_k", "top_p", "min_p"), [(5, 1.0, None), (0, 0.9, None), (0, 1.0, 0.1),
+                                                       (20, 0.8, 0.05), (1, 0.5, 0.5), (3, 1.0, None)])
+def test_top_k_top_p_and_min_p_leave_out_what_transformers_warpers_do(top_k, top_p, min_p):
+    """The tokens left out (at -inf) are those transformers' TopK, TopP and MinP warpers, in generate's order after
+    the temperature, leave out: on random scores with ties (rounded to a tenth), rows of 50 tokens."""
+    from transformers import LogitsProcessorList, MinPLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+    g = torch.Generator().manual_seed(top_k + int(top_p * 10))
+    scores = (torch.randn(64, 50, generator=g) * 3).round(decimals=1)
+    warpers = LogitsProcessorList([w for w in (TopKLogitsWarper(top_k) if top_k else None,
+                                               TopPLogitsWarper(top_p) if top_p < 1 else None,
+                                               MinPLogitsWarper(min_p) if min_p else None) if w])  # fmt: skip
+    theirs = warpers(torch.zeros(64, 1, dtype=torch.long), scores.clone())
+    ours = truncate(scores, top_k, top_p, min_p)
+    assert torch.equal(ours.isinf(), theirs.isinf())
+    assert torch.equal(ours[~ours.isinf()], scores[~ours.isinf()])
+    drawn = GumbelNoise(list(range(64)), 1.0, torch.device("cpu"), top_k=top_k, top_p=top_p, min_p=min_p)(
+        torch.zeros(64, 1, dtype=torch.long), scores.clone()).argmax(-1)  # fmt: skip
+    assert not theirs.gather(1, drawn[:, None]).isinf().any()  # every draw is a token the warpers keep
 
 
 def test_each_completion_has_its_own_seed_and_its_own_stream():
@@ -54,3 +75,19 @@ def test_the_generation_prompt_is_trls(tmp_path):
     assert ids == [b.BOS, b.USER, *b"hi", b.ASSISTANT]
     assert b.generation_prompt("hi") == [b.BOS, *b"hi"]
     assert np.array_equal(b.decode([*b"ok", b.EOS]), "ok")
+
+
+def test_the_sampling_filters_join_the_lineage_only_where_set(tmp_path):
+    """A GRPO run from before top_k, top_p and min_p existed resumes as it was (they are left out at their defaults);
+    set, they are part of training.grpo's lineage, which a resume must find unchanged."""
+    from runner.checkpoint.lineage import lineage
+
+    def grpo(**extra):
+        data = th.write_jsonl(tmp_path / "p.jsonl", [{"prompt": "a", "answer": "1"}])
+        sampling = {"num_generations": 2, "max_completion_length": 8, "rewards": [{"kind": "length"}], **extra}
+        return th.tiny_spec(tmp_path / "run", data={"path": str(data), "max_seq_len": 40},
+                            training={"objective": "grpo", "grpo": sampling})  # fmt: skip
+
+    plain = lineage(grpo(), [])["training.grpo"]
+    assert not {"top_k", "top_p", "min_p"} & set(plain)
+    assert lineage(grpo(top_k=20, top_p=0.95), [])["training.grpo"] == {**plain, "top_k": 20, "top_p": 0.95}

@@ -177,6 +177,15 @@ def test_a_tiny_model_learns_a_verifiable_reward_on_the_cpu(tmp_path):
     assert (tmp_path / "run" / "model" / "config.json").is_file()
 
 
+def test_top_k_1_samples_every_completion_of_a_group_alike(tmp_path):
+    """`training.grpo.top_k: 1` reaches the sampler: each group's completions are the greedy one, so every group's
+    rewards are equal (frac_reward_zero_std 1, reward_std 0) and nothing is learned from them."""
+    code, _ = th.train_in_process(_spec(tmp_path, steps=2, log_every=1, grpo={"top_k": 1}))
+    assert code == EXIT_OK
+    recs = th.records(tmp_path / "run")
+    assert all(r["frac_reward_zero_std"] == 1.0 and r["reward_std"] == 0.0 for r in recs), recs
+
+
 def test_a_resumed_run_samples_and_trains_as_an_uninterrupted_one(tmp_path):
     """8 steps straight, and 4 then 4 more from the checkpoint: each completion's draws are its own (seed, step,
     prompt, index), so the resumed steps sample the same completions and log the same rewards and losses."""
