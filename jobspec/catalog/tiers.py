@@ -14,6 +14,8 @@ TIERS: tuple[str, ...] = ("fast", "zero2", "zero2_offload", "zero3", "minimal")
 # Activation checkpointing per tier unless overridden: on wherever the tier exists to save memory.
 CHECKPOINTING: dict[str, bool] = dict(zip(TIERS, (False, False, True, True, True), strict=True))
 SHARD_ONLY = ("zero2", "zero3")  # tiers that save nothing on one rank (no offload)
+HOST_OPTIMIZER_TIERS = ("zero2_offload", "minimal")  # Adam's moments and step on the host (fp32 there, whatever
+# `training.optimizer` says: they cost no GPU memory)
 
 
 def next_tier(tier: str, world_size: int | None = None) -> str | None:

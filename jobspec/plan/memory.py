@@ -51,7 +51,7 @@ from typing import Literal
 
 from jobspec.catalog.families import FAMILIES
 from jobspec.catalog.presets import ModelShape
-from jobspec.catalog.tiers import CHECKPOINTING, SHARD_ONLY, TIERS, divisors, tier_index
+from jobspec.catalog.tiers import CHECKPOINTING, HOST_OPTIMIZER_TIERS, SHARD_ONLY, TIERS, divisors, tier_index
 from jobspec.errors import ConfigError
 from jobspec.plan.quantize import base_quantization, gathered_saving, quantized_params, quantized_saving
 
@@ -72,7 +72,6 @@ ADAM_BYTES = 8
 LOW_BIT_NUM, LOW_BIT_DEN = 65, 32  # 2.03125 bytes a parameter
 LOW_BIT_STEP_BYTES = 16
 OPTIMIZERS = ("adamw", "adamw_8bit")
-HOST_OPTIMIZER_TIERS = ("zero2_offload", "minimal")  # their AdamW steps on the host, its moments fp32 there
 HALF_BYTES = 2  # a 16-bit copy: autocast's weight casts, FSDP2's gathered parameters
 # DDP (`fast` on more than one rank) copies the grads into flat fp32 all-reduce buckets (the gradient's
 # dtype) unless gradient_as_bucket_view=True. On one rank accelerate does not wrap the model in DDP.

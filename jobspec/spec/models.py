@@ -1300,7 +1300,8 @@ class SchedulingSpec(Section):
         int | None, Field(ge=0, description="Delete the finished Job after this many seconds.")
     ] = 7 * 24 * 3600
     backoff_limit: Annotated[
-        int, Field(ge=0, le=100, description="Pod failures allowed per node (index); a tier step-down costs one.")
+        int, Field(ge=0, le=100, description="Pod failures allowed per node (index); a tier step-down costs one, "
+                   "as does a tier retried with 8-bit Adam moments (training.optimizer auto).")
     ] = 6
     active_deadline_seconds: Annotated[int | None, Field(ge=1, description="Wall-clock limit of the Job.")] = None
     termination_grace_seconds: Annotated[

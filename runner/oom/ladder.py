@@ -52,6 +52,8 @@ class TierState:
     attempts: int = 0  # relaunches made by the supervisor (`record_attempt`)
     exhausted: bool = False  # the last tier failed too (or fallback is off): nothing left to try
     caps: dict[str, int] = field(default_factory=dict)  # tier -> largest micro-batch to plan (restart shrink)
+    low_bit: list[str] = field(default_factory=list)  # tiers whose AdamW moments ran out at micro-batch 1: planned
+    # with 8-bit ones from then on (`training.optimizer: auto`, the rung before the next tier)
     version: int = STATE_VERSION
 
     def failed_tiers(self) -> list[str]:
@@ -71,7 +73,9 @@ def load_state(run_dir: str | Path) -> TierState | None:
         raw: dict[str, Any] = json_loads(read_bounded(path, MAX_STATE_BYTES, what="tier state", follow=False))
         failed = [TierFailure(str(f["tier"]), str(f["reason"]), float(f["at"])) for f in raw.get("failed", [])]
         caps = {str(t): int(m) for t, m in raw.get("caps", {}).items()}
-        state = TierState(str(raw["tier"]), failed, int(raw.get("attempts", 0)), bool(raw.get("exhausted")), caps)
+        low_bit = [str(t) for t in raw.get("low_bit", [])]
+        state = TierState(str(raw["tier"]), failed, int(raw.get("attempts", 0)), bool(raw.get("exhausted")), caps,
+                          low_bit)  # fmt: skip
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
         raise ConfigError(f"{path}: unreadable tier state ({exc}); delete it to start from the spec's tier") from exc
     if state.tier not in TIERS:
@@ -135,6 +139,23 @@ def record_failure(
         why = "memory.fallback is false" if not fallback else "it is the last tier"
         log.error("memory tier %s failed (%s) and %s: giving up", tier, reason, why)
     return nxt
+
+
+def record_low_bit(run_dir: str | Path, tier: str, reason: str) -> None:
+    """Persist "plan `tier` with 8-bit Adam moments": AdamW's ran out at micro-batch 1 there under
+    `training.optimizer: auto`, the rung the ladder takes before the next tier. Idempotent; the tier stays."""
+    state = load_state(run_dir) or TierState(tier)
+    if tier not in state.low_bit:
+        state.low_bit.append(tier)
+    save_state(run_dir, state)
+    log.warning("memory tier %s ran out at micro-batch 1 with AdamW's fp32 moments (%s); it goes on with 8-bit ones "
+                "(training.optimizer auto) before any other tier", tier, reason)  # fmt: skip
+
+
+def low_bit_tiers(run_dir: str | Path) -> frozenset[str]:
+    """The tiers `record_low_bit` moved to 8-bit Adam moments."""
+    state = load_state(run_dir)
+    return frozenset(state.low_bit) if state else frozenset()
 
 
 def record_cap(run_dir: str | Path, tier: str, micro_batch: int, reason: str) -> None:

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from jobspec.catalog.tiers import divisors
+from jobspec.catalog.tiers import HOST_OPTIMIZER_TIERS, TIERS, divisors
 from jobspec.contract import EXIT_OOM_LAST_TIER, EXIT_OOM_RETRY_TIER
 from runner.oom.ladder import (
     RetryAtNextTier,
@@ -34,8 +34,10 @@ class LadderResult:
 
 
 def _mark(state: TierState | None) -> tuple[object, ...]:
-    """What a worker that exits 75 must have changed: the tier, the failures, or a micro-batch cap."""
-    return () if state is None else (state.tier, len(state.failed), state.exhausted, sorted(state.caps.items()))
+    """What a worker that exits 75 must have changed: the tier, the failures, a micro-batch cap, or a tier moved to
+    8-bit Adam moments."""
+    return () if state is None else (state.tier, len(state.failed), state.exhausted, sorted(state.caps.items()),
+                                     sorted(state.low_bit))  # fmt: skip
 
 
 def supervise(
@@ -46,6 +48,7 @@ def supervise(
     world_size: int = 1,
     per_rank_batch: int = 1,
     fallback: bool = True,
+    low_bit: bool = False,
     relaunch: bool = True,
     wait_s: float = 1.0,
     max_launches: int | None = None,
@@ -54,10 +57,13 @@ def supervise(
 
     Bounded: one launch per tier left, plus (several ranks: sharded tiers shrink by restarting) one per
     smaller divisor of the per-rank batch, or `max_launches`. A 75 that left the tier state as it was
-    ends as EXIT_OOM_LAST_TIER rather than looping. `relaunch=False` passes 75 through after one launch.
+    ends as EXIT_OOM_LAST_TIER rather than looping. `relaunch=False` passes 75 through after one launch. `low_bit`
+    (`training.optimizer: auto`): one more launch per tier that keeps Adam's moments on the GPU, retried with 8-bit
+    ones before the next tier.
     """
     launched, tier = 0, current_tier(run_dir, spec_tier)
     shrinks = len(divisors(per_rank_batch)) - 1 if world_size > 1 else 0
+    shrinks += (len(TIERS) - len(HOST_OPTIMIZER_TIERS)) * low_bit  # a tier retried with 8-bit Adam moments
     limit = max_launches if relaunch else 1
     policy = relaunch_policy(tier, world_size, wait_s=wait_s, max_launches=limit, extra=shrinks)
     try:

@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from jobspec.catalog.tiers import divisors
+from jobspec.catalog.tiers import HOST_OPTIMIZER_TIERS, divisors
 from jobspec.contract import EXIT_OOM_LAST_TIER, EXIT_OOM_RETRY_TIER, TIER_STATE_FILE
 from jobspec.errors import JobspecError
 from runner import internals
@@ -250,6 +250,13 @@ def apply_cap(plan: Plan, root: Any) -> Plan:
     )
 
 
+def low_bit_rung(spec: Any, plan: Plan, tier: str) -> bool:
+    """Whether an OOM at micro-batch 1 at `tier` retries it with 8-bit Adam moments instead of the next tier:
+    `training.optimizer: auto`, AdamW's fp32 moments now, and a tier that keeps them on the GPU. The same on every
+    rank (the spec and the agreed plan)."""
+    return spec.training.optimizer == "auto" and plan.optimizer == "adamw" and tier not in HOST_OPTIMIZER_TIERS
+
+
 def tier_failed(root: Any, tier: str, reason: str, *, world_size: int, fallback: bool, writer: bool) -> tuple[int, str]:
     """Persist the tier failure (writer only) -> (exit code, the reason for the termination message)."""
     code = ladder.fail_tier(root, tier, reason, world_size=world_size, fallback=fallback, writer=writer)
@@ -349,6 +356,11 @@ class RecipeGuard:
         if err.cap is not None:  # this rank alone ran out on a sharded tier: restart all ranks at a smaller one
             ladder.record_cap(r.root, err.tier, err.cap, err.reason)
             r.status["reason"] = f"{err.reason}; restarting at micro-batch {err.cap}"
+            return EXIT_OOM_RETRY_TIER
+        if low_bit_rung(r.spec, r.plan, err.tier):  # the same tier with 8-bit moments, before the next one
+            if r.env.is_main or err.local:
+                ladder.record_low_bit(r.root, err.tier, err.reason)
+            r.status["reason"] = f"{err.reason}; retrying tier {err.tier} with 8-bit Adam moments"
             return EXIT_OOM_RETRY_TIER
         code, reason = tier_failed(r.root, err.tier, err.reason, world_size=r.env.world_size,
                                    fallback=r.spec.memory.fallback, writer=r.env.is_main or err.local)  # fmt: skip

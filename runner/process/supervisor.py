@@ -354,7 +354,8 @@ def supervise(spec: JobSpec, spec_path: str, overrides: list[str], nproc: int | 
     try:
         r = relaunch.supervise(launch, spec.run_dir, spec.memory.tier, world_size=topo.world_size,
                                per_rank_batch=spec.training.global_batch // topo.world_size,
-                               fallback=spec.memory.fallback, relaunch=topo.nnodes == 1)  # fmt: skip
+                               fallback=spec.memory.fallback, relaunch=topo.nnodes == 1,
+                               low_bit=spec.training.optimizer == "auto")  # fmt: skip
     finally:
         for s, h in previous.items():
             signal.signal(s, h)

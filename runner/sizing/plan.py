@@ -10,14 +10,14 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from jobspec.catalog import tiers
 from jobspec.catalog.presets import ModelShape
-from jobspec.contract import EXIT_OOM_LAST_TIER, EXIT_OOM_RETRY_TIER, METRICS_FILE
+from jobspec.contract import EXIT_OOM_LAST_TIER, EXIT_OOM_RETRY_TIER, METRICS_FILE, TIER_STATE_FILE
 from jobspec.errors import ConfigError, JobspecError
 from jobspec.plan import calibration, capacity, memory
 from jobspec.plan.planner import estimate_kwargs, fixed_micro_batch, model_label, model_shape
@@ -160,10 +160,17 @@ def size_for_tier(
     *,
     local_ranks: int | None = None,
     reasons: Iterable[str] = (),
+    low_bit: Collection[str] = (),
 ) -> Plan:
-    """The plan at a given tier (the OOM ladder re-plans here after stepping down a tier)."""
+    """The plan at a given tier (the OOM ladder re-plans here after stepping down a tier). `low_bit`: the tiers whose
+    AdamW moments ran out at micro-batch 1 before (runner/oom/ladder.py `low_bit_tiers`), planned with 8-bit ones
+    under `training.optimizer: auto`."""
     gb, local, notes = spec.training.global_batch, _local(device, world_size, local_ranks), list(reasons)
     kw, bkw = _inputs(spec, device, world_size, local)
+    if tier in low_bit and kw["optimizer"] == "auto":
+        kw["optimizer"] = "adamw_8bit"
+        _note(notes, f"optimizer auto -> adamw_8bit: AdamW's fp32 moments ran out at micro-batch 1 at tier {tier} "
+                     f"({TIER_STATE_FILE})")  # fmt: skip
     per_rank_batch, shape = gb // world_size, model_shape(spec)
     if device.is_gpu:
         kw["sample_scale"] = _measured_scale(spec, shape, tier, kw, notes)
@@ -263,18 +270,19 @@ def check_capacity(spec: JobSpec, device: DeviceInfo, host: HostInfo, world_size
 
 
 def initial_plan(
-    spec: JobSpec, device: DeviceInfo, host: HostInfo, world_size: int, *, local_ranks: int | None = None
+    spec: JobSpec, device: DeviceInfo, host: HostInfo, world_size: int, *, local_ranks: int | None = None,
+    low_bit: Collection[str] = (),
 ) -> Plan:
     """Tier, micro-batch, accumulation, precision and loader settings from the spec and the probes.
 
     `local_ranks`: training processes on this node (default: one per visible GPU up to world_size;
-    on CPU all of world_size), which share the host's CPUs and memory.
+    on CPU all of world_size), which share the host's CPUs and memory. `low_bit`: as `size_for_tier`'s.
     """
     local = _local(device, world_size, local_ranks)
     check_capacity(spec, device, host, world_size, local)
     tier, why = choose_tier(spec, device, host, world_size, local)
     log.info("plan: %s", why)
-    return size_for_tier(spec, device, host, world_size, tier, local_ranks=local, reasons=[why])
+    return size_for_tier(spec, device, host, world_size, tier, local_ranks=local, reasons=[why], low_bit=low_bit)
 
 
 def verify_micro_batch(

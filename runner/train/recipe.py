@@ -330,24 +330,21 @@ class Recipe:
                         f"{plan.global_batch} unchanged)",
                         micro_batch_fixed=True,
                     )
-        local = self.env.local_world_size
+        low = ladder.low_bit_tiers(self.root)  # tiers whose AdamW moments ran out: 8-bit under optimizer auto
+        size = partial(size_for_tier, spec, self.dev, self.host, world, local_ranks=self.env.local_world_size,
+                       low_bit=low)  # fmt: skip
         if plan is None and tier != spec.memory.tier:
-            why = [f"tier {tier} from {TIER_STATE_FILE} (the OOM ladder; the spec says {spec.memory.tier})"]
-            plan = size_for_tier(spec, self.dev, self.host, world, tier, local_ranks=local, reasons=why)
+            plan = size(tier, reasons=[f"tier {tier} from {TIER_STATE_FILE} (the OOM ladder; the spec says "
+                                       f"{spec.memory.tier})"])  # fmt: skip
         if plan is None:
-            plan = initial_plan(spec, self.dev, self.host, world, local_ranks=local)
+            plan = initial_plan(spec, self.dev, self.host, world, local_ranks=self.env.local_world_size, low_bit=low)
             if traced.wanted(spec, self.dev.is_gpu):
                 if measured_here(spec, plan.tier):
                     plan = traced.skipped(plan, "this run directory measured the tier on the GPU before, which wins")
                 else:
                     share = partial(self.ctrl.all_reduce, op="max")
-                    plan = traced.from_traces(plan, spec, share, is_main=self.env.rank == 0, replan=lambda tier: (
-                        size_for_tier(spec, self.dev, self.host, world, tier, local_ranks=local)))  # fmt: skip
-        return agree(
-            apply_cap(plan, self.root),
-            self.ctrl.reduce_min,
-            replan=lambda tier: size_for_tier(spec, self.dev, self.host, world, tier, local_ranks=local),
-        )
+                    plan = traced.from_traces(plan, spec, share, is_main=self.env.rank == 0, replan=size)
+        return agree(apply_cap(plan, self.root), self.ctrl.reduce_min, replan=size)
 
     def _verify_micro_batch(self, injector: faults.FaultInjector | None = None) -> None:
         """Real probe steps on the GPU (on CPU an OOM is the kernel's kill, not an exception: nothing to probe,

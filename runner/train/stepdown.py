@@ -26,7 +26,8 @@ from typing import Any
 import torch
 
 from jobspec.catalog import tiers
-from runner.oom.shrink import TierOOM, apply_cap
+from runner.oom import ladder
+from runner.oom.shrink import TierOOM, apply_cap, low_bit_rung
 from runner.phase import phase
 from runner.sizing.plan import agree, size_for_tier
 from runner.sizing.probe import probe_host
@@ -62,9 +63,10 @@ def step_down(r: Any, err: TierOOM, oom_at: float, give_up_s: float = 0.0) -> No
     `train` (unix time); `give_up_s`: the checkpoint and tier state written before (both for the event, with where
     the rest of the time went)."""
     t0, old = time.perf_counter(), r.plan
-    nxt = tiers.next_tier(err.tier, r.env.world_size)  # what give_up recorded, computed by every rank
+    rung = low_bit_rung(r.spec, old, err.tier)  # the same tier with 8-bit Adam moments first (optimizer auto)
+    nxt = err.tier if rung else tiers.next_tier(err.tier, r.env.world_size)  # what give_up recorded, on every rank
     assert nxt is not None  # give_up returned 75: a next tier exists
-    head = f"stepping down tier {old.tier} -> {nxt}"
+    head = f"stepping down tier {old.tier} -> {nxt}" + (" with 8-bit Adam moments" if rung else "")
     parts = {"give_up_s": give_up_s}
     with phase("%s: saving the state in memory", head) as took:
         kept = take_state(r, err)
@@ -75,7 +77,8 @@ def step_down(r: Any, err: TierOOM, oom_at: float, give_up_s: float = 0.0) -> No
     with phase("%s: planning tier %s", head, nxt) as took:
         why = [f"tier {old.tier} -> {nxt} in process after an OOM at micro-batch 1: {err.reason}"]
         local = r.env.local_world_size
-        plan = size_for_tier(r.spec, r.dev, r.host, r.env.world_size, nxt, local_ranks=local, reasons=why)
+        plan = size_for_tier(r.spec, r.dev, r.host, r.env.world_size, nxt, local_ranks=local, reasons=why,
+                             low_bit=ladder.low_bit_tiers(r.root) | ({nxt} if rung else set()))  # fmt: skip
         r.plan = agree(apply_cap(plan, r.root), r.ctrl.reduce_min)
         resume = r._newest_checkpoint() if kept is None else None
     parts["plan_s"] = took.wall_s

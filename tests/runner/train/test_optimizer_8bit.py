@@ -349,3 +349,79 @@ def test_two_ranks_resume_an_8bit_run_as_it_ran(tmp_path, tier):
         assert result.returncode == 0, result.stderr[-4000:]
         out[name] = {r["step"]: r["loss"] for r in records(tmp_path / name)}
     assert sorted(out["part"]) == [5, 6, 7, 8] and all(out["part"][s] == out["full"][s] for s in out["part"])
+
+
+def _tier_changes(run_dir) -> list[tuple[str, str]]:
+    return [(r["from_tier"], r["to_tier"]) for r in records(run_dir, "event") if r.get("event") == "tier_change"]
+
+
+def test_auto_retries_a_tier_with_8bit_moments_before_stepping_down(tmp_path, monkeypatch, caplog):
+    """`training.optimizer: auto`: micro-batch 1 runs out at tier fast (step 3, once): the ladder's rung before the
+    next tier is the same tier with 8-bit moments, in process, AdamW's state handed over; the run finishes there,
+    its first steps as an AdamW run's, and tier_state.json keeps the choice for a restart."""
+    import logging
+
+    from runner.oom import ladder
+    from runner.oom.faults import ENV_VAR
+
+    sections = {"training": {"micro_batch": 1, "steps": 5, "optimizer": "auto"}, "checkpoints": {"every_steps": 5}}
+    code, clean = train_in_process(tiny_spec(tmp_path / "clean", **sections))
+    assert code == 0 and clean.plan.optimizer == "adamw" and not internals.is_low_bit(clean.optimizer.optimizer)
+    monkeypatch.setenv(ENV_VAR, "step=3")
+    with caplog.at_level(logging.INFO, logger="jobspec.runner"):
+        code, got = train_in_process(tiny_spec(tmp_path / "rung", **sections))
+    assert code == 0 and (got.plan.tier, got.plan.optimizer) == ("fast", "adamw_8bit")
+    assert internals.is_low_bit(got.optimizer.optimizer)
+    assert _tier_changes(tmp_path / "rung") == [("fast", "fast")]
+    assert ladder.low_bit_tiers(tmp_path / "rung") == {"fast"}
+    text = caplog.text
+    assert "stepping down tier fast -> fast with 8-bit Adam moments" in text
+    assert "optimizer auto -> adamw_8bit: AdamW's fp32 moments ran out at micro-batch 1 at tier fast" in text
+    a = {r["step"]: r["loss"] for r in records(tmp_path / "clean")}
+    b = {r["step"]: r["loss"] for r in records(tmp_path / "rung")}
+    assert sorted(b) == [1, 2, 3, 4, 5] and all(b[s] == a[s] for s in (1, 2, 3))  # before the first 8-bit update
+    assert b[5] == pytest.approx(a[5], rel=0.02)
+
+
+def test_when_8bit_moments_run_out_too_the_ladder_goes_on_to_the_next_tier(tmp_path, monkeypatch):
+    """Every step at tier fast runs out: fast (AdamW) -> fast (8-bit) -> zero2_offload, whose host AdamW keeps fp32
+    moments; the run finishes there."""
+    from runner.oom.faults import ENV_VAR
+
+    monkeypatch.setenv(ENV_VAR, "tier=fast")
+    sections = {"training": {"micro_batch": 4, "steps": 3, "optimizer": "auto"}, "checkpoints": {"every_steps": 3}}
+    code, got = train_in_process(tiny_spec(tmp_path / "run", **sections))
+    assert code == 0 and (got.plan.tier, got.plan.optimizer) == ("zero2_offload", "adamw")
+    assert _tier_changes(tmp_path / "run") == [("fast", "fast"), ("fast", "zero2_offload")]
+
+
+def test_a_restart_plans_the_tier_with_8bit_moments_and_the_supervisor_counts_the_rung(tmp_path):
+    """The relaunch path: a worker that recorded the rung exits 75 with the tier unchanged; the supervisor launches
+    the same tier again (one more launch per GPU tier under auto) and the new plan takes 8-bit moments there."""
+    from jobspec.contract import EXIT_OK, EXIT_OOM_RETRY_TIER
+    from jobspec.spec.models import JobSpec
+    from runner.oom import ladder, relaunch
+    from runner.sizing.hostmem import HostInfo
+    from runner.sizing.plan import size_for_tier
+    from runner.sizing.probe import DeviceInfo
+
+    launched: list[str] = []
+
+    def launch(tier: str) -> int:
+        launched.append(tier)
+        if ladder.low_bit_tiers(tmp_path):
+            return EXIT_OK
+        ladder.record_low_bit(tmp_path, tier, "out of memory at micro-batch 1")
+        return EXIT_OOM_RETRY_TIER
+
+    result = relaunch.supervise(launch, tmp_path, "fast", wait_s=0, low_bit=True)
+    assert result.exit_code == EXIT_OK and launched == ["fast", "fast"]
+    spec = JobSpec.model_validate({"name": "t", "model": {"preset": "gpt2-small"}, "data": {"max_seq_len": 1024},
+                                   "training": {"global_batch": 8, "optimizer": "auto"},
+                                   "hardware": {"gpus": 1}})  # fmt: skip
+    gib = 1024**3
+    device = DeviceInfo("cuda", "fake", 80 * gib, 80 * gib, (9, 0), True, 1, "pynvml")
+    host = HostInfo(total_bytes=64 * gib, available_bytes=60 * gib, cpus=8)
+    assert size_for_tier(spec, device, host, 1, "fast").optimizer == "adamw"  # it fits: AdamW
+    again = size_for_tier(spec, device, host, 1, "fast", low_bit=ladder.low_bit_tiers(tmp_path))
+    assert again.optimizer == "adamw_8bit" and any("ran out at micro-batch 1 at tier fast" in r for r in again.reasons)
