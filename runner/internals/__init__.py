@@ -137,6 +137,7 @@ from runner.internals.imports import keep_torchao_out_of_transformers
 from runner.internals.kernels import check_liger, install_experts_matmul, liger_rows
 from runner.internals.lowbit import (
     adamw_8bit,
+    check_low_bit,
     dequantized,
     is_low_bit,
     is_quantized,
@@ -159,6 +160,7 @@ __all__ = [
     "attention_kernel",
     "check",
     "check_liger",
+    "check_low_bit",
     "dcp_private_globals",
     "dcp_storage_info",
     "dequantized",

@@ -42,6 +42,19 @@ def adamw_8bit(groups: list[dict[str, Any]], lr: float, betas: tuple[float, floa
     return AdamW8bit(groups, lr=lr, betas=betas, block_size=BLOCK)
 
 
+def check_low_bit() -> None:
+    """ConfigError (exit 2) before any work unless torchao's AdamW8bit and what the runner reads of it are here."""
+    try:
+        from torchao.optim import AdamW8bit
+    except ImportError as exc:
+        raise ConfigError(
+            f"training.optimizer adamw_8bit or auto needs torchao, which this install cannot import ({exc}): "
+            "pip install 'jobspec-k8s[offload]' (the GPU images carry it), or use training.optimizer: adamw"
+        ) from None
+    if not hasattr(AdamW8bit, "_new_buffer"):
+        raise missing("torchao", "_AdamBase._new_buffer", "training.optimizer adamw_8bit")
+
+
 def is_low_bit(optimizer: Any) -> bool:
     """Whether `optimizer` is torchao's AdamW8bit (without importing torchao where nothing did)."""
     module = sys.modules.get("torchao.optim")

@@ -208,6 +208,8 @@ class Recipe:
         internals.check(self.plan.tier, env.world_size, self.device.type)  # before any work at this tier
         if spec.training.loss_kernel == "liger":
             internals.check_liger(self.device.type)
+        if spec.training.optimizer != "adamw":
+            internals.check_low_bit()
         if self.plan.tier != "fast":
             timeout_s = spec.scheduling.collective_timeout_seconds
             init_process_group(env, self.device, needed=True, timeout_s=timeout_s)  # FSDP: a group even alone

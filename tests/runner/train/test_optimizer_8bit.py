@@ -425,3 +425,24 @@ def test_a_restart_plans_the_tier_with_8bit_moments_and_the_supervisor_counts_th
     assert size_for_tier(spec, device, host, 1, "fast").optimizer == "adamw"  # it fits: AdamW
     again = size_for_tier(spec, device, host, 1, "fast", low_bit=ladder.low_bit_tiers(tmp_path))
     assert again.optimizer == "adamw_8bit" and any("ran out at micro-batch 1 at tier fast" in r for r in again.reasons)
+
+
+def test_without_torchao_an_8bit_run_stops_before_any_work_with_the_fix(tmp_path, monkeypatch):
+    """torchao not importable (the `runner` extra alone): exit 2 at the tier's build, naming the field and the
+    install that carries it; nothing trained."""
+    import sys
+
+    from jobspec.contract import EXIT_CONFIG
+    from runner.process import worker
+    from tests.runner.train_helpers import tiny_spec_dict, write_spec
+
+    monkeypatch.setitem(sys.modules, "torchao.optim", None)  # `import torchao.optim` raises ImportError
+    path = write_spec(tmp_path / "s.yaml", tiny_spec_dict(tmp_path / "run", training={"optimizer": "adamw_8bit"}))
+    status = tmp_path / "status.json"
+    monkeypatch.setenv("JOBSPEC_STATUS_FILE", str(status))
+    assert worker.main([str(path)]) == EXIT_CONFIG
+    assert not records(tmp_path / "run")
+    import json
+
+    reason = json.loads(status.read_text()).get("reason", "")
+    assert "training.optimizer adamw_8bit or auto needs torchao" in reason and "jobspec-k8s[offload]" in reason
