@@ -581,6 +581,7 @@ def load(
         optim_state_dict=state["optim"],
         options=StateDictOptions(strict=not trainable_only),
     )
+    internals.keep_tensor_lr(optimizer)  # the groups' lr is saved as a float
     rng_file = path / f"rng-{rank}.pt"
     if not os.path.lexists(rng_file):  # more ranks than when it was written: rank 0's stream is the best guess
         log.warning("checkpoint %s has no RNG state for rank %d; using rank 0's", path, rank)

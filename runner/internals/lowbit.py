@@ -140,6 +140,15 @@ def requantize_into(dst: torch.Tensor, src: torch.Tensor) -> None:
     target.scale.copy_(scale)
 
 
+def keep_tensor_lr(optimizer: Any) -> None:
+    """After a `load_state_dict` (a checkpoint's or a hand-over's groups carry the lr as a float): torchao's groups
+    get theirs back as 0-d tensors, so that no step between (DCP's state initialisation) meets a float."""
+    if is_low_bit(optimizer):
+        for group in optimizer.param_groups:
+            if not isinstance(group["lr"], torch.Tensor):
+                group["lr"] = torch.tensor(float(group["lr"]), dtype=torch.float32)
+
+
 def set_lr(optimizer: Any, lr: float) -> None:
     """Every group's learning rate: in place into torchao's 0-d tensor (a float read back from a checkpoint of
     another optimizer becomes one), a float for any other optimizer."""

@@ -189,6 +189,7 @@ def give(h: Handoff, model: nn.Module, optimizer: Any) -> None:
         state = {index[n]: {k: _like(v, params[n]) for k, v in s.items()} for n, s in h.state.items()}
     groups = [{**g, "lr": float(g["lr"]), "params": [index[n] for n in g["params"]]} for g in h.groups]
     optimizer.load_state_dict({"state": state, "param_groups": groups})
+    internals.keep_tensor_lr(optimizer)
     set_rng_state(h.rng)
 
 

@@ -550,7 +550,10 @@ class Stepper:
         finally:
             self.inner.zero_grad(set_to_none=True)
             for group, lr in zip(self.inner.param_groups, lrs, strict=True):
-                group["lr"] = lr
+                if isinstance(group["lr"], torch.Tensor):  # torchao's AdamW8bit keeps it as a 0-d tensor
+                    group["lr"].fill_(lr)
+                else:
+                    group["lr"] = lr
 
     def reset_optimizer(self) -> None:
         """Forget the moments the probe steps created (the first real step starts Adam afresh)."""

@@ -446,3 +446,21 @@ def test_without_torchao_an_8bit_run_stops_before_any_work_with_the_fix(tmp_path
 
     reason = json.loads(status.read_text()).get("reason", "")
     assert "training.optimizer adamw_8bit or auto needs torchao" in reason and "jobspec-k8s[offload]" in reason
+
+
+def test_the_planners_probe_steps_leave_8bit_moments_and_weights_as_they_were(tmp_path, monkeypatch):
+    """The GPU planning path on CPU (JOBSPEC_FAULT_OOM's `probes`): probe steps at lr 0 through AdamW8bit (its lr a
+    0-d tensor, set in place and put back), their moments dropped; training then starts from the initial weights,
+    its first loss the same as a run without probes."""
+    from runner.oom.faults import ENV_VAR
+
+    sections = {"training": {"global_batch": 16, "steps": 3, "optimizer": "adamw_8bit"}}
+    code, _ = train_in_process(tiny_spec(tmp_path / "clean", **{**sections, "training": {
+        **sections["training"], "micro_batch": 8}}))  # fmt: skip
+    assert code == 0
+    monkeypatch.setenv(ENV_VAR, "mbs>8,probes")
+    code, probed = train_in_process(tiny_spec(tmp_path / "probed", **sections))
+    assert code == 0 and probed.plan.micro_batch == 8 and probed.plan.probes >= 1
+    assert torch.is_tensor(probed.optimizer.optimizer.param_groups[0]["lr"])
+    a, b = records(tmp_path / "clean"), records(tmp_path / "probed")
+    assert [r["loss"] for r in a] == pytest.approx([r["loss"] for r in b], rel=1e-6)
