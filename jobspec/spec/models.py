@@ -829,6 +829,13 @@ class GrpoSpec(Section):
         float, Field(ge=0, le=100, description="Weight of the KL term against the starting model (TRL's default "
                      "0: no reference); above 0 needs model.lora, whose disabled adapter is the reference.")
     ] = 0.0
+    loss_type: Annotated[
+        Literal["dapo", "grpo", "dr_grpo"],
+        Field(description="How the step's token losses are averaged (TRL's loss_type): dapo = over the step's "
+              "completion tokens (TRL's default), grpo = each completion's token mean, then over completions, "
+              "dr_grpo = over completions x max_completion_length (Dr. GRPO). TRL's bnpo (a mean per micro-batch) is "
+              "not offered: the micro-batch is the planner's, and would change the training."),
+    ] = "dapo"
     scale_rewards: Annotated[
         Literal["group", "batch", "none"],
         Field(description="What divides the advantages (reward minus its group's mean): the group's standard "

@@ -9,7 +9,9 @@ completion's advantage:
     kl_t = exp(ref - logp) - (ref - logp) - 1           (only with beta > 0; ref: the starting model's log-prob)
 
 summed over the completion tokens and divided by the global step's completion tokens (the step's `scale`, as for
-SFT's token mean). With one pass per batch the ratio is 1 (its gradient is that of logp), so the clip never binds
+SFT's token mean). `training.grpo.loss_type` grpo takes each completion's token mean and divides by the step's
+completions; dr_grpo divides the sum by the step's completions x max_completion_length (Objective.denominator).
+With one pass per batch the ratio is 1 (its gradient is that of logp), so the clip never binds
 and TRL's clip ratios are 0, logged as computed. Metric sums (fp32, detached, summed over ranks by the recipe): the
 KL term's sum, the completion tokens and the clipped ones (low: ratio below 1 - eps where A < 0; high: above 1 + eps
 where A > 0; region: either), for TRL's `kl` and `clip_ratio/low_mean`, `high_mean`, `region_mean`. Not computed:
@@ -43,10 +45,12 @@ EPSILON = 0.2  # TRL's clip range; binds only after a batch's first pass, which 
 
 
 def loss(token_losses: torch.Tensor, labels: torch.Tensor, advantages: torch.Tensor, ref_logps: torch.Tensor | None,
-         beta: float) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+         beta: float, loss_type: str = "dapo") -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """(summed loss over the completion tokens, [kl sum, completion tokens, low, high and region clipped tokens] fp32
     detached) from the (rows, T) fp32 token losses (minus each token's log-prob at the sampling temperature), the
-    rows' `labels`, their (rows,) advantages and, with `beta` > 0, the (rows, T) reference log-probs."""
+    rows' `labels`, their (rows,) advantages and, with `beta` > 0, the (rows, T) reference log-probs. `loss_type`
+    grpo sums each completion's token mean instead (the step then divides by its completions: Objective.denominator);
+    dapo and dr_grpo sum the tokens (divided by the step's tokens, or its completions x max_completion_length)."""
     mask = (labels != IGNORE).float()
     logp = -token_losses
     ratio = torch.exp(logp - logp.detach())
@@ -64,6 +68,8 @@ def loss(token_losses: torch.Tensor, labels: torch.Tensor, advantages: torch.Ten
     high = ((ratio.detach() > 1 + EPSILON) & (a > 0)).float() * mask
     region = torch.maximum(low, high)
     sums = torch.stack([kl_sum, mask.sum(), low.sum(), high.sum(), region.sum()])
+    if loss_type == "grpo":
+        return ((per_token * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).sum(), sums.float()
     return (per_token * mask).sum(), sums.float()
 
 

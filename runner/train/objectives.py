@@ -88,6 +88,9 @@ class Objective:
     weights: tuple[float, float] = (1.0, 1.0)  # KTO's desirable and undesirable weights
     rewards: tuple[str, ...] = ()  # GRPO's reward names (its metrics)
     temperature: float = 1.0  # GRPO's sampling temperature, at which its completions are scored
+    loss_type: str = "dapo"  # GRPO's token-loss average (`training.grpo.loss_type`)
+    generations: int = 1  # GRPO's completions per prompt
+    completion_length: int = 0  # GRPO's max_completion_length (dr_grpo's constant)
 
     @classmethod
     def of(cls, training: TrainingSpec) -> Objective | None:
@@ -97,9 +100,20 @@ class Objective:
         if training.objective == "grpo":
             g = training.grpo
             assert g is not None
-            return cls("grpo", g.beta, rewards=tuple(r.label for r in g.rewards), temperature=g.temperature)
+            return cls("grpo", g.beta, rewards=tuple(r.label for r in g.rewards), temperature=g.temperature,
+                       loss_type=g.loss_type, generations=g.num_generations,
+                       completion_length=g.max_completion_length)  # fmt: skip
         return cls(training.objective, training.beta, training.gamma if training.objective == "simpo" else 0.0,
                    (training.desirable_weight, training.undesirable_weight))  # fmt: skip
+
+    def denominator(self, targets: float, samples: int) -> float:
+        """What a step's summed loss is divided by, given its target tokens and its samples (all ranks): the tokens,
+        but for GRPO's grpo loss its completions (each already its token mean: runner/train/grpo.py) and for
+        dr_grpo its completions x max_completion_length."""
+        if self.name != "grpo" or self.loss_type == "dapo":
+            return targets
+        rows = samples * self.generations
+        return float(rows if self.loss_type == "grpo" else rows * self.completion_length)
 
     @property
     def metric_names(self) -> tuple[str, ...]:

@@ -102,7 +102,7 @@ def train_record(r: Any, res: StepResult, tokens_per_s: float) -> None:
     sums = r.ctrl.all_reduce([res.loss_sum.item(), *router, *preference])
     routed = {"router_aux_loss": sums[1] / r.ctrl.world_size} if router else {}
     sums = [sums[0], *sums[1 + len(router) :]]
-    loss = sums[0] / max(res.targets, 1)  # global per-token mean (preference objectives: per-pair)
+    loss = sums[0] / max(res.denominator or res.targets, 1)  # global per-token mean (preference objectives: per-pair)
     obj = r.stepper.objective
     r.status.update(step=r.step, loss=loss)
     used, total = memory_bytes(r.device, r.host.total_bytes)

@@ -496,7 +496,7 @@ class Recipe:
         of a run watched on a terminal; the bar keeps the last loss shown between them."""
         if self.progress is None or self.progress.bar is None:
             return None
-        return float(r.loss_sum) * self.env.world_size / max(r.targets, 1)
+        return float(r.loss_sum) * self.env.world_size / max(r.denominator or r.targets, 1)
 
     def _evaluate(self, *, final: bool = False) -> None:
         """Eval loss on this rank's share of the held-out data. A stop during the `final` one (after the last

@@ -207,6 +207,7 @@ class StepResult:
     preference: torch.Tensor | None = None
     # a mixture-of-experts model: its router's load-balancing loss (unweighted), the mean over this rank's micro-batches
     router_aux: torch.Tensor | None = None
+    denominator: float = 0.0  # what the step's loss is divided by (0: `targets`; GRPO's loss types: Objective)
 
 
 class Stepper:
@@ -329,7 +330,7 @@ class Stepper:
         x, y = self._to_device(batch.input_ids), self._to_device(batch.labels)
         losses = token_losses(self.model, self.head, x, y, router, temperature=objective.temperature)
         ref = None if batch.ref_logps is None else self._to_device(batch.ref_logps)
-        loss, sums = grpo.loss(losses, y, batch.advantages, ref, objective.beta)
+        loss, sums = grpo.loss(losses, y, batch.advantages, ref, objective.beta, objective.loss_type)
         self.preference_sums.append(sums)
         return loss
 
@@ -370,7 +371,9 @@ class Stepper:
             batches = [self.data.collate(ids) for ids in micro_batches(sample_ids, micro_batch)]
         counts = [sum(b.targets for b in batches), sum(b.tokens for b in batches)]
         targets, tokens = self._set_nll_scale(sample_ids, counts, "train")
-        scale = self.world_size / max(targets, 1.0)  # global per-token mean, undoing the ranks' gradient average
+        samples = len(sample_ids) * self.world_size  # every rank's share is the same (the plan's exact batch)
+        per = targets if self.objective is None else self.objective.denominator(targets, samples)
+        scale = self.world_size / max(per, 1.0)  # the global mean (per token), undoing the ranks' gradient average
         losses: list[torch.Tensor] = []  # each micro-step's summed loss (detached), summed by the update
         seen: list[int] = []
         oom, room = "", None  # this rank's OOM in the previous micro-step, agreed on before the next one starts
@@ -393,7 +396,7 @@ class Stepper:
         self.inner.zero_grad(set_to_none=True)
         preference = torch.stack(self.preference_sums).sum(0) if self.preference_sums else None
         router_aux = torch.stack(self.router_losses).mean() if self.router_losses else None
-        return StepResult(loss_sum, int(targets), int(tokens), norm, seen, preference, router_aux)
+        return StepResult(loss_sum, int(targets), int(tokens), norm, seen, preference, router_aux, per)
 
     def _finish(self, oom: str, room: Headroom | None, losses: Sequence[torch.Tensor],
                 lr: float) -> tuple[torch.Tensor | None, torch.Tensor]:  # fmt: skip

@@ -52,15 +52,16 @@ def _spec(tmp_path, **training):
     return th.tiny_spec(tmp_path / "run", **_sections(tmp_path, data_file, **training))
 
 
-def _trl_grpo(beta: float, temperature: float) -> SimpleNamespace:
-    """A stand-in for TRL 1.16's GRPOTrainer `self`: what its `_compute_loss` reads at its defaults (loss_type dapo,
-    num_iterations 1, token-level ratios, epsilon 0.2), one process, no accumulation."""
+def _trl_grpo(beta: float, temperature: float, loss_type: str = "dapo") -> SimpleNamespace:
+    """A stand-in for TRL 1.16's GRPOTrainer `self`: what its `_compute_loss` reads at its defaults (num_iterations 1,
+    token-level ratios, epsilon 0.2) and `loss_type`, one process, no accumulation."""
     pytest.importorskip("trl")
     from trl import GRPOTrainer
 
     same = lambda t, **_: t  # noqa: E731  # one process: gathering and reducing are the identity
     fake = SimpleNamespace(
-        model=SimpleNamespace(training=True), beta=beta, temperature=temperature, loss_type="dapo",
+        model=SimpleNamespace(training=True), beta=beta, temperature=temperature, loss_type=loss_type,
+        max_completion_length=12,  # _sections' grpo.max_completion_length
         importance_sampling_level="token", epsilon_low=0.2, epsilon_high=0.2, top_entropy_quantile=1.0,
         off_policy_mask_threshold=None, use_vllm=False, vllm_importance_sampling_correction=False,
         aux_loss_enabled=False, _entropy_bonus_enabled=False, current_gradient_accumulation_steps=1,
@@ -73,11 +74,14 @@ def _trl_grpo(beta: float, temperature: float) -> SimpleNamespace:
     return fake
 
 
-@pytest.mark.parametrize(("beta", "temperature"), [(0.0, 1.0), (0.04, 0.7)], ids=["no-kl", "kl-tempered"])
-def test_the_loss_and_kl_equal_trls_grpo_trainer_on_a_batch_it_sampled(tmp_path, beta, temperature):
+@pytest.mark.parametrize(("beta", "temperature", "loss_type"), [(0.0, 1.0, "dapo"), (0.04, 0.7, "dapo"),
+                                                                (0.0, 1.0, "grpo"), (0.04, 0.7, "dr_grpo")],
+                         ids=["no-kl", "kl-tempered", "grpo", "dr_grpo-kl"])  # fmt: skip
+def test_the_loss_and_kl_equal_trls_grpo_trainer_on_a_batch_it_sampled(tmp_path, beta, temperature, loss_type):
     """Four prompts' groups sampled by the runner from a real tiny model, given random advantages (and reference
-    log-probs moved off the policy): the step's loss over the batch's completion tokens, and its KL metric, equal
-    TRL's own `GRPOTrainer._compute_loss` (its fused LM head at the same temperature) on the same prompt and
+    log-probs moved off the policy): the step's loss (over the batch's completion tokens for dapo, each completion's
+    mean over the completions for grpo, over completions x max_completion_length for dr_grpo), and its KL metric,
+    equal TRL's own `GRPOTrainer._compute_loss` (its fused LM head at the same temperature) on the same prompt and
     completion ids, to 1e-5."""
     pytest.importorskip("trl")
     from trl import GRPOTrainer
@@ -85,7 +89,7 @@ def test_the_loss_and_kl_equal_trls_grpo_trainer_on_a_batch_it_sampled(tmp_path,
 
     from runner.train.recipe import Recipe
 
-    worker = Recipe(_spec(tmp_path, steps=1, grpo={"temperature": temperature}))
+    worker = Recipe(_spec(tmp_path, steps=1, grpo={"temperature": temperature, "loss_type": loss_type}))
     try:
         worker.setup()
         stepper, data = worker.stepper, worker.data
@@ -100,7 +104,7 @@ def test_the_loss_and_kl_equal_trls_grpo_trainer_on_a_batch_it_sampled(tmp_path,
         ref = (logps + torch.from_numpy(rng.normal(0, 0.3, logps.shape).astype(np.float32))) * (batch.labels >= 0)
         batch = dataclasses.replace(batch, advantages=advantages, ref_logps=ref if beta else None)
         stepper.preference_sums = []
-        loss = float(stepper.loss_sum(batch).detach()) / batch.targets
+        loss = float(stepper.loss_sum(batch).detach()) / stepper.objective.denominator(batch.targets, len(ids))
         ours = grpo.metrics(stepper.preference_sums[0].tolist(), beta)
         model = worker.accelerator.unwrap_model(worker.model)
         completions = [c for i in ids for c in groups[i].completions]
@@ -124,7 +128,7 @@ def test_the_loss_and_kl_equal_trls_grpo_trainer_on_a_batch_it_sampled(tmp_path,
                                                                                         strict=True))]  # fmt: skip
         inputs["ref_per_token_logps"] = torch.stack([torch.nn.functional.pad(v, (0, length - len(v))) for v in rows])
     add_fused_lm_head(model_copy, temperature=temperature, outputs=("log_probs", "entropy"))
-    trainer = _trl_grpo(beta, temperature)
+    trainer = _trl_grpo(beta, temperature, loss_type)
     with torch.no_grad():
         want = float(GRPOTrainer._compute_loss(trainer, model_copy, inputs))
     assert batch.targets == sum(map(len, completions))
@@ -197,6 +201,21 @@ def test_a_resumed_run_samples_and_trains_as_an_uninterrupted_one(tmp_path):
         assert b["reward"] == pytest.approx(a["reward"], abs=1e-6)
         assert b["completions/mean_length"] == a["completions/mean_length"]
         assert b["loss"] == pytest.approx(a["loss"], abs=1e-6)
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", pytest.param("dr_grpo", marks=pytest.mark.sweep)])
+def test_the_other_loss_types_do_not_depend_on_the_micro_batch(tmp_path, loss_type):
+    """grpo (each completion's token mean) and dr_grpo (over completions x max_completion_length) averaged over the
+    whole step: 3 steps at micro-batch 4 and at micro-batch 1 log the same losses (the later ones after the same
+    updates). Weights are not compared: Adam turns summation-order noise in a near-zero gradient into a full step."""
+    losses = {}
+    for mbs in (4, 1):
+        data_file = th.write_jsonl(tmp_path / f"p{mbs}.jsonl", prompts())
+        sections = _sections(tmp_path, data_file, steps=3, log_every=1, micro_batch=mbs, grpo={"loss_type": loss_type})
+        code, _ = th.train_in_process(th.tiny_spec(tmp_path / f"run{mbs}", **sections))
+        assert code == EXIT_OK
+        losses[mbs] = [r["loss"] for r in th.records(tmp_path / f"run{mbs}")]
+    assert len(losses[4]) == 3 and losses[4] == pytest.approx(losses[1], rel=1e-4, abs=1e-6)
 
 
 def test_completions_do_not_depend_on_how_a_step_is_batched(tmp_path):
