@@ -142,15 +142,18 @@ def test_an_in_process_step_down_to_an_offload_tier_goes_on_with_fp32_moments(tm
 
 
 def _params(seed: int) -> list[torch.nn.Parameter]:
+    """The tiny preset's shapes (its MLP's weights and a norm), so that the kernels the runs above compiled serve."""
     torch.manual_seed(seed)
-    return [torch.nn.Parameter(torch.randn(64, 128)), torch.nn.Parameter(torch.randn(128)),
-            torch.nn.Parameter(torch.randn(32, 256))]  # fmt: skip
+    return [torch.nn.Parameter(torch.randn(128, 512)), torch.nn.Parameter(torch.randn(128)),
+            torch.nn.Parameter(torch.randn(512, 128))]  # fmt: skip
 
 
 def _train(fail_at: int | None) -> tuple[list[torch.nn.Parameter], torch.optim.Optimizer, int]:
+    from runner.train.engine import BETAS
+
     params = _params(0)
-    opt = internals.adamw_8bit([{"params": params[:2]}, {"params": params[2:], "weight_decay": 0.0}], 1e-2,
-                               (0.9, 0.999))  # fmt: skip
+    groups = [{"params": params[:2], "weight_decay": 0.0}, {"params": params[2:], "weight_decay": 0.0}]
+    opt = internals.adamw_8bit(groups, 1e-2, BETAS)
     update = Update(opt, params, world_size=1, manual_sync=False, max_grad_norm=1.0)
     calls, real = {"n": 0}, type(opt).step
 
