@@ -896,33 +896,32 @@ def plan_tier(
 def _plan_auto_base(plan: Callable[..., TierPlan]) -> TierPlan:
     """`model.quantize: auto` at one tier: the 16-bit base where it fits, else the 4-bit base where that fits (its
     reason says so, with both figures); the 16-bit plan when neither fits."""
-    plain = plan(quantize=None)
-    if plain.fits:
-        return plain
-    four = plan(quantize="nf4")
-    if not four.fits:
-        return plain
-    gib = 1024**3
-    need, four_need = plain.estimate.gpu_bytes / gib, four.estimate.gpu_bytes / gib
-    why = (f"quantize auto -> nf4: the 16-bit base needs {need:.1f} GiB at micro-batch {max(1, plain.micro_batch)}, "
-           f"the 4-bit one {four_need:.1f} GiB at {four.micro_batch}")  # fmt: skip
-    return replace(four, note=why)
+    return _auto_choice(plan(quantize=None), lambda: plan(quantize="nf4"), "quantize auto -> nf4",
+                        "the 16-bit base needs", "the 4-bit one")  # fmt: skip
 
 
 def _plan_auto_optimizer(plan: Callable[..., TierPlan], tier: str) -> TierPlan:
     """`training.optimizer: auto` at one tier: AdamW's fp32 moments where they fit, else 8-bit ones where those fit,
     before any offloading (its note says so, with both figures); AdamW at the offload tiers (host moments)."""
-    plain = plan(optimizer="adamw")
-    if plain.fits or tier in HOST_OPTIMIZER_TIERS:
+    if tier in HOST_OPTIMIZER_TIERS:
+        return plan(optimizer="adamw")
+    return _auto_choice(plan(optimizer="adamw"), lambda: plan(optimizer="adamw_8bit"), "optimizer auto -> adamw_8bit",
+                        "AdamW's fp32 moments need", "8-bit ones")  # fmt: skip
+
+
+def _auto_choice(plain: TierPlan, other: Callable[[], TierPlan], choice: str, plain_words: str,
+                 other_words: str) -> TierPlan:  # fmt: skip
+    """An `auto` setting at one tier: `plain` where it fits, else `other()` where that fits, its note saying so with
+    both figures (after any note it has); `plain` when neither fits."""
+    if plain.fits:
         return plain
-    eight = plan(optimizer="adamw_8bit")
-    if not eight.fits:
+    alt = other()
+    if not alt.fits:
         return plain
     gib = 1024**3
-    need, eight_need = plain.estimate.gpu_bytes / gib, eight.estimate.gpu_bytes / gib
-    why = (f"optimizer auto -> adamw_8bit: AdamW's fp32 moments need {need:.1f} GiB at micro-batch "
-           f"{max(1, plain.micro_batch)}, 8-bit ones {eight_need:.1f} GiB at {eight.micro_batch}")  # fmt: skip
-    return replace(eight, note="; ".join(filter(None, (eight.note, why))))
+    why = (f"{choice}: {plain_words} {plain.estimate.gpu_bytes / gib:.1f} GiB at micro-batch "
+           f"{max(1, plain.micro_batch)}, {other_words} {alt.estimate.gpu_bytes / gib:.1f} GiB at {alt.micro_batch}")
+    return replace(alt, note="; ".join(filter(None, (alt.note, why))))
 
 
 def plan_all(

@@ -32,13 +32,9 @@ BLOCK = 256  # values per fp32 scale (AdamW8bit's default block_size)
 
 def adamw_8bit(groups: list[dict[str, Any]], lr: float, betas: tuple[float, float]) -> torch.optim.Optimizer:
     """torchao's AdamW8bit over `groups`; ConfigError (exit 2) naming the fix when torchao is not installed."""
-    try:
-        from torchao.optim import AdamW8bit
-    except ImportError as exc:
-        raise ConfigError(
-            f"training.optimizer adamw_8bit needs torchao, which this install cannot import ({exc}): "
-            "pip install 'jobspec-k8s[offload]' (the GPU images carry it), or use training.optimizer: adamw"
-        ) from None
+    check_low_bit()
+    from torchao.optim import AdamW8bit
+
     return AdamW8bit(groups, lr=lr, betas=betas, block_size=BLOCK)
 
 

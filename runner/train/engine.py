@@ -28,6 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from jobspec.catalog.tiers import HOST_OPTIMIZER_TIERS
 from jobspec.errors import ConfigError
 from jobspec.spec.models import JobSpec
 from runner import internals
@@ -42,7 +43,6 @@ MIXED = {"bf16": "bf16", "fp16": "fp16", "fp32": "no"}  # plan precision -> acce
 DTYPE = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 PARAM_OFFLOAD_TIERS = ("minimal",)  # FSDP2 CPUOffloadPolicy: parameters, gradients and the step on the host
 OPTIMIZER_OFFLOAD_TIERS = ("zero2_offload",)  # torchao: optimizer states and the step on the host
-OFFLOAD_TIERS = PARAM_OFFLOAD_TIERS + OPTIMIZER_OFFLOAD_TIERS
 RESHARD_TIERS = ("zero3", "minimal")
 BETAS = (0.9, 0.95)
 # accelerate's engine switches in the environment: its launcher sets them, a shell may have them, and accelerate sets
@@ -105,7 +105,7 @@ def uses_low_bit(spec: JobSpec, tier: str, planned: str = "adamw") -> bool:
     them: `planned`) and the tier keeps its optimizer state on the GPU (an offload tier's states cost host memory
     only, and its host AdamW is torch's fused fp32 one)."""
     asked = spec.training.optimizer == "adamw_8bit" or planned == "adamw_8bit"
-    return asked and tier not in OFFLOAD_TIERS
+    return asked and tier not in HOST_OPTIMIZER_TIERS
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:

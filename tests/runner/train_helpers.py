@@ -284,3 +284,32 @@ def save_test_tokenizer(
     fast = PreTrainedTokenizerFast(tokenizer_object=bpe, **roles)
     fast.chat_template = CHAT_TEMPLATE if template is None else template
     fast.save_pretrained(path)
+
+
+def steps_with_an_oom(update: Any, opt: Any, steps: int, set_grads: Any, fail_at: int | None = None) -> int:
+    """`steps` optimizer steps through `update` (runner/train/update.py `Update`) of `opt`, each after
+    `set_grads(step)`; the `fail_at`-th call of `opt.step` raises an OOM (this instance only), and `apply` is called
+    again (3 tries), as the runner retries a rank's step. Returns how many times `opt.step` was called."""
+    import torch
+
+    calls = {"n": 0}
+    real = type(opt).step
+
+    def flaky(self: Any, *args: Any, **kwargs: Any) -> Any:
+        calls["n"] += 1
+        if calls["n"] == fail_at:
+            raise torch.OutOfMemoryError("CUDA out of memory (test: injected at an optimizer step)")
+        return real(self, *args, **kwargs)
+
+    opt.step = flaky.__get__(opt)
+    for step in range(steps):
+        set_grads(step)
+        prepared = update.prepare([torch.tensor(1.0)], torch.device("cpu"))
+        for _ in range(3):
+            try:
+                update.apply(prepared, 1e-2)
+                break
+            except torch.OutOfMemoryError:
+                continue
+        opt.zero_grad(set_to_none=True)
+    return calls["n"]

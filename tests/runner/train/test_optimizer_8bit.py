@@ -18,7 +18,7 @@ from jobspec.plan import memory
 from runner import internals
 from runner.train import handoff
 from runner.train.update import Update
-from tests.runner.train_helpers import records, tiny_spec, train_and_resume, train_in_process
+from tests.runner.train_helpers import records, steps_with_an_oom, tiny_spec, train_and_resume, train_in_process
 
 EIGHT_BIT = {"training": {"micro_batch": 4, "steps": 8, "optimizer": "adamw_8bit"}, "checkpoints": {"every_steps": 4}}
 
@@ -155,28 +155,13 @@ def _train(fail_at: int | None) -> tuple[list[torch.nn.Parameter], torch.optim.O
     groups = [{"params": params[:2], "weight_decay": 0.0}, {"params": params[2:], "weight_decay": 0.0}]
     opt = internals.adamw_8bit(groups, 1e-2, BETAS)
     update = Update(opt, params, world_size=1, manual_sync=False, max_grad_norm=1.0)
-    calls, real = {"n": 0}, type(opt).step
 
-    def flaky(self, *args, **kwargs):
-        calls["n"] += 1
-        if calls["n"] == fail_at:
-            raise torch.OutOfMemoryError("CUDA out of memory (test: inside the 8-bit step)")
-        return real(self, *args, **kwargs)
-
-    opt.step = flaky.__get__(opt)  # this instance only
-    for step in range(3):
+    def grads(step: int) -> None:
         g = torch.Generator().manual_seed(100 + step)
         for p in params:
             p.grad = torch.randn(p.shape, generator=g)
-        prepared = update.prepare([torch.tensor(1.0)], torch.device("cpu"))
-        for _ in range(3):
-            try:
-                update.apply(prepared, 1e-2)
-                break
-            except torch.OutOfMemoryError:
-                continue
-        opt.zero_grad(set_to_none=True)
-    return params, opt, calls["n"]
+
+    return params, opt, steps_with_an_oom(update, opt, 3, grads, fail_at)
 
 
 def test_an_oom_inside_the_8bit_step_steps_no_parameter_twice():
@@ -292,36 +277,45 @@ def test_on_a_gpu_the_8bit_step_holds_no_more_than_the_working_copies_counted():
     assert extra <= memory.LOW_BIT_STEP_BYTES * p.numel()
 
 
+def _supervised_and_resumed(tmp_path, hardware: dict, at: int, timeout: float, **sections) -> list[dict]:
+    """The spec run whole by `python -m runner` (the supervisor's path) in tmp_path/full, and again in tmp_path/part
+    from a copy of full's checkpoint step-`at` alone; both must exit 0. The two runs' losses by step."""
+    import shutil
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from tests.runner.train_helpers import runner_env, tiny_spec_dict, write_spec
+
+    root = Path(__file__).resolve().parents[3]
+    losses = []
+    for name in ("full", "part"):
+        spec = {**tiny_spec_dict(tmp_path / name, **sections), "hardware": hardware}
+        if name == "part":
+            (tmp_path / name).mkdir()
+            shutil.copytree(tmp_path / "full" / f"step-{at}", tmp_path / name / f"step-{at}")
+        path = write_spec(tmp_path / f"{name}.yaml", spec)
+        result = subprocess.run([sys.executable, "-m", "runner", str(path)], cwd=root, env=runner_env(),
+                                capture_output=True, text=True, timeout=timeout)  # fmt: skip
+        assert result.returncode == 0, result.stderr[-4000:]
+        assert "torchao AdamW8bit" in result.stderr
+        losses.append({r["step"]: r["loss"] for r in records(tmp_path / name)})
+    return losses
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA or ROCm GPU")
 def test_an_8bit_run_on_a_gpu_resumes_as_it_ran(tmp_path):
     """The supervisor's path on a GPU at tier fast, bf16 autocast, 8-bit moments on the device: 4 steps, then the
     same from step 2's checkpoint, each step's loss the same."""
-    import subprocess
-    import sys
-    from pathlib import Path
+    from tests.runner.train_helpers import timeout_s
 
-    from tests.runner.train_helpers import runner_env, timeout_s, tiny_spec_dict, write_spec
-
-    root = Path(__file__).resolve().parents[3]
-    losses = []
-    for name in ("full", "part"):
-        spec = tiny_spec_dict(tmp_path / name, training={"micro_batch": 4, "steps": 4, "optimizer": "adamw_8bit",
-                                                         "precision": "auto"},
-                              checkpoints={"every_steps": 2}, memory={"tier": "fast"})  # fmt: skip
-        spec["hardware"] = {"vendor": "cuda", "gpus": 1}
-        if name == "part":
-            import shutil
-
-            (tmp_path / name).mkdir()
-            shutil.copytree(tmp_path / "full" / "step-2", tmp_path / name / "step-2")
-        path = write_spec(tmp_path / f"{name}.yaml", spec)
-        result = subprocess.run([sys.executable, "-m", "runner", str(path)], cwd=root, env=runner_env(),
-                                capture_output=True, text=True, timeout=timeout_s())  # fmt: skip
-        assert result.returncode == 0, result.stderr[-4000:]
-        assert "torchao AdamW8bit" in result.stderr
-        losses.append({r["step"]: r["loss"] for r in records(tmp_path / name)})
-    assert sorted(losses[1]) == [3, 4] and all(losses[1][s] == losses[0][s] for s in (3, 4)), losses
+    full, part = _supervised_and_resumed(
+        tmp_path, {"vendor": "cuda", "gpus": 1}, 2, timeout_s(),
+        training={"micro_batch": 4, "steps": 4, "optimizer": "adamw_8bit", "precision": "auto"},
+        checkpoints={"every_steps": 2}, memory={"tier": "fast"},
+    )  # fmt: skip
+    assert sorted(part) == [3, 4] and all(part[s] == full[s] for s in (3, 4)), (full, part)
 
 
 @pytest.mark.sweep
@@ -330,28 +324,14 @@ def test_two_ranks_resume_an_8bit_run_as_it_ran(tmp_path, tier):
     """Two gloo ranks (DDP at fast, FSDP2 at zero3: each rank's 8-bit moments of its own shard), checkpointed at step
     4 and resumed there on two ranks: every later loss the same (measured 2026-11-29: equal at both tiers; resumed on
     one rank instead, the blocks differ and the losses agree to 1e-7)."""
-    import shutil
-    import subprocess
-    import sys
-    from pathlib import Path
+    from tests.runner.train_helpers import timeout_s
 
-    from tests.runner.train_helpers import runner_env, timeout_s, tiny_spec_dict, write_spec
-
-    root = Path(__file__).resolve().parents[3]
-    out = {}
-    for name in ("full", "part"):
-        spec = tiny_spec_dict(tmp_path / name, training={"micro_batch": 2, "steps": 8, "optimizer": "adamw_8bit"},
-                              checkpoints={"every_steps": 4}, memory={"tier": tier})  # fmt: skip
-        spec["hardware"] = {"vendor": "cpu", "gpus": 2}
-        if name == "part":
-            (tmp_path / name).mkdir()
-            shutil.copytree(tmp_path / "full" / "step-4", tmp_path / name / "step-4")
-        path = write_spec(tmp_path / f"{name}.yaml", spec)
-        result = subprocess.run([sys.executable, "-m", "runner", str(path)], cwd=root, env=runner_env(),
-                                capture_output=True, text=True, timeout=timeout_s(2 * 300))  # fmt: skip
-        assert result.returncode == 0, result.stderr[-4000:]
-        out[name] = {r["step"]: r["loss"] for r in records(tmp_path / name)}
-    assert sorted(out["part"]) == [5, 6, 7, 8] and all(out["part"][s] == out["full"][s] for s in out["part"])
+    full, part = _supervised_and_resumed(
+        tmp_path, {"vendor": "cpu", "gpus": 2}, 4, timeout_s(2 * 300),
+        training={"micro_batch": 2, "steps": 8, "optimizer": "adamw_8bit"},
+        checkpoints={"every_steps": 4}, memory={"tier": tier},
+    )  # fmt: skip
+    assert sorted(part) == [5, 6, 7, 8] and all(part[s] == full[s] for s in part)
 
 
 def _tier_changes(run_dir) -> list[tuple[str, str]]:

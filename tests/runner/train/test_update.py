@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from runner.train.update import Update
+from tests.runner.train_helpers import steps_with_an_oom
 
 
 def _setup(seed: int = 0, *, fused: bool = True):
@@ -34,27 +35,7 @@ def _grads(params, scaler, step: int, inf: bool = False) -> None:
 
 
 def _train(update, params, opt, scaler, steps: int, fail_at: int | None = None, inf_at: int | None = None):
-    calls = {"n": 0}
-    real = type(opt).step
-
-    def flaky(self, *args, **kwargs):
-        calls["n"] += 1
-        if calls["n"] == fail_at:
-            raise torch.OutOfMemoryError("CUDA out of memory (test: the second parameter group)")
-        return real(self, *args, **kwargs)
-
-    opt.step = flaky.__get__(opt)  # this instance only
-    for step in range(steps):
-        _grads(params, scaler, step, inf=step == inf_at)
-        prepared = update.prepare([torch.tensor(1.0)], torch.device("cpu"))
-        for _ in range(3):
-            try:
-                update.apply(prepared, 1e-2)
-                break
-            except torch.OutOfMemoryError:
-                continue
-        opt.zero_grad(set_to_none=True)
-    return calls["n"]
+    return steps_with_an_oom(update, opt, steps, lambda step: _grads(params, scaler, step, inf=step == inf_at), fail_at)
 
 
 @pytest.mark.parametrize("fused", [True, False])
