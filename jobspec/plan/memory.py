@@ -818,21 +818,17 @@ def plan_tier(
     per_rank = global_batch // world_size
     if micro_batch is not None and (micro_batch < 1 or per_rank % micro_batch):
         raise ConfigError(f"micro_batch {micro_batch} does not divide the per-rank batch {per_rank}")
+    # the `auto` settings decide here, each planning the tier again with its choices (a keyword at the call wins)
+    again = partial(plan_tier, shape, tier=tier, gpu_bytes=gpu_bytes, global_batch=global_batch, world_size=world_size,
+                    seq_len=seq_len, utilization=utilization, lora=lora, checkpointing=checkpointing,
+                    attention=attention, precision=precision, sample_scale=sample_scale, micro_batch=micro_batch,
+                    packed=packed, loss_kernel=loss_kernel, quantize=quantize, rows=rows,
+                    sampling=sampling)  # fmt: skip
     if optimizer == "auto":
-        return _plan_auto_optimizer(partial(plan_tier, shape, tier=tier, gpu_bytes=gpu_bytes, global_batch=global_batch,
-                                            world_size=world_size, seq_len=seq_len, utilization=utilization, lora=lora,
-                                            checkpointing=checkpointing, attention=attention, precision=precision,
-                                            sample_scale=sample_scale, micro_batch=micro_batch, packed=packed,
-                                            loss_kernel=loss_kernel, quantize=quantize, rows=rows, sampling=sampling),
-                                    tier)  # fmt: skip
+        return _plan_auto_optimizer(again, tier)
     optimizer = "adamw" if tier in HOST_OPTIMIZER_TIERS else optimizer  # their host AdamW keeps fp32 moments
     if quantize == "auto" and lora is not None:
-        return _plan_auto_base(partial(plan_tier, shape, tier=tier, gpu_bytes=gpu_bytes, global_batch=global_batch,
-                                       world_size=world_size, seq_len=seq_len, utilization=utilization, lora=lora,
-                                       checkpointing=checkpointing, attention=attention, precision=precision,
-                                       sample_scale=sample_scale, micro_batch=micro_batch, packed=packed,
-                                       loss_kernel=loss_kernel, rows=rows, sampling=sampling,
-                                       optimizer=optimizer))  # fmt: skip
+        return _plan_auto_base(partial(again, optimizer=optimizer))
     quantize = base_quantization(quantize, lora)
     budget = int(utilization * gpu_bytes)
     est = partial(
