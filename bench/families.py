@@ -77,6 +77,9 @@ def _shrunk(cfg: dict[str, Any], vocab: int) -> dict[str, Any]:
         cfg.update(n_group=2, topk_group=1)
     if cfg.get("sliding_window"):
         cfg["sliding_window"] = 32
+    if "linear_num_key_heads" in cfg:  # Qwen3-Next: one linear-attention layer and one full, 2 key heads of 4 values
+        cfg.update(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
+                   full_attention_interval=2)  # fmt: skip
     if cfg["model_type"] == "llama4_text":  # one dense layer and one MoE, the second without rope, chunks of 32
         cfg.update(intermediate_size_mlp=256, interleave_moe_layer_step=2, no_rope_layers=[], no_rope_layer_interval=2,
                    attention_chunk_size=32)  # fmt: skip

@@ -42,6 +42,7 @@ FAMILIES = {
     "olmoe-1b-7b": ("olmoe-1b-7b", "allenai/OLMoE-1B-7B-0924", "H100:8", False, None),
     "gpt-oss-20b-lora": ("gpt-oss-20b", "openai/gpt-oss-20b", "H100:2", True, None),
     "llama-4-scout-lora": ("llama-4-scout", "meta-llama/Llama-4-Scout-17B-16E-Instruct", "H200:8", True, None),
+    "qwen3-next-80b-a3b-lora": ("qwen3-next-80b-a3b", "Qwen/Qwen3-Next-80B-A3B-Instruct", "H200:8", True, None),
     "gemma-2b-lora": ("gemma-2b", "google/gemma-2b", "L4:1", True, None),
     "gemma-2-2b-lora": ("gemma-2-2b", "google/gemma-2-2b-it", "L4:1", True, None),
     "gemma-3-1b": ("gemma-3-1b", "google/gemma-3-1b-it", "A100-40GB:1", False, None),

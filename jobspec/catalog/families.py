@@ -68,10 +68,11 @@ class Family:
     scale_divides: bool = False  # Granite divides the logits by its `logits_scaling`
     extra_norms: int = 0  # norms a block has beyond the usual two (Gemma 2 and 3: after attention and the MLP)
     attentions: frozenset[str] = field(default=KERNELS)  # the kernels transformers builds the family with
-    # Activation bytes a layer keeps per token beyond the block it is traced as, (per hidden unit, per unit of q
-    # width) by residual width (4: `fast`'s fp32 stream, 2: FSDP2's 16-bit one), traced at hidden 512-768: Gemma's
-    # scaled embedding and (1 + w) norms, Gemma 2 and 3's extra norms and pre-attention query scaling
-    act_extra: tuple[tuple[int, tuple[float, float]], ...] = ()
+    # Activation bytes a layer keeps per token beyond the block it is traced as, (per hidden unit, per unit of
+    # q width[, per unit of kv width]) by residual width (4: `fast`'s fp32 stream, 2: FSDP2's 16-bit one), traced
+    # at hidden 512-768: Gemma's scaled embedding and (1 + w) norms, Gemma 2 and 3's extra norms and pre-attention
+    # query scaling
+    act_extra: tuple[tuple[int, tuple[float, ...]], ...] = ()
     score_extra: float = 0.0  # eager attention's bytes per head and token pair beyond the softmax (Gemma 2's
     # soft-capped scores keep their tanh)
     window_mask: float = 0.0  # bytes per token pair a sliding-window layer keeps under sdpa when the sequence is
@@ -91,6 +92,10 @@ class Family:
     # planned and trained, its vision tower left out (Gemma 3 4B+: the runner loads its language model's weights)
     dense_width: str = "intermediate_size"  # the config key of a dense layer's MLP width (Llama 4:
     # intermediate_size_mlp; its intermediate_size is an expert's)
+    linear: bool = False  # Gated DeltaNet linear attention in the layers `layer_types` names (or all but every
+    # `full_attention_interval`-th): Qwen3-Next's linear_* keys
+    gated_attention: bool = False  # the softmax attention's output is gated by a sigmoid of a second query-wide
+    # projection (Qwen3-Next's q_proj makes both)
     text_defaults: tuple[tuple[str, object], ...] = ()  # the text config class's defaults, for the keys a published
     # text_config leaves out (Gemma 3's lists only what differs from Gemma3TextConfig)
 
@@ -136,6 +141,12 @@ FAMILIES: dict[str, Family] = {
         Family("qwen3_moe", "Qwen 3 MoE", qk_norm=True,
                experts=ExpertKeys(_QWEN, "moe_intermediate_size", sparse_step="decoder_sparse_step",
                                   dense_list="mlp_only_layers")),
+        Family(
+            "qwen3_next", "Qwen3-Next", qk_norm=True, linear=True, gated_attention=True,
+            experts=ExpertKeys(_QWEN, "moe_intermediate_size", shared="shared_expert_intermediate_size",
+                               shared_gate=True, sparse_step="decoder_sparse_step", dense_list="mlp_only_layers"),
+            act_extra=((4, (0.0, 8.1, 1.9)), (2, (4.1, 8.1, 1.9))),  # the output gate (its sigmoid, the gated output)
+        ),  # and the (1 + w) norms at the 16-bit residual; its linear-attention layers: memory.LINEAR_ACT_BYTES
         Family("olmoe", "OLMoE", qk_norm=True, experts=ExpertKeys(_QWEN, "intermediate_size")),
         Family(
             "deepseek_v2", "DeepSeek-V2", mla=True,

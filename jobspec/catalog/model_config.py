@@ -37,6 +37,7 @@ BOUNDS = {
     "top_k": 4096,
     "expert_width": 1024**2,
     "rank": 65_536,
+    "conv": 1024,
 }
 _GPT2_KEYS = {"layers": "n_layer", "hidden": "n_embd", "heads": "n_head", "vocab": "vocab_size",
               "max_positions": "n_positions", "intermediate": "n_inner"}  # fmt: skip
@@ -114,7 +115,8 @@ def shape_from_config(cfg: dict[str, Any], where: str = "config.json") -> ModelS
                       qk_norm=fam.qk_norm or (fam.qk_norm_key is not None and cfg.get(fam.qk_norm_key) is True),
                       fused_projections=fam.block == "phi3",
                       residual_dropout=_dropout(cfg, "resid_pdrop", 0.0), model_type=fam.name, mla=mla,
-                      extra_norms=fam.extra_norms, sliding_window=window,
+                      extra_norms=fam.extra_norms, sliding_window=window, gated_attention=fam.gated_attention,
+                      **_linear(cfg, v["layers"], where) if fam.linear else {},
                       **_experts(cfg, fam, v["layers"], v["intermediate"], where))  # fmt: skip
 
 
@@ -192,6 +194,42 @@ def _dense_at(cfg: dict[str, Any], keys: ExpertKeys, layers: int) -> tuple[int, 
     only = cfg.get(keys.dense_list) if keys.dense_list else None
     only = {i for i in only if isinstance(i, int)} if isinstance(only, list) else set()
     return tuple(i for i in range(layers) if i in only or (i + 1) % step)
+
+
+LINEAR_KEYS = {"linear_num_key_heads": "heads", "linear_num_value_heads": "heads", "linear_key_head_dim": "head_dim",
+               "linear_value_head_dim": "head_dim", "linear_conv_kernel_dim": "conv"}  # fmt: skip
+LINEAR_DEFAULTS = {"linear_num_key_heads": 16, "linear_num_value_heads": 32, "linear_key_head_dim": 128,
+                   "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4, "full_attention_interval": 4}  # fmt: skip
+# Qwen3NextConfig's defaults in transformers 5.24, for the keys a config.json leaves out
+
+
+def _linear(cfg: dict[str, Any], layers: int, where: str) -> dict[str, Any]:
+    """Linear attention's widths and the layers that hold it, as transformers builds them: `layer_types` where the
+    config lists them ("linear_attention" or "full_attention" each), else every layer but each
+    `full_attention_interval`-th. Every width an integer in bounds; the value heads a multiple of the key heads
+    (each key head serves a group of them)."""
+    values = {key: cfg.get(key, LINEAR_DEFAULTS[key]) for key in LINEAR_KEYS}
+    problems = [(key, why) for key, bound in LINEAR_KEYS.items() if (why := _bad_int(values[key], BOUNDS[bound]))]
+    k_heads, v_heads = values["linear_num_key_heads"], values["linear_num_value_heads"]
+    if not problems and v_heads % k_heads:
+        problems.append(("linear_num_value_heads", f"{v_heads} is not a multiple of linear_num_key_heads {k_heads}"))
+    types = cfg.get("layer_types")
+    if types is not None:
+        kinds = ("linear_attention", "full_attention")
+        if not isinstance(types, list) or len(types) != layers or any(t not in kinds for t in types):
+            problems.append(("layer_types", f"must list {layers} entries, each linear_attention or full_attention"))
+        else:
+            linear_at = tuple(i for i, t in enumerate(types) if t == "linear_attention")
+    else:
+        interval = cfg.get("full_attention_interval", LINEAR_DEFAULTS["full_attention_interval"])
+        if why := _bad_int(interval, BOUNDS["layers"]):
+            problems.append(("full_attention_interval", why))
+        else:
+            linear_at = tuple(i for i in range(layers) if (i + 1) % interval)
+    if problems:
+        shown = "; ".join(f"{key}: {why}" for key, why in problems)
+        raise ConfigProblems(f"{where}: the model config cannot be built ({shown}): fix the file", problems)
+    return {"linear": tuple(values[key] for key in LINEAR_KEYS), "linear_at": linear_at}
 
 
 def _mla(cfg: dict[str, Any], where: str) -> tuple[int, int, int, int, int]:

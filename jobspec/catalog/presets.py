@@ -51,6 +51,12 @@ class ModelShape:
     mla: tuple[int, int, int, int, int] | None = None
     extra_norms: int = 0  # norms a block has beyond its two (Gemma 2 and 3)
     sliding_window: int | None = None  # tokens a sliding-window layer attends to (Gemma 3), None: all
+    # Linear attention (Qwen3-Next's Gated DeltaNet): (key heads, value heads, key head width, value head width,
+    # convolution width) of the layers `linear_at` lists, which hold it instead of softmax attention; None: none
+    linear: tuple[int, int, int, int, int] | None = None
+    linear_at: tuple[int, ...] = ()
+    gated_attention: bool = False  # the queries' projection also makes a sigmoid gate on the attention's output
+    # (Qwen3-Next): q_proj is twice as wide
 
     @property
     def q_width(self) -> int:
@@ -89,15 +95,45 @@ class ModelShape:
         """Experts that compute each token: the ones it is routed to, or all of them (`every_expert`)."""
         return self.experts if self.every_expert else self.experts_per_token
 
-    def attention_params(self) -> int:
-        """Parameters of one block's attention (q, k, v and o; or MLA's low-rank projections and their norms)."""
+    def linear_at_layer(self, layer: int) -> bool:
+        """Whether layer `layer` (0-based; -1 the last) holds linear attention instead of softmax attention."""
+        return self.linear is not None and (layer % self.layers) in self.linear_at
+
+    @property
+    def attention_layers(self) -> int:
+        """Layers with softmax attention (every one but the linear-attention layers)."""
+        return self.layers - (len(self.linear_at) if self.linear else 0)
+
+    @property
+    def linear_widths(self) -> tuple[int, int]:
+        """(key width, value width) of a linear-attention layer: heads x head width (queries are key-wide)."""
+        k_heads, v_heads, k_dim, v_dim, _ = self.linear or (0, 0, 0, 0, 0)
+        return k_heads * k_dim, v_heads * v_dim
+
+    def layer_kinds(self) -> dict[tuple[bool, bool], int]:
+        """(mixture of experts, linear attention) -> how many layers are of that kind."""
+        kinds: dict[tuple[bool, bool], int] = {}
+        for i in range(self.layers):
+            kind = (self.moe_at(i), self.linear_at_layer(i))
+            kinds[kind] = kinds.get(kind, 0) + 1
+        return kinds
+
+    def attention_params(self, linear: bool = False) -> int:
+        """Parameters of one block's attention (q, k, v and o; or MLA's low-rank projections and their norms; or
+        with `linear`, the linear attention's projections, convolution, decay, gated norm)."""
         h = self.hidden
+        if linear and self.linear:
+            _, v_heads, _, v_dim, conv = self.linear
+            key, value = self.linear_widths
+            mixed = 2 * key + value  # q, k and v through the convolution
+            return h * (mixed + value) + h * 2 * v_heads + mixed * conv + 2 * v_heads + v_dim + value * h
         if self.mla:
             q_rank, kv_rank, nope, rope, v = self.mla
             qk = self.heads * (nope + rope)
             q = h * q_rank + q_rank + q_rank * qk if q_rank else h * qk
             return q + h * (kv_rank + rope) + kv_rank + kv_rank * self.heads * (nope + v) + self.heads * v * h
-        return 2 * h * self.q_width + 2 * h * self.kv_width
+        gate = h * self.q_width if self.gated_attention else 0
+        return 2 * h * self.q_width + 2 * h * self.kv_width + gate
 
     def dense_mlp_params(self) -> int:
         return 3 * self.hidden * self.intermediate
@@ -111,11 +147,16 @@ class ModelShape:
         router = self.experts * (h + (1 if self.expert_bias else 0))
         return router + n * (3 * h * e + bias) + 3 * h * self.shared_intermediate + (h if self.shared_gate else 0)
 
-    def block_params(self, moe: bool) -> int:
-        """Parameters of one Llama-style block, dense or MoE (FSDP2 gathers a block whole)."""
+    def block_params(self, moe: bool, linear: bool = False) -> int:
+        """Parameters of one Llama-style block, dense or MoE, with softmax or linear attention (FSDP2 gathers a block
+        whole)."""
         norms = (2 + self.extra_norms) * self.hidden
         mlp = self.moe_mlp_params() if moe else self.dense_mlp_params()
-        return self.attention_params() + mlp + norms
+        return self.attention_params(linear) + mlp + norms
+
+    def block_params_at(self, layer: int) -> int:
+        """`block_params` of layer `layer` (0-based; -1 the last)."""
+        return self.block_params(self.moe_at(layer), self.linear_at_layer(layer))
 
     @property
     def params(self) -> int:
@@ -127,7 +168,7 @@ class ModelShape:
             block = 4 * h * h + 2 * h * i + 9 * h + i
             embed = v * h + self.max_positions * h
             return embed + n * block + 2 * h  # + final layernorm
-        blocks = (n - self.moe_layers) * self.block_params(False) + self.moe_layers * self.block_params(True)
+        blocks = sum(count * self.block_params(*kind) for kind, count in self.layer_kinds().items())
         embed = v * h * (1 if self.tie_embeddings else 2)
         return embed + blocks + h
 

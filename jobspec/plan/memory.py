@@ -101,6 +101,23 @@ ACT_BYTES: dict[tuple[str, int], tuple[float, float, float, float]] = {
 # output), on top of the layer's attention and shared experts (traced on Mixtral-shaped layers, hidden 512-768, expert
 # width 1024-2048, 8-16 experts, top-2 and top-4, `fast`: 8 a unit of expert width, 3-5 a hidden unit)
 MOE_ROUTED_BYTES = (4.0, 8.0)
+# A linear-attention layer (Qwen3-Next's Gated DeltaNet, as transformers runs it without the flash-linear-attention
+# package: its PyTorch chunked delta rule, chunks of LINEAR_CHUNK tokens, in fp32): bytes per token beyond the dense
+# coefficients' hidden and MLP terms (and the family's hidden extra), per (hidden unit, key width, value width, value
+# heads x key head width (q and k repeated for each value head), value heads x chunk (each chunk's decay and attention
+# matrices), value heads x key x value head width / chunk (the recurrent state saved at each chunk)), by (autocast:
+# `fast`, LoRA). Fitted to traces of the runner's step on all-linear layers with dense MLPs (hidden 512-768, 4-16 value
+# heads, head widths 32-128, MLP 1024-2048 wide, 256 tokens: 10 shapes, full fine-tuning every one within 3 bytes a
+# token of the fit, LoRA on every projection within 15; `fast`'s less autocast's cached 16-bit weights, which the
+# states count). LoRA's frozen norms and output projection keep no inputs for weight gradients. fp32 training (not
+# traced) counts the FSDP2 tiers' row.
+LINEAR_CHUNK = 64
+LINEAR_ACT_BYTES: dict[tuple[bool, bool], tuple[float, float, float, float, float, float]] = {
+    (True, False): (-2.0, 8.0, 35.5, 36.5, 14.6, 7.0),
+    (False, False): (0.0, 8.0, 34.0, 32.0, 20.6, 4.0),
+    (True, True): (-3.9, 8.2, 29.7, 36.5, 14.5, 7.0),
+    (False, True): (-4.0, 8.1, 30.0, 32.0, 20.5, 4.0),
+}
 # fp32 training (no autocast, no 16-bit copies), every tier
 FP32_ACT_BYTES: dict[str, tuple[float, float, float, float]] = {
     "llama": (24.0, 8.0, 8.0, 16.0),
@@ -199,11 +216,14 @@ class LoraShape:
     targets: tuple[str, ...]
 
 
-def _lora_modules(shape: ModelShape, moe: bool = False) -> dict[str, list[tuple[str, int, int, str]]]:
+def _lora_modules(
+    shape: ModelShape, moe: bool = False, linear: bool = False
+) -> dict[str, list[tuple[str, int, int, str]]]:
     """Target name -> (module, in, out features, the tensor it reads) of the linear layers it matches in one block
     (`moe`: a mixture-of-experts block, whose MLP projections are only its shared experts'; the routed experts are
-    3-D parameters, not linear layers). Modules that read one tensor (q, k and v read the attention's normed input)
-    name the same one."""
+    3-D parameters, not linear layers; `linear`: a linear-attention block, whose projections replace q, k, v and o).
+    Modules that read one tensor (q, k and v read the attention's normed input) name the same one. A name the other
+    kind of block has maps to no module here (peft adapts what each block holds)."""
     h, i = shape.hidden, shape.intermediate
     if shape.family == "gpt2":  # Conv1D layers; `c_proj` is the suffix of both projections
         attn, mlp = ("attn.c_proj", h, h, "attn_out"), ("mlp.c_proj", i, h, "mlp_act")
@@ -229,9 +249,15 @@ def _lora_modules(shape: ModelShape, moe: bool = False) -> dict[str, list[tuple[
                   "o_proj": (shape.heads * v, h, "attn_out"), "gate_proj": (h, i, "mlp_in"),
                   "up_proj": (h, i, "mlp_in"), "down_proj": (i, h, "mlp_act")}  # fmt: skip
     else:
-        shapes = {"q_proj": (h, q, "attn_in"), "k_proj": (h, kv, "attn_in"), "v_proj": (h, kv, "attn_in"),
-                  "o_proj": (q, h, "attn_out"), "gate_proj": (h, i, "mlp_in"), "up_proj": (h, i, "mlp_in"),
-                  "down_proj": (i, h, "mlp_act")}  # fmt: skip
+        shapes = {"q_proj": (h, q * (2 if shape.gated_attention else 1), "attn_in"), "k_proj": (h, kv, "attn_in"),
+                  "v_proj": (h, kv, "attn_in"), "o_proj": (q, h, "attn_out"), "gate_proj": (h, i, "mlp_in"),
+                  "up_proj": (h, i, "mlp_in"), "down_proj": (i, h, "mlp_act")}  # fmt: skip
+    if shape.linear:  # Gated DeltaNet's projections in its layers, softmax attention's in the others
+        key, value = shape.linear_widths
+        on = {"in_proj_qkvz": (h, 2 * key + 2 * value, "attn_in"), "in_proj_ba": (h, 2 * shape.linear[1], "attn_in"),
+              "out_proj": (value, h, "linear_out")}  # fmt: skip
+        off = ("q_proj", "k_proj", "v_proj", "o_proj")
+        shapes |= {n: on[n] if linear else (0, 0, "") for n in on} | {n: (0, 0, "") for n in off if linear}
     if shape.moe:  # the routed experts' 3-D parameters (peft's target_parameters): rank r per expert, E x (in + out)
         e, ie = (shape.experts, shape.expert_intermediate) if moe else (0, 0)
         shapes |= {"experts.gate_up_proj": (e * h, e * 2 * ie, "experts"),
@@ -239,10 +265,12 @@ def _lora_modules(shape: ModelShape, moe: bool = False) -> dict[str, list[tuple[
     return {name: [(name, fin, fout, reads)] if fin and fout else [] for name, (fin, fout, reads) in shapes.items()}
 
 
-def _lora_targets(shape: ModelShape, lora: LoraShape, moe: bool = False) -> set[tuple[str, int, int, str]]:
-    """The modules of one block (a MoE block with `moe`) that `lora` adapts (a set: `c_proj` + `mlp.c_proj` count
-    once); ConfigError naming the targets this family has when one is unknown."""
-    table = _lora_modules(shape, moe)
+def _lora_targets(
+    shape: ModelShape, lora: LoraShape, moe: bool = False, linear: bool = False
+) -> set[tuple[str, int, int, str]]:
+    """The modules of one block (a MoE block with `moe`, a linear-attention one with `linear`) that `lora` adapts (a
+    set: `c_proj` + `mlp.c_proj` count once); ConfigError naming the targets this family has when one is unknown."""
+    table = _lora_modules(shape, moe, linear)
     unknown = [t for t in lora.targets if t not in table]
     if unknown or not lora.targets or lora.rank < 1:
         raise ConfigError(
@@ -252,27 +280,27 @@ def _lora_targets(shape: ModelShape, lora: LoraShape, moe: bool = False) -> set[
     return {m for t in lora.targets for m in table[t]}
 
 
-def _per_layer(shape: ModelShape, value: Callable[[bool], float]) -> float:
-    """`value(moe)` summed over the layers: the dense ones and the mixture-of-experts ones."""
-    dense = shape.layers - shape.moe_layers
-    return dense * (value(False) if dense else 0) + shape.moe_layers * (value(True) if shape.moe_layers else 0)
+def _per_layer(shape: ModelShape, value: Callable[[bool, bool], float], linear: bool | None = None) -> float:
+    """`value(moe, linear)` summed over the layers of each kind: dense or mixture of experts, softmax or linear
+    attention (`linear` True or False: only the layers of that attention)."""
+    return sum(count * value(*kind) for kind, count in shape.layer_kinds().items() if linear in (None, kind[1]))
 
 
 def trainable_params(shape: ModelShape, lora: LoraShape | None) -> int:
     """Trainable parameters: all of them, or sum over layers and target modules of r*(in+out)."""
     if lora is None:
         return shape.params
-    return int(_per_layer(shape, lambda moe: sum(lora.rank * (fin + fout) for _, fin, fout, _ in
-                                                 _lora_targets(shape, lora, moe))))  # fmt: skip
+    return int(_per_layer(shape, lambda moe, linear: sum(lora.rank * (fin + fout) for _, fin, fout, _ in
+                                                         _lora_targets(shape, lora, moe, linear))))  # fmt: skip
 
 
-def _block_params(shape: ModelShape, moe: bool) -> int:
-    """Parameters of one transformer block, a dense one or (`moe`) one that holds every one of its experts (FSDP2
-    gathers a block whole)."""
+def _block_params(shape: ModelShape, layer: int) -> int:
+    """Parameters of layer `layer`'s block (0-based; -1 the last), every one of its experts included (FSDP2 gathers a
+    block whole)."""
     h, i = shape.hidden, shape.intermediate
     if shape.family == "gpt2":
         return 4 * h * h + 2 * h * i + 9 * h + i
-    return shape.block_params(moe)
+    return shape.block_params_at(layer)
 
 
 @dataclass(frozen=True)
@@ -460,7 +488,7 @@ def _fsdp_peak(
         its gradients at its backward). Backward runs the last layer first and layer 0 last; in a model whose dense
         and MoE layers alternate (Llama 4 Maverick) the block gathered ahead of the last one is a dense one."""
         moe = shape.moe_at(layer)
-        block = _block_params(shape, moe) - saving
+        block = _block_params(shape, layer) - saving
         padded = block + (pad if moe else 0)
         grads = reduced * padded + (head_grad if tied else 0)
         if full and moe:  # the routed experts' weight gradient leaves the grouped matmul transposed: a 16-bit copy
@@ -540,33 +568,54 @@ def _family(shape: ModelShape) -> str:
     return "phi3" if shape.fused_projections else "llama"
 
 
-def _layer_bytes(shape: ModelShape, tier: str, precision: str, lora: LoraShape | None) -> float:
+def _layer_bytes(
+    shape: ModelShape, tier: str, precision: str, lora: LoraShape | None, linear: bool | None = None
+) -> float:
     """Activation bytes one layer saves per token (sdpa), from the traced coefficients: the mean over the layers of a
-    mixture-of-experts model, whose MoE layers have their experts' instead of a dense MLP's."""
-    if not shape.moe:
+    mixture-of-experts or linear-attention model, whose MoE layers have their experts' instead of a dense MLP's and
+    whose linear-attention layers their own (`linear` True or False: the mean over the layers of that attention)."""
+    if not shape.moe and not shape.linear:
         return _kind_bytes(shape, tier, precision, lora, moe=False)
-    return _per_layer(shape, lambda moe: _kind_bytes(shape, tier, precision, lora, moe)) / shape.layers
+    total = _per_layer(shape, lambda moe, lin: _kind_bytes(shape, tier, precision, lora, moe, lin), linear)
+    return total / (shape.layers if linear is None else sum(
+        n for (_, lin), n in shape.layer_kinds().items() if lin == linear))  # fmt: skip
 
 
-def _kind_bytes(shape: ModelShape, tier: str, precision: str, lora: LoraShape | None, moe: bool) -> float:
+def _linear_bytes(shape: ModelShape, tier: str, precision: str, lora: LoraShape | None) -> float:
+    """Bytes a linear-attention layer's attention keeps per token (LINEAR_ACT_BYTES), without its MLP."""
+    _, heads, k_dim, v_dim, _ = shape.linear  # type: ignore[misc]
+    key, value = shape.linear_widths
+    widths = (shape.hidden, key, value, heads * k_dim, heads * LINEAR_CHUNK, heads * k_dim * v_dim / LINEAR_CHUNK)
+    c = LINEAR_ACT_BYTES[(tier == "fast" and precision != "fp32", lora is not None)]
+    return sum(a * w for a, w in zip(c, widths, strict=True))
+
+
+def _kind_bytes(
+    shape: ModelShape, tier: str, precision: str, lora: LoraShape | None, moe: bool, linear: bool = False
+) -> float:
     """`_layer_bytes` of a dense layer, or of a MoE layer (`moe`): the dense coefficients with the shared experts'
-    width for the MLP's, and per routed token MOE_ROUTED_BYTES (the gathered input, the experts' projections)."""
+    width for the MLP's, and per routed token MOE_ROUTED_BYTES (the gathered input, the experts' projections); of a
+    linear-attention layer (`linear`): the dense coefficients without the attention's q and kv terms, and
+    `_linear_bytes` for its attention."""
     mlp = shape.shared_intermediate if moe else shape.intermediate
-    widths = (shape.hidden, shape.q_width, shape.kv_width, mlp)
+    widths = (shape.hidden, 0 if linear else shape.q_width, 0 if linear else shape.kv_width, mlp)
     family = _family(shape)
     extra_bytes = 2 * DROPOUT_MASK_BYTES * shape.hidden if shape.residual_dropout else 0
     fam = FAMILIES.get(shape.model_type)
     if moe:  # the routed experts
         c_h, c_i = (a + b for a, b in zip(MOE_ROUTED_BYTES, fam.routed_extra if fam else (0.0, 0.0), strict=True))
         extra_bytes += shape.experts_computed * (c_h * shape.hidden + c_i * shape.expert_intermediate)
-    extra = dict(fam.act_extra).get(residual_bytes(tier, precision, lora)) if fam else None
-    if extra:  # what the family's blocks keep beyond the block they are traced as
-        extra_bytes += extra[0] * shape.hidden + extra[1] * shape.q_width
+    residual = residual_bytes(tier, precision, lora)
+    extra = dict(fam.act_extra).get(residual) if fam else None
+    if extra:  # what the family's blocks keep beyond the block they are traced as (per hidden, q and kv unit)
+        extra_bytes += sum(c * w for c, w in zip(extra, widths[:3], strict=False))
+    if linear:
+        extra_bytes += _linear_bytes(shape, tier, precision, lora)
     if lora is None:
-        coef = FP32_ACT_BYTES[family] if precision == "fp32" else ACT_BYTES[(family, residual_bytes(tier, precision))]
+        coef = FP32_ACT_BYTES[family] if precision == "fp32" else ACT_BYTES[(family, residual)]
         return sum(c * w for c, w in zip(coef, widths, strict=True)) + extra_bytes
     per_token = sum(c * w for c, w in zip(LORA_ACT_BYTES[(family, tier == "fast")], widths, strict=True)) + extra_bytes
-    modules = _lora_targets(shape, lora, moe)
+    modules = _lora_targets(shape, lora, moe, linear)
     routed = {m for m in modules if m[3] == "experts"}  # adapters of the experts read each routed token's input
     modules -= routed
     per_token += shape.experts_computed * LORA_INPUT_BYTES * sum(fin // max(1, shape.experts)
@@ -616,11 +665,12 @@ def _activations(
     lora: LoraShape | None = None,
 ) -> int:
     per_token = _layer_bytes(shape, tier, precision, lora)
+    softmax = shape.attention_layers / shape.layers  # the layers with softmax attention (not linear attention)
     if shape.qk_norm:
         fam = FAMILIES.get(shape.model_type)
-        per_token += (QK_NORM_BYTES + (fam.qk_norm_extra if fam else 0.0)) * (shape.q_width + shape.kv_width)
+        per_token += softmax * (QK_NORM_BYTES + (fam.qk_norm_extra if fam else 0.0)) * (shape.q_width + shape.kv_width)
     if attention == "eager":  # the scores and their softmax stay in memory, per head and token pair
-        per_token += _eager_scores(shape, tier, precision) * shape.heads * seq_len
+        per_token += softmax * _eager_scores(shape, tier, precision) * shape.heads * seq_len
     elif attention not in ("sdpa", "flash", "flash_attention_2"):
         raise ConfigError(f"unknown attention {attention!r}; expected sdpa, flash or eager")
     per_token += _window_mask(shape, attention, seq_len) * seq_len
@@ -629,7 +679,22 @@ def _activations(
         # and the gradients flowing through it. The step peaks there or at the loss (after the last block),
         # whichever is larger: `estimate` adds the part of the recompute above the loss.
         return shape.layers * residual_bytes(tier, precision, lora) * tokens * shape.hidden
-    return int(shape.layers * per_token * tokens)
+    skipped = sum(_kind_bytes(shape, tier, precision, lora, shape.moe_at(i), shape.linear_at_layer(i))
+                  for i in range(_untrained_prefix(shape, lora)))  # fmt: skip
+    return int((shape.layers * per_token - skipped) * tokens)
+
+
+def _untrained_prefix(shape: ModelShape, lora: LoraShape | None) -> int:
+    """Layers before the first one LoRA adapts: with a frozen embedding and no checkpointing (which makes the blocks'
+    inputs require gradients) nothing in them needs a gradient, so autograd keeps none of their activations (Qwen3-Next
+    with adapters on q_proj and v_proj only: its first three layers hold linear attention and no adapter). 0 without
+    LoRA."""
+    if lora is None or shape.family == "gpt2":
+        return 0
+    for layer in range(shape.layers):
+        if _lora_targets(shape, lora, shape.moe_at(layer), shape.linear_at_layer(layer)):
+            return layer
+    return shape.layers
 
 
 def _recompute(shape: ModelShape, tier: str, tokens: int, seq_len: int, attention: str, precision: str,
@@ -637,7 +702,10 @@ def _recompute(shape: ModelShape, tier: str, tokens: int, seq_len: int, attentio
     """Bytes of the layer that checkpointing recomputes in backward: its activations and the gradients through it."""
     kind = "full" if lora is None else "lora_mlp" if MLP_TARGETS & set(lora.targets) else "lora"
     c_h, c_i = RECOMPUTE_GRAD_BYTES[kind]
-    per_token = _layer_bytes(shape, tier, precision, lora) + c_h * shape.hidden + c_i * shape.intermediate
+    # the layer recomputed is one of either attention where a model has both: the larger
+    layer = max(_layer_bytes(shape, tier, precision, lora, linear) for linear in (False, True)) if shape.linear else (
+        _layer_bytes(shape, tier, precision, lora))  # fmt: skip
+    per_token = layer + c_h * shape.hidden + c_i * shape.intermediate
     fam = FAMILIES.get(shape.model_type)
     if shape.qk_norm and fam and fam.qk_norm_extra:  # norms over whole projections keep theirs in the recomputed
         # layer too (OLMo 2, traced at zero3 and minimal; per-head norms, Qwen3's, add nothing there)
@@ -749,10 +817,17 @@ def estimate(
 
 def sampling_bytes(shape: ModelShape, tokens: int, sequences: int, precision: str) -> int:
     """What sampling `sequences` rows of `tokens` in all holds besides the model (transformers' `generate`, a dynamic
-    cache): every layer's keys and values at the compute width (an upper bound for sliding-window layers), and the
-    last position's fp32 logits with the sampler's noise beside them (runner/rl/sampling.py)."""
+    cache): every softmax-attention layer's keys and values at the compute width (an upper bound for sliding-window
+    layers), every linear-attention layer's fp32 recurrent state and convolution window per sequence, and the last
+    position's fp32 logits with the sampler's noise beside them (runner/rl/sampling.py)."""
     width = 4 if precision == "fp32" else 2
-    return shape.layers * 2 * shape.kv_width * width * tokens + sequences * shape.vocab * 4 * 3
+    recurrent = 0
+    if shape.linear:
+        _, v_heads, k_dim, v_dim, conv = shape.linear
+        key, value = shape.linear_widths
+        recurrent = len(shape.linear_at) * sequences * (4 * v_heads * k_dim * v_dim + width * (2 * key + value) * conv)
+    return (shape.attention_layers * 2 * shape.kv_width * width * tokens + recurrent
+            + sequences * shape.vocab * 4 * 3)  # fmt: skip
 
 
 @dataclass(frozen=True)

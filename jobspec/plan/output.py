@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from jobspec.catalog.presets import ModelShape
 from jobspec.plan import memory, throughput
 from jobspec.plan.planner import GiB, PlanReport, assumptions, lora_shape
 from jobspec.spec.models import REFERENCE_OBJECTIVES
@@ -101,7 +102,8 @@ def time_notes(report: PlanReport, peak: str | None = None) -> list[str]:
         formula = f"6N + 6·L·h·s = 6·{a['N'] / 1e6:,.0f}M + {attention}"
     gpu = f"{report.gpu.name} " if report.gpu and peak is None else ""
     lines = [
-        f"time: FLOPs/token {formula} = {flops / 1e9:,.2f} GFLOP (N: weights in matmuls, L layers, h hidden, s seq)",
+        f"time: FLOPs/token {formula} = {flops / 1e9:,.2f} GFLOP (N: weights in matmuls, "
+        f"L layers{_linear(report.shape)}, h hidden, s seq)",
         "  activation checkpointing (ckpt yes) runs the forward again: a third more work (half with LoRA)",
         f"  tokens/step {spec.training.global_batch}{_rows(spec.training.objective, a['rows'])} x "
         f"{spec.data.max_seq_len}: every row full length (an upper bound unless data.packing)",
@@ -130,3 +132,8 @@ def _rows(objective: str, rows: int) -> str:
     if rows == 1:
         return ""
     return " records x 2 rows (with the KL row)" if objective == "kto" else " pairs x 2 rows"
+
+
+def _linear(shape: ModelShape) -> str:
+    """What L leaves out in a model with linear-attention layers (their work is in N)."""
+    return f" with softmax attention, {len(shape.linear_at)} linear ones in N" if shape.linear else ""

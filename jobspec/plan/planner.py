@@ -279,7 +279,7 @@ def assumptions(report: PlanReport) -> dict[str, Any]:
         "flops_per_token": "6*N + 6*L*h*s (LoRA: 4*N + 6*adapter params + 6*L*h*s); "
         "activation checkpointing adds the forward again: 2*N + 2*L*h*s",
         "N": throughput.matmul_params(shape),
-        "L": shape.layers,
+        "L": shape.attention_layers,  # layers with softmax attention (a linear-attention layer's work is in N)
         "h": shape.hidden,
         "s": spec.data.max_seq_len,
         "rows": rows_per_sample(spec),

@@ -131,6 +131,8 @@ def lora_targets(shape: ModelShape) -> str:
     if shape.mla:  # DeepSeek-V2: q (or its low-rank pair), the k/v latent and its expansion
         q = "q_a_proj, q_b_proj" if shape.mla[0] else "q_proj"
         return f"[{q}, kv_a_proj_with_mqa, kv_b_proj, o_proj]"
+    if shape.linear:  # Qwen3-Next: the linear-attention layers' projections too (3 of 4 layers hold no q_proj)
+        return "[q_proj, k_proj, v_proj, o_proj, in_proj_qkvz, in_proj_ba, out_proj]"
     return "[q_proj, k_proj, v_proj, o_proj]"
 
 

@@ -8,7 +8,8 @@ nor pydantic). The estimate, per optimizer step:
     tokens per step   global_batch · max_seq_len  (full-length rows: an upper bound without packing)
 
 N: the weights that take part in a matmul (the parameter count less the input embedding when the
-head is untied, and less GPT-2's position table; both are lookups); L layers, h hidden size, s the
+head is untied, and less GPT-2's position table; both are lookups); L layers (with softmax attention: a
+linear-attention layer's projections are in N, its chunked delta rule is not counted), h hidden size, s the
 sequence length. 6·L·h·s is attention's QKᵀ and AV (2·s·h FLOPs each per token and layer, halved by
 the causal mask, times 3 for forward and backward), as Kaplan et al. 2020 count it (the PaLM paper's
 MFU counts 12·L·h·s: the whole s x s matrix).
@@ -58,7 +59,7 @@ class Flops:
 
 
 def flops_per_token(shape: ModelShape, seq_len: int, *, lora: LoraShape | None, checkpointing: bool) -> Flops:
-    n, attention = matmul_params(shape), shape.layers * shape.hidden * seq_len
+    n, attention = matmul_params(shape), shape.attention_layers * shape.hidden * seq_len  # linear attention: in N
     if lora is None:
         forward, model = 2 * n + 2 * attention, 6 * n + 6 * attention
     else:  # frozen base: activation gradients only (2N), adapters: weight gradients too

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from jobspec.catalog.families import FAMILIES
-from jobspec.catalog.model_config import check_config
+from jobspec.catalog.model_config import check_config, shape_from_config
 from jobspec.catalog.presets import PRESETS, ModelShape
 from jobspec.errors import ConfigError
 from jobspec.plan.planner import model_attention
@@ -77,11 +77,15 @@ def ready_for_training(model: nn.Module) -> nn.Module:
 
 def router_aux_coef(model: nn.Module) -> float | None:
     """The weight of the router's load-balancing loss that transformers adds for this model (`router_aux_loss_coef`
-    where it computes one: jobspec/catalog/families.py), or None (a dense model, DeepSeek-V2, a coefficient of 0)."""
+    where it computes one: jobspec/catalog/families.py), or None (a dense model, DeepSeek-V2, a coefficient of 0, a
+    mixture-of-experts family whose config keeps every layer dense: transformers' loss then finds no router logits and
+    fails with an IndexError)."""
     config = getattr(model, "config", None)
     fam = FAMILIES.get(getattr(config, "model_type", ""))
     coef = getattr(config, "router_aux_loss_coef", None)
     if fam is None or fam.experts is None or not fam.experts.aux_loss or not isinstance(coef, (int, float)):
+        return None
+    if not shape_from_config(config.to_dict(), "the model's config").moe_layers:
         return None
     return float(coef) if coef > 0 else None
 

@@ -39,7 +39,7 @@ log = logging.getLogger("jobspec.runner")
 # The small model of the check: enough to hold every architectural feature (GQA ratio, layer types), no more.
 SMALL = {"num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "vocab_size": 128}
 SMALL_IF_PRESENT = {"intermediate_size": 128, "n_inner": 128, "head_dim": 16, "moe_intermediate_size": 32,
-                    "intermediate_size_mlp": 128}
+                    "intermediate_size_mlp": 128, "linear_key_head_dim": 16, "linear_value_head_dim": 16}
 TOKEN_IDS = ("pad_token_id", "bos_token_id", "eos_token_id")  # ids of the full vocabulary: dropped where the small one
 # has no such row (Llama 4's pad 200018 made nn.Embedding refuse its padding_idx, and packing went off for every run)
 INIT_STD = 0.5  # large weights: a record that sees its neighbour changes its logits by ~1, not ~1e-3
@@ -100,6 +100,9 @@ def small_config(config: Any) -> Any:
             setattr(cfg, key, None)
     if hasattr(cfg, "num_key_value_heads"):
         cfg.num_key_value_heads = SMALL["num_attention_heads"] // ratio if ratio in (1, 2, 4) else 1
+    if getattr(cfg, "linear_num_key_heads", None):  # linear attention (Qwen3-Next): its value heads per key head kept
+        group = max(1, cfg.linear_num_value_heads // cfg.linear_num_key_heads)
+        cfg.linear_num_key_heads, cfg.linear_num_value_heads = 2, 2 * group
     for key in ("layer_types", "mlp_only_layers"):
         if isinstance(getattr(cfg, key, None), list):
             setattr(cfg, key, getattr(cfg, key)[: SMALL["num_hidden_layers"]])
@@ -120,15 +123,20 @@ class PackingCheck:
     leak: float
     unconfined: float
     tolerance: float
+    recurrent: bool = False  # the model has linear-attention layers (Qwen3-Next), whose state runs along the row
 
     @property
     def problem(self) -> str | None:
         """Why packing does not hold, or None."""
         if self.leak > self.tolerance:
+            why = (
+                "its linear-attention layers carry their state from one record into the next (transformers' "
+                "PyTorch delta rule takes no record boundaries)" if self.recurrent else
+                "this model or transformers release does not confine attention by position ids"
+            )  # fmt: skip
             return (
                 f"with attention {self.attention} a record packed with another gets other logits than alone "
-                f"(differ by {self.leak:.2g}, tolerance {self.tolerance:.2g}): this model or transformers release "
-                "does not confine attention by position ids"
+                f"(differ by {self.leak:.2g}, tolerance {self.tolerance:.2g}): {why}"
             )
         if self.unconfined <= CONCLUSIVE * self.tolerance:
             return (
@@ -167,6 +175,7 @@ def check_packing(config: Any, attention: str, device: torch.device) -> PackingC
         leak=max(float((p - q).abs().max()) for p, q in pieces),
         unconfined=max(float((p - q).abs().max()) for p, q in pieces_unconfined),
         tolerance=TOLERANCE[dtype] * max(scale, 1.0),
+        recurrent="linear_attention" in (getattr(cfg, "layer_types", None) or ()),
     )
 
 

@@ -27,7 +27,8 @@ from tests.runner.train_helpers import records, save_test_tokenizer, tiny_spec, 
 
 ONE_PER_TYPE = list({cfg["model_type"]: name for name, cfg in reversed(CONFIGS.items())}.values())
 ADAPTED = {"gpt2": ["c_attn"], "phi3": ["qkv_proj", "o_proj"], "deepseek_v2": ["q_proj", "kv_b_proj", "o_proj"],
-           "deepseek_v3": ["q_b_proj", "kv_b_proj", "o_proj"]}
+           "deepseek_v3": ["q_b_proj", "kv_b_proj", "o_proj"],
+           "qwen3_next": ["q_proj", "v_proj", "in_proj_qkvz", "out_proj"]}  # softmax and linear attention
 
 
 def local_model(tmp_path: Path, name: str) -> Path:
@@ -214,6 +215,7 @@ def test_a_mixture_of_experts_is_planned_with_every_expert():
     ("name", "tier"), [("mixtral-8x7b", "zero3"), ("gemma-2-2b", "zero2"), ("deepseek-v2-lite", "fast"),
                        ("olmo-2-7b", "zero2"), ("gemma-3-4b", "zero3"), ("deepseek-v3", "zero3"), ("glm-4.5", "zero3"),
                        ("llama-4-scout", "zero3"),  # dense and MoE layers alternating, every expert computing
+                       ("qwen3-next-80b-a3b", "zero2"),  # linear attention in 3 of 4 layers, the gated attention
                        # the sweep tier (pytest -m sweep): the same families unsharded (5-12 s each on 2 cores)
                        *(pytest.param(name, "fast", marks=pytest.mark.sweep)
                          for name in ("mixtral-8x7b", "gemma-3-4b", "deepseek-v3", "glm-4.5"))],
@@ -302,3 +304,47 @@ def test_gpt_oss_eager_attention_backward_is_planned_at_long_sequences(monkeypat
     fam = FAMILIES["gpt_oss"]
     monkeypatch.setitem(FAMILIES, "gpt_oss", dataclasses.replace(fam, score_backward=0.0))
     assert _agreement(cfg, "minimal", ranks=2, seq_len=1024) < 0.9
+
+
+def test_qwen3_next_is_planned_with_its_linear_attention_layers():
+    """Qwen3-Next-80B-A3B: 3 of every 4 layers hold Gated DeltaNet linear attention instead of softmax attention (whose
+    queries' projection also makes the output gate), 512 experts top 10 with a gated shared expert: 79.7 B parameters,
+    3.9 B a token passes through. A config's own layer_types win over the interval; the parameters are the ones
+    transformers builds (less the per-head q/k norms the count leaves out)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    shape = shape_from_config(CONFIGS["qwen3-next-80b-a3b"])
+    assert 79.5e9 < shape.params < 79.8e9 and 3.8e9 < shape.active_params < 3.9e9
+    assert shape.linear == (16, 32, 128, 128, 4) and shape.attention_layers == 12 and shape.linear_at_layer(0)
+    assert not shape.linear_at_layer(3) and not shape.linear_at_layer(-1) and shape.gated_attention
+    cfg = {**tiny("qwen3-next-80b-a3b", vocab=1024), "num_hidden_layers": 4, "mlp_only_layers": [2],
+           "layer_types": ["full_attention", "linear_attention", "linear_attention", "full_attention"]}  # fmt: skip
+    small = shape_from_config(cfg)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**cfg))
+    per_head_norms = small.attention_layers * 2 * cfg["head_dim"]
+    assert small.params + per_head_norms == sum(p.numel() for p in model.parameters())
+    assert small.linear_at == (1, 2) and small.dense_at == (2,)
+    lora = memory.LoraShape(4, ("q_proj", "v_proj", "in_proj_qkvz", "out_proj"))
+    from peft import LoraConfig, get_peft_model
+
+    adapted = get_peft_model(model, LoraConfig(r=4, target_modules=list(lora.targets)))
+    assert memory.trainable_params(small, lora) == sum(p.numel() for p in adapted.parameters() if p.requires_grad)
+    for bad, said in (({"linear_num_value_heads": 24, "linear_num_key_heads": 16}, "not a multiple"),
+                      ({"layer_types": ["linear_attention"]}, "must list 4 entries"),
+                      ({"linear_key_head_dim": 0}, "not positive")):  # fmt: skip
+        with pytest.raises(ConfigError, match=said):
+            shape_from_config({**cfg, **bad}, where="x/config.json")
+
+
+@pytest.mark.parametrize("tier", ["fast", "zero3"])
+def test_formula_and_trace_agree_on_qwen3_next_linear_attention(tier):
+    """4 layers at width 1024 (3 linear-attention, 1 gated softmax attention; 16 experts top 4 and the shared one),
+    linear attention at the published head widths (4 key heads of 128, 8 value heads of 128): the chunked delta rule's
+    fp32 intermediates and the recurrent state it saves at each chunk, within 5 % of the trace at 512 tokens."""
+    cfg = {**tiny("qwen3-next-80b-a3b", vocab=8192), "num_hidden_layers": 4, "hidden_size": 1024,
+           "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 128, "num_experts": 16,
+           "num_experts_per_tok": 4, "moe_intermediate_size": 256, "shared_expert_intermediate_size": 256,
+           "linear_num_key_heads": 4, "linear_num_value_heads": 8, "linear_key_head_dim": 128,
+           "linear_value_head_dim": 128, "full_attention_interval": 4}  # fmt: skip
+    assert 0.95 <= _agreement(cfg, tier, ranks=1, seq_len=512, micro_batch=2) <= 1.05

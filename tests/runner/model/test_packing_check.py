@@ -132,3 +132,19 @@ def test_the_check_runs_on_published_configs_whatever_their_token_ids(name):
         assert result.problem is None or "does not confine" in result.problem, result
     else:
         assert result.problem is None, result
+
+
+def test_linear_attention_carries_its_state_across_packed_records_so_packing_goes_off():
+    """Qwen3-Next's Gated DeltaNet layers run a recurrence along the row, which transformers' PyTorch delta rule does
+    not restart at a record's first position: packed records would read each other. The check finds it (on a 2-layer
+    model of the published shape's head ratio) and says why."""
+    from transformers import AutoConfig
+
+    from bench.families import tiny
+
+    config = AutoConfig.for_model(**tiny("qwen3-next-80b-a3b"))
+    small = small_config(config)
+    assert small.layer_types == ["linear_attention", "full_attention"]
+    assert small.linear_num_value_heads == 2 * small.linear_num_key_heads  # the published 32 of 16
+    result = check_packing(config, "sdpa", CPU)
+    assert result.leak > 1 and result.problem is not None and "linear-attention layers carry" in result.problem
