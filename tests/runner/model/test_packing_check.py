@@ -139,9 +139,12 @@ def test_linear_attention_carries_its_state_across_packed_records_so_packing_goe
     not restart at a record's first position: packed records would read each other. The check finds it (on a 2-layer
     model of the published shape's head ratio) and says why."""
     from transformers import AutoConfig
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
 
     from bench.families import tiny
 
+    if "qwen3_next" not in CONFIG_MAPPING_NAMES:
+        pytest.skip("this transformers has no Qwen3-Next (4.57 added it; the floors leg runs 4.56)")
     config = AutoConfig.for_model(**tiny("qwen3-next-80b-a3b"))
     small = small_config(config)
     assert small.layer_types == ["linear_attention", "full_attention"]
