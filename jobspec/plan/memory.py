@@ -101,6 +101,16 @@ ACT_BYTES: dict[tuple[str, int], tuple[float, float, float, float]] = {
 # output), on top of the layer's attention and shared experts (traced on Mixtral-shaped layers, hidden 512-768, expert
 # width 1024-2048, 8-16 experts, top-2 and top-4, `fast`: 8 a unit of expert width, 3-5 a hidden unit)
 MOE_ROUTED_BYTES = (4.0, 8.0)
+# Under LoRA the experts are frozen: their projections keep no inputs for weight gradients, only what the input
+# gradient needs (traced on Qwen3-MoE-shaped layers, hidden 512-768, expert width 256-512, top-2 and top-4, at `fast`
+# and `zero2`: 2 a hidden and 6 an expert-width unit per routed token, every case within 140 bytes a token; with the
+# full fine-tuning coefficients a 30B-A3B LoRA at `fast` was planned 17 % over its trace). Adapters on the experts
+# add their inputs on top (LORA_INPUT_BYTES).
+MOE_ROUTED_LORA_BYTES = (2.0, 6.0)
+# LoRA on the routed experts (peft's target_parameters) adds B·A to each adapted 3-D weight at every forward: the
+# merged weight, at the compute width, is what the grouped matmul reads and keeps for its input gradient, so every
+# MoE layer that saves its activations holds one (traced: 1.8-1.9 bytes an expert weight value at 8 and 16 experts,
+# `fast` and `zero2`; a Qwen3-30B-A3B with adapters on its experts at `zero2` was planned at 0.65 of its trace).
 # A linear-attention layer (Qwen3-Next's Gated DeltaNet, as transformers runs it without the flash-linear-attention
 # package: its PyTorch chunked delta rule, chunks of LINEAR_CHUNK tokens, in fp32): bytes per token beyond the dense
 # coefficients' hidden and MLP terms (and the family's hidden extra), per (hidden unit, key width, value width, value
@@ -569,14 +579,17 @@ def _family(shape: ModelShape) -> str:
 
 
 def _layer_bytes(
-    shape: ModelShape, tier: str, precision: str, lora: LoraShape | None, linear: bool | None = None
+    shape: ModelShape, tier: str, precision: str, lora: LoraShape | None, linear: bool | None = None,
+    recomputed: bool = False,
 ) -> float:
     """Activation bytes one layer saves per token (sdpa), from the traced coefficients: the mean over the layers of a
     mixture-of-experts or linear-attention model, whose MoE layers have their experts' instead of a dense MLP's and
-    whose linear-attention layers their own (`linear` True or False: the mean over the layers of that attention)."""
+    whose linear-attention layers their own (`linear` True or False: the mean over the layers of that attention).
+    `recomputed`: the layer checkpointing recomputes in backward, whose routed experts hold their full fine-tuning
+    bytes under LoRA too (its backward's temporaries)."""
     if not shape.moe and not shape.linear:
         return _kind_bytes(shape, tier, precision, lora, moe=False)
-    total = _per_layer(shape, lambda moe, lin: _kind_bytes(shape, tier, precision, lora, moe, lin), linear)
+    total = _per_layer(shape, lambda moe, lin: _kind_bytes(shape, tier, precision, lora, moe, lin, recomputed), linear)
     return total / (shape.layers if linear is None else sum(
         n for (_, lin), n in shape.layer_kinds().items() if lin == linear))  # fmt: skip
 
@@ -591,7 +604,8 @@ def _linear_bytes(shape: ModelShape, tier: str, precision: str, lora: LoraShape 
 
 
 def _kind_bytes(
-    shape: ModelShape, tier: str, precision: str, lora: LoraShape | None, moe: bool, linear: bool = False
+    shape: ModelShape, tier: str, precision: str, lora: LoraShape | None, moe: bool, linear: bool = False,
+    recomputed: bool = False,
 ) -> float:
     """`_layer_bytes` of a dense layer, or of a MoE layer (`moe`): the dense coefficients with the shared experts'
     width for the MLP's, and per routed token MOE_ROUTED_BYTES (the gathered input, the experts' projections); of a
@@ -603,7 +617,8 @@ def _kind_bytes(
     extra_bytes = 2 * DROPOUT_MASK_BYTES * shape.hidden if shape.residual_dropout else 0
     fam = FAMILIES.get(shape.model_type)
     if moe:  # the routed experts
-        c_h, c_i = (a + b for a, b in zip(MOE_ROUTED_BYTES, fam.routed_extra if fam else (0.0, 0.0), strict=True))
+        routed = MOE_ROUTED_BYTES if lora is None or recomputed else MOE_ROUTED_LORA_BYTES
+        c_h, c_i = (a + b for a, b in zip(routed, fam.routed_extra if fam else (0.0, 0.0), strict=True))
         extra_bytes += shape.experts_computed * (c_h * shape.hidden + c_i * shape.expert_intermediate)
     residual = residual_bytes(tier, precision, lora)
     extra = dict(fam.act_extra).get(residual) if fam else None
@@ -679,9 +694,21 @@ def _activations(
         # and the gradients flowing through it. The step peaks there or at the loss (after the last block),
         # whichever is larger: `estimate` adds the part of the recompute above the loss.
         return shape.layers * residual_bytes(tier, precision, lora) * tokens * shape.hidden
+    prefix = _untrained_prefix(shape, lora)
     skipped = sum(_kind_bytes(shape, tier, precision, lora, shape.moe_at(i), shape.linear_at_layer(i))
-                  for i in range(_untrained_prefix(shape, lora)))  # fmt: skip
-    return int((shape.layers * per_token - skipped) * tokens)
+                  for i in range(prefix))  # fmt: skip
+    merged = sum(1 for i in range(prefix, shape.layers) if shape.moe_at(i)) * merged_experts(shape, lora, precision)
+    return int((shape.layers * per_token - skipped) * tokens) + merged
+
+
+def merged_experts(shape: ModelShape, lora: LoraShape | None, precision: str) -> int:
+    """Bytes of one MoE layer's merged expert weights (W + B·A of each routed-expert weight LoRA adapts), which the
+    layer keeps for backward; 0 without adapters on the experts."""
+    if lora is None or not shape.moe:
+        return 0
+    values = sum(fin * fout // shape.experts for _, fin, fout, reads in _lora_targets(shape, lora, moe=True)
+                 if reads == "experts")  # fmt: skip
+    return values * (4 if precision == "fp32" else HALF_BYTES)
 
 
 def _untrained_prefix(shape: ModelShape, lora: LoraShape | None) -> int:
@@ -703,9 +730,10 @@ def _recompute(shape: ModelShape, tier: str, tokens: int, seq_len: int, attentio
     kind = "full" if lora is None else "lora_mlp" if MLP_TARGETS & set(lora.targets) else "lora"
     c_h, c_i = RECOMPUTE_GRAD_BYTES[kind]
     # the layer recomputed is one of either attention where a model has both: the larger
-    layer = max(_layer_bytes(shape, tier, precision, lora, linear) for linear in (False, True)) if shape.linear else (
-        _layer_bytes(shape, tier, precision, lora))  # fmt: skip
+    kinds = (False, True) if shape.linear else (None,)
+    layer = max(_layer_bytes(shape, tier, precision, lora, linear, recomputed=True) for linear in kinds)
     per_token = layer + c_h * shape.hidden + c_i * shape.intermediate
+    merged = merged_experts(shape, lora, precision)  # the recomputed MoE layer's merged expert weights
     fam = FAMILIES.get(shape.model_type)
     if shape.qk_norm and fam and fam.qk_norm_extra:  # norms over whole projections keep theirs in the recomputed
         # layer too (OLMo 2, traced at zero3 and minimal; per-head norms, Qwen3's, add nothing there)
@@ -717,7 +745,7 @@ def _recompute(shape: ModelShape, tier: str, tokens: int, seq_len: int, attentio
             # scores kept and what their backward makes (traced on gpt-oss at 512-4096 tokens: 0.78 of the trace at
             # 4096 without it, 1.00 with it)
             per_token = max(per_token, (scores + fam.score_backward) * shape.heads * seq_len)
-    return int(per_token * tokens)
+    return int(per_token * tokens) + merged
 
 
 def _loss_parts(
