@@ -825,6 +825,12 @@ class GrpoSpec(Section):
         float | None, Field(ge=0, le=1, description="Drop tokens less likely than min_p times the likeliest one "
                             "(TRL's default null: none).")
     ] = None
+    repetition_penalty: Annotated[
+        float, Field(gt=0, le=100, description="Divides the positive scores (multiplies the negative ones) of every "
+                     "token already in the prompt or the completion before the temperature, as transformers' "
+                     "RepetitionPenaltyLogitsProcessor (TRL's default 1.0: none); the loss's log-probs stay the "
+                     "model's, as TRL's.")
+    ] = 1.0
     beta: Annotated[
         float, Field(ge=0, le=100, description="Weight of the KL term against the starting model (TRL's default "
                      "0: no reference); above 0 needs model.lora, whose disabled adapter is the reference.")

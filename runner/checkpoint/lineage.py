@@ -53,8 +53,8 @@ def lineage(spec: JobSpec, train_rows: list[tuple[np.ndarray, np.ndarray]]) -> d
         if spec.training.grpo is not None:  # its sampling, rewards and loss make the trained steps (the sampling
             # filters added since only where set: a run from before them resumes as it was)
             grpo = spec.training.grpo
-            later = {k for k, off in (("top_k", 0), ("top_p", 1.0), ("min_p", None), ("loss_type", "dapo"))
-                     if getattr(grpo, k) == off}  # fmt: skip
+            later = {k for k, off in (("top_k", 0), ("top_p", 1.0), ("min_p", None), ("loss_type", "dapo"),
+                                      ("repetition_penalty", 1.0)) if getattr(grpo, k) == off}  # fmt: skip
             objective["training.grpo"] = grpo.model_dump(mode="json", exclude=later)
         if spec.training.objective == "kto":
             objective |= {"training.desirable_weight": spec.training.desirable_weight,

@@ -240,7 +240,7 @@ class Rollouts:
                                   eos_token_id=self.eos, pad_token_id=pad, use_cache=True,
                                   repetition_penalty=1.0)  # fmt: skip
         noise = GumbelNoise(seeds, self.grpo.temperature, self.device, top_k=self.grpo.top_k, top_p=self.grpo.top_p,
-                            min_p=self.grpo.min_p)  # fmt: skip
+                            min_p=self.grpo.min_p, repetition_penalty=self.grpo.repetition_penalty)  # fmt: skip
         with root_unsharded(self.model), generation_defaults(self.generator, config):
             out = self.generator.generate(input_ids=x.to(self.device), attention_mask=mask.to(self.device),
                                           generation_config=config, logits_processor=LogitsProcessorList([noise]),

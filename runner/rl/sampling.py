@@ -11,6 +11,7 @@ generation (the KV cache, stopping at EOS, synced ranks under FSDP) is transform
 `top_k`, `top_p` and `min_p` (`training.grpo`) leave out tokens before the noise is added, as transformers' warpers
 do after the temperature (in that order, each keeping at least one token): the argmax then draws from the
 renormalised rest (`truncate`; tests/runner/rl/test_sampling.py checks it against transformers' own warpers).
+`repetition_penalty` comes first, as transformers' processors come before its warpers (`penalize`).
 """
 
 from __future__ import annotations
@@ -31,9 +32,10 @@ class GumbelNoise:
     """A transformers logits processor: each row's scores over T plus Gumbel noise from that row's generator."""
 
     def __init__(self, seeds: Sequence[int], temperature: float, device: torch.device, *, top_k: int = 0,
-                 top_p: float = 1.0, min_p: float | None = None):  # fmt: skip
+                 top_p: float = 1.0, min_p: float | None = None, repetition_penalty: float = 1.0):  # fmt: skip
         self.temperature, self.device = temperature, device
         self.top_k, self.top_p, self.min_p = top_k, top_p, min_p
+        self.repetition_penalty = repetition_penalty
         self.generators = [torch.Generator(device=device).manual_seed(s) for s in seeds]
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
@@ -43,7 +45,19 @@ class GumbelNoise:
         u = torch.stack([torch.rand(vocab, generator=g, device=self.device, dtype=torch.float32)
                          for g in self.generators])  # fmt: skip
         gumbel = -torch.log(-torch.log(u.clamp_(min=1e-20, max=1.0 - 1e-7)))
-        return truncate(scores.float() / self.temperature, self.top_k, self.top_p, self.min_p) + gumbel
+        scores = penalize(scores.float(), input_ids, self.repetition_penalty)
+        return truncate(scores / self.temperature, self.top_k, self.top_p, self.min_p) + gumbel
+
+
+def penalize(scores: torch.Tensor, input_ids: torch.Tensor, penalty: float) -> torch.Tensor:
+    """`scores` (rows, vocab) with every token of the row's `input_ids` (its prompt, padding included, and what was
+    sampled so far) divided by `penalty` where positive and multiplied where negative: transformers'
+    RepetitionPenaltyLogitsProcessor (CTRL's penalty), once per distinct token. `scores` itself at 1.0."""
+    if penalty == 1.0:
+        return scores
+    seen = torch.gather(scores, 1, input_ids)
+    seen = torch.where(seen < 0, seen * penalty, seen / penalty)
+    return scores.scatter(1, input_ids, seen)
 
 
 def truncate(scores: torch.Tensor, top_k: int = 0, top_p: float = 1.0, min_p: float | None = None) -> torch.Tensor:

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from runner.data.tokenizer import ByteTokenizer, HFTokenizer
-from runner.rl.sampling import GumbelNoise, completion_seed, truncate
+from runner.rl.sampling import GumbelNoise, completion_seed, penalize, truncate
 from tests.runner import train_helpers as th
 
 
@@ -46,6 +46,35 @@ def test_top_k_top_p_and_min_p_leave_out_what_transformers_warpers_do(top_k, top
     drawn = GumbelNoise(list(range(64)), 1.0, torch.device("cpu"), top_k=top_k, top_p=top_p, min_p=min_p)(
         torch.zeros(64, 1, dtype=torch.long), scores.clone()).argmax(-1)  # fmt: skip
     assert not theirs.gather(1, drawn[:, None]).isinf().any()  # every draw is a token the warpers keep
+
+
+@pytest.mark.parametrize("penalty", [1.3, 0.8])
+def test_the_repetition_penalty_is_transformers_and_comes_before_the_temperature_and_filters(penalty):
+    """Scores of the tokens a row already holds (repeated ones, padding included) are what transformers'
+    RepetitionPenaltyLogitsProcessor makes; in the sampler the penalty precedes the temperature and top-k, as
+    generate's processors precede its warpers."""
+    from transformers import (
+        LogitsProcessorList,
+        RepetitionPenaltyLogitsProcessor,
+        TemperatureLogitsWarper,
+        TopKLogitsWarper,  # fmt: skip
+    )
+
+    g = torch.Generator().manual_seed(3)
+    scores = torch.randn(8, 40, generator=g) * 3
+    ids = torch.randint(0, 40, (8, 12), generator=g)
+    ids[:, :3] = 0  # left padding: id 0, penalised like any other token, as transformers does
+    theirs = RepetitionPenaltyLogitsProcessor(penalty)(ids, scores.clone())
+    torch.testing.assert_close(penalize(scores, ids, penalty), theirs, rtol=0, atol=0)
+    assert torch.equal(penalize(scores, ids, 1.0), scores)
+    chain = LogitsProcessorList([RepetitionPenaltyLogitsProcessor(penalty), TemperatureLogitsWarper(0.7),
+                                 TopKLogitsWarper(5)])  # fmt: skip
+    kept = chain(ids, scores.clone())
+    noise = GumbelNoise(list(range(8)), 0.7, torch.device("cpu"), top_k=5, repetition_penalty=penalty)
+    ours = noise(ids, scores.clone())
+    assert torch.equal(ours.isinf(), kept.isinf())
+    drawn = ours.argmax(-1)
+    assert not kept.gather(1, drawn[:, None]).isinf().any()
 
 
 def test_each_completion_has_its_own_seed_and_its_own_stream():
@@ -90,4 +119,6 @@ def test_the_sampling_filters_join_the_lineage_only_where_set(tmp_path):
 
     plain = lineage(grpo(), [])["training.grpo"]
     assert not {"top_k", "top_p", "min_p"} & set(plain)
+    assert not {"top_k", "top_p", "min_p", "repetition_penalty"} & set(plain)
     assert lineage(grpo(top_k=20, top_p=0.95), [])["training.grpo"] == {**plain, "top_k": 20, "top_p": 0.95}
+    assert lineage(grpo(repetition_penalty=1.1), [])["training.grpo"] == {**plain, "repetition_penalty": 1.1}

@@ -181,13 +181,25 @@ def test_a_tiny_model_learns_a_verifiable_reward_on_the_cpu(tmp_path):
     assert (tmp_path / "run" / "model" / "config.json").is_file()
 
 
-def test_top_k_1_samples_every_completion_of_a_group_alike(tmp_path):
+def test_top_k_1_samples_every_completion_of_a_group_alike(tmp_path, monkeypatch):
     """`training.grpo.top_k: 1` reaches the sampler: each group's completions are the greedy one, so every group's
-    rewards are equal (frac_reward_zero_std 1, reward_std 0) and nothing is learned from them."""
-    code, _ = th.train_in_process(_spec(tmp_path, steps=2, log_every=1, grpo={"top_k": 1}))
+    rewards are equal (frac_reward_zero_std 1, reward_std 0) and nothing is learned from them. The repetition penalty
+    reaches it too."""
+    from runner.rl import rollout
+
+    made = []
+
+    class Recorded(rollout.GumbelNoise):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            made.append(self)
+
+    monkeypatch.setattr(rollout, "GumbelNoise", Recorded)
+    code, _ = th.train_in_process(_spec(tmp_path, steps=2, log_every=1, grpo={"top_k": 1, "repetition_penalty": 1.2}))
     assert code == EXIT_OK
     recs = th.records(tmp_path / "run")
     assert all(r["frac_reward_zero_std"] == 1.0 and r["reward_std"] == 0.0 for r in recs), recs
+    assert made and all(n.repetition_penalty == 1.2 and n.top_k == 1 for n in made)
 
 
 def test_a_resumed_run_samples_and_trains_as_an_uninterrupted_one(tmp_path):
