@@ -5,7 +5,11 @@ text or a message list), `completions` (a text for a text prompt; for a chat, TR
 "content": text}]`), `completion_ids` (token id lists) and every other column of the records by its name (each
 record's value repeated for its group; None where a record lacks the column). It returns one reward per completion:
 a number, or None for "not applicable" (left out of its group's mean, as TRL's NaN). The rewards are summed by
-weight (`Rewards.total`); the per-function values feed TRL's `rewards/<name>/mean|std`.
+weight (`Rewards.total`); the per-function values feed TRL's `rewards/<name>/mean|std`. As TRL's, every function also
+gets `trainer_state` (`TrainerState`: the optimizer steps done before this one, `global_step`, and `max_steps`),
+`log_metric(name, value)` (a number for the step's metrics, averaged over the calls on every rank, TRL's) and
+`log_extra(column, values)` (columns for TRL's completions table, which it writes only with `log_completions`; jobspec
+has no such table: the values are checked and dropped).
 
 Built in:
 - `accuracy`: 1.0 when the completion's final answer equals the record's `column` after normalising, else 0.0; None
@@ -30,6 +34,7 @@ import re
 import traceback
 import types
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from fractions import Fraction
 from pathlib import Path
 from typing import Any
@@ -41,6 +46,7 @@ from jobspec.spec.models import RewardSpec
 from jobspec.untrusted import read_bounded
 
 MAX_FILE_BYTES = 1 << 20
+MAX_METRIC_NAME = 100  # characters of a name a reward function logs (a metrics.jsonl key)
 NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?|-?\.\d+")
 AFTER = re.compile(r"(?:####|answer\s*(?:is)?\s*[:\uff1a])\s*([^\n]*)", re.IGNORECASE)
 
@@ -169,6 +175,15 @@ def _why(err: BaseException) -> str:
     return f"{type(err).__name__}: {str(err)[:300]}{at}"
 
 
+@dataclass(frozen=True)
+class TrainerState:
+    """What a reward function reads of TRL's `trainer_state`: `global_step`, the optimizer steps done before the one
+    being sampled for (0 at the first), and `max_steps`, the run's steps."""
+
+    global_step: int
+    max_steps: int
+
+
 class Rewards:
     """The spec's reward functions; `score` calls each on a rank's completions."""
 
@@ -188,12 +203,37 @@ class Rewards:
                 self.fns.append(load_function(s, base, where))
         if len(set(self.names)) < len(self.names):
             raise ConfigError("training.grpo.rewards: two rewards share a name in the metrics; give each a `name`")
+        self.custom = any(s.kind == "python" for s in specs)  # only a user's function can log a metric
+        self.logged: dict[str, list[float]] = {}  # log_metric's values since the last `take_logged`
+        self._calling = ""  # the reward whose function is running (for log_metric's errors)
+
+    def _log_metric(self, name: object, value: object) -> None:
+        """TRL's `log_metric`: one value of metric `name` for this step."""
+        if not isinstance(name, str) or not name.strip() or len(name) > MAX_METRIC_NAME or not name.isprintable():
+            raise ConfigError(f"log_metric's name must be a printable text of 1 to {MAX_METRIC_NAME} characters, "
+                              f"not {str(name)[:40]!r}")  # fmt: skip
+        if not isinstance(value, int | float | np.number | np.bool_) or not math.isfinite(float(value)):
+            raise ConfigError(f"log_metric({name!r}, {str(value)[:40]!r}): the value must be a finite number")
+        self.logged.setdefault(name, []).append(float(value))
+
+    @staticmethod
+    def _log_extra(column: object, values: object) -> None:
+        """TRL's `log_extra`: accepted (its completions table is not kept here), the column name checked."""
+        if not isinstance(column, str) or not column.strip():
+            raise ConfigError(f"log_extra's column must be a name, not {str(column)[:40]!r}")
+
+    def take_logged(self) -> dict[str, list[float]]:
+        """The metrics the functions logged since the last call (and forget them)."""
+        out, self.logged = self.logged, {}
+        return out
 
     def score(self, prompts: Sequence[Any], completions: Sequence[Any], completion_ids: Sequence[Sequence[int]],
-              columns: Sequence[dict[str, Any]]) -> np.ndarray:  # fmt: skip
+              columns: Sequence[dict[str, Any]], state: TrainerState | None = None) -> np.ndarray:  # fmt: skip
         """(completions, functions) float64: each function's reward of each completion, NaN for None."""
-        keys = sorted({k for c in columns for k in c} - {"prompts", "completions", "completion_ids"})
-        kwargs = {k: [c.get(k) for c in columns] for k in keys}
+        passed = ("prompts", "completions", "completion_ids", "trainer_state", "log_metric", "log_extra")
+        keys = sorted({k for c in columns for k in c} - set(passed))
+        kwargs: dict[str, Any] = {k: [c.get(k) for c in columns] for k in keys}
+        kwargs |= {"trainer_state": state, "log_metric": self._log_metric, "log_extra": self._log_extra}
         out = np.full((len(completions), len(self.fns)), np.nan)
         for j, (name, fn) in enumerate(zip(self.names, self.fns, strict=True)):
             try:

@@ -43,7 +43,7 @@ from runner.data.tokens import training_row
 from runner.dist import Control
 from runner.oom.detect import guarded, release_memory
 from runner.oom.shrink import StepOOM
-from runner.rl.rewards import Rewards
+from runner.rl.rewards import Rewards, TrainerState
 from runner.rl.sampling import GumbelNoise, completion_seed
 
 log = logging.getLogger("jobspec.runner")
@@ -134,6 +134,7 @@ class Rollouts:
         self.eos = sorted(set(int(e) for e in eos))
         self.reference, self.decode = reference, decode
         self.step = 0  # the optimizer step the next `batches` is for (set by the recipe)
+        self.max_steps = 0  # the run's steps (set by the recipe): the reward functions' trainer_state
         self.gen_prompts: int | None = None  # prompts a generate call after an OOM in one (kept for later steps)
         self._made: tuple[int, tuple[int, ...], dict[int, Group]] | None = None
         self.metrics: dict[str, float] = {}  # the last step's, all ranks
@@ -171,7 +172,7 @@ class Rollouts:
         shown = [t if isinstance(p, str) else [{"role": "assistant", "content": t}]
                  for p, t in zip(prompts, texts, strict=True)]  # fmt: skip
         columns = [self.data.columns[i] for i in ids for _ in range(g)]
-        per_fn = self.rewards.score(prompts, shown, completions, columns)
+        per_fn = self.rewards.score(prompts, shown, completions, columns, TrainerState(self.step, self.max_steps))
         total = self.rewards.total(per_fn).reshape(len(ids), g)
         step_std = self._step_std(total) if self.grpo.scale_rewards == "batch" else None
         groups, zero_std = {}, 0
@@ -309,4 +310,15 @@ class Rollouts:
         else:  # TRL: zeros when no completion ended
             out |= dict.fromkeys(("completions/mean_terminated_length", "completions/min_terminated_length",
                                   "completions/max_terminated_length"), 0.0)  # fmt: skip
+        out = self._logged() | out  # a built-in metric's name keeps the built-in value
         return {k: v for k, v in out.items() if np.isfinite(v)}  # TRL's NaN (no reward applied): left out
+
+    def _logged(self) -> dict[str, float]:
+        """The metrics the reward functions logged this step (`log_metric`): each the mean of its values on every
+        rank, as TRL averages them; the names agreed first (a function may log one on some ranks only)."""
+        logged = self.rewards.take_logged()
+        if not self.rewards.custom:
+            return {}
+        names = sorted({n for part in self.ctrl.all_gather_object(sorted(logged)) for n in part})  # type: ignore[attr-defined]
+        sums = self.ctrl.all_reduce([x for n in names for x in (sum(logged.get(n, [])), len(logged.get(n, [])))])
+        return {n: sums[2 * k] / sums[2 * k + 1] for k, n in enumerate(names) if sums[2 * k + 1]}

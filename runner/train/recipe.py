@@ -386,7 +386,7 @@ class Recipe:
     def train_step(self, step: int) -> StepResult:
         """Optimizer step `step` at the plan's micro-batch; on OOM redone at a smaller one (runner.oom.shrink)."""
         if self.stepper.rollouts is not None:  # GRPO: the step's completions are drawn for this step
-            self.stepper.rollouts.step = step
+            self.stepper.rollouts.step, self.stepper.rollouts.max_steps = step, self.total_steps
         return self.guard.train_step(step)
 
     def train(self) -> int:

@@ -77,8 +77,15 @@ def test_a_reward_file_is_called_as_trl_calls_a_reward_function(tmp_path):
      ("def reward(completions, **kw):\n    return {}['missing']\n", "raised KeyError"),
      ("def other(completions, **kw):\n    return [0.0, 0.0]\n", "defines no such function (it defines: other)"),
      ("import nothing_of_that_name\n", "running it failed: ModuleNotFoundError"),
-     ("def reward(:\n", "running it failed: SyntaxError")],
-    ids=["length", "not-a-number", "nan", "raises", "no-function", "import", "syntax"],
+     ("def reward(:\n", "running it failed: SyntaxError"),
+     ("def reward(completions, log_metric, **kw):\n    log_metric('m', 'high')\n    return [0.0, 0.0]\n",
+      "the value must be a finite number"),
+     ("def reward(completions, log_metric, **kw):\n    log_metric('', 1.0)\n    return [0.0, 0.0]\n",
+      "log_metric's name must be"),
+     ("def reward(completions, log_extra, **kw):\n    log_extra(None, [1])\n    return [0.0, 0.0]\n",
+      "log_extra's column must be a name")],
+    ids=["length", "not-a-number", "nan", "raises", "no-function", "import", "syntax", "metric-value", "metric-name",
+         "extra-column"],
 )  # fmt: skip
 def test_a_reward_file_that_fails_is_refused_naming_the_reward(tmp_path, source, message):
     (tmp_path / "r.py").write_text(source)

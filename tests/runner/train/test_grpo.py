@@ -25,9 +25,14 @@ from runner.train.step import token_losses
 from tests.runner import train_helpers as th
 
 LOWERCASE = '''
-def lowercase(completions, **columns):
-    """The fraction of the completion's characters that are ASCII lowercase letters."""
+def lowercase(completions, trainer_state, log_metric, log_extra, **columns):
+    """The fraction of the completion's characters that are ASCII lowercase letters (and, as TRL's reward functions
+    may, two metrics of its own and a completions-table column)."""
     texts = [c if isinstance(c, str) else c[-1]["content"] for c in completions]
+    log_metric("texts/chars", sum(len(t) for t in texts) / len(texts))
+    log_metric("texts/step", trainer_state.global_step)
+    log_metric("texts/steps", trainer_state.max_steps)
+    log_extra("texts", texts)
     return [sum("a" <= ch <= "z" for ch in t) / max(len(t), 1) for t in texts]
 '''
 
@@ -177,6 +182,8 @@ def test_a_tiny_model_learns_a_verifiable_reward_on_the_cpu(tmp_path):
         assert all(np.isfinite(r[name]) for r in recs), name
     assert all(r["rewards/lowercase/mean"] == pytest.approx(r["reward"]) for r in recs)
     assert all(r["clip_ratio/region_mean"] == 0.0 for r in recs)
+    assert [(r["texts/step"], r["texts/steps"]) for r in recs] == [(s, 12) for s in range(12)]  # trainer_state
+    assert all(r["texts/chars"] > 0 for r in recs)
     assert "kl" not in recs[0]
     assert (tmp_path / "run" / "model" / "config.json").is_file()
 
@@ -339,7 +346,7 @@ def test_two_ranks_sample_and_train_what_one_process_does(tmp_path, tier):
         assert result.returncode == EXIT_OK, result.stderr[-3000:]
         logs.append(th.records(run))
     for a, b in zip(*logs, strict=True):
-        for key in ("reward", "reward_std", "completions/mean_length", "frac_reward_zero_std", "loss"):
+        for key in ("reward", "reward_std", "completions/mean_length", "frac_reward_zero_std", "loss", "texts/chars"):
             assert b[key] == pytest.approx(a[key], abs=1e-5), (a["step"], key)
         assert b["world_size"] == 2
 
