@@ -107,8 +107,10 @@ def train_record(r: Any, res: StepResult, tokens_per_s: float) -> None:
     r.status.update(step=r.step, loss=loss)
     used, total = memory_bytes(r.device, r.host.total_bytes)
     p = r.plan
+    rollout = {} if r.stepper.rollouts is None else r.stepper.rollouts.metrics  # GRPO's rewards and lengths (and
+    # what its reward functions logged, which never replaces a field of the record)
     r.metrics.write(  # fenced right before the line is written (Metrics.fence)
-        {
+        rollout | {
             "kind": "train",
             "step": r.step,
             "total_steps": r.total_steps,
@@ -129,7 +131,6 @@ def train_record(r: Any, res: StepResult, tokens_per_s: float) -> None:
             "gpu_util": r.gpu_util(),
             **mix(r),
             **routed,
-            **({} if r.stepper.rollouts is None else r.stepper.rollouts.metrics),  # GRPO's rewards and lengths
             **({} if res.preference is None or obj is None else obj.metrics(sums[1:], res.targets)),
         }
     )

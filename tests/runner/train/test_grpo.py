@@ -32,6 +32,7 @@ def lowercase(completions, trainer_state, log_metric, log_extra, **columns):
     log_metric("texts/chars", sum(len(t) for t in texts) / len(texts))
     log_metric("texts/step", trainer_state.global_step)
     log_metric("texts/steps", trainer_state.max_steps)
+    log_metric("step", -1.0)  # a record's own field: never replaced
     log_extra("texts", texts)
     return [sum("a" <= ch <= "z" for ch in t) / max(len(t), 1) for t in texts]
 '''
