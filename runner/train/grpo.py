@@ -14,9 +14,11 @@ completions; dr_grpo divides the sum by the step's completions x max_completion_
 With one pass per batch the ratio is 1 (its gradient is that of logp), so the clip never binds
 and TRL's clip ratios are 0, logged as computed. Metric sums (fp32, detached, summed over ranks by the recipe): the
 KL term's sum, the completion tokens and the clipped ones (low: ratio below 1 - eps where A < 0; high: above 1 + eps
-where A > 0; region: either), for TRL's `kl` and `clip_ratio/low_mean`, `high_mean`, `region_mean`. Not computed:
-TRL's `entropy` (each token's entropy over the whole vocabulary, which the chunked loss head does not keep) and its
-per-sequence `clip_ratio/low_min` and `high_max`.
+where A > 0; region: either), for TRL's `kl` and `clip_ratio/low_mean`, `high_mean`, `region_mean`, and the sum of
+each completion token's entropy over the vocabulary at the temperature, for TRL's `entropy` (the chunked loss head
+takes it from each chunk's softmax while it exists: runner/train/loss.py). TRL averages `entropy` per micro-batch
+and then over them; here it is the step's mean over its completion tokens, which the planner's micro-batch does not
+change. Not computed: TRL's per-sequence `clip_ratio/low_min` and `high_max`.
 
 Checked against TRL's own `GRPOTrainer._compute_loss` on the same batch in tests/runner/train/test_grpo.py.
 
@@ -45,10 +47,12 @@ EPSILON = 0.2  # TRL's clip range; binds only after a batch's first pass, which 
 
 
 def loss(token_losses: torch.Tensor, labels: torch.Tensor, advantages: torch.Tensor, ref_logps: torch.Tensor | None,
-         beta: float, loss_type: str = "dapo") -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """(summed loss over the completion tokens, [kl sum, completion tokens, low, high and region clipped tokens] fp32
-    detached) from the (rows, T) fp32 token losses (minus each token's log-prob at the sampling temperature), the
-    rows' `labels`, their (rows,) advantages and, with `beta` > 0, the (rows, T) reference log-probs. `loss_type`
+         beta: float, loss_type: str = "dapo",
+         entropies: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """(summed loss over the completion tokens, [kl sum, completion tokens, low, high and region clipped tokens,
+    entropy sum] fp32 detached) from the (rows, T) fp32 token losses (minus each token's log-prob at the sampling
+    temperature), the rows' `labels`, their (rows,) advantages, with `beta` > 0 the (rows, T) reference log-probs and
+    the (rows, T) `entropies` of the policy at the temperature (0 without). `loss_type`
     grpo sums each completion's token mean instead (the step then divides by its completions: Objective.denominator);
     dapo and dr_grpo sum the tokens (divided by the step's tokens, or its completions x max_completion_length)."""
     mask = (labels != IGNORE).float()
@@ -67,7 +71,8 @@ def loss(token_losses: torch.Tensor, labels: torch.Tensor, advantages: torch.Ten
     low = ((ratio.detach() < 1 - EPSILON) & (a < 0)).float() * mask
     high = ((ratio.detach() > 1 + EPSILON) & (a > 0)).float() * mask
     region = torch.maximum(low, high)
-    sums = torch.stack([kl_sum, mask.sum(), low.sum(), high.sum(), region.sum()])
+    entropy_sum = torch.zeros((), device=logp.device) if entropies is None else (entropies.float() * mask).sum()
+    sums = torch.stack([kl_sum, mask.sum(), low.sum(), high.sum(), region.sum(), entropy_sum])
     if loss_type == "grpo":
         return ((per_token * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).sum(), sums.float()
     return (per_token * mask).sum(), sums.float()
@@ -77,10 +82,10 @@ CLIP_RATIOS = ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region
 
 
 def metrics(sums: list[float], beta: float) -> dict[str, float]:
-    """TRL's clip ratios and, when the KL term is on, `kl`: means over the step's completion tokens."""
-    kl, tokens, *clipped = sums[:5]
+    """TRL's clip ratios, `entropy` and, when the KL term is on, `kl`: means over the step's completion tokens."""
+    kl, tokens, *clipped, entropy = sums[:6]
     out = {name: value / max(tokens, 1.0) for name, value in zip(CLIP_RATIOS, clipped, strict=True)}
-    return out | ({"kl": kl / max(tokens, 1.0)} if beta else {})
+    return out | {"entropy": entropy / max(tokens, 1.0)} | ({"kl": kl / max(tokens, 1.0)} if beta else {})
 
 
 def load(spec: JobSpec, tokenizer: Any, base: Path) -> tuple[PromptData, Rewards]:

@@ -177,27 +177,48 @@ def _chunk_grads(
 
 
 def _liger_chunk(logits: torch.Tensor, target: torch.Tensor, loss: torch.Tensor | None, grads: bool,
-                 tf: LogitTransform, mean: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+                 tf: LogitTransform, mean: torch.Tensor | None = None,
+                 entropy: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
     """One chunk through Liger's kernel (`internals.liger_rows`), which leaves d loss / d logits in `logits`. With a
     transform the kernel reads the transformed logits (fp32) and their gradient is taken back through it here (Liger's
     own soft cap takes its cap as a kernel scalar, which Triton's interpreter cannot pass: one path for both).
-    `mean` (n,): each row's mean logit, taken before the kernel overwrites them."""
+    `mean`, `entropy` (n,): each row's mean logit and softmax entropy, taken before the kernel overwrites them."""
     z, slope = tf.apply(logits) if tf else (logits, 1.0)
     if mean is not None:
         mean.copy_(z.mean(dim=-1, dtype=torch.float32))
+    if entropy is not None:
+        for r in range(0, z.shape[0], ENTROPY_ROWS):  # fp32 a few rows at a time: no chunk-sized copy
+            block = z[r : r + ENTROPY_ROWS].float()  # fp32 logits: `block` is z itself, left as it is
+            top = block.amax(dim=-1, keepdim=True)
+            e = (block - top).exp_()
+            total = e.sum(dim=-1)
+            entropy[r : r + ENTROPY_ROWS] = total.log() - _sum_xlogx(e) / total
     internals.liger_rows(z, target, torch.empty(z.shape[0], device=z.device) if loss is None else loss, IGNORE, grads)
     return z.mul_(slope) if grads and tf else z
+
+
+ENTROPY_ROWS = 64  # rows of a chunk whose x log x is formed at once (a 152k vocabulary: 39 MB)
+
+
+def _sum_xlogx(x: torch.Tensor) -> torch.Tensor:
+    """(n,) fp32: each row's sum of x log x (0 log 0 = 0) of the (n, V) fp32 `x`, ENTROPY_ROWS rows at a time."""
+    out = torch.empty(x.shape[0], device=x.device, dtype=torch.float32)
+    for r in range(0, x.shape[0], ENTROPY_ROWS):
+        block = x[r : r + ENTROPY_ROWS]
+        out[r : r + ENTROPY_ROWS] = torch.special.xlogy(block, block).sum(dim=-1)
+    return out
 
 
 def _forward_plain(
     h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, target: torch.Tensor, scale: torch.Tensor,
     lse: torch.Tensor, loss: torch.Tensor, chunk: int,
     grads: tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None] | None, dtype: torch.dtype,
-    tf: LogitTransform = NO_TRANSFORM, means: torch.Tensor | None = None,
+    tf: LogitTransform = NO_TRANSFORM, means: torch.Tensor | None = None, entropy: torch.Tensor | None = None,
 ) -> None:  # fmt: skip
     """Each chunk's loss and log-sum-exp into `loss` and `lse` (N,); with `grads`, (softmax - onehot) * scale added
     to them while the chunk's fp32 logits exist (times `tf`'s derivative: the loss is of the transformed logits).
-    `means` (N,): each token's mean logit over the vocabulary (TRL's `mean_logits`), from the same chunk."""
+    `means` (N,): each token's mean logit over the vocabulary (TRL's `mean_logits`), from the same chunk; `entropy`
+    (N,): each token's entropy of the softmax (TRL's `entropy`)."""
     for s in range(0, h.shape[0], chunk):
         hc, t = h[s : s + chunk], target[s : s + chunk, None]
         logits, slope = tf.apply(_logits(hc, w, b)) if tf else (_logits(hc, w, b), 1.0)
@@ -209,6 +230,8 @@ def _forward_plain(
         picked = x.gather(1, t).squeeze(1)  # target logit - top
         total = x.exp_().sum(dim=-1)  # x now holds exp(logit - top)
         lse[s : s + chunk] = total.log().add_(top)
+        if entropy is not None:  # log(total) - sum(e log e) / total, e = exp(logit - top)
+            entropy[s : s + chunk] = total.log() - _sum_xlogx(x) / total
         loss[s : s + chunk] = lse[s : s + chunk] - top - picked
         if grads is not None:  # softmax - onehot from the same chunk, while it exists: the logits' matmul runs once
             x.div_(total[:, None]).mul_(scale[s : s + chunk, None])
@@ -220,15 +243,15 @@ def _forward_plain(
 def _forward_liger(
     h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, labels: torch.Tensor, loss: torch.Tensor, chunk: int,
     grads: tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None] | None, dtype: torch.dtype,
-    tf: LogitTransform = NO_TRANSFORM, means: torch.Tensor | None = None,
+    tf: LogitTransform = NO_TRANSFORM, means: torch.Tensor | None = None, entropy: torch.Tensor | None = None,
 ) -> None:  # fmt: skip
     """Each chunk's loss into `loss` (N,) by Liger's kernel; with `grads`, the (softmax - onehot) it leaves in the
-    chunk's logits (0 at IGNORE rows, which it skips) added to them. `means`: as `_forward_plain`'s."""
+    chunk's logits (0 at IGNORE rows, which it skips) added to them. `means`, `entropy`: as `_forward_plain`'s."""
     for s in range(0, h.shape[0], chunk):
         hc = h[s : s + chunk]
         mean = None if means is None else means[s : s + chunk]
         logits = _liger_chunk(_logits(hc, w, b), labels[s : s + chunk], loss[s : s + chunk], grads is not None, tf,
-                              mean)  # fmt: skip
+                              mean, None if entropy is None else entropy[s : s + chunk])  # fmt: skip
         if grads is not None:
             _accumulate(logits, hc, w, s, chunk, grads, dtype)
         del logits
@@ -252,12 +275,14 @@ class LinearCrossEntropy(torch.autograd.Function):
     gradient: no fp32 copy of the chunk, one pass over it instead of the eight tensor ops below.
 
     `means` (a list, or None): each token's mean logit over the vocabulary, fp32 and shaped like `labels`, is appended
-    to it (a detached by-product of the chunks: TRL's `logits/chosen|rejected`)."""
+    to it (a detached by-product of the chunks: TRL's `logits/chosen|rejected`); `entropies` likewise each token's
+    entropy of the softmax over the vocabulary (GRPO's `entropy`, TRL's entropy_from_logits)."""
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, labels, chunk: int, dtype: torch.dtype, fused: bool = False,  # type: ignore[override]
                 kernel: LossKernel = "chunked", tf: LogitTransform = NO_TRANSFORM,
-                means: list[torch.Tensor] | None = None, summed: bool = False):  # fmt: skip
+                means: list[torch.Tensor] | None = None, summed: bool = False,
+                entropies: list[torch.Tensor] | None = None):  # fmt: skip
         # hidden (..., H), weight (V, H), bias (V,) or None, labels (...) int64; N tokens
         with torch.autocast(hidden.device.type, enabled=False):  # the casts are explicit
             h = hidden.reshape(-1, hidden.shape[-1]).to(dtype)  # (N, H), saved at the compute width, as autocast would
@@ -272,14 +297,18 @@ class LinearCrossEntropy(torch.autograd.Function):
             scale = valid.float()  # fused: each token's loss has gradient 1 (0 at IGNORE) until backward scales it
             mean = None if means is None else torch.empty(labels.shape, device=h.device, dtype=torch.float32)
             flat_mean = None if mean is None else mean.view(-1)
+            ent = None if entropies is None else torch.empty(labels.shape, device=h.device, dtype=torch.float32)
+            flat_ent = None if ent is None else ent.view(-1)
             if liger:
                 _forward_liger(h, w, b, labels.reshape(-1).contiguous(), loss, chunk, grads if fused else None, dtype,
-                               tf, flat_mean)  # fmt: skip
+                               tf, flat_mean, flat_ent)  # fmt: skip
             else:
                 _forward_plain(h, w, b, target, scale, lse, loss, chunk, grads if fused else None, dtype, tf,
-                               flat_mean)  # fmt: skip
+                               flat_mean, flat_ent)  # fmt: skip
             if means is not None:
                 means.append(mean)
+            if entropies is not None:
+                entropies.append(ent)
             loss.masked_fill_(~valid, 0.0)
             ctx.fused = grads if fused else None
             ctx.summed = summed
@@ -313,7 +342,7 @@ class LinearCrossEntropy(torch.autograd.Function):
             grad_b = grad_b.to(bias.dtype)
         if grad_h is not None:
             grad_h = grad_h.view(ctx.hidden_shape)
-        return grad_h, grad_w, grad_b, None, None, None, None, None, None, None, None
+        return grad_h, grad_w, grad_b, None, None, None, None, None, None, None, None, None
 
 
 def _new_grads(
@@ -339,9 +368,10 @@ def linear_cross_entropy(
     transform: LogitTransform = NO_TRANSFORM,
     means: list[torch.Tensor] | None = None,
     summed: bool = False,
+    entropies: list[torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Per-token cross-entropy of `transform(hidden @ weight.T + bias)` against `labels` (IGNORE: 0), shaped like
-    `labels`, fp32; `means`: see `LinearCrossEntropy`.
+    `labels`, fp32; `means`, `entropies`: see `LinearCrossEntropy`.
 
     hidden (..., H), labels (...); `chunk`: tokens per chunk (default `kernel_chunk_tokens`; fewer for a soft cap:
     `LogitTransform.tokens`); `kernel`: what computes each chunk's softmax, loss and gradient (`LinearCrossEntropy`);
@@ -352,7 +382,8 @@ def linear_cross_entropy(
     n = chunk or kernel_chunk_tokens(weight.shape[0], kernel, dtype)
     n = max(1, transform.tokens(n, kernel))
     fused = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
-    return LinearCrossEntropy.apply(hidden, weight, bias, labels, n, dtype, fused, kernel, transform, means, summed)
+    return LinearCrossEntropy.apply(hidden, weight, bias, labels, n, dtype, fused, kernel, transform, means, summed,
+                                    entropies)
 
 
 class ChunkedLossHead:
@@ -370,19 +401,21 @@ class ChunkedLossHead:
         self._config, self._off = config, off or {}  # the config values that make the model do it, off meanwhile
         self._labels: torch.Tensor | None = None
         self._means: list[torch.Tensor] | None = None
+        self._entropies: list[torch.Tensor] | None = None
         self._summed = False
         self._probe: torch.Tensor | None = None
         linear.forward = self.forward  # shadows nn.Linear.forward on this instance only
 
     @contextmanager
     def targets(self, labels: torch.Tensor, means: list[torch.Tensor] | None = None, *, summed: bool = False,
-                temperature: float = 1.0) -> Iterator[None]:  # fmt: skip
+                temperature: float = 1.0, entropies: list[torch.Tensor] | None = None) -> Iterator[None]:  # fmt: skip
         """While open, the layer returns the loss of each token against `labels` (B, T) (shifted; IGNORE masked), and
         the model's own soft cap or logit scale is off (the head applies it to each chunk). `means`: each forward
         appends its tokens' mean logits (B, T, 1) fp32 to it (`LinearCrossEntropy`). `summed`: the caller sums the
         losses (times one scalar) before backward, which then needs no host sync (`linear_cross_entropy`).
-        `temperature`: the loss of the logits over it (GRPO's, as TRL scores sampled completions)."""
-        self._labels, self._means, self._summed = labels, means, summed
+        `temperature`: the loss of the logits over it (GRPO's, as TRL scores sampled completions). `entropies`: each
+        forward appends its tokens' softmax entropies (B, T, 1) fp32 to it."""
+        self._labels, self._means, self._summed, self._entropies = labels, means, summed, entropies
         transform = self.transform
         if temperature != 1.0:
             self.transform = replace(transform, post=transform.post / temperature)
@@ -392,7 +425,7 @@ class ChunkedLossHead:
         try:
             yield
         finally:
-            self._labels = self._means = None
+            self._labels = self._means = self._entropies = None
             self._summed = False
             self.transform = transform
             for key, value in kept.items():
@@ -409,7 +442,8 @@ class ChunkedLossHead:
         # (B, T, 1, H) against (B, T, 1): the per-token loss comes out (B, T, 1), allocated so (not a view)
         h, y = hidden.unsqueeze(-2), labels.unsqueeze(-1)
         return linear_cross_entropy(h, linear.weight, linear.bias, y, chunk=self.chunk, kernel=self.kernel,
-                                    transform=self.transform, means=self._means, summed=self._summed)  # fmt: skip
+                                    transform=self.transform, means=self._means, summed=self._summed,
+                                    entropies=self._entropies)  # fmt: skip
 
     def remove(self) -> None:
         if self.linear.__dict__.get("forward") == self.forward:

@@ -90,19 +90,24 @@ def summed_loss(
 
 def token_losses(model: torch.nn.Module, head: ChunkedLossHead | None, input_ids: torch.Tensor,
                  labels: torch.Tensor, router: list[torch.Tensor] | None = None,
-                 means: list[torch.Tensor] | None = None, temperature: float = 1.0) -> torch.Tensor:  # fmt: skip
+                 means: list[torch.Tensor] | None = None, temperature: float = 1.0,
+                 entropies: list[torch.Tensor] | None = None) -> torch.Tensor:  # fmt: skip
     """(B, T) fp32: each position's token cross-entropy (minus the log-prob of its label), 0 at IGNORE, by the same
     loss head as `summed_loss`; `router` as there. `means`: each position's mean logit over the vocabulary (B, T)
     fp32, detached, is appended to it (TRL's `mean_logits`, for `logits/chosen|rejected`). `temperature`: of the
-    logits over it (GRPO scores its completions at the temperature it sampled them)."""
+    logits over it (GRPO scores its completions at the temperature it sampled them). `entropies`: each position's
+    entropy of the softmax at that temperature (B, T) fp32, detached, is appended to it (GRPO's `entropy`)."""
     kwargs: dict[str, Any] = {"output_router_logits": True} if router is not None else {}
     if head is not None:
         found: list[torch.Tensor] | None = None if means is None else []
-        with head.targets(labels, found, temperature=temperature):
+        spread: list[torch.Tensor] | None = None if entropies is None else []
+        with head.targets(labels, found, temperature=temperature, entropies=spread):
             out = model(input_ids=input_ids, use_cache=False, **kwargs)
         losses = out.logits.float().flatten(1)  # (B, T, 1) -> (B, T), 0 at IGNORE
         if means is not None and found:
             means.append(found[-1].detach().reshape(labels.shape))
+        if entropies is not None and spread:
+            entropies.append(spread[-1].detach().reshape(labels.shape))
     else:
         out = model(input_ids=input_ids, use_cache=False, **kwargs)
         logits = out.logits.float() / temperature if temperature != 1.0 else out.logits.float()
@@ -110,6 +115,9 @@ def token_losses(model: torch.nn.Module, head: ChunkedLossHead | None, input_ids
                                  reduction="none").view(labels.shape)  # fmt: skip
         if means is not None:
             means.append(out.logits.detach().mean(dim=-1, dtype=torch.float32))
+        if entropies is not None:
+            tempered = logits.detach()
+            entropies.append(torch.logsumexp(tempered, -1) - (tempered.softmax(-1) * tempered).sum(-1))
     if router is not None and getattr(out, "aux_loss", None) is not None:
         router.append(out.aux_loss.float())
     return losses
@@ -328,9 +336,12 @@ class Stepper:
         if objective is None or batch.advantages is None:
             raise ValueError("a GRPO batch, but training.objective is not grpo")
         x, y = self._to_device(batch.input_ids), self._to_device(batch.labels)
-        losses = token_losses(self.model, self.head, x, y, router, temperature=objective.temperature)
+        entropies: list[torch.Tensor] = []
+        losses = token_losses(self.model, self.head, x, y, router, temperature=objective.temperature,
+                              entropies=entropies)  # fmt: skip
         ref = None if batch.ref_logps is None else self._to_device(batch.ref_logps)
-        loss, sums = grpo.loss(losses, y, batch.advantages, ref, objective.beta, objective.loss_type)
+        loss, sums = grpo.loss(losses, y, batch.advantages, ref, objective.beta, objective.loss_type,
+                               entropies[0] if entropies else None)  # fmt: skip
         self.preference_sums.append(sums)
         return loss
 

@@ -146,6 +146,9 @@ def test_the_loss_and_kl_equal_trls_grpo_trainer_on_a_batch_it_sampled(tmp_path,
         assert "kl" not in ours
     for name in grpo.CLIP_RATIOS:  # one pass per sampled batch: the ratio is 1, nothing clipped, at TRL's too
         assert ours[name] == theirs[name] == 0.0, name
+    # the policy's entropy over the vocabulary at the temperature, over the completion tokens (one micro-batch: TRL's
+    # per-micro-batch mean is the same)
+    assert ours["entropy"] == pytest.approx(theirs["entropy"], rel=1e-5) and ours["entropy"] > 1.0
 
 
 @pytest.mark.parametrize("scale", ["group", "batch", "none"])
@@ -183,6 +186,7 @@ def test_a_tiny_model_learns_a_verifiable_reward_on_the_cpu(tmp_path):
         assert all(np.isfinite(r[name]) for r in recs), name
     assert all(r["rewards/lowercase/mean"] == pytest.approx(r["reward"]) for r in recs)
     assert all(r["clip_ratio/region_mean"] == 0.0 for r in recs)
+    assert all(0 < r["entropy"] < np.log(512) for r in recs)  # nats, at most the byte vocabulary's uniform
     assert [(r["texts/step"], r["texts/steps"]) for r in recs] == [(s, 12) for s in range(12)]  # trainer_state
     assert all(r["texts/chars"] > 0 for r in recs)
     assert "kl" not in recs[0]

@@ -98,9 +98,10 @@ def test_both_kernels_apply_the_familys_logit_transform_as_autograd_does(scale, 
 
 
 @pytest.mark.parametrize(("scale", "cap"), [(1.0, None), (3.0, 2.0)])
-def test_both_kernels_give_each_tokens_mean_logit_and_the_same_loss_with_it(scale, cap):
-    """`means` (logits/chosen|rejected): each token's mean over the vocabulary of the transformed logits, IGNORE
-    positions included, from the chunks (no whole logits); asking for it changes neither the loss nor its gradient."""
+def test_both_kernels_give_each_tokens_mean_logit_and_entropy_and_the_same_loss_with_them(scale, cap):
+    """`means` (logits/chosen|rejected) and `entropies` (GRPO's entropy): each token's mean over the vocabulary of the
+    transformed logits and the entropy of their softmax, IGNORE positions included, from the chunks (no whole logits);
+    asking for them changes neither the loss nor its gradient."""
     from runner.train.loss import LogitTransform
 
     tf = LogitTransform(scale, cap)
@@ -109,17 +110,23 @@ def test_both_kernels_give_each_tokens_mean_logit_and_the_same_loss_with_it(scal
     labels = torch.randint(0, 300, (3, 7), generator=g)
     labels[0, :2] = IGNORE
     z = F.linear(hidden, weight) * scale
-    want = (cap * torch.tanh(z / cap) if cap else z).mean(-1)
+    capped = cap * torch.tanh(z / cap) if cap else z
+    want = capped.mean(-1)
+    entropy = -(capped.log_softmax(-1).exp() * capped.log_softmax(-1)).sum(-1)
     for kernel in ("chunked", "liger"):
         means: list[torch.Tensor] = []
+        entropies: list[torch.Tensor] = []
         h = hidden.clone().requires_grad_()
-        got = linear_cross_entropy(h, weight, None, labels, chunk=5, kernel=kernel, transform=tf, means=means)
+        got = linear_cross_entropy(h, weight, None, labels, chunk=5, kernel=kernel, transform=tf, means=means,
+                                   entropies=entropies)  # fmt: skip
         (grad,) = torch.autograd.grad(got.sum(), h)
         h2 = hidden.clone().requires_grad_()
         plain = linear_cross_entropy(h2, weight, None, labels, chunk=5, kernel=kernel, transform=tf)
         (grad2,) = torch.autograd.grad(plain.sum(), h2)
         assert len(means) == 1 and means[0].shape == labels.shape and means[0].dtype == torch.float32
         torch.testing.assert_close(means[0], want, **FP32)
+        assert len(entropies) == 1 and entropies[0].shape == labels.shape
+        torch.testing.assert_close(entropies[0], entropy, **FP32)
         torch.testing.assert_close(got, plain, rtol=0, atol=0)
         torch.testing.assert_close(grad, grad2, rtol=0, atol=0)
 
