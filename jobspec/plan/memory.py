@@ -505,7 +505,7 @@ def _fsdp_peak(
             grads += HALF_BYTES * shape.experts * 3 * shape.hidden * shape.expert_intermediate  # of all of them
         return block, padded, grads
 
-    (_, padded, block_grads), ahead, (first_block, _, first_grads) = at(-1), at(-2), at(0)
+    (last_block, padded, block_grads), ahead, (first_block, _, first_grads) = at(-1), at(-2), at(0)
     last, first = _block_gathers(head, first_block, kept, tied=tied, reshard=reshard, full=full, buffer=buffer,
                                  ahead=ahead[:2])  # fmt: skip
     # the end: the root's embedding gathered again where forward reshards, a tied root's last block still reducing
@@ -524,6 +524,11 @@ def _fsdp_peak(
         (gather_head + head_grad + prefetch, acts, loss_hidden + chunk),
         (gather_head + (head_grad + regather if tied else reduced * head + offloaded), acts, loss_hidden),
         (last + block_grads, acts + recompute, 0),
+        # where forward reshards, during the last block's own backward: it is gathered beside the one prefetched
+        # after it; full fine-tuning's fp32 gradient moment above is larger, a frozen base's (LoRA) has none (traced:
+        # Mixtral, Qwen3-30B-A3B and Qwen3-Next LoRA at zero3, 8 ranks, micro-batch 1, were 0.90-0.93 without it,
+        # 1.03-1.04 with it; at micro-batch 4 1.03-1.10, Mixtral at minimal 0.78 -> 1.08: over, where it was under)
+        (last + (HALF_BYTES * last_block if reshard else 0), acts + recompute, 0),
         (first + first_grads, acts // max(1, shape.layers) + recompute, 0),  # one layer's saved inputs left
         (end + (head_grad + reduced * head + offloaded if full else 0), 0, 0),
     )  # fmt: skip
@@ -579,17 +584,14 @@ def _family(shape: ModelShape) -> str:
 
 
 def _layer_bytes(
-    shape: ModelShape, tier: str, precision: str, lora: LoraShape | None, linear: bool | None = None,
-    recomputed: bool = False,
+    shape: ModelShape, tier: str, precision: str, lora: LoraShape | None, linear: bool | None = None
 ) -> float:
     """Activation bytes one layer saves per token (sdpa), from the traced coefficients: the mean over the layers of a
     mixture-of-experts or linear-attention model, whose MoE layers have their experts' instead of a dense MLP's and
-    whose linear-attention layers their own (`linear` True or False: the mean over the layers of that attention).
-    `recomputed`: the layer checkpointing recomputes in backward, whose routed experts hold their full fine-tuning
-    bytes under LoRA too (its backward's temporaries)."""
+    whose linear-attention layers their own (`linear` True or False: the mean over the layers of that attention)."""
     if not shape.moe and not shape.linear:
         return _kind_bytes(shape, tier, precision, lora, moe=False)
-    total = _per_layer(shape, lambda moe, lin: _kind_bytes(shape, tier, precision, lora, moe, lin, recomputed), linear)
+    total = _per_layer(shape, lambda moe, lin: _kind_bytes(shape, tier, precision, lora, moe, lin), linear)
     return total / (shape.layers if linear is None else sum(
         n for (_, lin), n in shape.layer_kinds().items() if lin == linear))  # fmt: skip
 
@@ -604,8 +606,7 @@ def _linear_bytes(shape: ModelShape, tier: str, precision: str, lora: LoraShape 
 
 
 def _kind_bytes(
-    shape: ModelShape, tier: str, precision: str, lora: LoraShape | None, moe: bool, linear: bool = False,
-    recomputed: bool = False,
+    shape: ModelShape, tier: str, precision: str, lora: LoraShape | None, moe: bool, linear: bool = False
 ) -> float:
     """`_layer_bytes` of a dense layer, or of a MoE layer (`moe`): the dense coefficients with the shared experts'
     width for the MLP's, and per routed token MOE_ROUTED_BYTES (the gathered input, the experts' projections); of a
@@ -617,7 +618,7 @@ def _kind_bytes(
     extra_bytes = 2 * DROPOUT_MASK_BYTES * shape.hidden if shape.residual_dropout else 0
     fam = FAMILIES.get(shape.model_type)
     if moe:  # the routed experts
-        routed = MOE_ROUTED_BYTES if lora is None or recomputed else MOE_ROUTED_LORA_BYTES
+        routed = MOE_ROUTED_BYTES if lora is None else MOE_ROUTED_LORA_BYTES
         c_h, c_i = (a + b for a, b in zip(routed, fam.routed_extra if fam else (0.0, 0.0), strict=True))
         extra_bytes += shape.experts_computed * (c_h * shape.hidden + c_i * shape.expert_intermediate)
     residual = residual_bytes(tier, precision, lora)
@@ -731,7 +732,7 @@ def _recompute(shape: ModelShape, tier: str, tokens: int, seq_len: int, attentio
     c_h, c_i = RECOMPUTE_GRAD_BYTES[kind]
     # the layer recomputed is one of either attention where a model has both: the larger
     kinds = (False, True) if shape.linear else (None,)
-    layer = max(_layer_bytes(shape, tier, precision, lora, linear, recomputed=True) for linear in kinds)
+    layer = max(_layer_bytes(shape, tier, precision, lora, linear) for linear in kinds)
     per_token = layer + c_h * shape.hidden + c_i * shape.intermediate
     merged = merged_experts(shape, lora, precision)  # the recomputed MoE layer's merged expert weights
     fam = FAMILIES.get(shape.model_type)

@@ -373,6 +373,8 @@ def test_lora_on_a_mixture_of_experts_is_planned_as_traced(tier, targets):
                         lora=LoraSpec(rank=8, targets=targets))  # fmt: skip
     lora = memory.LoraShape(8, tuple(targets))
     est = memory.estimate(shape, tier=tier, seq_len=256, micro_batch=2, world_size=ranks, lora=lora)
-    assert 0.95 <= (est.states + est.activations + est.logits) / traced.peak <= 1.05
+    # zero3 up to 8 % over: its last block's own backward is counted with three blocks gathered, as the full-size
+    # traces peak (Mixtral, Qwen3-30B-A3B, Qwen3-Next LoRA at micro-batch 1: 0.90-0.93 without it, 1.03-1.04 with)
+    assert 0.95 <= (est.states + est.activations + est.logits) / traced.peak <= (1.08 if tier == "zero3" else 1.05)
     assert memory.merged_experts(shape, lora, "bf16") == (2 * 16 * 3 * 512 * 256 if "experts.down_proj" in targets
                                                           else 0)  # fmt: skip
