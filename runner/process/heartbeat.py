@@ -181,6 +181,7 @@ class Heartbeat:
         self._declared = threading.Event()  # on_lost has returned (in the worker it never does: the process ends)
         self._ended = False  # the store closed the connection: rank 0's process ended
         self._tick = time.monotonic()  # the watchdog's last wake-up
+        self._stalled = 0.0  # the longest stall past the timeout the watchdog measured (this process was frozen)
         self._threads = [
             threading.Thread(target=self._beat_loop, name="jobspec-heartbeat", daemon=True),
             threading.Thread(target=self._watch_loop, name="jobspec-watchdog", daemon=True),
@@ -233,12 +234,22 @@ class Heartbeat:
 
     def _watch_loop(self) -> None:
         while not self._stop.wait(self.interval / 2):
-            now = time.monotonic()
-            stalled, self._tick = now - self._tick, now
+            now, stalled = self._wake()
             loss = self.check(now, stalled)
             if loss is not None:
                 self._declare(loss)
                 return
+
+    def _wake(self) -> tuple[float, float]:
+        """The watchdog's wake-up: (now, seconds since the last one). A stall past the timeout is published before
+        the tick moves, so a writer's `fence` that already reads the new tick (the main thread, whose collective
+        failed the moment this frozen process woke) still reports this rank's own stall, not the store's silence."""
+        now = time.monotonic()
+        stalled = now - self._tick
+        if stalled > self.timeout:
+            self._stalled = max(self._stalled, stalled)
+        self._tick = now
+        return now, stalled
 
     def check(self, now: float, stalled: float = 0.0) -> Loss | None:
         """The loss this rank knows of at monotonic time `now`, if any; `stalled`: seconds since the watchdog last
@@ -247,6 +258,7 @@ class Heartbeat:
             if self._armed_at is None or self._stop.is_set():
                 return None
             rank, wall = self.env.rank, time.time()
+            stalled = max(stalled, self._stalled)
             if stalled > self.timeout:
                 return Loss("self", rank, stalled, wall, rank)
             if self._announced is not None:

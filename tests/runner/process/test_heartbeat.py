@@ -168,6 +168,22 @@ def test_a_rank_that_found_a_loss_stops_writing(gang):
         g.members[0].fence()
 
 
+def test_a_woken_rank_whose_watchdog_moved_its_tick_first_still_reports_its_own_stall():
+    """The race the lost-node test met (CI, 2026-11-29): the frozen process wakes, its watchdog thread takes the new
+    tick but has not declared yet, and the main thread, whose collective just failed, fences: it must still say this
+    rank stalled, not that rank 0's store went silent (the store's last answer is as old as the stall)."""
+    losses: list[Loss] = []
+    member = Heartbeat(DistEnv(rank=1, world_size=2), TIMEOUT_S, losses.append, lambda _: dist.HashStore(),
+                       armed=lambda: True)  # not started: its threads' steps are taken by hand  # fmt: skip
+    frozen_since = time.monotonic() - 4 * TIMEOUT_S
+    member._armed_at = member._reply = member._tick = frozen_since
+    now, stalled = member._wake()  # the watchdog's wake-up, before its check
+    assert stalled > TIMEOUT_S and member._tick == now
+    with pytest.raises(GangLost, match="rank 1 stalled for"):
+        member.fence()
+    assert [(loss.kind, loss.member) for loss in losses] == [("self", 1)]
+
+
 FROZEN_CHILD = textwrap.dedent(
     """
     import os, sys, time
