@@ -290,10 +290,10 @@ def _lora_targets(
     return {m for t in lora.targets for m in table[t]}
 
 
-def _per_layer(shape: ModelShape, value: Callable[[bool, bool], float], linear: bool | None = None) -> float:
+def _per_layer(shape: ModelShape, value: Callable[[bool, bool], float]) -> float:
     """`value(moe, linear)` summed over the layers of each kind: dense or mixture of experts, softmax or linear
-    attention (`linear` True or False: only the layers of that attention)."""
-    return sum(count * value(*kind) for kind, count in shape.layer_kinds().items() if linear in (None, kind[1]))
+    attention."""
+    return sum(count * value(*kind) for kind, count in shape.layer_kinds().items())
 
 
 def trainable_params(shape: ModelShape, lora: LoraShape | None) -> int:
@@ -591,9 +591,8 @@ def _layer_bytes(
     whose linear-attention layers their own (`linear` True or False: the mean over the layers of that attention)."""
     if not shape.moe and not shape.linear:
         return _kind_bytes(shape, tier, precision, lora, moe=False)
-    total = _per_layer(shape, lambda moe, lin: _kind_bytes(shape, tier, precision, lora, moe, lin), linear)
-    return total / (shape.layers if linear is None else sum(
-        n for (_, lin), n in shape.layer_kinds().items() if lin == linear))  # fmt: skip
+    kinds = {kind: n for kind, n in shape.layer_kinds().items() if linear in (None, kind[1])}
+    return sum(n * _kind_bytes(shape, tier, precision, lora, *kind) for kind, n in kinds.items()) / sum(kinds.values())
 
 
 def _linear_bytes(shape: ModelShape, tier: str, precision: str, lora: LoraShape | None) -> float:

@@ -205,7 +205,6 @@ class Rewards:
             raise ConfigError("training.grpo.rewards: two rewards share a name in the metrics; give each a `name`")
         self.custom = any(s.kind == "python" for s in specs)  # only a user's function can log a metric
         self.logged: dict[str, list[float]] = {}  # log_metric's values since the last `take_logged`
-        self._calling = ""  # the reward whose function is running (for log_metric's errors)
 
     def _log_metric(self, name: object, value: object) -> None:
         """TRL's `log_metric`: one value of metric `name` for this step."""
