@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import re
 import shutil
@@ -52,7 +53,12 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
 
 from jobspec import shared_dir
 from jobspec.errors import ConfigError
@@ -77,6 +83,7 @@ FORMAT = 4  # meta.json "format": 2 and later have a manifest.json (a missing on
 STEP_ITEM = ("jobspec", "step")  # {"jobspec": {"step": N}} beside "model" and "optim": DCP's item "jobspec.step"
 RANK_STEP = "rank_step"  # {"jobspec": {"rank_step": {"<rank>": N}}}: item "jobspec.rank_step.<rank>", its own file
 OPTIMIZER_STEPS = "optimizer_steps"  # meta.json: the sum of every parameter's optimizer step counter at save
+GUARD_S = 0.5  # the most seconds a shard is written between two fence checks (the fence reads the lease file)
 T = TypeVar("T")
 
 
@@ -421,7 +428,7 @@ def save(
     state = phase.run(lambda: _state(model, optimizer, trainable_only))  # 8-bit moments: fp32, one at a time
     state["optim"]["state"].pop(LOW_BIT, None)
     state[STEP_ITEM[0]] = {STEP_ITEM[1]: step, RANK_STEP: {str(rank): step}}  # the last: in this rank's own file
-    entries = phase.run(lambda: _write_rank_files(tmp, state, rank, ctrl))
+    entries = phase.run(lambda: _write_rank_files(tmp, state, rank, ctrl, fence))
     hashed = {name: e for part in ctrl.all_gather_object(entries) for name, e in part.items()}
     if rank == 0:
         meta = {**meta, "step": step, "format": FORMAT, OPTIMIZER_STEPS: optimizer_steps(state["optim"])}
@@ -495,16 +502,39 @@ def _prepare(root: Path, tmp: Path, need: int) -> int:
     return need
 
 
-def _write_rank_files(tmp: Path, state: dict[str, Any], rank: int, ctrl: Control) -> dict[str, dict[str, Any]]:
-    """This rank's DCP shards and RNG state, fsynced; returns their manifest entries (hashed while cached)."""
+def _write_rank_files(tmp: Path, state: dict[str, Any], rank: int, ctrl: Control,
+                      fence: Callable[[], None] = lambda: None) -> dict[str, dict[str, Any]]:  # fmt: skip
+    """This rank's DCP shards and RNG state, fsynced; returns their manifest entries (hashed while cached). `fence`
+    runs before each file and, at most every GUARD_S, before a write into a shard (`throttled`): a rank frozen
+    in the middle of its shard stops writing once it wakes."""
     tmp.mkdir(parents=True, exist_ok=True)  # rank 0 made it; a node's own run dir (object store: remote.py) not
-    writer = unpickle.SafeWriter(tmp)  # shards created exclusively, never through a planted link
+    writer = unpickle.SafeWriter(tmp, throttled(fence, GUARD_S))  # created exclusively, never through a link
     with warnings.catch_warnings():  # DCP warns that one process means one process
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.save(state, storage_writer=writer, process_group=ctrl.group, no_dist=not dist.is_initialized())
+        try:
+            dcp.save(state, storage_writer=writer, process_group=ctrl.group, no_dist=not dist.is_initialized())
+        except BaseException:
+            if writer.stopped is not None:  # the fence's reason, not the errors DCP and torch.save wrapped it in
+                raise writer.stopped from None
+            raise
+    fence()
     _write_durable(tmp / f"rng-{rank}.pt", rng.encode(rng_state()))
     mine = [p for p in tmp.iterdir() if p.name.startswith(f"__{rank}_") or p.name == f"rng-{rank}.pt"]
     return manifest.hash_files(mine)
+
+
+def throttled(check: Callable[[], None], seconds: float) -> Callable[[], None]:
+    """`check`, run when `seconds` have passed since it last ran (or never ran): cheap enough to call before every
+    write, and a process frozen for longer than `seconds` runs it on its first call after waking."""
+    last = -math.inf
+
+    def guard() -> None:
+        nonlocal last
+        if time.monotonic() - last >= seconds:
+            check()
+            last = time.monotonic()
+
+    return guard
 
 
 def _finish(tmp: Path, final: Path, step: int, meta: dict[str, Any], files: dict[str, bytes],
@@ -568,19 +598,23 @@ def load(
             reader = unpickle.reader(path)
         except (OSError, ValueError) as err:
             raise _unloadable(path, str(err) if not isinstance(err, FileNotFoundError) else "no .metadata") from None
+        other = _other_optimizer(reader.metadata, optimizer)
+        if other:  # a forced resume across training.optimizer (lineage.py refuses it otherwise)
+            log.warning("checkpoint %s holds %s's state, not this run's optimizer's: its weights resume, the optimizer "
+                        "starts afresh", path, other)  # fmt: skip
+            del state["optim"]
         try:
             dcp.load(state, storage_reader=reader, planner=unpickle.SafeLoadPlanner(), process_group=ctrl.group,
                      no_dist=not dist.is_initialized())  # fmt: skip
         except (Exception, CheckpointException) as exc:  # CheckpointException (DCP) is a BaseException
             raise _unloadable(path, unpickle.load_failure(exc)) from None
-    _low_bit_back(state["optim"]["state"], low_bit)
-    set_state_dict(
-        model,
-        optimizer,
-        model_state_dict=state["model"],
-        optim_state_dict=state["optim"],
-        options=StateDictOptions(strict=not trainable_only),
-    )
+    options = StateDictOptions(strict=not trainable_only)
+    if other:
+        set_model_state_dict(model, state["model"], options=options)
+    else:
+        _low_bit_back(state["optim"]["state"], low_bit)
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
+                       options=options)  # fmt: skip
     internals.keep_tensor_lr(optimizer)  # the groups' lr is saved as a float
     rng_file = path / f"rng-{rank}.pt"
     if not os.path.lexists(rng_file):  # more ranks than when it was written: rank 0's stream is the best guess
@@ -594,6 +628,16 @@ def load(
         return read_meta(path)
     except (OSError, ValueError) as err:
         raise _unloadable(path, str(err) if isinstance(err, files.UnsafeFile) else f"{META}: {err}") from None
+
+
+def _other_optimizer(metadata: Any, optimizer: torch.optim.Optimizer) -> str:
+    """The kind of optimizer whose state a checkpoint holds ("AdamW" or "SGD") when it is not `optimizer`'s, else "":
+    told by the hyper-parameter only one of them has in its parameter groups (SGD's momentum, Adam's betas)."""
+    sgd = isinstance(getattr(optimizer, "optimizer", optimizer), torch.optim.SGD)
+    own = "momentum" if sgd else "betas"
+    if f"optim.param_groups.0.{own}" in (getattr(metadata, "state_dict_metadata", None) or {}):
+        return ""
+    return "AdamW" if sgd else "SGD"
 
 
 def _unloadable(path: Path, why: str) -> DamagedCheckpoint:

@@ -27,7 +27,7 @@ import math
 import pickle
 import re
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path, PurePosixPath
 from typing import Any, BinaryIO
@@ -360,14 +360,61 @@ class SafeLoadPlanner(dcp.DefaultLoadPlanner):
 class _RegularFiles(FileSystem):
     """DCP's file access in a shared volume: reading regular files only (files.open_regular), writing new files only,
     created exclusively, never through a name someone else made (jobspec.shared_dir.create): the shards and
-    `.metadata`'s temporary, which DCP renames into place."""
+    `.metadata`'s temporary, which DCP renames into place. `guard` runs before each file is created and before each
+    write into it (`_Guarded`)."""
+
+    def __init__(self, guard: Callable[[], None] | None = None):
+        super().__init__()
+        self.guard = guard
 
     @contextmanager
     def create_stream(self, path: Any, mode: str) -> Iterator[Any]:
         if mode not in ("rb", "wb"):
             raise ValueError(f"a checkpoint is read whole or written new, never opened {mode!r}")
-        with files.open_regular(Path(path)) if mode == "rb" else shared_dir.create(Path(path)) as f:
-            yield f
+        if mode == "rb":
+            with files.open_regular(Path(path)) as f:
+                yield f
+            return
+        if self.guard is not None:
+            self.guard()
+        with shared_dir.create(Path(path)) as f:
+            yield f if self.guard is None else _Guarded(f, self.guard)
+
+
+class _Latch:
+    """A writer's guard that, once it raised, raises the same for every later call: a write that follows a refused
+    one (torch.save closing its archive) is refused too, and `stopped` keeps the first reason for the caller (DCP
+    and torch.save wrap what a write raised in errors of their own)."""
+
+    def __init__(self, guard: Callable[[], None]):
+        self.guard = guard
+        self.stopped: BaseException | None = None
+
+    def __call__(self) -> None:
+        if self.stopped is not None:
+            raise self.stopped
+        try:
+            self.guard()
+        except BaseException as exc:
+            self.stopped = exc
+            raise
+
+
+class _Guarded:
+    """A file being written whose every `write` first calls `guard` (which raises when this writer must stop): a rank
+    frozen in the middle of a shard and woken after its gang moved on stops within one write, instead of writing
+    the rest of a shard no attempt will read into the volume the next attempt checkpoints to. Everything else is
+    the file's own."""
+
+    def __init__(self, f: BinaryIO, guard: Callable[[], None]):
+        self._f, self._guard = f, guard
+
+    def write(self, data: Any) -> int:
+        self._guard()
+        return self._f.write(data)
+
+    def __getattr__(self, name: str) -> Any:  # tell, flush, fileno, close: the file's
+        return getattr(self._f, name)
 
 
 class SafeReader(dcp.FileSystemReader):
@@ -387,13 +434,21 @@ class SafeReader(dcp.FileSystemReader):
 
 
 class SafeWriter(dcp.FileSystemWriter):
-    """FileSystemWriter (fsynced) creating its files through `_RegularFiles`: exclusively, never through a link."""
+    """FileSystemWriter (fsynced) creating its files through `_RegularFiles`: exclusively, never through a link;
+    `guard` (if given) runs before each file it creates and each write into one; once it raised, every later write
+    raises the same (`stopped`)."""
 
-    def __init__(self, path: str | Path):
+    def __init__(self, path: str | Path, guard: Callable[[], None] | None = None):
         super().__init__(path, sync_files=True)
         if not isinstance(getattr(self, "fs", None), FileSystem):
             raise RuntimeError("torch's FileSystemWriter keeps no `fs`: runner/checkpoint/unpickle.py needs updating")
-        self.fs = _RegularFiles()
+        self.latch = _Latch(guard) if guard is not None else None
+        self.fs = _RegularFiles(self.latch)
+
+    @property
+    def stopped(self) -> BaseException | None:
+        """What the guard raised, if it did: the reason a dcp.save with this writer failed."""
+        return self.latch.stopped if self.latch is not None else None
 
 
 def reader(path: str | Path) -> SafeReader:

@@ -303,7 +303,9 @@ class Heartbeat:
         if self._armed_at is None or self._stop.is_set():  # not watching yet, or left in agreement
             return True
         now = time.monotonic()
-        return now - self._tick <= self.timeout and now - self._reply <= self.timeout and not self._ended
+        if self._stalled > self.timeout or self._ended:  # the watchdog found this process frozen (and will declare)
+            return False
+        return now - self._tick <= self.timeout and now - self._reply <= self.timeout
 
     def fence(self) -> None:
         """For a rank about to write something the gang shares (a checkpoint, a metrics line, the lease): returns

@@ -68,21 +68,45 @@ def test_a_fenced_rank_publishes_no_checkpoint_and_its_temp_dir_is_its_attempts(
     model, opt = _model()
     ctrl = Control(1)
     store.save(tmp_path, 1, model, opt, {"plan": {}}, rank=0, ctrl=ctrl, keep=3, attempt="a" * 32)
-    calls = []
+    tmp = tmp_path / f".tmp-step-2-{'b' * 12}"
 
-    def fence():  # passes the phases, then the gang moves on while this rank writes: the publish is fenced
-        calls.append(1)
-        if len(calls) > 3:
+    def fence():  # passes the phases, then the gang moves on once the manifest is written: the publish is fenced
+        if (tmp / "manifest.json").exists():
             raise Superseded("moved on")
 
     with pytest.raises(Superseded):
         store.save(tmp_path, 2, model, opt, {"plan": {}}, rank=0, ctrl=ctrl, keep=3, fence=fence, attempt="b" * 32)
-    assert len(calls) == 4  # before each of the three phases, and before the rename
     assert [p.name for _, p in store.complete(tmp_path)] == ["step-1"] and not (tmp_path / "step-2").exists()
     assert (tmp_path / f".tmp-step-2-{'b' * 12}").is_dir()  # its own attempt's: no later attempt publishes it
     store.save(tmp_path, 3, model, opt, {"plan": {}}, rank=0, ctrl=ctrl, keep=3, attempt="c" * 32)
     assert not list(tmp_path.glob(".tmp-step-*"))  # the next publish prunes every attempt's leftovers
     assert sorted(p.name for p in tmp_path.glob("step-*")) == ["step-1", "step-3"]
+
+
+def test_a_rank_told_to_stop_in_the_middle_of_its_shard_writes_no_further(tmp_path, monkeypatch):
+    """A rank frozen while it writes its shard, woken after its gang moved on: the fence runs between the shard's
+    writes (at most every GUARD_S; here every write), so it stops there instead of writing the rest."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(64, 64) for _ in range(8)])
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(2, 64)).sum().backward()
+    opt.step()
+    ctrl = Control(1)
+    whole = store.save(tmp_path / "whole", 1, model, opt, {"plan": {}}, rank=0, ctrl=ctrl, keep=3) / "__0_0.distcp"
+    monkeypatch.setattr(store, "GUARD_S", 0.0)
+    root, calls = tmp_path / "cut", []
+    shard = root / f".tmp-step-1-{'a' * 12}" / "__0_0.distcp"
+
+    def fence():  # the gang moves on once a quarter of the shard is on disk
+        calls.append(1)
+        if shard.exists() and shard.stat().st_size > whole.stat().st_size // 4:
+            raise Superseded("moved on")
+
+    with pytest.raises(Superseded):
+        store.save(root, 1, model, opt, {"plan": {}}, rank=0, ctrl=ctrl, keep=3, fence=fence, attempt="a" * 32)
+    assert len(calls) > 10  # checked between writes, not only before the phases
+    assert whole.stat().st_size // 4 < shard.stat().st_size < whole.stat().st_size // 2  # it stopped there
+    assert not (root / "step-1").exists()
 
 
 def test_rank_0s_text_reaches_every_rank_exactly(tmp_path):

@@ -179,6 +179,8 @@ def test_a_woken_rank_whose_watchdog_moved_its_tick_first_still_reports_its_own_
     member._armed_at = member._reply = member._tick = frozen_since
     now, stalled = member._wake()  # the watchdog's wake-up, before its check
     assert stalled > TIMEOUT_S and member._tick == now
+    member._reply = now  # and the beat thread's round came back before the main thread's fence: still not fresh
+    assert not member.fresh()
     with pytest.raises(GangLost, match="rank 1 stalled for"):
         member.fence()
     assert [(loss.kind, loss.member) for loss in losses] == [("self", 1)]
