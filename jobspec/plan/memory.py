@@ -71,7 +71,7 @@ ADAM_BYTES = 8
 # gradient and two moments: an upper bound, not traced; the largest parameter's shard counts)
 LOW_BIT_NUM, LOW_BIT_DEN = 65, 32  # 2.03125 bytes a parameter
 LOW_BIT_STEP_BYTES = 16
-OPTIMIZERS = ("adamw", "adamw_8bit")
+OPTIMIZERS = ("adamw", "adamw_8bit", "sgd")  # sgd: plain SGD, no momentum, so no state at all
 HALF_BYTES = 2  # a 16-bit copy: autocast's weight casts, FSDP2's gathered parameters
 # DDP (`fast` on more than one rank) copies the grads into flat fp32 all-reduce buckets (the gradient's
 # dtype) unless gradient_as_bucket_view=True. On one rank accelerate does not wrap the model in DDP.
@@ -359,9 +359,12 @@ class _States:
 
 def optimizer_bytes(shape: ModelShape, lora: LoraShape | None, optimizer: str, params: int, shards: int) -> int:
     """The optimizer's GPU bytes for `params` trainable parameters split over `shards` ranks (1: not sharded): AdamW's
-    fp32 m and v, or adamw_8bit's 8-bit ones and its step's working copies of the largest parameter's shard."""
+    fp32 m and v, adamw_8bit's 8-bit ones and its step's working copies of the largest parameter's shard, or nothing
+    (sgd: its fused step writes the parameters in place)."""
     if optimizer == "adamw":
         return ADAM_BYTES * params // shards
+    if optimizer == "sgd":
+        return 0
     if optimizer != "adamw_8bit":
         raise ConfigError(f"unknown optimizer {optimizer!r}; expected one of {', '.join(OPTIMIZERS)}")
     working = LOW_BIT_STEP_BYTES * largest_trainable(shape, lora) // shards
@@ -415,14 +418,16 @@ def _states(
     ts, fs = (t + pad, f) if lora is None else (t, f + pad)
     shards = (MASTER_BYTES * ts + FROZEN_BYTES * fs - saved) // n
     grads, adam = GRAD_BYTES * ts // n, optimizer_bytes(shape, lora, optimizer, ts, n)
-    host_offload = HOST_TRAINABLE_BYTES * ts // n
+    # the host's fp32 shard, gradient and Adam's moments; SGD has no moments (and zero2_offload, which offloads only
+    # the optimizer, then nothing: runner/train/engine.py `offload_optimizer`)
+    host_offload = (HOST_TRAINABLE_BYTES - (ADAM_BYTES if optimizer == "sgd" else 0)) * ts // n
     # FSDP2 tiers: what stays gathered the whole step (every weight in 16 bits where forward does not reshard);
     # the module gathered at the peak, and its gradient, depend on the moment (_fsdp_peak)
     kept = HALF_BYTES * w - gathered_saving(shape, quantize, n) if tier in ("zero2", "zero2_offload") else 0
     if tier == "zero2":
         return _States(shards, grads, adam, 0, kept, 0, t)
     if tier == "zero2_offload":
-        return _States(shards, grads, 0, 0, kept, host_offload, t)
+        return _States(shards, grads, 0, 0, kept, 0 if optimizer == "sgd" else host_offload, t)
     if tier == "zero3":
         return _States(shards, grads, adam, 0, kept, 0, t)
     tier_index(tier)  # raises for unknown names
@@ -929,7 +934,8 @@ def plan_tier(
                     sampling=sampling)  # fmt: skip
     if optimizer == "auto":
         return _plan_auto_optimizer(again, tier)
-    optimizer = "adamw" if tier in HOST_OPTIMIZER_TIERS else optimizer  # their host AdamW keeps fp32 moments
+    if tier in HOST_OPTIMIZER_TIERS and optimizer != "sgd":  # their host AdamW keeps fp32 moments
+        optimizer = "adamw"
     if quantize == "auto" and lora is not None:
         return _plan_auto_base(partial(again, optimizer=optimizer))
     quantize = base_quantization(quantize, lora)

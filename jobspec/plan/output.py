@@ -60,7 +60,9 @@ def plan_table(report: PlanReport) -> str:
     else:
         lines.append(f"\nGiB/GPU is at the micro-batch shown (1 when nothing fits); sized to {budget} of the GPU.")
     eight = [p.tier for p in report.plans if p.optimizer == "adamw_8bit"]
-    if spec.training.optimizer != "adamw":
+    if spec.training.optimizer == "sgd":
+        lines.append("optimizer: sgd (training.optimizer): plain SGD, no optimizer state on the GPU or the host")
+    elif spec.training.optimizer != "adamw":
         where = ", ".join(eight) if eight else "none of the tiers"
         lines.append(f"optimizer: {spec.training.optimizer} (training.optimizer): Adam's moments in 8 bits at {where}, "
                      "with the step's fp32 working copies of the largest parameter; fp32 moments elsewhere (the "

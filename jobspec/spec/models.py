@@ -884,7 +884,7 @@ class TrainingSpec(Section):
     ] = "auto"
     weight_decay: Annotated[float, Field(ge=0, description="AdamW weight decay.")] = 0.0
     optimizer: Annotated[
-        Literal["adamw", "adamw_8bit", "auto"],
+        Literal["adamw", "adamw_8bit", "auto", "sgd"],
         Field(
             description="adamw = torch's fused AdamW, its two moments in fp32 (8 bytes a trainable parameter); "
             "adamw_8bit = torchao's AdamW8bit, both moments block-wise in 8 bits (about 2 bytes a parameter; a "
@@ -892,7 +892,10 @@ class TrainingSpec(Section):
             "zero2, zero3); the offload tiers (zero2_offload, minimal) keep AdamW's fp32 moments on the host; auto = "
             "adamw, or adamw_8bit at a tier where AdamW's moments do not fit and 8-bit ones do (chosen before "
             "offloading; the plan and the log say so). adamw_8bit and auto need torchao (the GPU images carry it; "
-            "pip install 'jobspec-k8s[offload]')."
+            "pip install 'jobspec-k8s[offload]'). sgd = torch's fused SGD without momentum (no state at all: "
+            "zero2_offload then offloads nothing, minimal keeps 8 bytes a parameter on the host instead of 16); "
+            "its learning rate wants to be far larger than AdamW's. Adafactor is not offered: torch's does not "
+            "step FSDP2's sharded parameters."
         ),
     ] = "adamw"
     max_grad_norm: Annotated[float | None, Field(gt=0, description="Gradient clipping norm; null disables.")] = 1.0

@@ -59,8 +59,11 @@ def lineage(spec: JobSpec, train_rows: list[tuple[np.ndarray, np.ndarray]]) -> d
         if spec.training.objective == "kto":
             objective |= {"training.desirable_weight": spec.training.desirable_weight,
                           "training.undesirable_weight": spec.training.undesirable_weight}  # fmt: skip
+    # SGD keeps no state an AdamW could resume from, nor the reverse (only where set: every other run's stays as it was)
+    optimizer = {"training.optimizer": "sgd"} if spec.training.optimizer == "sgd" else {}
     return {
         **objective,
+        **optimizer,
         "name": spec.name,
         **{f"model.{k}": v for k, v in model.items()},
         **{f"data.{k}": v for k, v in data.items()},

@@ -86,9 +86,13 @@ def make_optimizer(model: nn.Module, spec: JobSpec, device: torch.device, tier: 
 
     `training.optimizer: adamw_8bit` (or auto, where the plan chose it: `planned`): torchao's AdamW8bit (runner/
     internals/lowbit.py) on the tiers whose optimizer state is on the GPU; the offload tiers keep this fp32 AdamW,
-    its moments on the host (`uses_low_bit`)."""
+    its moments on the host (`uses_low_bit`). `sgd`: torch's fused SGD, no momentum: no state (the fused step, as
+    AdamW's, allocates nothing); the same two groups, weight decay added to the gradient as SGD does."""
     groups = param_groups(model, spec.training.weight_decay)
     asked = spec.training.optimizer
+    if asked == "sgd":
+        log.info("optimizer: SGD without momentum (training.optimizer sgd): no optimizer state")
+        return torch.optim.SGD(groups, lr=spec.training.peak_lr, momentum=0.0, fused=True)
     if uses_low_bit(spec, tier, planned):
         log.info("optimizer: torchao AdamW8bit (training.optimizer %s%s): Adam's moments in 8 bits; its first step "
                  "compiles one kernel per parameter shape (torch.compile), later steps reuse them", asked,
@@ -122,10 +126,11 @@ def offload_optimizer(optimizer: torch.optim.Optimizer, device: torch.device, ti
     """The optimizer a tier steps with, given `optimizer` over the parameters as FSDP2 left them.
 
     zero2_offload on a GPU: `HostAdamW` over the same groups (runner/train/offload.py: torchao's CPUOffloadOptimizer,
-    Adam's states and step on the host). Otherwise `optimizer` itself: `minimal` offloads through FSDP2's
-    CPUOffloadPolicy, and on CPU the parameters already live where the states would go."""
-    if tier not in OPTIMIZER_OFFLOAD_TIERS or device.type != "cuda":
-        return optimizer
+    Adam's states and step on the host); SGD, which has no state, steps on the GPU. Otherwise `optimizer` itself:
+    `minimal` offloads through FSDP2's CPUOffloadPolicy, and on CPU the parameters already live where the states
+    would go."""
+    if tier not in OPTIMIZER_OFFLOAD_TIERS or device.type != "cuda" or not isinstance(optimizer, torch.optim.AdamW):
+        return optimizer  # SGD: no state to offload
     from runner.train.offload import HostAdamW
 
     return HostAdamW(optimizer)

@@ -208,7 +208,7 @@ class Recipe:
         internals.check(self.plan.tier, env.world_size, self.device.type)  # before any work at this tier
         if spec.training.loss_kernel == "liger":
             internals.check_liger(self.device.type)
-        if spec.training.optimizer != "adamw":
+        if spec.training.optimizer in ("adamw_8bit", "auto"):
             internals.check_low_bit()
         if self.plan.tier != "fast":
             timeout_s = spec.scheduling.collective_timeout_seconds

@@ -69,7 +69,10 @@ def prime(optimizer: Any, params: Sequence[torch.nn.Parameter]) -> bool:
     with `exp_avg` but no `exp_avg_sq` breaks the next step). Any other optimizer (zero2_offload's host AdamW) by
     its own code: a step on zero gradients with lr 0, which leaves every parameter bit for bit as it was (decay
     factor 1 - 0, update 0), then every state tensor set to zero, and the states it made removed if it fails.
-    Returns whether anything was created."""
+    Returns whether anything was created. SGD without momentum (`training.optimizer: sgd`) keeps no state: none
+    to create."""
+    if isinstance(optimizer, torch.optim.SGD) and not any(g["momentum"] for g in optimizer.param_groups):
+        return False
     missing = [p for p in params if p.requires_grad and not optimizer.state.get(p)]
     if not missing:
         return False
