@@ -892,7 +892,7 @@ class TrainingSpec(Section):
             "zero2, zero3); the offload tiers (zero2_offload, minimal) keep AdamW's fp32 moments on the host; auto = "
             "adamw, or adamw_8bit at a tier where AdamW's moments do not fit and 8-bit ones do (chosen before "
             "offloading; the plan and the log say so). adamw_8bit and auto need torchao (the GPU images carry it; "
-            "pip install 'jobspec-k8s[offload]'). sgd = torch's fused SGD without momentum (no state at all: "
+            "pip install 'jobspec-k8s[offload]'). sgd = torch's SGD without momentum (no state at all: "
             "zero2_offload then offloads nothing, minimal keeps 8 bytes a parameter on the host instead of 16); "
             "its learning rate wants to be far larger than AdamW's. Adafactor is not offered: torch's does not "
             "step FSDP2's sharded parameters."

@@ -86,13 +86,15 @@ def make_optimizer(model: nn.Module, spec: JobSpec, device: torch.device, tier: 
 
     `training.optimizer: adamw_8bit` (or auto, where the plan chose it: `planned`): torchao's AdamW8bit (runner/
     internals/lowbit.py) on the tiers whose optimizer state is on the GPU; the offload tiers keep this fp32 AdamW,
-    its moments on the host (`uses_low_bit`). `sgd`: torch's fused SGD, no momentum: no state (the fused step, as
-    AdamW's, allocates nothing); the same two groups, weight decay added to the gradient as SGD does."""
+    its moments on the host (`uses_low_bit`). `sgd`: torch's SGD, no momentum: no state; fused at `fast`, and on
+    FSDP2's tiers the foreach step (torch's fused SGD kernel has no DTensor sharding rule: NotImplementedError), which
+    without weight decay adds the gradients in place and allocates nothing either."""
     groups = param_groups(model, spec.training.weight_decay)
     asked = spec.training.optimizer
-    if asked == "sgd":
+    if asked == "sgd":  # fused where the parameters are plain tensors; FSDP2's DTensors have no rule for its kernel
         log.info("optimizer: SGD without momentum (training.optimizer sgd): no optimizer state")
-        return torch.optim.SGD(groups, lr=spec.training.peak_lr, momentum=0.0, fused=True)
+        fused = tier == "fast"
+        return torch.optim.SGD(groups, lr=spec.training.peak_lr, momentum=0.0, fused=fused, foreach=not fused)
     if uses_low_bit(spec, tier, planned):
         log.info("optimizer: torchao AdamW8bit (training.optimizer %s%s): Adam's moments in 8 bits; its first step "
                  "compiles one kernel per parameter shape (torch.compile), later steps reuse them", asked,

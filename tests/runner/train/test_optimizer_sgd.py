@@ -91,3 +91,25 @@ def test_the_plan_says_sgd_and_a_resume_across_an_optimizer_change_is_refused(tm
     code, _ = train_in_process(tiny_spec(run, **{**sgd, "checkpoints": {"every_steps": 4, "resume": "force"}}))
     assert code == 0  # forced: the weights resumed, AdamW's moments left behind
     assert [r["step"] for r in records(run)][-1] == 8
+
+
+def test_two_ranks_step_sgd_on_fsdp2s_shards_as_one_process_steps_it_whole(tmp_path, runs):
+    """zero3 on two gloo ranks: the foreach step on DTensor shards (torch's fused SGD kernel has no sharding rule)
+    trains as the one-process fused run of the module fixture does, loss for loss."""
+    import subprocess
+    import sys
+
+    from tests.runner.train_helpers import ROOT, runner_env, timeout_s, tiny_spec_dict, write_spec
+
+    base, _, _ = runs
+    spec = {**tiny_spec_dict(tmp_path / "run", **{**SGD, "memory": {"tier": "zero3"}}),
+            "hardware": {"vendor": "cpu", "gpus": 2}}  # fmt: skip
+    result = subprocess.run([sys.executable, "-m", "runner", str(write_spec(tmp_path / "spec.yaml", spec))], cwd=ROOT,
+                            env=runner_env(), capture_output=True, text=True, timeout=timeout_s(300))  # fmt: skip
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert "SGD without momentum" in result.stderr
+    (plan,) = records(tmp_path / "run", "plan")
+    assert (plan["tier"], plan["world_size"]) == ("zero3", 2)
+    one = {r["step"]: r["loss"] for r in records(base / "full")}
+    two = {r["step"]: r["loss"] for r in records(tmp_path / "run")}
+    assert sorted(two) == sorted(one) and all(two[s] == pytest.approx(one[s], rel=1e-4) for s in one), (one, two)
