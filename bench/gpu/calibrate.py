@@ -6,7 +6,7 @@ Prints what `jobspec/plan/memory.py` would need to match the measurements; it ch
    line through them gives the measured bytes per sample (slope). Across presets, whose activation/logit
    ratios differ, least squares solves slope = a*activations(1) + b*logits(1) for the model's per-sample
    terms: the activation term x a (tiers without checkpointing), x a_ckpt (with), the logits term x b
-   (factors for memory.ACT_BYTES and the loss's terms). With one preset (or collinear terms) a single
+   (factors for activations.ACT_BYTES and the loss's terms). With one preset (or collinear terms) a single
    factor scales both.
 2. fixed bytes: the line's intercept against the model's states (weights, grads, optimizer), as a check.
 3. overhead: device peak - peak allocated = F + p * peak allocated over the memory runs (least squares):

@@ -79,10 +79,11 @@ class Family:
     # longer than the window (its (b, 1, s, s) mask, 16-bit), times the share of such layers
     window_key: str = "sliding_window"  # the config key of that window (Llama 4's chunked attention: its chunk size)
     routed_extra: tuple[float, float] = (0.0, 0.0)  # (per hidden, per expert-width unit) a routed token keeps beyond
-    # memory.MOE_ROUTED_BYTES (gpt-oss's clamped, biased experts)
+    # activations.MOE_ROUTED_BYTES (gpt-oss's clamped, biased experts)
     softmax_16bit: float | None = None  # eager attention's bytes per head and token pair under 16-bit weights (the
     # FSDP2 tiers) where the family takes its softmax at the weights' width (gpt-oss, with its sinks; traced 2.0)
-    qk_norm_extra: float = 0.0  # bytes per token and unit of q and kv width a layer keeps beyond memory.QK_NORM_BYTES
+    # bytes per token and unit of q and kv width a layer keeps beyond activations.QK_NORM_BYTES
+    qk_norm_extra: float = 0.0
     # (OLMo 2 normalizes its whole q and k projections: traced 2.0 at both residual widths, with and without GQA)
     score_backward: float = 0.0  # eager attention's bytes per head and token pair alive in its own backward beyond
     # what it keeps (the scores' gradients, the softmax's and the sinks' copies): with checkpointing the recomputed
@@ -146,7 +147,7 @@ FAMILIES: dict[str, Family] = {
             experts=ExpertKeys(_QWEN, "moe_intermediate_size", shared="shared_expert_intermediate_size",
                                shared_gate=True, sparse_step="decoder_sparse_step", dense_list="mlp_only_layers"),
             act_extra=((4, (0.0, 8.1, 1.9)), (2, (4.1, 8.1, 1.9))),  # the output gate (its sigmoid, the gated output)
-        ),  # and the (1 + w) norms at the 16-bit residual; its linear-attention layers: memory.LINEAR_ACT_BYTES
+        ),  # and the (1 + w) norms at the 16-bit residual; its linear-attention layers: activations.LINEAR_ACT_BYTES
         Family("olmoe", "OLMoE", qk_norm=True, experts=ExpertKeys(_QWEN, "intermediate_size")),
         Family(
             "deepseek_v2", "DeepSeek-V2", mla=True,

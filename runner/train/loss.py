@@ -61,7 +61,7 @@ from torch.autograd.function import once_differentiable
 from torch.distributed.fsdp import FSDPModule
 
 from jobspec.catalog.families import FAMILIES
-from jobspec.plan.memory import LOSS_CHUNK_BYTES, LossKernel, loss_chunk_tokens
+from jobspec.plan.activations import LOSS_CHUNK_BYTES, LossKernel, loss_chunk_tokens
 from runner import internals
 from runner.data.dataset import IGNORE
 

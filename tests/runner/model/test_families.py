@@ -21,7 +21,7 @@ from jobspec.catalog.families import FAMILIES
 from jobspec.catalog.model_config import shape_from_config
 from jobspec.contract import EXIT_OK
 from jobspec.errors import ConfigError
-from jobspec.plan import memory
+from jobspec.plan import activations, memory
 from jobspec.spec.models import LoraSpec
 from runner.model.build import checked_config, load_pretrained
 from tests.runner.train_helpers import records, save_test_tokenizer, tiny_spec, train_in_process
@@ -189,8 +189,9 @@ def test_llama4_is_planned_with_its_interleaved_layers_and_every_expert_computin
     assert not maverick.qk_norm and maverick.moe_at(-1) and not maverick.moe_at(0)
     # chunked attention: 3 of 4 layers keep a (b, 1, s, s) mask under sdpa once the sequence outgrows the chunk
     # (traced at 4 layers, chunk 128, 1,024 tokens: `fast` 0.991 without it, 1.003 with it)
-    assert scout.sliding_window == 8192 and memory._window_mask(scout, "sdpa", 8192) == 0
-    assert memory._window_mask(scout, "sdpa", 16384) == 1.5 and memory._window_mask(scout, "eager", 16384) == 0
+    assert scout.sliding_window == 8192 and activations._window_mask(scout, "sdpa", 8192) == 0
+    mask = activations._window_mask
+    assert mask(scout, "sdpa", 16384) == 1.5 and mask(scout, "eager", 16384) == 0
     bad = {**CONFIGS["llama-4-scout"], "text_config": {**CONFIGS["llama-4-scout"]["text_config"],
                                                       "attention_chunk_size": "8k"}}  # fmt: skip
     with pytest.raises(ConfigError, match="attention_chunk_size must be a number of tokens"):
@@ -376,5 +377,5 @@ def test_lora_on_a_mixture_of_experts_is_planned_as_traced(tier, targets):
     # zero3 up to 8 % over: its last block's own backward is counted with three blocks gathered, as the full-size
     # traces peak (Mixtral, Qwen3-30B-A3B, Qwen3-Next LoRA at micro-batch 1: 0.90-0.93 without it, 1.03-1.04 with)
     assert 0.95 <= (est.states + est.activations + est.logits) / traced.peak <= (1.08 if tier == "zero3" else 1.05)
-    assert memory.merged_experts(shape, lora, "bf16") == (2 * 16 * 3 * 512 * 256 if "experts.down_proj" in targets
+    assert activations.merged_experts(shape, lora, "bf16") == (2 * 16 * 3 * 512 * 256 if "experts.down_proj" in targets
                                                           else 0)  # fmt: skip

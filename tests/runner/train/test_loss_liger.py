@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from jobspec.catalog.presets import PRESETS
 from jobspec.errors import ConfigError
-from jobspec.plan import memory
+from jobspec.plan import activations, memory
 from runner import internals
 from runner.data.dataset import IGNORE
 from runner.train.loss import install_chunked_loss, kernel_chunk_tokens, linear_cross_entropy
@@ -191,9 +191,9 @@ def test_through_the_model_every_gradient_equals_the_chunked_heads(preset, tied)
 
 def test_the_chunks_hold_the_same_bytes_of_logits_at_the_compute_width():
     vocab = 128256
-    assert kernel_chunk_tokens(vocab, "chunked", torch.bfloat16) == memory.LOSS_CHUNK_BYTES // (4 * vocab)
-    assert kernel_chunk_tokens(vocab, "liger", torch.bfloat16) == memory.LOSS_CHUNK_BYTES // (2 * vocab)
-    assert kernel_chunk_tokens(vocab, "liger", torch.float32) == memory.LOSS_CHUNK_BYTES // (4 * vocab)
+    assert kernel_chunk_tokens(vocab, "chunked", torch.bfloat16) == activations.LOSS_CHUNK_BYTES // (4 * vocab)
+    assert kernel_chunk_tokens(vocab, "liger", torch.bfloat16) == activations.LOSS_CHUNK_BYTES // (2 * vocab)
+    assert kernel_chunk_tokens(vocab, "liger", torch.float32) == activations.LOSS_CHUNK_BYTES // (4 * vocab)
 
 
 @pytest.mark.slow
@@ -212,7 +212,7 @@ def test_the_trace_and_the_formula_count_the_kernels_chunk(tier):
         traced[kernel], formula[kernel] = r.peak, e.gpu_bytes - e.overhead
         assert abs(formula[kernel] / traced[kernel] - 1) < 0.05, (kernel, formula[kernel], traced[kernel])
     saved = traced["chunked"] - traced["liger"]
-    assert 0.3 * memory.LOSS_CHUNK_BYTES < saved <= 0.5 * memory.LOSS_CHUNK_BYTES + 2**20, saved
+    assert 0.3 * activations.LOSS_CHUNK_BYTES < saved <= 0.5 * activations.LOSS_CHUNK_BYTES + 2**20, saved
     assert formula["chunked"] - formula["liger"] == pytest.approx(saved, rel=0.35)
 
 
