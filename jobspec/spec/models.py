@@ -842,6 +842,20 @@ class GrpoSpec(Section):
               "dr_grpo = over completions x max_completion_length (Dr. GRPO). TRL's bnpo (a mean per micro-batch) is "
               "not offered: the micro-batch is the planner's, and would change the training."),
     ] = "dapo"
+    num_iterations: Annotated[
+        int, Field(ge=1, le=64, description="Optimizer steps on each sampled batch (TRL's num_iterations, the GRPO "
+                   "paper's mu; default 1): a step's prompts are sampled once and trained on this many steps in a row, "
+                   "the ratio to the log-probs at sampling clipped to [1 - epsilon, 1 + epsilon_high]. The data goes "
+                   "this many times slower: `training.epochs` counts num_iterations steps per batch.")
+    ] = 1
+    epsilon: Annotated[
+        float, Field(gt=0, lt=1, description="Lower clip of the probability ratio, 1 - epsilon (TRL's default 0.2); "
+                     "binds only with num_iterations above 1.")
+    ] = 0.2
+    epsilon_high: Annotated[
+        float | None, Field(gt=0, le=10, description="Upper clip, 1 + epsilon_high (TRL's; null: epsilon; DAPO "
+                            "recommends 0.28); binds only with num_iterations above 1.")
+    ] = None
     scale_rewards: Annotated[
         Literal["group", "batch", "none"],
         Field(description="What divides the advantages (reward minus its group's mean): the group's standard "

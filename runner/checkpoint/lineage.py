@@ -54,7 +54,8 @@ def lineage(spec: JobSpec, train_rows: list[tuple[np.ndarray, np.ndarray]]) -> d
             # filters added since only where set: a run from before them resumes as it was)
             grpo = spec.training.grpo
             later = {k for k, off in (("top_k", 0), ("top_p", 1.0), ("min_p", None), ("loss_type", "dapo"),
-                                      ("repetition_penalty", 1.0)) if getattr(grpo, k) == off}  # fmt: skip
+                                      ("repetition_penalty", 1.0), ("num_iterations", 1), ("epsilon", 0.2),
+                                      ("epsilon_high", None)) if getattr(grpo, k) == off}  # fmt: skip
             objective["training.grpo"] = grpo.model_dump(mode="json", exclude=later)
         if spec.training.objective == "kto":
             objective |= {"training.desirable_weight": spec.training.desirable_weight,

@@ -53,6 +53,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_state_dict,
@@ -82,6 +83,7 @@ FORMAT = 4  # meta.json "format": 2 and later have a manifest.json (a missing on
 # later hold it in every rank's shard file (RANK_STEP) and meta.json holds the sum of the optimizer's step counters
 STEP_ITEM = ("jobspec", "step")  # {"jobspec": {"step": N}} beside "model" and "optim": DCP's item "jobspec.step"
 RANK_STEP = "rank_step"  # {"jobspec": {"rank_step": {"<rank>": N}}}: item "jobspec.rank_step.<rank>", its own file
+RANK_ITEMS = "rank_items"  # {"jobspec": {"rank_items": {"<rank>": {name: value}}}}: a rank's own items (`save`)
 OPTIMIZER_STEPS = "optimizer_steps"  # meta.json: the sum of every parameter's optimizer step counter at save
 GUARD_S = 0.5  # the most seconds a shard is written between two fence checks (the fence reads the lease file)
 T = TypeVar("T")
@@ -411,6 +413,7 @@ def save(
     fence: Callable[[], None] = lambda: None,
     attempt: str = "",
     is_oom: Callable[[BaseException], bool] = lambda _exc: False,
+    rank_items: dict[str, Any] | None = None,
 ) -> Path:
     """Write checkpoint `step` (collective: every rank calls it); rank 0 adds `files` (name -> bytes) beside
     meta.json. Returns step-<N>'s path; StorageError on every rank when the volume cannot take it, CheckpointOOM
@@ -419,7 +422,9 @@ def save(
     `fence` runs on every rank before each phase, and on rank 0 right before the rename that publishes: it raises
     when this rank's gang has moved on without it (a rank frozen mid-save that wakes up later). `attempt` (the
     run's lease holder) names the temp dir: a woken rank of an earlier attempt can only write into its own
-    attempt's temp dir, which no later attempt publishes and the next prune removes."""
+    attempt's temp dir, which no later attempt publishes and the next prune removes. `rank_items`: this rank's own
+    items (plain tensors, strings), stored in its own shard as `jobspec.rank_items.<rank>.<name>` and handed back by
+    `load` on the same rank (GRPO's batch in the middle of its num_iterations steps: runner/rl/rollout.py)."""
     t0 = time.perf_counter()
     root = Path(root)
     tmp, final = temp_dir(root, step, attempt), root / f"step-{step}"
@@ -428,6 +433,8 @@ def save(
     state = phase.run(lambda: _state(model, optimizer, trainable_only))  # 8-bit moments: fp32, one at a time
     state["optim"]["state"].pop(LOW_BIT, None)
     state[STEP_ITEM[0]] = {STEP_ITEM[1]: step, RANK_STEP: {str(rank): step}}  # the last: in this rank's own file
+    if rank_items:
+        state[STEP_ITEM[0]][RANK_ITEMS] = {str(rank): rank_items}
     entries = phase.run(lambda: _write_rank_files(tmp, state, rank, ctrl, fence))
     hashed = {name: e for part in ctrl.all_gather_object(entries) for name, e in part.items()}
     if rank == 0:
@@ -585,7 +592,8 @@ def load(
     ctrl: Control,
     trainable_only: bool = False,
 ) -> dict[str, Any]:
-    """Restore model, optimizer and this rank's RNG from `path` (collective). Returns meta.json.
+    """Restore model, optimizer and this rank's RNG from `path` (collective). Returns meta.json, with this rank's
+    `rank_items` of `save` under RANK_ITEMS where it stored any.
 
     DCP reads through unpickle.SafeReader/SafeLoadPlanner (no pickle runs code, regular files only). A failure
     here, after `verify` passed (a file changed since, or tensors that do not fit the model), is
@@ -598,6 +606,9 @@ def load(
             reader = unpickle.reader(path)
         except (OSError, ValueError) as err:
             raise _unloadable(path, str(err) if not isinstance(err, FileNotFoundError) else "no .metadata") from None
+        mine = _rank_items(reader.metadata, rank)
+        if mine:
+            state[STEP_ITEM[0]] = {RANK_ITEMS: {str(rank): mine}}
         other = _other_optimizer(reader.metadata, optimizer)
         if other:  # a forced resume across training.optimizer (lineage.py refuses it otherwise)
             log.warning("checkpoint %s holds %s's state, not this run's optimizer's: its weights resume, the optimizer "
@@ -625,9 +636,25 @@ def load(
     except (OSError, ValueError) as err:
         raise _unloadable(path, rng.problem(rng_file) or f"{rng_file.name}: {err}") from None
     try:
-        return read_meta(path)
+        meta = read_meta(path)
     except (OSError, ValueError) as err:
         raise _unloadable(path, str(err) if isinstance(err, files.UnsafeFile) else f"{META}: {err}") from None
+    return {**meta, RANK_ITEMS: mine} if mine else meta
+
+
+def _rank_items(metadata: Any, rank: int) -> dict[str, Any]:
+    """The template `load` reads rank `rank`'s own items into (`save`'s `rank_items`): an empty tensor of each stored
+    tensor's size and dtype, a placeholder for each other value; {} when it stored none."""
+    prefix = f"{STEP_ITEM[0]}.{RANK_ITEMS}.{rank}."
+    out: dict[str, Any] = {}
+    for fqn, item in (getattr(metadata, "state_dict_metadata", None) or {}).items():
+        if fqn.startswith(prefix) and "." not in fqn[len(prefix) :]:
+            name = fqn[len(prefix) :]
+            if isinstance(item, TensorStorageMetadata):
+                out[name] = torch.empty(tuple(item.size), dtype=item.properties.dtype)
+            else:
+                out[name] = ""
+    return out
 
 
 def _other_optimizer(metadata: Any, optimizer: torch.optim.Optimizer) -> str:

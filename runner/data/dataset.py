@@ -477,6 +477,26 @@ class DataOrder:
         return np.array([self.global_batch], dtype=np.int64)
 
 
+class RepeatedOrder:
+    """An order whose every step is trained `times` steps in a row: GRPO's `num_iterations` (TRL's RepeatSampler, a
+    batch of prompts sampled once and optimized on `times` times). Step s takes step s // times of `order`; an epoch
+    is `times` times as many steps."""
+
+    def __init__(self, order: DataOrder, times: int):
+        self.order, self.times = order, times
+        self.num_rows, self.global_batch = order.num_rows, order.global_batch
+        self.steps_per_epoch = order.steps_per_epoch * times
+
+    def epoch(self, step: int) -> int:
+        return self.order.epoch(step // self.times)
+
+    def step_samples(self, step: int) -> list[int]:
+        return self.order.step_samples(step // self.times)
+
+    def step_counts(self, step: int) -> np.ndarray:
+        return self.order.step_counts(step // self.times)
+
+
 def rank_slice(ids: Sequence[int], rank: int, world_size: int) -> list[int]:
     """This rank's contiguous share of a step's ids (global_batch divides evenly over ranks)."""
     per_rank = len(ids) // world_size
@@ -498,7 +518,7 @@ def data_order(spec: JobSpec, data: SFTData) -> DataOrder | MixedOrder:
     return MixedOrder(sizes, weights, t.global_batch, t.seed)
 
 
-def total_steps(spec: JobSpec, order: DataOrder | MixedOrder) -> int:
+def total_steps(spec: JobSpec, order: DataOrder | MixedOrder | RepeatedOrder) -> int:
     """`training.steps`, or `epochs` (default 1) x steps per epoch, rounded up; with several sources an epoch
     is the sum of all sources' training rows (each source's own passes follow its weight)."""
     if spec.training.steps is not None:

@@ -25,6 +25,7 @@ global step's completion tokens (TRL's default loss_type, dapo).
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -57,6 +58,7 @@ class RolloutBatch(Batch):
 
     advantages: torch.Tensor | None = None
     ref_logps: torch.Tensor | None = None
+    old_logps: torch.Tensor | None = None  # num_iterations > 1: each token's log-prob when it was sampled
 
 
 @dataclass
@@ -67,6 +69,7 @@ class Group:
     rows: list[tuple[np.ndarray, np.ndarray]]
     advantages: np.ndarray
     ref: list[np.ndarray] | None = None
+    old: list[np.ndarray] | None = None  # num_iterations > 1: the log-probs at sampling, per position
 
 
 def group_advantages(rewards: np.ndarray, scale: str, step_std: float | None = None) -> tuple[np.ndarray, bool]:
@@ -128,24 +131,35 @@ class Rollouts:
     def __init__(self, model: torch.nn.Module, generator: Any, data: PromptData, rewards: Rewards, grpo: GrpoSpec,
                  ctrl: Control, *, rank: int, seed: int, eos: Sequence[int], device: torch.device, synced: bool,
                  reference: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+                 policy: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
                  decode: Callable[[Sequence[int]], str]):  # fmt: skip
         self.model, self.generator, self.data, self.rewards, self.grpo = model, generator, data, rewards, grpo
         self.ctrl, self.rank, self.seed, self.device, self.synced = ctrl, rank, seed, device, synced
         self.eos = sorted(set(int(e) for e in eos))
-        self.reference, self.decode = reference, decode
+        self.reference, self.policy, self.decode = reference, policy, decode
         self.step = 0  # the optimizer step the next `batches` is for (set by the recipe)
         self.max_steps = 0  # the run's steps (set by the recipe): the reward functions' trainer_state
         self.gen_prompts: int | None = None  # prompts a generate call after an OOM in one (kept for later steps)
-        self._made: tuple[int, tuple[int, ...], dict[int, Group]] | None = None
-        self.metrics: dict[str, float] = {}  # the last step's, all ranks
+        # (first step of the batch's num_iterations steps, its prompts, their groups): sampled once, trained on
+        # num_iterations steps in a row
+        self.made: tuple[int, tuple[int, ...], dict[int, Group]] | None = None
+        self.metrics: dict[str, float] = {}  # the last sampled batch's, all ranks
 
     # --- the step's rows ---------------------------------------------------------------------------------
 
+    @property
+    def sampled_at(self) -> int:
+        """The step the current step's batch is sampled at: the first of its `num_iterations` steps."""
+        return self.step - self.step % self.grpo.num_iterations
+
     def batches(self, ids: Sequence[int], micro_batch: int) -> list[RolloutBatch]:
-        key = (self.step, tuple(ids))
-        if self._made is None or self._made[:2] != key:
-            self._made = (*key, self._make(list(ids), micro_batch))
-        groups = self._made[2]
+        key = (self.sampled_at, tuple(ids))
+        if self.made is None or self.made[:2] != key:
+            if self.step != self.sampled_at:  # a resume in the middle of the iterations, without their batch
+                log.warning("GRPO step %d: its batch, sampled at step %d, is not at hand: sampled again now",
+                            self.step, self.sampled_at)  # fmt: skip
+            self.made = (*key, self._make(list(ids), micro_batch))
+        groups = self.made[2]
         return [self._collate(chunk, groups) for chunk in micro_batches(list(ids), micro_batch)]
 
     def _collate(self, ids: list[int], groups: dict[int, Group]) -> RolloutBatch:
@@ -153,14 +167,17 @@ class Rollouts:
         x, y = pad_rows(rows, self.data.pad_id, self.data.max_seq_len)
         batch = make_batch(x, y, rows, ids, None)
         advantages = torch.from_numpy(np.concatenate([groups[i].advantages for i in ids]).astype(np.float32))
-        ref = None
-        if self.reference is not None:
-            ref_np = np.zeros(x.shape, dtype=np.float32)
-            for r, values in enumerate(v for i in ids for v in groups[i].ref or []):
-                ref_np[r, : len(values)] = values
-            ref = torch.from_numpy(ref_np)
+
+        def per_position(kind: str) -> torch.Tensor | None:
+            if any(getattr(groups[i], kind) is None for i in ids):
+                return None
+            out = np.zeros(x.shape, dtype=np.float32)
+            for r, values in enumerate(v for i in ids for v in getattr(groups[i], kind)):
+                out[r, : len(values)] = values
+            return torch.from_numpy(out)
+
         return RolloutBatch(**{f: getattr(batch, f) for f in batch.__dataclass_fields__}, advantages=advantages,
-                            ref_logps=ref)  # fmt: skip
+                            ref_logps=per_position("ref"), old_logps=per_position("old"))  # fmt: skip
 
     def _make(self, ids: list[int], micro_batch: int) -> dict[int, Group]:
         start = time.perf_counter()
@@ -172,26 +189,95 @@ class Rollouts:
         shown = [t if isinstance(p, str) else [{"role": "assistant", "content": t}]
                  for p, t in zip(prompts, texts, strict=True)]  # fmt: skip
         columns = [self.data.columns[i] for i in ids for _ in range(g)]
-        per_fn = self.rewards.score(prompts, shown, completions, columns, TrainerState(self.step, self.max_steps))
+        per_fn = self.rewards.score(prompts, shown, completions, columns, TrainerState(self.sampled_at,
+                                                                                      self.max_steps))
         total = self.rewards.total(per_fn).reshape(len(ids), g)
         step_std = self._step_std(total) if self.grpo.scale_rewards == "batch" else None
         groups, zero_std = {}, 0
         for k, i in enumerate(ids):
             advantages, flat = group_advantages(total[k], self.grpo.scale_rewards, step_std)
             zero_std += flat
-            rows, mine = [], completions[k * g : (k + 1) * g]
-            for c in mine:
-                prompt = self.data.prompt_ids(i)
-                tokens = np.concatenate([prompt, np.asarray(c, dtype=np.int64)])
-                flags = np.concatenate([np.zeros(len(prompt), bool), np.ones(len(c), bool)])
-                rows.append(training_row(tokens, flags, np.array([len(tokens)])))
-            groups[i] = Group(mine, rows, advantages)
+            mine = completions[k * g : (k + 1) * g]
+            groups[i] = Group(mine, [self._row(i, c) for c in mine], advantages)
         if self.reference is not None:
-            self._score_reference(ids, groups, micro_batch)
+            self._score(ids, groups, micro_batch, self.reference, "ref")
+        if self.policy is not None:
+            self._score(ids, groups, micro_batch, self.policy, "old")
         self.metrics = self._metrics(per_fn, total, completions, zero_std, len(ids))
         log.debug("GRPO step %d: %d completions sampled in %.1f s, scored in %.1f s", self.step, len(completions),
                   sampled, time.perf_counter() - start - sampled)  # fmt: skip
         return groups
+
+    def _row(self, i: int, completion: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+        """Prompt `i`'s tokens then the completion's, scored on the completion's."""
+        prompt = self.data.prompt_ids(i)
+        tokens = np.concatenate([prompt, np.asarray(completion, dtype=np.int64)])
+        flags = np.concatenate([np.zeros(len(prompt), bool), np.ones(len(completion), bool)])
+        return training_row(tokens, flags, np.array([len(tokens)]))
+
+    # --- the batch across a checkpoint (num_iterations > 1) ------------------------------------------------
+
+    def saved(self, next_step: int) -> dict[str, Any] | None:
+        """This rank's batch for a checkpoint written after `next_step` steps, when that step still trains on it (in
+        the middle of its num_iterations steps): its prompts, completions, advantages and per-position log-probs as
+        tensors, its metrics as JSON (runner/checkpoint/store.py `save`'s `rank_items`); None otherwise."""
+        mu = self.grpo.num_iterations
+        if self.made is None or next_step % mu == 0 or self.made[0] != next_step - next_step % mu:
+            return None
+        start, ids, groups = self.made
+        completions = [c for i in ids for c in groups[i].completions]
+        out: dict[str, Any] = {
+            "start": torch.tensor([start], dtype=torch.int64),
+            "ids": torch.tensor(ids, dtype=torch.int64),
+            "lengths": torch.tensor([len(c) for c in completions], dtype=torch.int64),
+            "tokens": torch.tensor([t for c in completions for t in c], dtype=torch.int64),
+            "advantages": torch.from_numpy(np.concatenate([groups[i].advantages for i in ids]).astype(np.float32)),
+            "metrics": json.dumps(self.metrics),
+        }
+        for kind in ("ref", "old"):
+            if all(getattr(groups[i], kind) is not None for i in ids):
+                values = [v for i in ids for v in getattr(groups[i], kind)]
+                out[kind] = torch.from_numpy(np.concatenate(values).astype(np.float32))
+        return out
+
+    def restore(self, items: dict[str, Any]) -> None:
+        """The batch `saved` wrote, back as this rank's current one; ValueError naming what does not fit this run's
+        prompts and settings (a checkpoint of another data or world size)."""
+        g, n = self.grpo.num_generations, len(self.data.prompts)
+        try:
+            start = int(items["start"].reshape(-1)[0])
+            ids = [int(i) for i in items["ids"].tolist()]
+            lengths = [int(v) for v in items["lengths"].tolist()]
+            tokens = items["tokens"].tolist()
+            advantages = items["advantages"].numpy().astype(np.float32)
+            metrics = json.loads(items["metrics"])
+        except (KeyError, TypeError, ValueError, AttributeError, IndexError) as err:
+            raise ValueError(f"its GRPO batch is incomplete ({type(err).__name__}: {err})") from None
+        if not all(0 <= i < n for i in ids) or len(set(ids)) != len(ids):
+            raise ValueError(f"its GRPO batch names prompts outside this run's {n}")
+        if len(lengths) != len(ids) * g or len(advantages) != len(lengths) or min(lengths, default=1) < 0 \
+                or sum(lengths) != len(tokens) or max(lengths, default=0) > self.grpo.max_completion_length:
+            raise ValueError(f"its GRPO batch does not hold {g} completions of at most "
+                             f"{self.grpo.max_completion_length} tokens per prompt")  # fmt: skip
+        if not isinstance(metrics, dict) or not all(isinstance(v, int | float) for v in metrics.values()):
+            raise ValueError("its GRPO batch's metrics are not numbers")
+        cuts = np.cumsum([0, *lengths])
+        completions = [tokens[cuts[r] : cuts[r + 1]] for r in range(len(lengths))]
+        groups = {}
+        for k, i in enumerate(ids):
+            mine = completions[k * g : (k + 1) * g]
+            groups[i] = Group(mine, [self._row(i, c) for c in mine], advantages[k * g : (k + 1) * g])
+        widths = [len(row[0]) for i in ids for row in groups[i].rows]
+        for kind in ("ref", "old"):
+            if kind not in items:
+                continue
+            values = items[kind].numpy().astype(np.float32)
+            if len(values) != sum(widths):
+                raise ValueError(f"its GRPO batch's {kind} log-probs do not cover its rows")
+            cuts = np.cumsum([0, *widths])
+            for k, i in enumerate(ids):
+                setattr(groups[i], kind, [values[cuts[k * g + j] : cuts[k * g + j + 1]] for j in range(g)])
+        self.made, self.metrics = (start, tuple(ids), groups), metrics
 
     # --- sampling ------------------------------------------------------------------------------------------
 
@@ -234,7 +320,7 @@ class Rollouts:
             for j in range(g):
                 x[k * g + j, width - len(p) :] = torch.from_numpy(p)
                 mask[k * g + j, width - len(p) :] = 1
-                seeds.append(completion_seed(self.seed, self.step, i, j))
+                seeds.append(completion_seed(self.seed, self.sampled_at, i, j))
         from transformers import GenerationConfig, LogitsProcessorList
 
         config = GenerationConfig(do_sample=False, num_beams=1, max_new_tokens=limit, min_new_tokens=0,
@@ -253,17 +339,18 @@ class Rollouts:
             completions.append(row[:cut])
         return completions
 
-    def _score_reference(self, ids: list[int], groups: dict[int, Group], micro_batch: int) -> None:
-        """Each completion token's log-prob under the starting model (the adapter off), `micro_batch` prompts a call."""
-        assert self.reference is not None
+    def _score(self, ids: list[int], groups: dict[int, Group], micro_batch: int,
+               scorer: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], kind: str) -> None:  # fmt: skip
+        """Each completion token's log-prob, `micro_batch` prompts a call, into each group's `kind`: under the starting
+        model (`ref`: the adapter off), or under the policy as it samples (`old`: num_iterations > 1)."""
         for chunk in micro_batches(ids, micro_batch):
             rows = [row for i in chunk for row in groups[i].rows]
             x, y = pad_rows(rows, self.data.pad_id, self.data.max_seq_len)
-            logps = self.reference(torch.from_numpy(x).to(self.device), torch.from_numpy(y).to(self.device))
+            logps = scorer(torch.from_numpy(x).to(self.device), torch.from_numpy(y).to(self.device))
             values = logps.float().cpu().numpy()
             g = self.grpo.num_generations
             for k, i in enumerate(chunk):
-                groups[i].ref = [values[k * g + j, : len(rows[k * g + j][0])] for j in range(g)]
+                setattr(groups[i], kind, [values[k * g + j, : len(rows[k * g + j][0])] for j in range(g)])
 
     # --- metrics -------------------------------------------------------------------------------------------
 

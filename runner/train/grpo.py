@@ -4,21 +4,26 @@ TRL 1.16's defaults: loss_type `dapo`, num_iterations 1, importance_sampling_lev
 completion token, with logp its log-prob under the policy at the sampling temperature (logits / T) and A its
 completion's advantage:
 
-    ratio = exp(logp - old_logp)          old_logp = logp.detach(): one optimisation pass per sampled batch
-    loss_t = -min(ratio * A, clip(ratio, 1 - eps, 1 + eps) * A) + beta * kl_t
+    ratio = exp(logp - old_logp)
+    loss_t = -min(ratio * A, clip(ratio, 1 - eps, 1 + eps_high) * A) + beta * kl_t
     kl_t = exp(ref - logp) - (ref - logp) - 1           (only with beta > 0; ref: the starting model's log-prob)
 
 summed over the completion tokens and divided by the global step's completion tokens (the step's `scale`, as for
 SFT's token mean). `training.grpo.loss_type` grpo takes each completion's token mean and divides by the step's
 completions; dr_grpo divides the sum by the step's completions x max_completion_length (Objective.denominator).
-With one pass per batch the ratio is 1 (its gradient is that of logp), so the clip never binds
-and TRL's clip ratios are 0, logged as computed. Metric sums (fp32, detached, summed over ranks by the recipe): the
-KL term's sum, the completion tokens and the clipped ones (low: ratio below 1 - eps where A < 0; high: above 1 + eps
-where A > 0; region: either), for TRL's `kl` and `clip_ratio/low_mean`, `high_mean`, `region_mean`, and the sum of
-each completion token's entropy over the vocabulary at the temperature, for TRL's `entropy` (the chunked loss head
-takes it from each chunk's softmax while it exists: runner/train/loss.py). TRL averages `entropy` per micro-batch
-and then over them; here it is the step's mean over its completion tokens, which the planner's micro-batch does not
-change. Not computed: TRL's per-sequence `clip_ratio/low_min` and `high_max`.
+With one pass per batch (`num_iterations` 1) old_logp is logp.detach(): the ratio is 1 (its gradient is that of
+logp), so the clip never binds and TRL's clip ratios are 0, logged as computed. With `num_iterations` mu > 1 a
+sampled batch is trained on mu steps in a row, and old_logp is each token's log-prob when it was sampled (scored by
+runner/rl/rollout.py right after sampling, as TRL's `old_per_token_logps`): from the second step on the ratio moves
+and the clip binds (eps = `epsilon`, eps_high = `epsilon_high`, DAPO's clip-higher). Metric sums (fp32, detached,
+summed over ranks by the recipe): the KL term's sum, the completion tokens and the clipped ones (low: ratio below
+1 - eps where A < 0; high: above 1 + eps_high where A > 0; region: either), for TRL's `kl` and `clip_ratio/low_mean`,
+`high_mean`, `region_mean`, and the sum of each completion token's entropy over the vocabulary at the temperature,
+for TRL's `entropy` (the chunked loss head takes it from each chunk's softmax while it exists: runner/train/loss.py).
+TRL averages `entropy` and the clip ratios per micro-batch and then over them; here each is the step's mean over its
+completion tokens, which the planner's micro-batch does not change. Not computed: TRL's per-sequence
+`clip_ratio/low_min` and `high_max`; its two-sided `delta` clip, sequence-level importance sampling and the loss
+types bnpo (a mean per micro-batch), cispo, sapo, luspo and vespo are not offered.
 
 Checked against TRL's own `GRPOTrainer._compute_loss` on the same batch in tests/runner/train/test_grpo.py.
 
@@ -43,23 +48,28 @@ from runner.rl.rollout import Rollouts
 if TYPE_CHECKING:
     from runner.train.step import Stepper
 
-EPSILON = 0.2  # TRL's clip range; binds only after a batch's first pass, which GRPO here never takes
+EPSILON = 0.2  # TRL's clip range (training.grpo.epsilon); binds only after a batch's first pass (num_iterations > 1)
 
 
 def loss(token_losses: torch.Tensor, labels: torch.Tensor, advantages: torch.Tensor, ref_logps: torch.Tensor | None,
-         beta: float, loss_type: str = "dapo",
-         entropies: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+         beta: float, loss_type: str = "dapo", entropies: torch.Tensor | None = None,
+         old_logps: torch.Tensor | None = None, epsilon: float = EPSILON,
+         epsilon_high: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """(summed loss over the completion tokens, [kl sum, completion tokens, low, high and region clipped tokens,
     entropy sum] fp32 detached) from the (rows, T) fp32 token losses (minus each token's log-prob at the sampling
     temperature), the rows' `labels`, their (rows,) advantages, with `beta` > 0 the (rows, T) reference log-probs and
-    the (rows, T) `entropies` of the policy at the temperature (0 without). `loss_type`
+    the (rows, T) `entropies` of the policy at the temperature (0 without). `old_logps` (rows, T): the log-probs when
+    the batch was sampled (`num_iterations` > 1), else the policy's own, detached (ratio 1); the ratio is clipped to
+    [1 - epsilon, 1 + epsilon_high (None: epsilon)]. `loss_type`
     grpo sums each completion's token mean instead (the step then divides by its completions: Objective.denominator);
     dapo and dr_grpo sum the tokens (divided by the step's tokens, or its completions x max_completion_length)."""
     mask = (labels != IGNORE).float()
     logp = -token_losses
-    ratio = torch.exp(logp - logp.detach())
+    old = logp.detach() if old_logps is None else old_logps.to(logp.device, torch.float32)
+    ratio = torch.exp(logp - old)
+    low_edge, high_edge = 1 - epsilon, 1 + (epsilon if epsilon_high is None else epsilon_high)
     a = advantages.to(logp.device, torch.float32)[:, None]
-    per_token = -torch.min(ratio * a, torch.clamp(ratio, 1 - EPSILON, 1 + EPSILON) * a)
+    per_token = -torch.min(ratio * a, torch.clamp(ratio, low_edge, high_edge) * a)
     kl_sum = torch.zeros((), device=logp.device)
     if beta:
         if ref_logps is None:
@@ -68,8 +78,8 @@ def loss(token_losses: torch.Tensor, labels: torch.Tensor, advantages: torch.Ten
         kl = torch.exp(delta) - delta - 1
         per_token = per_token + beta * kl
         kl_sum = (kl.detach() * mask).sum()
-    low = ((ratio.detach() < 1 - EPSILON) & (a < 0)).float() * mask
-    high = ((ratio.detach() > 1 + EPSILON) & (a > 0)).float() * mask
+    low = ((ratio.detach() < low_edge) & (a < 0)).float() * mask
+    high = ((ratio.detach() > high_edge) & (a > 0)).float() * mask
     region = torch.maximum(low, high)
     entropy_sum = torch.zeros((), device=logp.device) if entropies is None else (entropies.float() * mask).sum()
     sums = torch.stack([kl_sum, mask.sum(), low.sum(), high.sum(), region.sum(), entropy_sum])
@@ -121,7 +131,16 @@ def attach(stepper: Stepper, data: PromptData, rewards: Rewards, spec: JobSpec, 
             finally:
                 model.train(was_training)
 
+    policy = None
+    if g.num_iterations > 1:
+
+        def policy(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            """Each completion token's log-prob under the policy as it samples (TRL's old_per_token_logps: the model
+            in training mode, no gradients)."""
+            with torch.no_grad():
+                return -token_losses(model, stepper.head, x, y, temperature=g.temperature)
+
     stepper.rollouts = Rollouts(model, unwrapped, data, rewards, g, stepper.ctrl, rank=stepper.rank,
                                 seed=spec.training.seed, eos=eos, device=stepper.device,
-                                synced=stepper.sharded_ranks, reference=reference,
+                                synced=stepper.sharded_ranks, reference=reference, policy=policy,
                                 decode=tokenizer.decode)  # fmt: skip

@@ -91,6 +91,7 @@ class Objective:
     loss_type: str = "dapo"  # GRPO's token-loss average (`training.grpo.loss_type`)
     generations: int = 1  # GRPO's completions per prompt
     completion_length: int = 0  # GRPO's max_completion_length (dr_grpo's constant)
+    clip: tuple[float, float | None] = (0.2, None)  # GRPO's epsilon and epsilon_high (the ratio's clip)
 
     @classmethod
     def of(cls, training: TrainingSpec) -> Objective | None:
@@ -102,7 +103,7 @@ class Objective:
             assert g is not None
             return cls("grpo", g.beta, rewards=tuple(r.label for r in g.rewards), temperature=g.temperature,
                        loss_type=g.loss_type, generations=g.num_generations,
-                       completion_length=g.max_completion_length)  # fmt: skip
+                       completion_length=g.max_completion_length, clip=(g.epsilon, g.epsilon_high))  # fmt: skip
         return cls(training.objective, training.beta, training.gamma if training.objective == "simpo" else 0.0,
                    (training.desirable_weight, training.undesirable_weight))  # fmt: skip
 

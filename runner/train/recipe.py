@@ -37,7 +37,7 @@ from runner import internals
 from runner.checkpoint import remote, run_files, store
 from runner.checkpoint.lease import Lease, LeaseHeld, check_holder
 from runner.checkpoint.lineage import check_resume, lineage
-from runner.data.dataset import PAD_MULTIPLE, data_order, load_data, rank_slice, total_steps
+from runner.data.dataset import PAD_MULTIPLE, RepeatedOrder, data_order, load_data, rank_slice, total_steps
 from runner.data.loader import Prefetcher
 from runner.data.preference import PreferenceData, load_preference
 from runner.data.stream import StreamData, load_stream
@@ -113,6 +113,7 @@ class Recipe:
         self.progress: Progress | None = None
         self.record_samples = os.environ.get("JOBSPEC_RECORD_SAMPLES") == "1"
         self.eval_loss: float | None = None
+        self.sampled: Any = None  # GRPO's batch across a rebuild of the stepper (`_teardown`, `_build`)
         self.started = time.perf_counter()
         self.trained_tokens = 0  # input tokens (padding excluded) trained on by this process's run
         self.exported: Path | None = None
@@ -177,6 +178,9 @@ class Recipe:
         elif spec.training.objective == "grpo":  # prompts; each step's rows are sampled (runner/rl/rollout.py)
             self.data, self.rewards = grpo.load(spec, self.tokenizer, self.task_dir)
             self.order = data_order(spec, self.data)
+            assert spec.training.grpo is not None
+            if spec.training.grpo.num_iterations > 1:  # each batch of prompts trained on num_iterations steps
+                self.order = RepeatedOrder(self.order, spec.training.grpo.num_iterations)
         else:  # pairs, chosen and rejected in one micro-batch; KTO: a record and its KL row (runner/data/preference.py)
             pairs = spec.training.objective != "sft"  # dpo, ipo, simpo, orpo, kto
             self.data = load_preference(spec, self.tokenizer) if pairs else load_data(spec, self.tokenizer)
@@ -269,6 +273,13 @@ class Recipe:
                                   trainable_only=spec.model.lora is not None)  # fmt: skip
             self.step = self.saved_step = int(meta["step"])
             log.info("resumed from %s: step %d of %d", resume, self.step, self.total_steps)
+            if meta.get(store.RANK_ITEMS) and self.stepper.rollouts is not None:  # GRPO's batch, mid-iterations
+                try:
+                    self.stepper.rollouts.restore(meta[store.RANK_ITEMS])
+                except ValueError as err:
+                    raise store.DamagedCheckpoint(f"checkpoint {resume} cannot be resumed: {err}") from None
+        elif kept is not None and self.sampled is not None and self.stepper.rollouts is not None:
+            self.stepper.rollouts.made = self.sampled  # a step-down in memory: the batch still being trained on
         update.prime(self.stepper.inner, self.stepper.params)  # Adam's state now: the first step allocates none
         pin = self.plan.pin_memory and self.device.type == "cuda"  # workers collate the next steps meanwhile
         # A stream is tokenized ahead by its own thread, in this process: collating it is cheap, and no worker can
@@ -296,6 +307,8 @@ class Recipe:
         """Release the model, optimizer, accelerator, loader and OOM guard (the process group stays)."""
         self.guard.close()
         self.stepper.prefetch.close()
+        if self.stepper.rollouts is not None:  # GRPO's batch, for the steps it still trains (num_iterations > 1)
+            self.sampled = self.stepper.rollouts.made
         self.stepper = self.model = self.optimizer = self.accelerator = self.guard = None  # type: ignore[assignment]
         internals.reset_accelerate()  # the next Accelerator may carry another FSDP plugin
         release_memory()
@@ -575,6 +588,7 @@ class Recipe:
                 fence=self.fence,
                 attempt=self.attempt,
                 is_oom=is_oom,
+                rank_items=self.stepper.rollouts.saved(self.step) if self.stepper.rollouts is not None else None,
             )
             if self.bucket is not None:  # shards, then the rest, manifest.json, DONE (runner/checkpoint/remote.py)
                 remote.publish(self.bucket, self.root, self.step, rank=self.env.rank, ctrl=self.ctrl,

@@ -340,8 +340,9 @@ class Stepper:
         losses = token_losses(self.model, self.head, x, y, router, temperature=objective.temperature,
                               entropies=entropies)  # fmt: skip
         ref = None if batch.ref_logps is None else self._to_device(batch.ref_logps)
+        old = None if batch.old_logps is None else self._to_device(batch.old_logps)
         loss, sums = grpo.loss(losses, y, batch.advantages, ref, objective.beta, objective.loss_type,
-                               entropies[0] if entropies else None)  # fmt: skip
+                               entropies[0] if entropies else None, old, *objective.clip)  # fmt: skip
         self.preference_sums.append(sums)
         return loss
 

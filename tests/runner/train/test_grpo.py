@@ -58,9 +58,9 @@ def _spec(tmp_path, **training):
     return th.tiny_spec(tmp_path / "run", **_sections(tmp_path, data_file, **training))
 
 
-def _trl_grpo(beta: float, temperature: float, loss_type: str = "dapo") -> SimpleNamespace:
-    """A stand-in for TRL 1.16's GRPOTrainer `self`: what its `_compute_loss` reads at its defaults (num_iterations 1,
-    token-level ratios, epsilon 0.2) and `loss_type`, one process, no accumulation."""
+def _trl_grpo(beta: float, temperature: float, loss_type: str = "dapo", epsilon_high: float = 0.2) -> SimpleNamespace:
+    """A stand-in for TRL 1.16's GRPOTrainer `self`: what its `_compute_loss` reads at its defaults (token-level
+    ratios, epsilon 0.2), `loss_type` and `epsilon_high`, one process, no accumulation."""
     pytest.importorskip("trl")
     from trl import GRPOTrainer
 
@@ -68,7 +68,7 @@ def _trl_grpo(beta: float, temperature: float, loss_type: str = "dapo") -> Simpl
     fake = SimpleNamespace(
         model=SimpleNamespace(training=True), beta=beta, temperature=temperature, loss_type=loss_type,
         max_completion_length=12,  # _sections' grpo.max_completion_length
-        importance_sampling_level="token", epsilon_low=0.2, epsilon_high=0.2, top_entropy_quantile=1.0,
+        importance_sampling_level="token", epsilon_low=0.2, epsilon_high=epsilon_high, top_entropy_quantile=1.0,
         off_policy_mask_threshold=None, use_vllm=False, vllm_importance_sampling_correction=False,
         aux_loss_enabled=False, _entropy_bonus_enabled=False, current_gradient_accumulation_steps=1,
         args=SimpleNamespace(use_bias_correction_kl=False, delta=None, steps_per_generation=1),
@@ -80,35 +80,44 @@ def _trl_grpo(beta: float, temperature: float, loss_type: str = "dapo") -> Simpl
     return fake
 
 
-@pytest.mark.parametrize(("beta", "temperature", "loss_type"), [(0.0, 1.0, "dapo"), (0.04, 0.7, "dapo"),
-                                                                (0.0, 1.0, "grpo"), (0.04, 0.7, "dr_grpo")],
-                         ids=["no-kl", "kl-tempered", "grpo", "dr_grpo-kl"])  # fmt: skip
-def test_the_loss_and_kl_equal_trls_grpo_trainer_on_a_batch_it_sampled(tmp_path, beta, temperature, loss_type):
+@pytest.mark.parametrize(("beta", "temperature", "loss_type", "iterations"),
+                         [(0.0, 1.0, "dapo", 1), (0.04, 0.7, "dapo", 1), (0.0, 1.0, "grpo", 1),
+                          (0.04, 0.7, "dr_grpo", 1), (0.04, 0.7, "dapo", 2)],
+                         ids=["no-kl", "kl-tempered", "grpo", "dr_grpo-kl", "iterations-kl"])  # fmt: skip
+def test_the_loss_and_kl_equal_trls_grpo_trainer_on_a_batch_it_sampled(tmp_path, beta, temperature, loss_type,
+                                                                        iterations):  # fmt: skip
     """Four prompts' groups sampled by the runner from a real tiny model, given random advantages (and reference
     log-probs moved off the policy): the step's loss (over the batch's completion tokens for dapo, each completion's
     mean over the completions for grpo, over completions x max_completion_length for dr_grpo), and its KL metric,
     equal TRL's own `GRPOTrainer._compute_loss` (its fused LM head at the same temperature) on the same prompt and
-    completion ids, to 1e-5."""
+    completion ids, to 1e-5. With num_iterations 2, the log-probs at sampling (moved off the policy, as after an
+    update) make the ratio move: the clip at [0.8, 1.28] (epsilon_high 0.28) binds and the clip ratios are TRL's."""
     pytest.importorskip("trl")
     from trl import GRPOTrainer
     from trl.trainer.utils import add_fused_lm_head
 
     from runner.train.recipe import Recipe
 
-    worker = Recipe(_spec(tmp_path, steps=1, grpo={"temperature": temperature, "loss_type": loss_type}))
+    high = 0.28 if iterations > 1 else None
+    worker = Recipe(_spec(tmp_path, steps=1, grpo={"temperature": temperature, "loss_type": loss_type,
+                                                   "num_iterations": iterations, "epsilon_high": high}))  # fmt: skip
     try:
         worker.setup()
         stepper, data = worker.stepper, worker.data
         stepper.objective = dataclasses.replace(stepper.objective, beta=beta)
         ids = [0, 3, 5, 9]
         batch = stepper.rollouts.batches(ids, len(ids))[0]
-        groups = stepper.rollouts._made[2]
+        groups = stepper.rollouts.made[2]
         rng = np.random.default_rng(0)
         advantages = torch.from_numpy(rng.normal(0, 1, len(batch.advantages)).astype(np.float32))
         with torch.no_grad():
             logps = -token_losses(stepper.model, stepper.head, batch.input_ids, batch.labels, temperature=temperature)
         ref = (logps + torch.from_numpy(rng.normal(0, 0.3, logps.shape).astype(np.float32))) * (batch.labels >= 0)
-        batch = dataclasses.replace(batch, advantages=advantages, ref_logps=ref if beta else None)
+        if iterations > 1:  # what the runner scored at sampling is the policy's own: ratio 1 before any update
+            assert batch.old_logps is not None and torch.allclose(batch.old_logps, logps, atol=1e-5)
+        old = (logps + torch.from_numpy(rng.normal(0, 0.3, logps.shape).astype(np.float32))) * (batch.labels >= 0)
+        batch = dataclasses.replace(batch, advantages=advantages, ref_logps=ref if beta else None,
+                                    old_logps=old if iterations > 1 else None)  # fmt: skip
         stepper.preference_sums = []
         loss = float(stepper.loss_sum(batch).detach()) / stepper.objective.denominator(batch.targets, len(ids))
         ours = grpo.metrics(stepper.preference_sums[0].tolist(), beta)
@@ -129,12 +138,17 @@ def test_the_loss_and_kl_equal_trls_grpo_trainer_on_a_batch_it_sampled(tmp_path,
         "advantages": advantages,
         "num_items_in_batch": torch.tensor(float(sum(map(len, completions)))),
     }
-    if beta:  # per completion token, as TRL lays them out (the prompt's part is cut off)
-        rows = [ref[r, len(p) - 1 : len(p) - 1 + len(c)] for r, (p, c) in enumerate(zip(prompt_rows, completions,
-                                                                                        strict=True))]  # fmt: skip
-        inputs["ref_per_token_logps"] = torch.stack([torch.nn.functional.pad(v, (0, length - len(v))) for v in rows])
+    def per_completion_token(values: torch.Tensor) -> torch.Tensor:  # as TRL lays them out (the prompt's part cut off)
+        rows = [values[r, len(p) - 1 : len(p) - 1 + len(c)] for r, (p, c) in enumerate(zip(prompt_rows, completions,
+                                                                                           strict=True))]  # fmt: skip
+        return torch.stack([torch.nn.functional.pad(v, (0, length - len(v))) for v in rows])
+
+    if beta:
+        inputs["ref_per_token_logps"] = per_completion_token(ref)
+    if iterations > 1:
+        inputs["old_per_token_logps"] = per_completion_token(old)
     add_fused_lm_head(model_copy, temperature=temperature, outputs=("log_probs", "entropy"))
-    trainer = _trl_grpo(beta, temperature, loss_type)
+    trainer = _trl_grpo(beta, temperature, loss_type, high or 0.2)
     with torch.no_grad():
         want = float(GRPOTrainer._compute_loss(trainer, model_copy, inputs))
     assert batch.targets == sum(map(len, completions))
@@ -145,7 +159,12 @@ def test_the_loss_and_kl_equal_trls_grpo_trainer_on_a_batch_it_sampled(tmp_path,
     else:
         assert "kl" not in ours
     for name in grpo.CLIP_RATIOS:  # one pass per sampled batch: the ratio is 1, nothing clipped, at TRL's too
-        assert ours[name] == theirs[name] == 0.0, name
+        if iterations == 1:
+            assert ours[name] == theirs[name] == 0.0, name
+        else:
+            assert ours[name] == pytest.approx(theirs[name], abs=1e-6), name
+    if iterations > 1:
+        assert 0.05 < ours["clip_ratio/region_mean"] < 0.95 and ours["clip_ratio/high_mean"] > 0
     # the policy's entropy over the vocabulary at the temperature, over the completion tokens (one micro-batch: TRL's
     # per-micro-batch mean is the same)
     assert ours["entropy"] == pytest.approx(theirs["entropy"], rel=1e-5) and ours["entropy"] > 1.0
@@ -227,6 +246,47 @@ def test_a_resumed_run_samples_and_trains_as_an_uninterrupted_one(tmp_path):
         assert b["loss"] == pytest.approx(a["loss"], abs=1e-6)
 
 
+def test_num_iterations_trains_each_sampled_batch_that_many_steps_and_the_clip_binds_after_the_first(tmp_path):
+    """num_iterations 2, epsilon 0.001: steps 1-2 train one sampled batch (the same prompts, completions and rewards),
+    steps 3-4 the next; the first step of each has the ratio 1 (the log-probs at sampling are the policy's), the
+    second a moved policy, so the narrow clip binds there. An epoch is twice as many steps."""
+    data_file = th.write_jsonl(tmp_path / "p.jsonl", prompts())
+    sections = _sections(tmp_path, data_file, steps=4, log_every=1, learning_rate=3e-2,
+                         grpo={"num_iterations": 2, "epsilon": 0.001})  # fmt: skip
+    code, worker = th.train_in_process(th.tiny_spec(tmp_path / "run", **sections))
+    assert code == EXIT_OK
+    recs = th.records(tmp_path / "run")
+    assert [r["step"] for r in recs] == [1, 2, 3, 4]
+    for a, b in ((recs[0], recs[1]), (recs[2], recs[3])):
+        assert a["reward"] == b["reward"] and a["completions/mean_length"] == b["completions/mean_length"]
+    assert recs[0]["reward"] != recs[2]["reward"] or recs[0]["completions/mean_length"] != recs[2][
+        "completions/mean_length"]  # fmt: skip
+    assert recs[0]["clip_ratio/region_mean"] == recs[2]["clip_ratio/region_mean"] == 0.0
+    assert recs[1]["clip_ratio/region_mean"] > 0 and recs[3]["clip_ratio/region_mean"] > 0
+    assert [worker.step_ids(s) for s in range(4)] == [worker.step_ids(0)] * 2 + [worker.step_ids(2)] * 2
+    per_epoch = len(prompts()) // 4  # 32 prompts, global batch 4
+    spec = th.tiny_spec(tmp_path / "epochs", **{**sections, "training": {
+        **sections["training"], "steps": None, "epochs": 1.0}})  # fmt: skip
+    from runner.data.dataset import total_steps
+
+    assert total_steps(spec, worker.order) == 2 * per_epoch
+
+
+def test_a_run_resumed_in_the_middle_of_a_batchs_iterations_trains_on_that_batch(tmp_path):
+    """num_iterations 2, a checkpoint after step 3 (the first of step 3-4's batch): the checkpoint holds the batch
+    (each rank's own items in its shard), and the resumed run trains steps 4-6 as the uninterrupted one did."""
+    data_file = th.write_jsonl(tmp_path / "p.jsonl", prompts())
+    sections = _sections(tmp_path, data_file, steps=6, log_every=1, learning_rate=3e-2,
+                         grpo={"num_iterations": 2, "beta": 0.0})  # fmt: skip
+    sections["checkpoints"] = {"every_steps": 3}
+    th.train_and_resume(tmp_path, sections, at=3)
+    full, part = th.records(tmp_path / "full"), th.records(tmp_path / "part")
+    assert [r["step"] for r in part] == [4, 5, 6]
+    for a, b in zip(full[3:], part, strict=True):
+        assert b["reward"] == a["reward"] and b["loss"] == pytest.approx(a["loss"], abs=1e-6), (a, b)
+        assert b["clip_ratio/region_mean"] == pytest.approx(a["clip_ratio/region_mean"], abs=1e-9)
+
+
 @pytest.mark.parametrize("loss_type", ["grpo", pytest.param("dr_grpo", marks=pytest.mark.sweep)])
 def test_the_other_loss_types_do_not_depend_on_the_micro_batch(tmp_path, loss_type):
     """grpo (each completion's token mean) and dr_grpo (over completions x max_completion_length) averaged over the
@@ -254,13 +314,13 @@ def test_completions_do_not_depend_on_how_a_step_is_batched(tmp_path):
         rollouts.step = 3
         ids = [1, 2, 7, 30]
         rollouts.batches(ids, 4)
-        wide = {i: g.completions for i, g in rollouts._made[2].items()}
-        rollouts._made = None
+        wide = {i: g.completions for i, g in rollouts.made[2].items()}
+        rollouts.made = None
         rollouts.batches(ids, 1)
-        narrow = {i: g.completions for i, g in rollouts._made[2].items()}
-        rollouts.step, rollouts._made = 4, None
+        narrow = {i: g.completions for i, g in rollouts.made[2].items()}
+        rollouts.step, rollouts.made = 4, None
         rollouts.batches(ids, 4)
-        later = {i: g.completions for i, g in rollouts._made[2].items()}
+        later = {i: g.completions for i, g in rollouts.made[2].items()}
     finally:
         worker.cleanup()
     assert wide == narrow
@@ -356,6 +416,30 @@ def test_two_ranks_sample_and_train_what_one_process_does(tmp_path, tier):
         assert b["world_size"] == 2
 
 
+def test_two_ranks_resumed_in_the_middle_of_a_batchs_iterations_train_on_their_own_shares(tmp_path):
+    """num_iterations 2 on two ranks (zero3): the checkpoint after step 3 holds each rank's share of the batch in that
+    rank's own shard; resumed on two ranks, step 4 trains as the uninterrupted run's did."""
+    import shutil
+
+    data_file = th.write_jsonl(tmp_path / "p.jsonl", prompts())
+    sections = _sections(tmp_path, data_file, steps=4, log_every=1, learning_rate=3e-2, grpo={"num_iterations": 2})
+    sections["checkpoints"] = {"every_steps": 3}
+    logs = {}
+    for name in ("full", "part"):
+        run = tmp_path / name
+        if name == "part":
+            run.mkdir()
+            shutil.copytree(tmp_path / "full" / "step-3", run / "step-3")
+        spec = th.tiny_spec_dict(run, memory={"tier": "zero3"}, **sections)
+        result = th.run_supervisor([str(th.write_spec(tmp_path / f"{name}.yaml", spec)), "--nproc", "2"], timeout=600)
+        assert result.returncode == EXIT_OK, result.stderr[-3000:]
+        assert "is not at hand" not in result.stderr
+        logs[name] = {r["step"]: r for r in th.records(run)}
+    assert sorted(logs["part"]) == [4]
+    a, b = logs["full"][4], logs["part"][4]
+    assert b["reward"] == a["reward"] and b["loss"] == pytest.approx(a["loss"], abs=1e-6), (a, b)
+
+
 def test_the_plan_counts_the_kv_cache_of_the_sampled_rows_where_it_outgrows_the_step():
     """GRPO's rows are sampled before they are trained: at `minimal` (activation checkpointing), a 7B model without
     grouped-query attention keeps less for the step than its KV cache of the same rows, and the estimate counts the
@@ -434,13 +518,13 @@ def test_the_checkpoints_own_generation_settings_do_not_bend_the_sampling(tmp_pa
         rollouts = worker.stepper.rollouts
         ids = [0, 1, 2, 3]
         rollouts.batches(ids, 4)
-        plain = {i: g.completions for i, g in rollouts._made[2].items()}
+        plain = {i: g.completions for i, g in rollouts.made[2].items()}
         own = rollouts.generator.generation_config
         own.update(repetition_penalty=50.0, suppress_tokens=list(range(97, 123)), do_sample=True, temperature=0.1,
                    top_p=0.5, no_repeat_ngram_size=1)  # fmt: skip
-        rollouts._made = None
+        rollouts.made = None
         rollouts.batches(ids, 4)
-        bent = {i: g.completions for i, g in rollouts._made[2].items()}
+        bent = {i: g.completions for i, g in rollouts.made[2].items()}
         assert rollouts.generator.generation_config is own and own.repetition_penalty == 50.0
     finally:
         worker.cleanup()
