@@ -21,9 +21,10 @@ summed over ranks by the recipe): the KL term's sum, the completion tokens and t
 `high_mean`, `region_mean`, and the sum of each completion token's entropy over the vocabulary at the temperature,
 for TRL's `entropy` (the chunked loss head takes it from each chunk's softmax while it exists: runner/train/loss.py).
 TRL averages `entropy` and the clip ratios per micro-batch and then over them; here each is the step's mean over its
-completion tokens, which the planner's micro-batch does not change. Not computed: TRL's per-sequence
-`clip_ratio/low_min` and `high_max`; its two-sided `delta` clip, sequence-level importance sampling and the loss
-types bnpo (a mean per micro-batch), cispo, sapo, luspo and vespo are not offered.
+completion tokens, which the planner's micro-batch does not change; TRL's `clip_ratio/low_min` and `high_max` (the
+least share of a completion's tokens clipped below, the largest above) are the step's over every rank's completions
+(max-reduced: `CLIP_EXTREMES`), where TRL averages each micro-batch's. Not offered: TRL's two-sided `delta` clip,
+sequence-level importance sampling and the loss types bnpo (a mean per micro-batch), cispo, sapo, luspo and vespo.
 
 Checked against TRL's own `GRPOTrainer._compute_loss` on the same batch in tests/runner/train/test_grpo.py.
 
@@ -33,6 +34,7 @@ exit 2 then); `attach` gives a built `Stepper` its `Rollouts`, again after a tie
 
 from __future__ import annotations
 
+import math
 from contextlib import nullcontext
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -82,19 +84,31 @@ def loss(token_losses: torch.Tensor, labels: torch.Tensor, advantages: torch.Ten
     high = ((ratio.detach() > high_edge) & (a > 0)).float() * mask
     region = torch.maximum(low, high)
     entropy_sum = torch.zeros((), device=logp.device) if entropies is None else (entropies.float() * mask).sum()
-    sums = torch.stack([kl_sum, mask.sum(), low.sum(), high.sum(), region.sum(), entropy_sum])
+    # each completion's share of its tokens clipped below / above (TRL's masked_seq_mean), for the step's extremes:
+    # -min of the low shares and max of the high ones, so that both reduce by max (rows without tokens: -inf)
+    tokens, has = mask.sum(-1), mask.sum(-1) > 0
+    low_share, high_share = low.sum(-1) / tokens.clamp(min=1.0), high.sum(-1) / tokens.clamp(min=1.0)
+    none = torch.tensor(-math.inf, device=logp.device)
+    extremes = [torch.where(has, -low_share, none).max(), torch.where(has, high_share, none).max()]
+    sums = torch.stack([kl_sum, mask.sum(), low.sum(), high.sum(), region.sum(), entropy_sum, *extremes])
     if loss_type == "grpo":
         return ((per_token * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).sum(), sums.float()
     return (per_token * mask).sum(), sums.float()
 
 
 CLIP_RATIOS = ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean")
+CLIP_EXTREMES = ("clip_ratio/low_min", "clip_ratio/high_max")
+SUMS = 6  # the values of `loss`'s metric vector summed over micro-batches and ranks; the rest reduce by max
 
 
-def metrics(sums: list[float], beta: float) -> dict[str, float]:
-    """TRL's clip ratios, `entropy` and, when the KL term is on, `kl`: means over the step's completion tokens."""
-    kl, tokens, *clipped, entropy = sums[:6]
+def metrics(sums: list[float], beta: float, extremes: list[float] | None = None) -> dict[str, float]:
+    """TRL's clip ratios, `entropy` and, when the KL term is on, `kl`: means over the step's completion tokens; with
+    `extremes` (the max over micro-batches and ranks of `loss`'s last two values) TRL's `clip_ratio/low_min` and
+    `high_max`: the least share of a completion's tokens clipped below, the largest clipped above."""
+    kl, tokens, *clipped, entropy = sums[:SUMS]
     out = {name: value / max(tokens, 1.0) for name, value in zip(CLIP_RATIOS, clipped, strict=True)}
+    if extremes is not None and all(math.isfinite(v) for v in extremes):
+        out |= {CLIP_EXTREMES[0]: -extremes[0], CLIP_EXTREMES[1]: extremes[1]}
     return out | {"entropy": entropy / max(tokens, 1.0)} | ({"kl": kl / max(tokens, 1.0)} if beta else {})
 
 

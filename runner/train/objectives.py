@@ -122,7 +122,8 @@ class Objective:
             return kto.METRICS
         if self.name == "grpo":
             return (*GRPO_METRICS[:3], *(f"rewards/{n}/{m}" for n in self.rewards for m in ("mean", "std")),
-                    *GRPO_METRICS[3:], *grpo.CLIP_RATIOS, *(("kl",) if self.beta else ()))  # fmt: skip
+                    *GRPO_METRICS[3:], *grpo.CLIP_RATIOS, *grpo.CLIP_EXTREMES,
+                    *(("kl",) if self.beta else ()))  # fmt: skip
         return (REWARDS + ORPO_EXTRA if self.name == "orpo" else REWARDS) + LOGITS
 
     @property
@@ -175,13 +176,13 @@ class Objective:
         extra = [nll.detach(), ratio.detach().sum(), log_odds.detach().sum(), positions]
         return loss, torch.stack(_reward_sums(chosen, rejected, r_chosen, r_rejected) + extra).float()
 
-    def metrics(self, sums: list[float], pairs: float) -> dict[str, float]:
+    def metrics(self, sums: list[float], pairs: float, extremes: list[float] | None = None) -> dict[str, float]:
         """TRL's metric names, each the mean over the global step's `pairs` of the all-reduced sums; ORPO's nll_loss
         the mean over its chosen positions; KTO's from its own sums (runner/train/kto.py)."""
         if self.name == "kto":
             return kto.metrics(sums)
         if self.name == "grpo":
-            return grpo.metrics(sums, self.beta)
+            return grpo.metrics(sums, self.beta, extremes)
         sums, (chosen_sum, chosen_n, rejected_sum, rejected_n) = sums[:-4], sums[-4:]
         logits = {"logits/chosen": chosen_sum / max(chosen_n, 1.0),
                   "logits/rejected": rejected_sum / max(rejected_n, 1.0)}  # fmt: skip

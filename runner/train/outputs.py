@@ -102,6 +102,7 @@ def train_record(r: Any, res: StepResult, tokens_per_s: float) -> None:
     sums = r.ctrl.all_reduce([res.loss_sum.item(), *router, *preference])
     routed = {"router_aux_loss": sums[1] / r.ctrl.world_size} if router else {}
     sums = [sums[0], *sums[1 + len(router) :]]
+    extremes = None if res.extremes is None else r.ctrl.all_reduce(res.extremes.tolist(), "max")
     loss = sums[0] / max(res.denominator or res.targets, 1)  # global per-token mean (preference objectives: per-pair)
     obj = r.stepper.objective
     r.status.update(step=r.step, loss=loss)
@@ -131,7 +132,7 @@ def train_record(r: Any, res: StepResult, tokens_per_s: float) -> None:
             "gpu_util": r.gpu_util(),
             **mix(r),
             **routed,
-            **({} if res.preference is None or obj is None else obj.metrics(sums[1:], res.targets)),
+            **({} if res.preference is None or obj is None else obj.metrics(sums[1:], res.targets, extremes)),
         }
     )
 

@@ -216,6 +216,7 @@ class StepResult:
     # a mixture-of-experts model: its router's load-balancing loss (unweighted), the mean over this rank's micro-batches
     router_aux: torch.Tensor | None = None
     denominator: float = 0.0  # what the step's loss is divided by (0: `targets`; GRPO's loss types: Objective)
+    extremes: torch.Tensor | None = None  # GRPO: this rank's values reduced by max over ranks (grpo.CLIP_EXTREMES)
 
 
 class Stepper:
@@ -240,6 +241,7 @@ class Stepper:
         self.objective = objective  # a preference objective, for batches of pairs (runner/train/objectives.py)
         self.rows = rows  # sequences a sample is: a pair's 2 rows, which a probe step of its micro-batch runs
         self.preference_sums: list[torch.Tensor] = []  # pairs: each micro-batch's metric sums in this step
+        self.extremes: list[torch.Tensor] = []  # GRPO: each micro-batch's values reduced by max (grpo.CLIP_EXTREMES)
         self.router_losses: list[torch.Tensor] = []  # a mixture of experts: each micro-batch's load-balancing loss
         self.nll_scale = 1.0  # ORPO: the step's (or evaluation's) pairs over its chosen chats' positions
         self.data, self.ctrl, self.stop = data, ctrl, stop
@@ -331,7 +333,8 @@ class Stepper:
 
     def _rollout_loss(self, batch: RolloutBatch, router: list[torch.Tensor] | None = None) -> torch.Tensor:
         """GRPO: one forward over the micro-batch's completions, scored at the sampling temperature
-        (runner/train/grpo.py); the KL metric's sums kept in `preference_sums`."""
+        (runner/train/grpo.py); the KL metric's sums kept in `preference_sums`, the clip ratios' extremes in
+        `extremes`."""
         objective = self.objective
         if objective is None or batch.advantages is None:
             raise ValueError("a GRPO batch, but training.objective is not grpo")
@@ -343,7 +346,8 @@ class Stepper:
         old = None if batch.old_logps is None else self._to_device(batch.old_logps)
         loss, sums = grpo.loss(losses, y, batch.advantages, ref, objective.beta, objective.loss_type,
                                entropies[0] if entropies else None, old, *objective.clip)  # fmt: skip
-        self.preference_sums.append(sums)
+        self.preference_sums.append(sums[: grpo.SUMS])
+        self.extremes.append(sums[grpo.SUMS :])
         return loss
 
     def _set_nll_scale(self, ids: Sequence[int], counts: Sequence[float], split: str) -> list[float]:
@@ -373,7 +377,7 @@ class Stepper:
 
     def _train_step(self, sample_ids: Sequence[int], micro_batch: int, lr: float) -> StepResult:
         self.inner.zero_grad(set_to_none=True)
-        self.preference_sums, self.router_losses = [], []
+        self.preference_sums, self.router_losses, self.extremes = [], [], []
         baseline = allocated_bytes()  # what the step starts with: an OOM's numbers are read against it
         if self.rollouts is not None:  # GRPO: sampled by the model, once per step (runner/rl/rollout.py)
             batches: Sequence[Batch] = self.rollouts.batches(sample_ids, micro_batch)
@@ -407,8 +411,9 @@ class Stepper:
         norm, loss_sum = self._finish(oom, room, losses, lr)
         self.inner.zero_grad(set_to_none=True)
         preference = torch.stack(self.preference_sums).sum(0) if self.preference_sums else None
+        extremes = torch.stack(self.extremes).amax(0) if self.extremes else None
         router_aux = torch.stack(self.router_losses).mean() if self.router_losses else None
-        return StepResult(loss_sum, int(targets), int(tokens), norm, seen, preference, router_aux, per)
+        return StepResult(loss_sum, int(targets), int(tokens), norm, seen, preference, router_aux, per, extremes)
 
     def _finish(self, oom: str, room: Headroom | None, losses: Sequence[torch.Tensor],
                 lr: float) -> tuple[torch.Tensor | None, torch.Tensor]:  # fmt: skip

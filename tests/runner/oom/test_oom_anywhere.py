@@ -182,11 +182,11 @@ def _checkpoints_run_out(monkeypatch, times: int, prefix: str = ".tmp-step-") ->
     real = store._write_rank_files
     left = {"left": times}
 
-    def tight(tmp, state, rank, ctrl):
+    def tight(tmp, state, rank, ctrl, *rest):
         if tmp.name.startswith(prefix) and left["left"]:
             left["left"] -= 1
             raise torch.OutOfMemoryError("CUDA out of memory (test: staging a checkpoint)")
-        return real(tmp, state, rank, ctrl)
+        return real(tmp, state, rank, ctrl, *rest)
 
     monkeypatch.setattr(store, "_write_rank_files", tight)
     return left

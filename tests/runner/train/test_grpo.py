@@ -120,7 +120,7 @@ def test_the_loss_and_kl_equal_trls_grpo_trainer_on_a_batch_it_sampled(tmp_path,
                                     old_logps=old if iterations > 1 else None)  # fmt: skip
         stepper.preference_sums = []
         loss = float(stepper.loss_sum(batch).detach()) / stepper.objective.denominator(batch.targets, len(ids))
-        ours = grpo.metrics(stepper.preference_sums[0].tolist(), beta)
+        ours = grpo.metrics(stepper.preference_sums[0].tolist(), beta, stepper.extremes[0].tolist())
         model = worker.accelerator.unwrap_model(worker.model)
         completions = [c for i in ids for c in groups[i].completions]
         prompt_rows = [data.prompt_ids(i).tolist() for i in ids for _ in range(4)]
@@ -158,13 +158,14 @@ def test_the_loss_and_kl_equal_trls_grpo_trainer_on_a_batch_it_sampled(tmp_path,
         assert ours["kl"] == pytest.approx(theirs["kl"], rel=1e-4, abs=1e-6) and ours["kl"] > 0.01
     else:
         assert "kl" not in ours
-    for name in grpo.CLIP_RATIOS:  # one pass per sampled batch: the ratio is 1, nothing clipped, at TRL's too
+    for name in (*grpo.CLIP_RATIOS, *grpo.CLIP_EXTREMES):  # one pass per batch: ratio 1, nothing clipped at TRL's
         if iterations == 1:
             assert ours[name] == theirs[name] == 0.0, name
         else:
             assert ours[name] == pytest.approx(theirs[name], abs=1e-6), name
     if iterations > 1:
         assert 0.05 < ours["clip_ratio/region_mean"] < 0.95 and ours["clip_ratio/high_mean"] > 0
+        assert ours["clip_ratio/high_max"] > ours["clip_ratio/high_mean"] >= ours["clip_ratio/low_min"]
     # the policy's entropy over the vocabulary at the temperature, over the completion tokens (one micro-batch: TRL's
     # per-micro-batch mean is the same)
     assert ours["entropy"] == pytest.approx(theirs["entropy"], rel=1e-5) and ours["entropy"] > 1.0
