@@ -1,6 +1,7 @@
 """Checkpoints: written so that no crash loses the last good one, read back only when they check out.
 
     store.py     save and load (DCP, sharded when the model is), atomically, with a DONE marker
+    verify.py    whether a checkpoint can be trusted before it is loaded; the newest intact one
     steps.py     the step-N directories of a run directory, found without torch (the supervisor's first look)
     manifest.py  every file's size and CRC-32, written at save and checked before a resume
     unpickle.py  DCP's pickles read without running code: restricted `.metadata`, weights-only byte items

@@ -279,7 +279,8 @@ class Recipe:
                 except ValueError as err:
                     raise store.DamagedCheckpoint(f"checkpoint {resume} cannot be resumed: {err}") from None
         elif kept is not None and self.sampled is not None and self.stepper.rollouts is not None:
-            self.stepper.rollouts.made = self.sampled  # a step-down in memory: the batch still being trained on
+            # a step-down in memory: the batch still being trained on, and its metrics
+            self.stepper.rollouts.made, self.stepper.rollouts.metrics = self.sampled
         update.prime(self.stepper.inner, self.stepper.params)  # Adam's state now: the first step allocates none
         pin = self.plan.pin_memory and self.device.type == "cuda"  # workers collate the next steps meanwhile
         # A stream is tokenized ahead by its own thread, in this process: collating it is cheap, and no worker can
@@ -308,7 +309,7 @@ class Recipe:
         self.guard.close()
         self.stepper.prefetch.close()
         if self.stepper.rollouts is not None:  # GRPO's batch, for the steps it still trains (num_iterations > 1)
-            self.sampled = self.stepper.rollouts.made
+            self.sampled = (self.stepper.rollouts.made, self.stepper.rollouts.metrics)
         self.stepper = self.model = self.optimizer = self.accelerator = self.guard = None  # type: ignore[assignment]
         internals.reset_accelerate()  # the next Accelerator may carry another FSDP plugin
         release_memory()

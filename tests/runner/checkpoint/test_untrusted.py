@@ -30,7 +30,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from jobspec.contract import EXIT_OK
-from runner.checkpoint import lease, manifest, rng, store, unpickle
+from runner.checkpoint import lease, manifest, rng, store, unpickle, verify
 from runner.checkpoint.store import DamagedCheckpoint
 from tests.runner.checkpoint.forge import (
     RunsShell,
@@ -543,9 +543,9 @@ def test_shards_of_an_older_step_under_a_newer_manifest_are_damage_and_skipped(t
     meta = json.loads((older / "meta.json").read_text())
     (older / "meta.json").write_text(json.dumps({**meta, "format": 3}))
     metadata = unpickle.read_metadata(older)
-    assert store._step_problem(older, metadata, 2, holds_step=True) is None
+    assert verify._step_problem(older, metadata, 2, holds_step=True) is None
     del metadata.state_dict_metadata["jobspec.step"]  # a format-3 checkpoint whose shards hold no step
-    assert "do not say which step" in store._step_problem(older, metadata, 2, holds_step=True)
+    assert "do not say which step" in verify._step_problem(older, metadata, 2, holds_step=True)
 
 
 def test_every_shard_file_holds_its_step_and_the_optimizer_counters_add_up(ckpt):
@@ -554,7 +554,7 @@ def test_every_shard_file_holds_its_step_and_the_optimizer_counters_add_up(ckpt)
     manifest, no key) is damage, like a shard file that holds another step."""
     meta = json.loads((ckpt / "meta.json").read_text())
     assert meta["format"] == store.FORMAT == 4 and meta[store.OPTIMIZER_STEPS] == 4
-    assert store._shards_problem(ckpt, 4, meta) is None
+    assert verify._shards_problem(ckpt, 4, meta) is None
     (ckpt / "meta.json").write_text(json.dumps({**meta, store.OPTIMIZER_STEPS: 8}))
     rewrite_manifest(ckpt)
     assert store.verify(ckpt) == (

@@ -417,6 +417,39 @@ def test_two_ranks_sample_and_train_what_one_process_does(tmp_path, tier):
         assert b["world_size"] == 2
 
 
+def test_a_tier_step_down_in_the_middle_of_a_batchs_iterations_keeps_training_on_that_batch(tmp_path, monkeypatch,
+                                                                                          caplog):  # fmt: skip
+    """num_iterations 2, micro-batch 1, an OOM in step 4's backward (the second step on the batch sampled at step 3):
+    the in-process step-down to the next tier keeps the batch, whether the state is handed over in memory or read
+    back from the checkpoint it writes first (which holds the batch): both log the same steps, and nothing is
+    sampled again."""
+    import logging
+
+    from runner.oom.faults import ENV_VAR
+
+    data_file = th.write_jsonl(tmp_path / "p.jsonl", prompts())
+    sections = _sections(tmp_path, data_file, steps=6, log_every=1, micro_batch=1, learning_rate=3e-2,
+                         grpo={"num_iterations": 2})  # fmt: skip
+    sections["checkpoints"] = {"every_steps": 100}
+    monkeypatch.setenv(ENV_VAR, "step=4,backward")
+    logs = {}
+    for how in ("memory", "checkpoint"):
+        monkeypatch.setenv("JOBSPEC_STEP_DOWN", how)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="jobspec.runner"):
+            code, _ = th.train_in_process(th.tiny_spec(tmp_path / how, **sections))
+        assert code == EXIT_OK
+        assert "is not at hand" not in caplog.text
+        (event,) = [r for r in th.records(tmp_path / how, "event") if r.get("event") == "tier_change"]
+        assert (event["step"], event["state"]) == (3, how)
+        logs[how] = {r["step"]: r for r in th.records(tmp_path / how)}
+    assert sorted(logs["memory"]) == sorted(logs["checkpoint"]) == [1, 2, 3, 4, 5, 6]
+    for step in (4, 5, 6):
+        a, b = logs["memory"][step], logs["checkpoint"][step]
+        assert a["reward"] == b["reward"] and a["loss"] == pytest.approx(b["loss"], abs=1e-6), step
+    assert logs["memory"][4]["reward"] == logs["memory"][3]["reward"]  # step 4 trained step 3's batch
+
+
 def test_two_ranks_resumed_in_the_middle_of_a_batchs_iterations_train_on_their_own_shares(tmp_path):
     """num_iterations 2 on two ranks (zero3): the checkpoint after step 3 holds each rank's share of the batch in that
     rank's own shard; resumed on two ranks, step 4 trains as the uninterrupted run's did."""
