@@ -121,10 +121,12 @@ def _steps(spec: JobSpec, rows: int | None) -> JobLength:
     if tr.steps is not None:
         return JobLength(tr.steps, tokens, f"training.steps {tr.steps:,}")
     where, held = "--rows", None
+    if tr.objective == "grpo":  # every prompt is trained on: GRPO holds none out for eval (runner/data/prompts.py)
+        held = 0
     if rows is None:
         counts = source_rows(spec)
         rows, where = _total(counts)
-        if rows is not None and not spec.data.eval_path:  # the runner holds out int(n x fraction) of each source
+        if rows is not None and not spec.data.eval_path and held is None:  # the runner holds out int(n x fraction)
             held = sum(int((n or 0) * spec.data.eval_fraction) for n, _ in counts)
     epochs = tr.epochs or 1.0
     if rows is None:
@@ -132,12 +134,15 @@ def _steps(spec: JobSpec, rows: int | None) -> JobLength:
     if held is None:
         held = 0 if spec.data.eval_path else int(rows * spec.data.eval_fraction)
     train = rows - held
-    per_epoch = train // tr.global_batch
-    if per_epoch < 1:
+    batches = train // tr.global_batch
+    if batches < 1:
         few = f"{train:,} training rows ({where}) are fewer than global batch {tr.global_batch}"
         return JobLength(None, tokens, few)
+    # GRPO's num_iterations: each batch of prompts trained that many steps (runner/data/dataset.py RepeatedOrder)
+    repeat = tr.grpo.num_iterations if tr.objective == "grpo" and tr.grpo is not None else 1
+    per_epoch = batches * repeat
     steps = max(1, math.ceil(epochs * per_epoch))
-    note = _text_rows(spec)
+    note = _text_rows(spec) + (f", each batch {repeat} steps: training.grpo.num_iterations" if repeat > 1 else "")
     how = f"{epochs:g} epoch(s) x {per_epoch:,} steps ({train:,} training rows of {where} / global batch{note})"
     return JobLength(steps, tokens, how)
 

@@ -271,6 +271,9 @@ def test_num_iterations_trains_each_sampled_batch_that_many_steps_and_the_clip_b
     from runner.data.dataset import total_steps
 
     assert total_steps(spec, worker.order) == 2 * per_epoch
+    from jobspec.plan.job_length import job_length
+
+    assert job_length(spec).steps == total_steps(spec, worker.order)  # `jobspec plan` counts the runner's steps
 
 
 def test_a_run_resumed_in_the_middle_of_a_batchs_iterations_trains_on_that_batch(tmp_path):
