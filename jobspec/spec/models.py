@@ -836,12 +836,24 @@ class GrpoSpec(Section):
                      "0: no reference); above 0 needs model.lora, whose disabled adapter is the reference.")
     ] = 0.0
     loss_type: Annotated[
-        Literal["dapo", "grpo", "dr_grpo"],
-        Field(description="How the step's token losses are averaged (TRL's loss_type): dapo = over the step's "
-              "completion tokens (TRL's default), grpo = each completion's token mean, then over completions, "
-              "dr_grpo = over completions x max_completion_length (Dr. GRPO). TRL's bnpo (a mean per micro-batch) is "
-              "not offered: the micro-batch is the planner's, and would change the training."),
+        Literal["dapo", "grpo", "dr_grpo", "cispo", "sapo"],
+        Field(description="The token loss and how the step averages it (TRL's loss_type): dapo = the clipped ratio "
+              "times the advantage, over the step's completion tokens (TRL's default), grpo = the same, each "
+              "completion's token mean, then over completions, dr_grpo = over completions x max_completion_length "
+              "(Dr. GRPO); cispo = the advantage times the log-prob, weighted by the ratio clipped above at "
+              "epsilon_high itself (not 1 + epsilon_high: MiniMax-M1's CISPO, ScaleRL recommends epsilon_high 5; "
+              "averaged as dapo); sapo = a smooth gate, sigmoid(tau (ratio - 1)) 4 / tau, instead of the clip (SAPO; "
+              "tau: sapo_temperature_pos or _neg by the advantage's sign; averaged as grpo). TRL's bnpo (a mean per "
+              "micro-batch) is not offered: the micro-batch is the planner's, and would change the training."),
     ] = "dapo"
+    sapo_temperature_pos: Annotated[
+        float, Field(gt=0, le=100, description="SAPO's tau for tokens of completions with a positive advantage "
+                     "(TRL's default 1.0); only with loss_type sapo.")
+    ] = 1.0
+    sapo_temperature_neg: Annotated[
+        float, Field(gt=0, le=100, description="SAPO's tau for the others (TRL's default 1.05); only with loss_type "
+                     "sapo.")
+    ] = 1.05
     num_iterations: Annotated[
         int, Field(ge=1, le=64, description="Optimizer steps on each sampled batch (TRL's num_iterations, the GRPO "
                    "paper's mu; default 1): a step's prompts are sampled once and trained on this many steps in a row, "

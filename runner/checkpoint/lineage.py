@@ -55,7 +55,8 @@ def lineage(spec: JobSpec, train_rows: list[tuple[np.ndarray, np.ndarray]]) -> d
             grpo = spec.training.grpo
             later = {k for k, off in (("top_k", 0), ("top_p", 1.0), ("min_p", None), ("loss_type", "dapo"),
                                       ("repetition_penalty", 1.0), ("num_iterations", 1), ("epsilon", 0.2),
-                                      ("epsilon_high", None)) if getattr(grpo, k) == off}  # fmt: skip
+                                      ("epsilon_high", None), ("sapo_temperature_pos", 1.0),
+                                      ("sapo_temperature_neg", 1.05)) if getattr(grpo, k) == off}  # fmt: skip
             objective["training.grpo"] = grpo.model_dump(mode="json", exclude=later)
         if spec.training.objective == "kto":
             objective |= {"training.desirable_weight": spec.training.desirable_weight,

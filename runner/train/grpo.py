@@ -24,7 +24,8 @@ TRL averages `entropy` and the clip ratios per micro-batch and then over them; h
 completion tokens, which the planner's micro-batch does not change; TRL's `clip_ratio/low_min` and `high_max` (the
 least share of a completion's tokens clipped below, the largest above) are the step's over every rank's completions
 (max-reduced: `CLIP_EXTREMES`), where TRL averages each micro-batch's. Not offered: TRL's two-sided `delta` clip,
-sequence-level importance sampling and the loss types bnpo (a mean per micro-batch), cispo, sapo, luspo and vespo.
+sequence-level importance sampling and the loss types bnpo (a mean per micro-batch), luspo and vespo. `loss_type`
+cispo (MiniMax-M1's CISPO) and sapo (SAPO's soft gate) are TRL's: `loss`.
 
 Checked against TRL's own `GRPOTrainer._compute_loss` on the same batch in tests/runner/train/test_grpo.py.
 
@@ -34,6 +35,7 @@ exit 2 then); `attach` gives a built `Stepper` its `Rollouts`, again after a tie
 
 from __future__ import annotations
 
+import logging
 import math
 from contextlib import nullcontext
 from pathlib import Path
@@ -50,13 +52,15 @@ from runner.rl.rollout import Rollouts
 if TYPE_CHECKING:
     from runner.train.step import Stepper
 
+log = logging.getLogger("jobspec.runner")
 EPSILON = 0.2  # TRL's clip range (training.grpo.epsilon); binds only after a batch's first pass (num_iterations > 1)
+SAPO_TEMPERATURES = (1.0, 1.05)  # TRL's sapo_temperature_pos and _neg
 
 
 def loss(token_losses: torch.Tensor, labels: torch.Tensor, advantages: torch.Tensor, ref_logps: torch.Tensor | None,
          beta: float, loss_type: str = "dapo", entropies: torch.Tensor | None = None,
-         old_logps: torch.Tensor | None = None, epsilon: float = EPSILON,
-         epsilon_high: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+         old_logps: torch.Tensor | None = None, epsilon: float = EPSILON, epsilon_high: float | None = None,
+         sapo: tuple[float, float] = SAPO_TEMPERATURES) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """(summed loss over the completion tokens, [kl sum, completion tokens, low, high and region clipped tokens,
     entropy sum] fp32 detached) from the (rows, T) fp32 token losses (minus each token's log-prob at the sampling
     temperature), the rows' `labels`, their (rows,) advantages, with `beta` > 0 the (rows, T) reference log-probs and
@@ -64,14 +68,24 @@ def loss(token_losses: torch.Tensor, labels: torch.Tensor, advantages: torch.Ten
     the batch was sampled (`num_iterations` > 1), else the policy's own, detached (ratio 1); the ratio is clipped to
     [1 - epsilon, 1 + epsilon_high (None: epsilon)]. `loss_type`
     grpo sums each completion's token mean instead (the step then divides by its completions: Objective.denominator);
-    dapo and dr_grpo sum the tokens (divided by the step's tokens, or its completions x max_completion_length)."""
+    dapo and dr_grpo sum the tokens (divided by the step's tokens, or its completions x max_completion_length).
+    cispo: -min(ratio, epsilon_high).detach() * A * logp, summed as dapo (its clipped tokens: ratio above
+    epsilon_high where A > 0, counted as `high`); sapo: -sigmoid(tau (ratio - 1)) 4 / tau * A with tau `sapo`'s
+    (positive advantages, the others), summed as grpo (no clip counted)."""
     mask = (labels != IGNORE).float()
     logp = -token_losses
     old = logp.detach() if old_logps is None else old_logps.to(logp.device, torch.float32)
     ratio = torch.exp(logp - old)
-    low_edge, high_edge = 1 - epsilon, 1 + (epsilon if epsilon_high is None else epsilon_high)
+    high_eps = epsilon if epsilon_high is None else epsilon_high  # TRL's epsilon_high
+    low_edge, high_edge = 1 - epsilon, 1 + high_eps
     a = advantages.to(logp.device, torch.float32)[:, None]
-    per_token = -torch.min(ratio * a, torch.clamp(ratio, low_edge, high_edge) * a)
+    if loss_type == "cispo":
+        per_token = -torch.clamp(ratio, max=high_eps).detach() * a * logp
+    elif loss_type == "sapo":
+        tau = torch.where(a > 0, sapo[0], sapo[1])
+        per_token = -(torch.sigmoid(tau * (ratio - 1)) * 4 / tau) * a
+    else:
+        per_token = -torch.min(ratio * a, torch.clamp(ratio, low_edge, high_edge) * a)
     kl_sum = torch.zeros((), device=logp.device)
     if beta:
         if ref_logps is None:
@@ -80,8 +94,11 @@ def loss(token_losses: torch.Tensor, labels: torch.Tensor, advantages: torch.Ten
         kl = torch.exp(delta) - delta - 1
         per_token = per_token + beta * kl
         kl_sum = (kl.detach() * mask).sum()
-    low = ((ratio.detach() < low_edge) & (a < 0)).float() * mask
-    high = ((ratio.detach() > high_edge) & (a > 0)).float() * mask
+    clipped = loss_type not in ("cispo", "sapo")
+    low = ((ratio.detach() < low_edge) & (a < 0) & clipped).float() * mask
+    high = ((ratio.detach() > (high_eps if loss_type == "cispo" else high_edge)) & (a > 0)).float() * mask
+    if loss_type == "sapo":
+        high = torch.zeros_like(high)
     region = torch.maximum(low, high)
     entropy_sum = torch.zeros((), device=logp.device) if entropies is None else (entropies.float() * mask).sum()
     # each completion's share of its tokens clipped below / above (TRL's masked_seq_mean), for the step's extremes:
@@ -91,24 +108,36 @@ def loss(token_losses: torch.Tensor, labels: torch.Tensor, advantages: torch.Ten
     none = torch.tensor(-math.inf, device=logp.device)
     extremes = [torch.where(has, -low_share, none).max(), torch.where(has, high_share, none).max()]
     sums = torch.stack([kl_sum, mask.sum(), low.sum(), high.sum(), region.sum(), entropy_sum, *extremes])
-    if loss_type == "grpo":
+    if loss_type in ("grpo", "sapo"):
         return ((per_token * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).sum(), sums.float()
     return (per_token * mask).sum(), sums.float()
 
 
 CLIP_RATIOS = ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean")
 CLIP_EXTREMES = ("clip_ratio/low_min", "clip_ratio/high_max")
+CISPO_CLIP = "cispo_clip_ratio"
+
+
+def clip_names(loss_type: str) -> tuple[str, ...]:
+    """The clip metrics TRL logs for `loss_type`: its clip ratios and their extremes; CISPO's one ratio; none for
+    SAPO (no clip)."""
+    return {"cispo": (CISPO_CLIP,), "sapo": ()}.get(loss_type, (*CLIP_RATIOS, *CLIP_EXTREMES))
 SUMS = 6  # the values of `loss`'s metric vector summed over micro-batches and ranks; the rest reduce by max
 
 
-def metrics(sums: list[float], beta: float, extremes: list[float] | None = None) -> dict[str, float]:
-    """TRL's clip ratios, `entropy` and, when the KL term is on, `kl`: means over the step's completion tokens; with
-    `extremes` (the max over micro-batches and ranks of `loss`'s last two values) TRL's `clip_ratio/low_min` and
-    `high_max`: the least share of a completion's tokens clipped below, the largest clipped above."""
+def metrics(sums: list[float], beta: float, extremes: list[float] | None = None,
+            loss_type: str = "dapo") -> dict[str, float]:  # fmt: skip
+    """TRL's clip ratios (`clip_names`), `entropy` and, when the KL term is on, `kl`: means over the step's completion
+    tokens; with `extremes` (the max over micro-batches and ranks of `loss`'s last two values) TRL's
+    `clip_ratio/low_min` and `high_max`: the least share of a completion's tokens clipped below, the largest above."""
     kl, tokens, *clipped, entropy = sums[:SUMS]
-    out = {name: value / max(tokens, 1.0) for name, value in zip(CLIP_RATIOS, clipped, strict=True)}
-    if extremes is not None and all(math.isfinite(v) for v in extremes):
-        out |= {CLIP_EXTREMES[0]: -extremes[0], CLIP_EXTREMES[1]: extremes[1]}
+    out: dict[str, float] = {}
+    if loss_type == "cispo":
+        out[CISPO_CLIP] = clipped[1] / max(tokens, 1.0)
+    elif loss_type != "sapo":
+        out = {name: value / max(tokens, 1.0) for name, value in zip(CLIP_RATIOS, clipped, strict=True)}
+        if extremes is not None and all(math.isfinite(v) for v in extremes):
+            out |= {CLIP_EXTREMES[0]: -extremes[0], CLIP_EXTREMES[1]: extremes[1]}
     return out | {"entropy": entropy / max(tokens, 1.0)} | ({"kl": kl / max(tokens, 1.0)} if beta else {})
 
 
@@ -126,6 +155,11 @@ def attach(stepper: Stepper, data: PromptData, rewards: Rewards, spec: JobSpec, 
 
     g = spec.training.grpo
     assert g is not None
+    cap = g.epsilon if g.epsilon_high is None else g.epsilon_high
+    if g.loss_type == "cispo" and cap < 1:
+        log.warning("training.grpo.loss_type cispo weighs each token by its ratio clipped above at epsilon_high "
+                    "itself (%g, not 1 + it): below 1 every token's weight is cut to it; ScaleRL recommends 5 "
+                    "(TRL does the same)", cap)  # fmt: skip
     model = stepper.model
     unwrapped = stepper.accelerator.unwrap_model(model)
     configured = getattr(getattr(unwrapped, "generation_config", None), "eos_token_id", None)

@@ -92,6 +92,7 @@ class Objective:
     generations: int = 1  # GRPO's completions per prompt
     completion_length: int = 0  # GRPO's max_completion_length (dr_grpo's constant)
     clip: tuple[float, float | None] = (0.2, None)  # GRPO's epsilon and epsilon_high (the ratio's clip)
+    sapo: tuple[float, float] = (1.0, 1.05)  # GRPO's SAPO temperatures (positive, other advantages)
 
     @classmethod
     def of(cls, training: TrainingSpec) -> Objective | None:
@@ -103,7 +104,8 @@ class Objective:
             assert g is not None
             return cls("grpo", g.beta, rewards=tuple(r.label for r in g.rewards), temperature=g.temperature,
                        loss_type=g.loss_type, generations=g.num_generations,
-                       completion_length=g.max_completion_length, clip=(g.epsilon, g.epsilon_high))  # fmt: skip
+                       completion_length=g.max_completion_length, clip=(g.epsilon, g.epsilon_high),
+                       sapo=(g.sapo_temperature_pos, g.sapo_temperature_neg))  # fmt: skip
         return cls(training.objective, training.beta, training.gamma if training.objective == "simpo" else 0.0,
                    (training.desirable_weight, training.undesirable_weight))  # fmt: skip
 
@@ -111,10 +113,10 @@ class Objective:
         """What a step's summed loss is divided by, given its target tokens and its samples (all ranks): the tokens,
         but for GRPO's grpo loss its completions (each already its token mean: runner/train/grpo.py) and for
         dr_grpo its completions x max_completion_length."""
-        if self.name != "grpo" or self.loss_type == "dapo":
+        if self.name != "grpo" or self.loss_type in ("dapo", "cispo"):
             return targets
         rows = samples * self.generations
-        return float(rows if self.loss_type == "grpo" else rows * self.completion_length)
+        return float(rows if self.loss_type in ("grpo", "sapo") else rows * self.completion_length)
 
     @property
     def metric_names(self) -> tuple[str, ...]:
@@ -122,8 +124,7 @@ class Objective:
             return kto.METRICS
         if self.name == "grpo":
             return (*GRPO_METRICS[:3], *(f"rewards/{n}/{m}" for n in self.rewards for m in ("mean", "std")),
-                    *GRPO_METRICS[3:], *grpo.CLIP_RATIOS, *grpo.CLIP_EXTREMES,
-                    *(("kl",) if self.beta else ()))  # fmt: skip
+                    *GRPO_METRICS[3:], *grpo.clip_names(self.loss_type), *(("kl",) if self.beta else ()))  # fmt: skip
         return (REWARDS + ORPO_EXTRA if self.name == "orpo" else REWARDS) + LOGITS
 
     @property
@@ -182,7 +183,7 @@ class Objective:
         if self.name == "kto":
             return kto.metrics(sums)
         if self.name == "grpo":
-            return grpo.metrics(sums, self.beta, extremes)
+            return grpo.metrics(sums, self.beta, extremes, self.loss_type)
         sums, (chosen_sum, chosen_n, rejected_sum, rejected_n) = sums[:-4], sums[-4:]
         logits = {"logits/chosen": chosen_sum / max(chosen_n, 1.0),
                   "logits/rejected": rejected_sum / max(rejected_n, 1.0)}  # fmt: skip

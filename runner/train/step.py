@@ -345,7 +345,8 @@ class Stepper:
         ref = None if batch.ref_logps is None else self._to_device(batch.ref_logps)
         old = None if batch.old_logps is None else self._to_device(batch.old_logps)
         loss, sums = grpo.loss(losses, y, batch.advantages, ref, objective.beta, objective.loss_type,
-                               entropies[0] if entropies else None, old, *objective.clip)  # fmt: skip
+                               entropies[0] if entropies else None, old, *objective.clip,
+                               sapo=objective.sapo)  # fmt: skip
         self.preference_sums.append(sums[: grpo.SUMS])
         self.extremes.append(sums[grpo.SUMS :])
         return loss

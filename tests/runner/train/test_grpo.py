@@ -58,9 +58,10 @@ def _spec(tmp_path, **training):
     return th.tiny_spec(tmp_path / "run", **_sections(tmp_path, data_file, **training))
 
 
-def _trl_grpo(beta: float, temperature: float, loss_type: str = "dapo", epsilon_high: float = 0.2) -> SimpleNamespace:
+def _trl_grpo(beta: float, temperature: float, loss_type: str = "dapo", epsilon_high: float = 0.2,
+              sapo: dict | None = None) -> SimpleNamespace:  # fmt: skip
     """A stand-in for TRL 1.16's GRPOTrainer `self`: what its `_compute_loss` reads at its defaults (token-level
-    ratios, epsilon 0.2), `loss_type` and `epsilon_high`, one process, no accumulation."""
+    ratios, epsilon 0.2), `loss_type`, `epsilon_high` and SAPO's temperatures, one process, no accumulation."""
     pytest.importorskip("trl")
     from trl import GRPOTrainer
 
@@ -71,7 +72,8 @@ def _trl_grpo(beta: float, temperature: float, loss_type: str = "dapo", epsilon_
         importance_sampling_level="token", epsilon_low=0.2, epsilon_high=epsilon_high, top_entropy_quantile=1.0,
         off_policy_mask_threshold=None, use_vllm=False, vllm_importance_sampling_correction=False,
         aux_loss_enabled=False, _entropy_bonus_enabled=False, current_gradient_accumulation_steps=1,
-        args=SimpleNamespace(use_bias_correction_kl=False, delta=None, steps_per_generation=1),
+        args=SimpleNamespace(use_bias_correction_kl=False, delta=None, steps_per_generation=1,
+                             **{"sapo_temperature_pos": 1.0, "sapo_temperature_neg": 1.05, **(sapo or {})}),
         accelerator=SimpleNamespace(num_processes=1, reduce=same, gather=same, autocast=nullcontext,
                                     is_main_process=True),
         _metrics={"train": defaultdict(list)},
@@ -82,8 +84,10 @@ def _trl_grpo(beta: float, temperature: float, loss_type: str = "dapo", epsilon_
 
 @pytest.mark.parametrize(("beta", "temperature", "loss_type", "iterations"),
                          [(0.0, 1.0, "dapo", 1), (0.04, 0.7, "dapo", 1), (0.0, 1.0, "grpo", 1),
-                          (0.04, 0.7, "dr_grpo", 1), (0.04, 0.7, "dapo", 2)],
-                         ids=["no-kl", "kl-tempered", "grpo", "dr_grpo-kl", "iterations-kl"])  # fmt: skip
+                          (0.04, 0.7, "dr_grpo", 1), (0.04, 0.7, "dapo", 2), (0.0, 1.0, "cispo", 2),
+                          (0.04, 0.7, "sapo", 2)],
+                         ids=["no-kl", "kl-tempered", "grpo", "dr_grpo-kl", "iterations-kl", "cispo",
+                              "sapo-kl"])  # fmt: skip
 def test_the_loss_and_kl_equal_trls_grpo_trainer_on_a_batch_it_sampled(tmp_path, beta, temperature, loss_type,
                                                                         iterations):  # fmt: skip
     """Four prompts' groups sampled by the runner from a real tiny model, given random advantages (and reference
@@ -91,16 +95,19 @@ def test_the_loss_and_kl_equal_trls_grpo_trainer_on_a_batch_it_sampled(tmp_path,
     mean over the completions for grpo, over completions x max_completion_length for dr_grpo), and its KL metric,
     equal TRL's own `GRPOTrainer._compute_loss` (its fused LM head at the same temperature) on the same prompt and
     completion ids, to 1e-5. With num_iterations 2, the log-probs at sampling (moved off the policy, as after an
-    update) make the ratio move: the clip at [0.8, 1.28] (epsilon_high 0.28) binds and the clip ratios are TRL's."""
+    update) make the ratio move: the clip at [0.8, 1.28] (epsilon_high 0.28) binds and the clip ratios are TRL's;
+    cispo's weights clipped at epsilon_high 1.3 (its cispo_clip_ratio TRL's), sapo's gate at temperatures 0.9 / 1.3."""
     pytest.importorskip("trl")
     from trl import GRPOTrainer
     from trl.trainer.utils import add_fused_lm_head
 
     from runner.train.recipe import Recipe
 
-    high = 0.28 if iterations > 1 else None
-    worker = Recipe(_spec(tmp_path, steps=1, grpo={"temperature": temperature, "loss_type": loss_type,
-                                                   "num_iterations": iterations, "epsilon_high": high}))  # fmt: skip
+    high = {"cispo": 1.3}.get(loss_type, 0.28) if iterations > 1 else None
+    sapo = {"sapo_temperature_pos": 0.9, "sapo_temperature_neg": 1.3} if loss_type == "sapo" else {}
+    grpo_spec = {"temperature": temperature, "loss_type": loss_type, "num_iterations": iterations,
+                 "epsilon_high": high, **sapo}
+    worker = Recipe(_spec(tmp_path, steps=1, grpo=grpo_spec))
     try:
         worker.setup()
         stepper, data = worker.stepper, worker.data
@@ -120,7 +127,7 @@ def test_the_loss_and_kl_equal_trls_grpo_trainer_on_a_batch_it_sampled(tmp_path,
                                     old_logps=old if iterations > 1 else None)  # fmt: skip
         stepper.preference_sums = []
         loss = float(stepper.loss_sum(batch).detach()) / stepper.objective.denominator(batch.targets, len(ids))
-        ours = grpo.metrics(stepper.preference_sums[0].tolist(), beta, stepper.extremes[0].tolist())
+        ours = grpo.metrics(stepper.preference_sums[0].tolist(), beta, stepper.extremes[0].tolist(), loss_type)
         model = worker.accelerator.unwrap_model(worker.model)
         completions = [c for i in ids for c in groups[i].completions]
         prompt_rows = [data.prompt_ids(i).tolist() for i in ids for _ in range(4)]
@@ -148,7 +155,7 @@ def test_the_loss_and_kl_equal_trls_grpo_trainer_on_a_batch_it_sampled(tmp_path,
     if iterations > 1:
         inputs["old_per_token_logps"] = per_completion_token(old)
     add_fused_lm_head(model_copy, temperature=temperature, outputs=("log_probs", "entropy"))
-    trainer = _trl_grpo(beta, temperature, loss_type, high or 0.2)
+    trainer = _trl_grpo(beta, temperature, loss_type, high or 0.2, sapo)
     with torch.no_grad():
         want = float(GRPOTrainer._compute_loss(trainer, model_copy, inputs))
     assert batch.targets == sum(map(len, completions))
@@ -158,14 +165,18 @@ def test_the_loss_and_kl_equal_trls_grpo_trainer_on_a_batch_it_sampled(tmp_path,
         assert ours["kl"] == pytest.approx(theirs["kl"], rel=1e-4, abs=1e-6) and ours["kl"] > 0.01
     else:
         assert "kl" not in ours
-    for name in (*grpo.CLIP_RATIOS, *grpo.CLIP_EXTREMES):  # one pass per batch: ratio 1, nothing clipped at TRL's
+    names = grpo.clip_names(loss_type)
+    assert {n for n in theirs if "clip" in n} == set(names)  # the clip metrics TRL logs for this loss type
+    for name in names:  # one pass per batch: ratio 1, nothing clipped at TRL's
         if iterations == 1:
             assert ours[name] == theirs[name] == 0.0, name
         else:
             assert ours[name] == pytest.approx(theirs[name], abs=1e-6), name
-    if iterations > 1:
+    if iterations > 1 and loss_type == "dapo":
         assert 0.05 < ours["clip_ratio/region_mean"] < 0.95 and ours["clip_ratio/high_mean"] > 0
         assert ours["clip_ratio/high_max"] > ours["clip_ratio/high_mean"] >= ours["clip_ratio/low_min"]
+    if loss_type == "cispo":
+        assert 0.05 < ours[grpo.CISPO_CLIP] < 0.95
     # the policy's entropy over the vocabulary at the temperature, over the completion tokens (one micro-batch: TRL's
     # per-micro-batch mean is the same)
     assert ours["entropy"] == pytest.approx(theirs["entropy"], rel=1e-5) and ours["entropy"] > 1.0
@@ -291,11 +302,13 @@ def test_a_run_resumed_in_the_middle_of_a_batchs_iterations_trains_on_that_batch
         assert b["clip_ratio/region_mean"] == pytest.approx(a["clip_ratio/region_mean"], abs=1e-9)
 
 
-@pytest.mark.parametrize("loss_type", ["grpo", pytest.param("dr_grpo", marks=pytest.mark.sweep)])
+@pytest.mark.parametrize("loss_type", ["grpo", *(pytest.param(t, marks=pytest.mark.sweep)
+                                                  for t in ("dr_grpo", "cispo", "sapo"))])  # fmt: skip
 def test_the_other_loss_types_do_not_depend_on_the_micro_batch(tmp_path, loss_type):
-    """grpo (each completion's token mean) and dr_grpo (over completions x max_completion_length) averaged over the
-    whole step: 2 steps at micro-batch 4 and at micro-batch 1 log the same losses (the second after the same
-    updates). Weights are not compared: Adam turns summation-order noise in a near-zero gradient into a full step."""
+    """grpo and sapo (each completion's token mean), dr_grpo (over completions x max_completion_length) and cispo,
+    averaged over the whole step: 2 steps at micro-batch 4 and at micro-batch 1 log the same losses (the second after
+    the same updates). Weights are not compared: Adam turns summation-order noise in a near-zero gradient into a
+    full step."""
     losses = {}
     for mbs in (4, 1):
         data_file = th.write_jsonl(tmp_path / f"p{mbs}.jsonl", prompts())
