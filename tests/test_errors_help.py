@@ -51,6 +51,11 @@ def problems(text: str, overrides: tuple[str, ...] = ()) -> str:
         ("gpus: H100:2", "gpus: H100:2\nmemory:\n  tier: stage3", "did you mean `zero3`?"),
         ("gpus: H100:2", "gpus: H10:2", "did you mean H100?"),
         ("gpus: H100:2", "gpus: MI300:2\n  vendor: rocm", "did you mean MI300X?"),
+        ("steps: 10", "steps: 10\n  optimizer: adamw_torch_fused", "did you mean `adamw`?"),  # transformers' names
+        ("steps: 10", "steps: 10\n  optimizer: paged_adamw_8bit", "did you mean `adamw_8bit`?"),
+        ("steps: 10", "steps: 10\n  optimizer: Adafactor", "Adafactor is not offered: torch's does not step FSDP2"),
+        ("steps: 10", "steps: 10\n  objective: grpo\n  grpo: {loss_type: bnpo, rewards: [{kind: length}]}",
+         "TRL's bnpo averages per micro-batch, which the planner chooses: use dapo"),
     ],
 )
 def test_mistyped_values_get_a_suggestion(old: str, new: str, expected: str) -> None:

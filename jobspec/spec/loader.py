@@ -369,6 +369,8 @@ def _describe(e: dict[str, Any], loc: Loc) -> tuple[str, str | None]:
     if getattr(ctx.get("error"), "hint", None):  # a validator's HintedValueError
         return msg, ctx["error"].hint
     if kind == "literal_error":
+        if isinstance(e.get("input"), str) and e["input"].strip().lower() in _NOT_OFFERED:
+            return msg, _NOT_OFFERED[e["input"].strip().lower()]
         choices = re.findall(r"'([^']*)'", str(ctx.get("expected", "")))
         close = suggest_value(e.get("input"), choices)
         if close:
@@ -407,6 +409,18 @@ _SYNONYMS = {
     "offload": "zero2_offload", "stage3": "zero3", "fsdp": "zero3",
     "true": "on", "yes": "on", "enabled": "on", "false": "off", "no": "off", "disabled": "off",
     "flash": "sdpa", "flash_attention_2": "sdpa", "chat": "messages",
+    # transformers' TrainingArguments.optim names (TRL's too)
+    "adam": "adamw", "adamw_torch": "adamw", "adamw_torch_fused": "adamw", "adamw_hf": "adamw",
+    "adamw_apex_fused": "adamw", "adamw_bnb_8bit": "adamw_8bit", "paged_adamw_8bit": "adamw_8bit",
+    "adamw_torch_8bit": "adamw_8bit", "bnb_8bit": "adamw_8bit",
+}  # fmt: skip
+# Values other tools take that jobspec does not offer, with the reason and what to use instead
+_NOT_OFFERED = {
+    "adafactor": "Adafactor is not offered: torch's does not step FSDP2's sharded parameters; adamw_8bit keeps the "
+                 "optimizer state in about 2 bytes a parameter (docs/concepts/tiers.md#optimizer)",
+    "bnpo": "TRL's bnpo averages per micro-batch, which the planner chooses: use dapo (over the step's tokens)",
+    "luspo": "sequence-level importance sampling is not offered: use dapo, grpo, dr_grpo, cispo or sapo",
+    "vespo": "sequence-level importance sampling is not offered: use dapo, grpo, dr_grpo, cispo or sapo",
 }  # fmt: skip
 
 
