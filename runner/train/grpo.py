@@ -94,35 +94,37 @@ def loss(token_losses: torch.Tensor, labels: torch.Tensor, advantages: torch.Ten
         kl = torch.exp(delta) - delta - 1
         per_token = per_token + beta * kl
         kl_sum = (kl.detach() * mask).sum()
-    clipped = loss_type not in ("cispo", "sapo")
-    low = ((ratio.detach() < low_edge) & (a < 0) & clipped).float() * mask
-    high = ((ratio.detach() > (high_eps if loss_type == "cispo" else high_edge)) & (a > 0)).float() * mask
-    if loss_type == "sapo":
-        high = torch.zeros_like(high)
+    r, none = ratio.detach(), torch.zeros_like(mask)  # the clipped tokens, as TRL counts them for each loss type
+    if loss_type == "sapo":  # a smooth gate: nothing clipped
+        low, high = none, none
+    elif loss_type == "cispo":  # the weight capped at epsilon_high itself
+        low, high = none, ((r > high_eps) & (a > 0)).float() * mask
+    else:
+        low, high = ((r < low_edge) & (a < 0)).float() * mask, ((r > high_edge) & (a > 0)).float() * mask
     region = torch.maximum(low, high)
     entropy_sum = torch.zeros((), device=logp.device) if entropies is None else (entropies.float() * mask).sum()
     # each completion's share of its tokens clipped below / above (TRL's masked_seq_mean), for the step's extremes:
     # -min of the low shares and max of the high ones, so that both reduce by max (rows without tokens: -inf)
-    tokens, has = mask.sum(-1), mask.sum(-1) > 0
+    tokens = mask.sum(-1)  # each completion's
     low_share, high_share = low.sum(-1) / tokens.clamp(min=1.0), high.sum(-1) / tokens.clamp(min=1.0)
-    none = torch.tensor(-math.inf, device=logp.device)
-    extremes = [torch.where(has, -low_share, none).max(), torch.where(has, high_share, none).max()]
+    has, empty = tokens > 0, torch.tensor(-math.inf, device=logp.device)
+    extremes = [torch.where(has, -low_share, empty).max(), torch.where(has, high_share, empty).max()]
     sums = torch.stack([kl_sum, mask.sum(), low.sum(), high.sum(), region.sum(), entropy_sum, *extremes])
     if loss_type in ("grpo", "sapo"):
-        return ((per_token * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).sum(), sums.float()
+        return ((per_token * mask).sum(-1) / tokens.clamp(min=1.0)).sum(), sums.float()
     return (per_token * mask).sum(), sums.float()
 
 
 CLIP_RATIOS = ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean")
 CLIP_EXTREMES = ("clip_ratio/low_min", "clip_ratio/high_max")
 CISPO_CLIP = "cispo_clip_ratio"
+SUMS = 6  # the values of `loss`'s metric vector summed over micro-batches and ranks; the rest reduce by max
 
 
 def clip_names(loss_type: str) -> tuple[str, ...]:
     """The clip metrics TRL logs for `loss_type`: its clip ratios and their extremes; CISPO's one ratio; none for
     SAPO (no clip)."""
     return {"cispo": (CISPO_CLIP,), "sapo": ()}.get(loss_type, (*CLIP_RATIOS, *CLIP_EXTREMES))
-SUMS = 6  # the values of `loss`'s metric vector summed over micro-batches and ranks; the rest reduce by max
 
 
 def metrics(sums: list[float], beta: float, extremes: list[float] | None = None,

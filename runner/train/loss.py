@@ -189,10 +189,8 @@ def _liger_chunk(logits: torch.Tensor, target: torch.Tensor, loss: torch.Tensor 
     if entropy is not None:
         for r in range(0, z.shape[0], ENTROPY_ROWS):  # fp32 a few rows at a time: no chunk-sized copy
             block = z[r : r + ENTROPY_ROWS].float()  # fp32 logits: `block` is z itself, left as it is
-            top = block.amax(dim=-1, keepdim=True)
-            e = (block - top).exp_()
-            total = e.sum(dim=-1)
-            entropy[r : r + ENTROPY_ROWS] = total.log() - _sum_xlogx(e) / total
+            e = (block - block.amax(dim=-1, keepdim=True)).exp_()
+            entropy[r : r + ENTROPY_ROWS] = _entropy(e, e.sum(dim=-1))
     internals.liger_rows(z, target, torch.empty(z.shape[0], device=z.device) if loss is None else loss, IGNORE, grads)
     return z.mul_(slope) if grads and tf else z
 
@@ -200,13 +198,14 @@ def _liger_chunk(logits: torch.Tensor, target: torch.Tensor, loss: torch.Tensor 
 ENTROPY_ROWS = 64  # rows of a chunk whose x log x is formed at once (a 152k vocabulary: 39 MB)
 
 
-def _sum_xlogx(x: torch.Tensor) -> torch.Tensor:
-    """(n,) fp32: each row's sum of x log x (0 log 0 = 0) of the (n, V) fp32 `x`, ENTROPY_ROWS rows at a time."""
-    out = torch.empty(x.shape[0], device=x.device, dtype=torch.float32)
-    for r in range(0, x.shape[0], ENTROPY_ROWS):
-        block = x[r : r + ENTROPY_ROWS]
-        out[r : r + ENTROPY_ROWS] = torch.special.xlogy(block, block).sum(dim=-1)
-    return out
+def _entropy(e: torch.Tensor, total: torch.Tensor) -> torch.Tensor:
+    """(n,) fp32: each row's softmax entropy from the (n, V) fp32 `e` = exp(logit - row max) and its row sums `total`:
+    log(total) - sum(e log e) / total (0 log 0 = 0), x log x formed ENTROPY_ROWS rows at a time."""
+    xlogx = torch.empty(e.shape[0], device=e.device, dtype=torch.float32)
+    for r in range(0, e.shape[0], ENTROPY_ROWS):
+        block = e[r : r + ENTROPY_ROWS]
+        xlogx[r : r + ENTROPY_ROWS] = torch.special.xlogy(block, block).sum(dim=-1)
+    return total.log() - xlogx / total
 
 
 def _forward_plain(
@@ -230,8 +229,8 @@ def _forward_plain(
         picked = x.gather(1, t).squeeze(1)  # target logit - top
         total = x.exp_().sum(dim=-1)  # x now holds exp(logit - top)
         lse[s : s + chunk] = total.log().add_(top)
-        if entropy is not None:  # log(total) - sum(e log e) / total, e = exp(logit - top)
-            entropy[s : s + chunk] = total.log() - _sum_xlogx(x) / total
+        if entropy is not None:
+            entropy[s : s + chunk] = _entropy(x, total)
         loss[s : s + chunk] = lse[s : s + chunk] - top - picked
         if grads is not None:  # softmax - onehot from the same chunk, while it exists: the logits' matmul runs once
             x.div_(total[:, None]).mul_(scale[s : s + chunk, None])
