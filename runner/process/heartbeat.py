@@ -32,7 +32,11 @@ every rank has said goodbye (at most the timeout).
 
 This process's own stall. When the watchdog itself did not run for longer than the timeout (the whole process was
 frozen), the others have declared it lost meanwhile: it ends at once, and `fresh()` is False from then on, so a
-writer that checks it writes nothing for a gang that has moved on.
+writer that checks it writes nothing for a gang that has moved on. A freeze a little shorter than the timeout can
+be a loss too (the others count from this rank's last beat, up to an interval before the freeze): then the store's
+last answer is older than the timeout, but the silence is this process's own, not rank 0's; the watchdog waits for
+the store's next answer (with the others' announcement if they declared this rank lost), and `fence` refuses
+meanwhile.
 
 Leaving. A rank that ends its run in agreement with the others (done, preempted, a shared error) adds BYE to its
 counter first, so that nobody takes its silence for a loss; a rank that crashed alone says nothing, and the others
@@ -182,6 +186,7 @@ class Heartbeat:
         self._ended = False  # the store closed the connection: rank 0's process ended
         self._tick = time.monotonic()  # the watchdog's last wake-up
         self._stalled = 0.0  # the longest stall past the timeout the watchdog measured (this process was frozen)
+        self._pause = (0.0, 0.0)  # monotonic (start, end) of the watchdog's last gap longer than a beat
         self._threads = [
             threading.Thread(target=self._beat_loop, name="jobspec-heartbeat", daemon=True),
             threading.Thread(target=self._watch_loop, name="jobspec-watchdog", daemon=True),
@@ -248,8 +253,17 @@ class Heartbeat:
         stalled = now - self._tick
         if stalled > self.timeout:
             self._stalled = max(self._stalled, stalled)
+        if stalled > self.interval:
+            self._pause = (self._tick, now)
         self._tick = now
         return now, stalled
+
+    def _paused_since_reply(self, now: float, stalled: float) -> float:
+        """Seconds of the time since the store's last answer during which this process itself was not running: the
+        gap the caller is in (`stalled` up to `now`) and the watchdog's last long gap, counted once where they meet."""
+        spans = [(max(self._reply, now - stalled), now), (max(self._reply, self._pause[0]), min(now, self._pause[1]))]
+        (a0, a1), (b0, b1) = spans
+        return max(0.0, a1 - a0) + max(0.0, b1 - b0) - max(0.0, min(a1, b1) - max(a0, b0))
 
     def check(self, now: float, stalled: float = 0.0) -> Loss | None:
         """The loss this rank knows of at monotonic time `now`, if any; `stalled`: seconds since the watchdog last
@@ -265,8 +279,14 @@ class Heartbeat:
                 return self._announced
             if self._ended:
                 return Loss("ended", 0, now - self._reply, wall, rank)
-            if now - self._reply > self.timeout:
-                return Loss("store", 0, now - self._reply, wall, rank)
+            unanswered = now - self._reply
+            if unanswered > self.timeout:
+                # not the store's silence while this process itself was frozen (a freeze a little shorter than the
+                # timeout): the store has not been asked since; its next answer (the others' announcement, if they
+                # count this rank lost) or its silence decides. A writer's fence meanwhile refuses
+                if unanswered - self._paused_since_reply(now, stalled) <= self.timeout:
+                    return None
+                return Loss("store", 0, unanswered, wall, rank)
             # silent as of the store's last answer, not as of now: while the store itself is slow to answer, the
             # counters were not read, and a watched rank is not to blame for that (the store check above is)
             silent = [(self._reply - self._moved[r], r) for r in self.watched if self._seen.get(r, 0) < BYE]

@@ -232,7 +232,9 @@ def test_a_process_frozen_past_the_timeout_writes_nothing_when_it_wakes(tmp_path
         child.send_signal(signal.SIGCONT)
         said, _ = child.communicate(timeout=10)
         assert child.returncode == 3, said
-        assert "rank 1 stalled for" in said, said
+        # it learns that it is the one lost: from its own stall, or from rank 0's announcement when the freeze was a
+        # little shorter than the timeout (rank 0 counts from the beat before the freeze); never as rank 0's loss
+        assert "rank 1 stalled for" in said or "rank 1 lost: silent for" in said, said
         assert out.read_text() == written  # not one line after it woke up
     finally:
         if child.poll() is None:
@@ -283,3 +285,41 @@ def test_an_announcement_that_does_not_read_is_still_a_loss_never_an_exception(p
     assert loss.kind == "unreadable" and "does not read as one" in loss.describe()
     good = Loss("silent", 3, 12.5, 1.7e9, 0)
     assert Loss.from_json(good.to_json()) == good
+
+
+def test_a_freeze_a_little_shorter_than_the_timeout_is_not_the_stores_silence():
+    """The race CI met (2026-11-30): rank 1 froze for 1.4 s of a 1.5 s timeout, its last answer from the store 0.2 s
+    before; rank 0 counted 1.6 s from its last beat and declared it lost. Woken, rank 1 must not blame rank 0's store
+    for its own freeze: its watchdog waits for the store's next answer (which carries the announcement), and a writer
+    fences meanwhile, as this rank's stall."""
+    losses: list[Loss] = []
+    member = Heartbeat(DistEnv(rank=1, world_size=2), TIMEOUT_S, losses.append, lambda _: dist.HashStore(),
+                       armed=lambda: True)  # fmt: skip
+    t0 = time.monotonic() - 1.65
+    member._armed_at = member._reply = t0
+    member._tick = t0 + 0.2  # the watchdog's last wake-up before the freeze
+    now, stalled = member._wake()  # woken 1.45 s later: short of the timeout, so not a stall of its own
+    assert stalled < TIMEOUT_S < now - member._reply
+    assert member.check(now, stalled) is None  # not ("store", 0)
+    announced = Loss("silent", 1, 1.6, time.time(), 0)
+    member._announced = announced  # the beat thread's round: the store answers, with rank 0's announcement
+    member._reply = time.monotonic()
+    assert member.check(time.monotonic()) == announced
+    member._announced, member._reply = None, t0  # had the store not answered yet, a writer still writes nothing
+    with pytest.raises(GangLost, match="rank 1 stalled for"):
+        member.fence()
+    assert [(loss.kind, loss.member) for loss in losses] == [("self", 1)]
+
+
+def test_a_store_silent_while_this_process_ran_is_still_rank_0s_loss_after_a_short_pause():
+    """The other side: the store stopped answering while this process ran, with a scheduling pause of 0.3 s inside
+    that silence. The pause is not counted against the store; the loss is the store's once the rest passes the
+    timeout."""
+    member = Heartbeat(DistEnv(rank=1, world_size=2), TIMEOUT_S, lambda loss: None, lambda _: dist.HashStore(),
+                       armed=lambda: True)  # fmt: skip
+    t0 = time.monotonic() - 10.0
+    member._armed_at = member._reply = t0
+    member._pause = (t0 + 1.0, t0 + 1.3)
+    assert member.check(t0 + 1.6, 0.05) is None  # 1.6 s unanswered, 0.3 s of it paused here
+    loss = member.check(t0 + 1.9, 0.05)
+    assert loss is not None and (loss.kind, loss.member) == ("store", 0) and loss.silent_s == pytest.approx(1.9)
