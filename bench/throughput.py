@@ -5,6 +5,7 @@ model, tokens, sequence length, global batch, micro-batch and precision, in one 
     python -m bench.throughput                           # a GPU: gpt2-small seq 1024 and llama-1b seq 2048, bf16
     python -m bench.throughput --rows llama-1b --rounds 4 --json out.json
     python -m bench.throughput --rows llama-1b --compile blocks   # every side compiled (issue 42)
+    python -m bench.throughput --rows llama-1b --block-kernels liger   # Liger's RMSNorm, SwiGLU, RoPE on every side
 
 Sides (each its own model, built from the same preset config and seed; each trains the same optimizer steps' samples):
   runner   `Recipe.train_step`, the code path `jobspec run` takes (OOM guard, stop/OOM agreement, prefetching
@@ -124,11 +125,14 @@ def _collator() -> tuple[Any, str, str]:
 
 def measure(row: Row, device: str, rounds: int, steps: int, budget: Budget | None = None,
             peak_tflops: float | None = None, work: Path | None = None,
-            precision: str | None = None, compile_scope: str = "off") -> dict[str, Any]:  # fmt: skip
+            precision: str | None = None, compile_scope: str = "off",
+            block_kernels: str = "plain") -> dict[str, Any]:  # fmt: skip
     """One row: `rounds` measured rounds (after a warm-up round) of `steps` optimizer steps per side; `precision`
     fp32 | bf16 (default bf16 on a GPU, fp32 on the CPU); `compile_scope` off | blocks | model: the runner's
     `training.compile`, the plain loop's model compiled the same way (runner.train.engine.compile_model) and
-    Trainer's `torch_compile` (the whole model: Trainer has no regional switch). The warm-up round compiles."""
+    Trainer's `torch_compile` (the whole model: Trainer has no regional switch). The warm-up round compiles.
+    `block_kernels` plain | liger: the runner's `training.block_kernels`, Liger's blocks in the plain loop's model
+    (runner.model.build.liger_blocks) and Trainer's `use_liger_kernel` with the same three kernels (its loss stays)."""
     from torch.utils.data import SequentialSampler
     from transformers import Trainer, TrainerCallback, TrainingArguments
 
@@ -142,10 +146,14 @@ def measure(row: Row, device: str, rounds: int, steps: int, budget: Budget | Non
         data = write_data(base / "data.jsonl", rows=row.global_batch * total + 64, seq=row.seq)
         spec = spec_for(cfg, base / "runner", data, preset=row.preset, tier="fast", global_batch=row.global_batch,
                         micro_batch=row.micro_batch, utilization=0.5)  # fmt: skip
-        if compile_scope != "off":
-            spec = spec.model_copy(update={"training": spec.training.model_copy(update={"compile": compile_scope})})
+        update = {"compile": compile_scope, "block_kernels": block_kernels}
+        spec = spec.model_copy(update={"training": spec.training.model_copy(update=update)})
         with recipe_for(spec) as recipe:
             plain, plan = Plain(recipe), recipe.plan
+            if block_kernels == "liger":
+                from runner.model.build import liger_blocks
+
+                liger_blocks(plain.model, device)
             if compile_scope != "off":
                 from runner.train.engine import compile_model
 
@@ -216,6 +224,9 @@ def measure(row: Row, device: str, rounds: int, steps: int, budget: Budget | Non
                     return SequentialSampler(train_dataset if train_dataset is not None else self.train_dataset)
 
             gpu = device == "cuda"
+            liger = {"use_liger_kernel": True, "liger_kernel_config": {
+                "rms_norm": True, "swiglu": True, "rope": True, "cross_entropy": False,
+                "fused_linear_cross_entropy": False}} if block_kernels == "liger" else {}  # fmt: skip
             args = TrainingArguments(
                 output_dir=str(base / "trainer"), per_device_train_batch_size=plan.micro_batch,
                 gradient_accumulation_steps=plan.grad_accum, max_steps=total, learning_rate=1e-4,
@@ -223,7 +234,7 @@ def measure(row: Row, device: str, rounds: int, steps: int, budget: Budget | Non
                 max_grad_norm=recipe.spec.training.max_grad_norm, bf16=precision == "bf16", optim="adamw_torch_fused",
                 logging_strategy="no", save_strategy="no", eval_strategy="no", report_to=[], disable_tqdm=True,
                 dataloader_num_workers=0, dataloader_pin_memory=gpu, use_cpu=not gpu, seed=0,
-                torch_compile=compile_scope != "off",
+                torch_compile=compile_scope != "off", **liger,
             )  # fmt: skip
             trainer = InOrder(model=hf_model, args=args, train_dataset=_hf_rows([b for bs in step_batches for b in bs]),
                               data_collator=collate, callbacks=[Interleave()])  # fmt: skip
@@ -237,7 +248,7 @@ def measure(row: Row, device: str, rounds: int, steps: int, budget: Budget | Non
         "grad_accum": plan.grad_accum, "global_batch": plan.global_batch, "steps_per_round": steps,
         "rounds": len(measured), "flops_per_token": fpt, "flops_formula": "6N + 6*L*C*T (llm.c)",
         "trainer_collator": collator_name, "trainer_attention": attn, "loss_kernel": recipe.spec.training.loss_kernel,
-        "compile": compile_scope,
+        "compile": compile_scope, "block_kernels": block_kernels,
     }  # fmt: skip
     for side in SIDES:
         tps = median([x[side]["tokens_per_s"] for x in measured])
@@ -303,6 +314,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--compile", choices=["off", "blocks", "model"], default="off",
                         help="torch.compile on every side: the runner's training.compile, the plain loop's model the "
                         "same way, Trainer's torch_compile (default off)")  # fmt: skip
+    parser.add_argument("--block-kernels", choices=["plain", "liger"], default="plain",
+                        help="Liger's RMSNorm, SwiGLU and RoPE on every side: the runner's training.block_kernels, the "
+                        "plain loop's model the same way, Trainer's use_liger_kernel (default plain)")  # fmt: skip
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     import torch
@@ -319,8 +333,8 @@ def main(argv: list[str] | None = None) -> int:
         peak = next((t for key, t in DENSE_BF16_TFLOPS if key.lower() in name.lower()), None)
     budget = Budget(args.budget_s) if args.budget_s else None
     where = "cuda" if gpu else "cpu"
-    results = [measure(r, where, rounds, steps, budget, peak, precision=args.precision, compile_scope=args.compile)
-               for r in rows]  # fmt: skip
+    results = [measure(r, where, rounds, steps, budget, peak, precision=args.precision, compile_scope=args.compile,
+                       block_kernels=args.block_kernels) for r in rows]  # fmt: skip
     print(f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {torch.get_num_threads()} threads, "
           f"{torch.cuda.get_device_name() if gpu else 'CPU'}, torch {torch.__version__}")  # fmt: skip
     print(table(results))

@@ -67,6 +67,14 @@ LINEAR_ACT_BYTES: dict[tuple[bool, bool], tuple[float, float, float, float, floa
     (True, True): (-3.9, 8.2, 29.7, 36.5, 14.5, 7.0),
     (False, True): (-4.0, 8.1, 30.0, 32.0, 20.5, 4.0),
 }
+# `training.block_kernels: liger`: what a dense Llama-style layer keeps less per token, (c_h, c_i) bytes per hidden and
+# intermediate unit, by full fine-tuning (True) or LoRA. Liger's RMSNorm keeps its input and an fp32 rstd a row, not
+# transformers' fp32 copy and normalised output (two norms a layer); its SwiGLU keeps gate and up, not also the
+# activation (its product is the down projection's input either way); its RoPE keeps cos and sin as transformers'
+# does. Traced: Llama-shaped layers, hidden 512-768, intermediate 1024-2048, 2 and 4 layers, `fast` and `zero2`, bf16:
+# 8 h + 2 i full, 4 h + 2 i with LoRA on every projection, exactly in each of the 12 cases. Mixture-of-experts and
+# linear-attention layers, other blocks and fp32 keep transformers' coefficients (an upper bound).
+LIGER_SAVED_BYTES: dict[bool, tuple[float, float]] = {True: (8.0, 2.0), False: (4.0, 2.0)}
 # fp32 training (no autocast, no 16-bit copies), every tier
 FP32_ACT_BYTES: dict[str, tuple[float, float, float, float]] = {
     "llama": (24.0, 8.0, 8.0, 16.0),
@@ -159,15 +167,27 @@ def residual_bytes(tier: str, precision: str, lora: LoraShape | None = None) -> 
 
 
 def _layer_bytes(
-    shape: ModelShape, tier: str, precision: str, lora: LoraShape | None, linear: bool | None = None
-) -> float:
+    shape: ModelShape, tier: str, precision: str, lora: LoraShape | None, linear: bool | None = None, *,
+    liger: bool = False,
+) -> float:  # fmt: skip
     """Activation bytes one layer saves per token (sdpa), from the traced coefficients: the mean over the layers of a
     mixture-of-experts or linear-attention model, whose MoE layers have their experts' instead of a dense MLP's and
     whose linear-attention layers their own (`linear` True or False: the mean over the layers of that attention)."""
     if not shape.moe and not shape.linear:
-        return _kind_bytes(shape, tier, precision, lora, moe=False)
+        return _kind_bytes(shape, tier, precision, lora, moe=False) - _liger_saved(shape, precision, lora, liger)
     kinds = {kind: n for kind, n in shape.layer_kinds().items() if linear in (None, kind[1])}
-    return sum(n * _kind_bytes(shape, tier, precision, lora, *kind) for kind, n in kinds.items()) / sum(kinds.values())
+    total = sum(n * _kind_bytes(shape, tier, precision, lora, *kind) for kind, n in kinds.items())
+    dense = kinds.get((False, False), 0)  # the layers Liger's savings are traced on
+    return (total - dense * _liger_saved(shape, precision, lora, liger)) / sum(kinds.values())
+
+
+def _liger_saved(shape: ModelShape, precision: str, lora: LoraShape | None, liger: bool) -> float:
+    """Bytes a token keeps less in a dense Llama-style layer with Liger's block kernels (LIGER_SAVED_BYTES); 0 for
+    the layers and blocks they were not traced on (kept at transformers' coefficients: an upper bound)."""
+    if not liger or precision == "fp32" or _family(shape) != "llama":
+        return 0.0
+    c_h, c_i = LIGER_SAVED_BYTES[lora is None]
+    return c_h * shape.hidden + c_i * shape.intermediate
 
 
 def _linear_bytes(shape: ModelShape, tier: str, precision: str, lora: LoraShape | None) -> float:
@@ -253,8 +273,10 @@ def _activations(
     attention: str,
     precision: str,
     lora: LoraShape | None = None,
+    *,
+    liger: bool = False,
 ) -> int:
-    per_token = _layer_bytes(shape, tier, precision, lora)
+    per_token = _layer_bytes(shape, tier, precision, lora, liger=liger)
     softmax = shape.attention_layers / shape.layers  # the layers with softmax attention (not linear attention)
     if shape.qk_norm:
         fam = FAMILIES.get(shape.model_type)
@@ -271,6 +293,7 @@ def _activations(
         return shape.layers * residual_bytes(tier, precision, lora) * tokens * shape.hidden
     prefix = _untrained_prefix(shape, lora)
     skipped = sum(_kind_bytes(shape, tier, precision, lora, shape.moe_at(i), shape.linear_at_layer(i))
+                  - (0 if shape.moe_at(i) or shape.linear_at_layer(i) else _liger_saved(shape, precision, lora, liger))
                   for i in range(prefix))  # fmt: skip
     merged = sum(1 for i in range(prefix, shape.layers) if shape.moe_at(i)) * merged_experts(shape, lora, precision)
     return int((shape.layers * per_token - skipped) * tokens) + merged
@@ -300,13 +323,13 @@ def _untrained_prefix(shape: ModelShape, lora: LoraShape | None) -> int:
 
 
 def _recompute(shape: ModelShape, tier: str, tokens: int, seq_len: int, attention: str, precision: str,
-               lora: LoraShape | None) -> int:  # fmt: skip
+               lora: LoraShape | None, *, liger: bool = False) -> int:  # fmt: skip
     """Bytes of the layer that checkpointing recomputes in backward: its activations and the gradients through it."""
     kind = "full" if lora is None else "lora_mlp" if MLP_TARGETS & set(lora.targets) else "lora"
     c_h, c_i = RECOMPUTE_GRAD_BYTES[kind]
     # the layer recomputed is one of either attention where a model has both: the larger
     kinds = (False, True) if shape.linear else (None,)
-    layer = max(_layer_bytes(shape, tier, precision, lora, linear) for linear in kinds)
+    layer = max(_layer_bytes(shape, tier, precision, lora, linear, liger=liger) for linear in kinds)
     per_token = layer + c_h * shape.hidden + c_i * shape.intermediate
     merged = merged_experts(shape, lora, precision)  # the recomputed MoE layer's merged expert weights
     fam = FAMILIES.get(shape.model_type)

@@ -248,6 +248,7 @@ def estimate(
     rows: int = 1,
     sampling: bool = False,
     optimizer: str = "adamw",
+    block_kernels: str = "plain",
 ) -> MemoryEstimate:
     """Bytes one GPU needs to train `shape` at `tier` over `world_size` data-parallel ranks.
 
@@ -257,12 +258,14 @@ def estimate(
     peak; with one micro-batch a step they are not yet, and the step peaks at whichever is larger, the
     activations and loss or, after backward, the gradients: `gradients` is then only what they add beyond.
     `packed`: rows of several records (`data.packing`), whose attention mask sdpa then holds whole.
-    `loss_kernel`: `training.loss_kernel`, which sizes the cross-entropy's chunk. `quantize`: the LoRA base's blocks
-    in 4 bits ("nf4"; "auto" is the 16-bit base here, `plan_tier` tries both). `rows`: sequences a sample is (a DPO
-    pair is 2, its chosen and rejected rows in one micro-batch). `sampling`: the micro-batch's rows are first sampled
-    by the model (GRPO), whose KV cache then stands where the activations will (`sampling_bytes`): the larger of the
-    two is counted, and the whole of the states beside it (the gradients, freed while it samples, too: the safe
-    side). `optimizer`: `training.optimizer` (`optimizer_bytes`; "auto" counts AdamW, `plan_tier` decides)."""
+    `loss_kernel`: `training.loss_kernel`, which sizes the cross-entropy's chunk. `block_kernels`:
+    `training.block_kernels` (Liger's keep fewer activations: `activations.LIGER_SAVED_BYTES`). `quantize`: the LoRA
+    base's blocks in 4 bits ("nf4"; "auto" is the 16-bit base here, `plan_tier` tries both). `rows`: sequences a
+    sample is (a DPO pair is 2, its chosen and rejected rows in one micro-batch). `sampling`: the micro-batch's rows
+    are first sampled by the model (GRPO), whose KV cache then stands where the activations will (`sampling_bytes`):
+    the larger of the two is counted, and the whole of the states beside it (the gradients, freed while it samples,
+    too: the safe side). `optimizer`: `training.optimizer` (`optimizer_bytes`; "auto" counts AdamW, `plan_tier`
+    decides)."""
     if seq_len < 1 or micro_batch < 0 or world_size < 1 or rows < 1:
         raise ConfigError(
             f"seq_len {seq_len}, micro_batch {micro_batch}, world_size {world_size}: "
@@ -273,8 +276,9 @@ def estimate(
     optimizer = "adamw" if optimizer == "auto" else optimizer  # AdamW first; plan_tier decides 8-bit per tier
     st = _states(shape, tier, world_size, lora, quantize, optimizer)
     tokens = seq_len * micro_batch * rows
-    acts = _activations(shape, tier, tokens, seq_len, ckpt, attention, precision, lora)
-    recompute = _recompute(shape, tier, tokens, seq_len, attention, precision, lora) if ckpt else 0
+    liger = block_kernels == "liger"
+    acts = _activations(shape, tier, tokens, seq_len, ckpt, attention, precision, lora, liger=liger)
+    recompute = _recompute(shape, tier, tokens, seq_len, attention, precision, lora, liger=liger) if ckpt else 0
     working = st.working
     if tier == "fast":
         logits = _loss_bytes(shape, tier, tokens, precision, lora, loss_kernel)
@@ -357,6 +361,7 @@ def plan_tier(
     rows: int = 1,
     sampling: bool = False,
     optimizer: str = "adamw",
+    block_kernels: str = "plain",
 ) -> TierPlan:
     """The largest micro-batch at `tier` that fits `utilization * gpu_bytes` and divides the per-rank batch,
     or, with `micro_batch` (the spec's fixed one), whether that one fits and by how much.
@@ -380,7 +385,7 @@ def plan_tier(
                     seq_len=seq_len, utilization=utilization, lora=lora, checkpointing=checkpointing,
                     attention=attention, precision=precision, sample_scale=sample_scale, micro_batch=micro_batch,
                     packed=packed, loss_kernel=loss_kernel, quantize=quantize, rows=rows,
-                    sampling=sampling)  # fmt: skip
+                    sampling=sampling, block_kernels=block_kernels)  # fmt: skip
     if optimizer == "auto":
         return _plan_auto_optimizer(again, tier)
     if tier in HOST_OPTIMIZER_TIERS and optimizer != "sgd":  # their host AdamW keeps fp32 moments
@@ -406,6 +411,7 @@ def plan_tier(
         rows=rows,
         sampling=sampling,
         optimizer=optimizer,
+        block_kernels=block_kernels,
     )
 
     def at(m: int) -> MemoryEstimate:  # at micro-batch m, accumulating unless m is the whole per-rank batch
@@ -498,6 +504,7 @@ def plan_all(
     rows: int = 1,
     sampling: bool = False,
     optimizer: str = "adamw",
+    block_kernels: str = "plain",
 ) -> list[TierPlan]:
     """`plan_tier` for every tier, in TIERS order (cheapest first); `sample_scale`: measured corrections by tier;
     `micro_batch`: the spec's fixed micro-batch (each tier then says whether it fits)."""
@@ -522,6 +529,7 @@ def plan_all(
             rows=rows,
             sampling=sampling,
             optimizer=optimizer,
+            block_kernels=block_kernels,
         )
         for t in TIERS
     ]

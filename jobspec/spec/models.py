@@ -947,6 +947,16 @@ class TrainingSpec(Section):
             "image; needs liger-kernel and a GPU)."
         ),
     ] = "chunked"
+    block_kernels: Annotated[
+        Literal["plain", "liger"],
+        Field(
+            description="The transformer blocks' elementwise kernels: plain = transformers' own modules; liger = "
+            "Liger Kernel's Triton kernels where it has them for the family (RMSNorm, the SwiGLU/GeGLU MLP's gated "
+            "activation, RoPE), which keep fewer activations for backward and fuse each into one kernel (CUDA image; "
+            "needs liger-kernel and a GPU; the same losses to rounding). `jobspec plan` counts the activations they "
+            "keep."
+        ),
+    ] = "plain"
     objective: Annotated[
         Literal["sft", "dpo", "ipo", "simpo", "orpo", "kto", "grpo"],
         Field(

@@ -86,6 +86,8 @@ class _Training(Protocol):
     @property
     def loss_kernel(self) -> str: ...
     @property
+    def block_kernels(self) -> str: ...
+    @property
     def objective(self) -> str: ...
     @property
     def grpo(self) -> Any: ...
@@ -384,11 +386,17 @@ def flash_attention_problems(spec: SpecView) -> list[Problem]:
 
 
 def liger_problems(spec: SpecView) -> list[Problem]:
-    """Liger Kernel's cross-entropy is a Triton kernel: a GPU's (the runner also checks the package is installed)."""
+    """Liger Kernel's cross-entropy and block kernels are Triton kernels: a GPU's (the runner also checks the package
+    is installed and, for the blocks, that Liger has kernels for the family)."""
+    problems: list[Problem] = []
     if spec.training.loss_kernel == "liger" and spec.hardware.vendor == "cpu":
-        return [("training.loss_kernel", "liger runs Triton kernels on a GPU and hardware.vendor is cpu",
-                 "use training.loss_kernel: chunked (the same loss in plain PyTorch), or a cuda vendor")]  # fmt: skip
-    return []
+        fix = "use training.loss_kernel: chunked (the same loss in plain PyTorch), or a cuda vendor"
+        problems.append(("training.loss_kernel", "liger runs Triton kernels on a GPU and hardware.vendor is cpu", fix))
+    if spec.training.block_kernels == "liger" and spec.hardware.vendor == "cpu":
+        fix = "use training.block_kernels: plain (transformers' own modules), or a cuda vendor"
+        why = "liger runs Triton kernels on a GPU and hardware.vendor is cpu"
+        problems.append(("training.block_kernels", why, fix))
+    return problems
 
 
 def _objective(spec: SpecView) -> list[Problem]:

@@ -88,6 +88,13 @@ Each internal: what it is for; why no public API does it; what a run loses witho
   per-token losses) or the whole logits (`LigerCrossEntropyFunction`, per-token losses in the logits' 16-bit
   dtype, with three host syncs a call); the kernel is called as their forward calls it, with keywords checked
   against its `arg_names`. Required for `liger` (`check_liger` stops the run with exit 2 before training).
+- Liger Kernel `liger_kernel.transformers.monkey_patch.MODEL_TYPE_TO_APPLY_LIGER_FN` (its table of a family's
+  apply function; each is public, the table is what `AutoLigerKernelForCausalLM` reads): `training.block_kernels:
+  liger`, RMSNorm, the gated MLP and RoPE in a built model's blocks (`apply_liger_blocks`). The apply function also
+  swaps classes in transformers' modeling module process-wide; those are put back by comparing the module's globals
+  before and after. Triton's `JITFunction.run` / the interpreter's `InterpretedFunction.run`: a launch with a
+  FakeTensor argument does nothing in the memory trace (`triton_skips_fakes`). Required for `block_kernels: liger`
+  (exit 2 where the table or the family is missing).
 
 - transformers `PretrainedConfig._attn_implementation`: which attention kernel a built model runs (packed rows
   are flattened to one row for flash kernels: runner/model/packing.py). transformers sets it from
@@ -134,7 +141,13 @@ from runner.internals.fsdp import (
     reset_fsdp,
 )
 from runner.internals.imports import keep_torchao_out_of_transformers
-from runner.internals.kernels import check_liger, install_experts_matmul, liger_rows
+from runner.internals.kernels import (
+    apply_liger_blocks,
+    check_liger,
+    install_experts_matmul,
+    liger_rows,
+    triton_skips_fakes,
+)
 from runner.internals.lowbit import (
     adamw_8bit,
     check_low_bit,
@@ -158,6 +171,7 @@ __all__ = [
     "OffloadParts",
     "adamw_8bit",
     "allocates",
+    "apply_liger_blocks",
     "attention_kernel",
     "check",
     "check_liger",
@@ -194,6 +208,7 @@ __all__ = [
     "reset_scaler",
     "scaler_found_inf",
     "set_lr",
+    "triton_skips_fakes",
 ]
 
 

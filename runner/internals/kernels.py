@@ -1,7 +1,9 @@
-"""Liger Kernel's cross-entropy kernel and transformers' mixture-of-experts matmul."""
+"""Liger Kernel's cross-entropy kernel and block kernels, and transformers' mixture-of-experts matmul."""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -98,3 +100,141 @@ def install_experts_matmul() -> None:
 
     experts_matmul.__wrapped_by_jobspec__ = True  # type: ignore[attr-defined]
     moe._grouped_mm = experts_matmul
+
+
+# --- Liger Kernel's block kernels (`training.block_kernels: liger`) -------------------------------------------------
+
+_LIGER_BLOCK_KINDS = ("rms_norm", "swiglu", "geglu", "rope")  # what a family's apply function may switch on
+_LIGER_LOSS_KINDS = ("cross_entropy", "fused_linear_cross_entropy")  # the runner keeps its own loss head
+
+
+_SKIPPING: list[int] = [0]  # open `triton_skips_fakes` contexts: a trace of a model with Liger's blocks
+
+
+def _triton_runs_here(tensor: torch.Tensor) -> bool:
+    """Whether a Triton kernel runs on `tensor`: a GPU's, Triton's interpreter on CPU tensors (tests), or a FakeTensor
+    in the trace of a model with Liger's blocks (whose launches `triton_skips_fakes` turns into nothing)."""
+    import os
+
+    if is_fake(tensor):
+        return _SKIPPING[0] > 0
+    return tensor.device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _gpu_or_plain(liger: Callable[..., Any], plain: Callable[..., Any]) -> Callable[..., Any]:
+    """A modeling module's function (RoPE) that runs Liger's where Triton runs and transformers' own elsewhere: the
+    module's name is process-wide, and a model of the same family on the CPU (an export) must still run."""
+
+    def either(q: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        return (liger if _triton_runs_here(q) else plain)(q, *args, **kwargs)
+
+    either.__wrapped_by_jobspec__ = (liger, plain)  # type: ignore[attr-defined]
+    return either
+
+
+def apply_liger_blocks(model: Any, model_type: str, device_type: str, *, experts: bool = False) -> list[str]:
+    """Liger Kernel's RMSNorm, gated MLP (SwiGLU / GeGLU) and RoPE in `model`'s blocks, by Liger's own function for
+    the family (`MODEL_TYPE_TO_APPLY_LIGER_FN`, given this instance), its loss patches off. That function also
+    swaps the family's classes and functions in transformers' modeling module for every later model of the process:
+    those are put back, and RoPE (which transformers' attention calls by the module's name) is swapped for a function
+    that runs Liger's where Triton runs. Returns what it switched on ("RMSNorm x5", ...). ConfigError (exit 2)
+    without liger-kernel, off a GPU, or for a family Liger has no kernels for. Before LoRA: the patched MLP calls its
+    projections as modules, which peft then wraps. `experts` (a mixture of experts): the MLPs stay transformers' (Liger
+    swaps the experts for its fused MoE kernel, which autotunes on a GPU only and would replace the runner's experts
+    matmul and LoRA on the experts' weights); norms and RoPE are Liger's."""
+    import inspect
+    import logging
+    import os
+    import sys
+
+    asked = "training.block_kernels liger"
+    try:
+        from liger_kernel.transformers import monkey_patch
+    except ImportError as err:
+        raise ConfigError(f"{asked} cannot import Liger Kernel ({err}): pip install 'jobspec-k8s[liger]' in the image, "
+                          "or set training.block_kernels: plain") from None  # fmt: skip
+    if device_type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ConfigError(f"{asked} runs Triton kernels on a GPU, and this rank trains on {device_type}: "
+                          "set training.block_kernels: plain")  # fmt: skip
+    table = getattr(monkey_patch, "MODEL_TYPE_TO_APPLY_LIGER_FN", None)
+    if not isinstance(table, dict):
+        raise missing("liger-kernel", "transformers.monkey_patch.MODEL_TYPE_TO_APPLY_LIGER_FN", asked)
+    apply = table.get(model_type)
+    if apply is None:
+        raise ConfigError(f"{asked}: Liger Kernel {_version('liger_kernel')} has no kernels for model_type "
+                          f"{model_type!r}: set training.block_kernels: plain")  # fmt: skip
+    accepts = inspect.signature(apply).parameters
+    kwargs = {k: not (experts and k in ("swiglu", "geglu")) for k in _LIGER_BLOCK_KINDS if k in accepts}
+    kwargs |= {k: False for k in _LIGER_LOSS_KINDS if k in accepts}
+    logging.getLogger("liger_kernel.backends.registry").setLevel(logging.ERROR)  # its optional backends (CuTe DSL,
+    # Ascend) that this image does not carry, one warning each
+    modules = {name: mod for name, mod in sys.modules.items() if name.startswith("transformers.models.")}
+    before = {name: dict(vars(mod)) for name, mod in modules.items()}
+    forwards = {id(m): m.forward for m in model.modules()}
+    apply(model=model, **kwargs)
+    rope = False
+    for name, mod in modules.items():
+        for attr, now in list(vars(mod).items()):
+            old = before[name].get(attr, now)
+            if now is old:
+                continue
+            if inspect.isfunction(now) and inspect.isfunction(old) and "rotary" in attr:
+                setattr(mod, attr, _gpu_or_plain(now, old))
+                rope = True
+            else:
+                setattr(mod, attr, old)  # a class swapped for every later model: back
+    swapped: dict[str, int] = {}
+    for m in model.modules():
+        if m.forward != forwards.get(id(m), m.forward):
+            kind = type(m).__name__
+            swapped[kind] = swapped.get(kind, 0) + 1
+    applied = [f"{kind} x{n}" for kind, n in sorted(swapped.items())] + (["RoPE"] if rope else [])
+    if not applied:
+        raise missing("liger-kernel", f"the {model_type} blocks' kernels (nothing was patched)", asked)
+    return applied
+
+
+def _version(package: str) -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(package.replace("_", "-"))
+    except PackageNotFoundError:
+        return "(version unknown)"
+
+
+@contextlib.contextmanager
+def triton_skips_fakes() -> Iterator[None]:
+    """Triton launches with a FakeTensor argument do nothing (the memory trace runs Liger's autograd functions for
+    what they allocate and save; their kernels write in place, and there is nothing to write on a fake). Inside it,
+    the RoPE that `apply_liger_blocks` swapped in runs Liger's on fakes too; outside (a model traced without Liger's
+    blocks), transformers' own."""
+    classes = []
+    try:
+        from triton.runtime.jit import JITFunction
+
+        classes.append(JITFunction)
+        from triton.runtime.interpreter import InterpretedFunction
+
+        classes.append(InterpretedFunction)
+    except ImportError:
+        pass
+    saved = [(cls, cls.__dict__["run"]) for cls in classes if "run" in cls.__dict__]
+
+    def skipping(run: Callable[..., Any]) -> Callable[..., Any]:
+        def run_unless_fake(self: Any, *args: Any, **kwargs: Any) -> Any:
+            if any(isinstance(a, torch.Tensor) and is_fake(a) for a in (*args, *kwargs.values())):
+                return None
+            return run(self, *args, **kwargs)
+
+        return run_unless_fake
+
+    for cls, run in saved:
+        cls.run = skipping(run)
+    _SKIPPING[0] += 1
+    try:
+        yield
+    finally:
+        _SKIPPING[0] -= 1
+        for cls, run in saved:
+            cls.run = run

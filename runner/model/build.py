@@ -75,6 +75,17 @@ def ready_for_training(model: nn.Module) -> nn.Module:
     return model
 
 
+def liger_blocks(model: nn.Module, device_type: str) -> list[str]:
+    """Liger Kernel's block kernels in `model` (`training.block_kernels: liger`; runner/internals/kernels.py), the
+    experts of a mixture of experts left as they are; logged."""
+    model_type = getattr(model.config, "model_type", "")
+    fam = FAMILIES.get(model_type)
+    applied = internals.apply_liger_blocks(model, model_type, device_type,
+                                           experts=fam is not None and fam.experts is not None)  # fmt: skip
+    log.info("block kernels: Liger Kernel's %s", ", ".join(applied))
+    return applied
+
+
 def router_aux_coef(model: nn.Module) -> float | None:
     """The weight of the router's load-balancing loss that transformers adds for this model (`router_aux_loss_coef`
     where it computes one: jobspec/catalog/families.py), or None (a dense model, DeepSeek-V2, a coefficient of 0, a
@@ -160,7 +171,7 @@ def load_pretrained(path: str, config: object, **kwargs: object) -> nn.Module:
 
 def build_model(
     spec: JobSpec, *, bos: int, eos: int, vocab: int, precision: str = "fp32", quantize: str | None = None,
-    shards: int = 1, device: torch.device | None = None, weights: str = "init",
+    shards: int = 1, device: torch.device | None = None, weights: str = "init", train_on: str | None = None,
 ) -> nn.Module:  # fmt: skip
     """The model in fp32 (preset) or its stored dtype (path), on the CPU unless `device` says where; the caller
     places it.
@@ -176,7 +187,8 @@ def build_model(
     takes no gradient or optimizer step, so fp32 would only double its memory (the memory model counts
     2 bytes a frozen parameter); peft keeps the adapters in fp32. `quantize` (the plan's, LoRA only): the base's block
     linear layers in 4 bits before the adapters go on (runner/model/quantize.py), split into blocks that `shards`
-    FSDP2 ranks can share.
+    FSDP2 ranks can share. `train_on` (the device type the model will train on; an export leaves it out): the spec's
+    `training.block_kernels` go into the blocks for it (Liger's, before LoRA: runner/internals/kernels.py).
     """
     from transformers import AutoModelForCausalLM
 
@@ -210,6 +222,8 @@ def build_model(
             )
             model.resize_token_embeddings(vocab)
     ready_for_training(model)
+    if train_on is not None and spec.training.block_kernels == "liger":
+        liger_blocks(model, train_on)
     if m.lora and m.preset:
         frozen_base_width(model, precision)
     if m.lora and quantize:

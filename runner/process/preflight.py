@@ -57,6 +57,11 @@ def check(spec: JobSpec) -> None:
     check_attention(spec)
     if spec.training.loss_kernel == "liger" and (find_spec("liger_kernel") is None or find_spec("triton") is None):
         raise ConfigError(f"training.loss_kernel liger needs liger-kernel and triton, not installed here: {LIGER_FIX}")
+    liger_blocks = spec.training.block_kernels == "liger"
+    if liger_blocks and (find_spec("liger_kernel") is None or find_spec("triton") is None):
+        raise ConfigError("training.block_kernels liger needs liger-kernel and triton, not installed here: pip "
+                          "install 'jobspec-k8s[liger]' in the image (the CUDA image carries it), or set "
+                          "training.block_kernels: plain")  # fmt: skip
     if spec.memory.tier == "zero2_offload" and spec.hardware.vendor != "cpu" and find_spec("torchao") is None:
         raise ConfigError(
             "memory.tier zero2_offload steps the optimizer on the host with torchao, which is not installed: "

@@ -35,7 +35,7 @@ VERSION = 1
 LIMIT = 64 * 1024  # a record is ~300 bytes
 IGNORED = ("name", "namespace", "checkpoints", "scheduling", "output", "eval", "tracking", "env", "labels")
 SOURCES = ("jobspec", "runner")  # packages whose source is the code version
-FRAMEWORKS = ("torch", "transformers", "accelerate", "peft")
+FRAMEWORKS = ("torch", "transformers", "accelerate", "peft", "liger-kernel")  # Liger: its blocks' saved tensors
 
 
 @cache

@@ -228,7 +228,7 @@ class Recipe:
             model = build_model(spec, bos=getattr(self.tokenizer, "BOS", self.tokenizer.eos_id),
                                 eos=self.tokenizer.eos_id, vocab=self.tokenizer.vocab_size,
                                 precision=self.plan.precision, quantize=self.plan.quantize, shards=self.plan.world_size,
-                                device=on, weights="none" if empty else "init")  # fmt: skip
+                                device=on, weights="none" if empty else "init", train_on=self.device.type)  # fmt: skip
             if empty and not handoff.give_transient(kept, model):  # type: ignore[arg-type]
                 raise RuntimeError("the state in memory lacks the model's non-persistent buffers")
         with phase("placing the model for tier %s (%s)", self.plan.tier, self.device):

@@ -61,6 +61,7 @@ from runner.data.dataset import Batch
 from runner.model.build import (
     apply_lora,
     frozen_base_width,
+    liger_blocks,
     preset_config,
     ready_for_training,
     router_aux_coef,
@@ -144,14 +145,16 @@ def hf_config(model: ModelShape | dict[str, Any] | Any) -> Any:
 
 
 def _build(cfg: Any, *, lora: LoraSpec | None, precision: str, attention: str, meta: bool, quantize: str | None = None,
-           shards: int = 1) -> nn.Module:  # fmt: skip
+           shards: int = 1, block_kernels: str = "plain") -> nn.Module:  # fmt: skip
     """The model as build_model makes it (fp32 weights; with LoRA a 16-bit frozen base, 4-bit blocks with `quantize`,
-    and fp32 adapters)."""
+    and fp32 adapters; Liger's block kernels with `block_kernels` "liger", as for a GPU)."""
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta") if meta else contextlib.nullcontext():
         model = AutoModelForCausalLM.from_config(cfg, attn_implementation=attention)
     ready_for_training(model)
+    if block_kernels == "liger":
+        liger_blocks(model, "cuda")
     if lora is not None:
         frozen_base_width(model, precision)
         if quantize:
@@ -351,6 +354,7 @@ def trace_step(
     loss_kernel: LossKernel = "chunked",
     quantize: str | None = None,
     warmup: str = "one",
+    block_kernels: str = "plain",
 ) -> TraceResult:
     """One rank's bytes at the peak of the runner's optimizer step at `tier` (see the module docstring).
 
@@ -370,6 +374,8 @@ def trace_step(
     it for a plan that quantizes.
     `warmup`: the step before the measured one: "one" micro-batch (Adam's moments, FSDP2's recorded forward order) or
     the whole "step" of `grad_accum` micro-batches (bench/trace_warmup.py compares the two).
+    `block_kernels`: `training.block_kernels`; with "liger" the blocks run Liger's autograd functions (what they
+    allocate and keep for backward), their Triton launches skipped on fakes (`internals.triton_skips_fakes`).
     """
     tier_index(tier)  # raises for unknown names
     if precision not in DTYPE or micro_batch < 1 or seq_len < 1 or world_size < 1:
@@ -386,14 +392,15 @@ def trace_step(
     torch.manual_seed(seed)
     cfg = hf_config(model)
     net = _build(cfg, lora=lora, precision=precision, attention=attention, meta=fake, quantize=quantize,
-                 shards=world_size if fsdp else 1)
+                 shards=world_size if fsdp else 1, block_kernels=block_kernels)
     params = sum(p.numel() for p in net.parameters())
     trainable = sum(p.numel() for p in net.parameters() if p.requires_grad)
     if ckpt:
         engine.enable_checkpointing(net, lora=lora is not None)
     group = _process_group(world_size, fake) if fsdp else contextlib.nullcontext()
     policy = gpu_decisions() if gpu else contextlib.nullcontext()
-    with group, _eager_decisions(packed), policy:
+    kernels = internals.triton_skips_fakes() if block_kernels != "plain" and fake else contextlib.nullcontext()
+    with group, _eager_decisions(packed), policy, kernels:
         if fsdp:  # on the meta device for fakes: FSDP2's device mesh cannot be built under FakeTensorMode
             net = _shard(net, traced, precision)  # accelerate's FSDP2 path casts by the mixed-precision policy only
         else:
@@ -570,7 +577,8 @@ def trace_spec(spec: Any, tiers: list[tuple[str, int]], world_size: int, precisi
                        loss_kernel=spec.training.loss_kernel, precision=precision, lora=spec.model.lora,
                        checkpointing=forced, attention=model_attention(spec), max_grad_norm=spec.training.max_grad_norm,
                        grad_accum=2 if per_rank // mbs > 1 else 1, packed=spec.data.packing,
-                       quantize=base_quantization(spec.model.quantize, spec.model.lora))  # fmt: skip
+                       quantize=base_quantization(spec.model.quantize, spec.model.lora),
+                       block_kernels=spec.training.block_kernels)  # fmt: skip
         out.append({"tier": tier, "micro_batch": mbs, "peak": r.peak, "parts": r.parts, "host": r.host,
                     "ddp_buckets": r.ddp_buckets, "seconds": round(r.seconds, 2), "notes": list(r.notes)})  # fmt: skip
     return out
