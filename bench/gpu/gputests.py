@@ -28,6 +28,7 @@ FIRST = (
     "tests/runner/sizing/test_plan_gpu.py",
     "tests/runner/train/test_offload.py",
     "tests/runner/train/test_loss_liger.py",
+    "tests/runner/model/test_block_kernels.py",
     "tests/runner/train/test_trace.py",
 )
 
