@@ -61,7 +61,8 @@ class Plain:
         self.recipe, self.device = recipe, recipe.device
         # built where it trains (as the runner's on tier fast): llama-1b on the host took ~30 s (issue 41)
         on = self.device if self.device.type == "cuda" else None
-        self.model = build_model(recipe.spec, bos=257, eos=258, vocab=262, device=on).to(self.device).train()
+        self.model = build_model(recipe.spec, bos=257, eos=258, vocab=262, device=on,
+                                 precision=recipe.plan.precision).to(self.device).train()  # a LoRA base at 16 bits
         # fused on every device, as the runner's (runner/train/engine.py make_optimizer): the same work on both sides
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4, betas=(0.9, 0.95), fused=True)
         self.dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(recipe.plan.precision)

@@ -57,13 +57,20 @@ class Row:
     seq: int
     global_batch: int
     micro_batch: int
+    lora: tuple[str, ...] = ()  # adapted projections (rank LORA_RANK); () full fine-tuning
+
+
+ALL_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+LORA_RANK = 16
 
 
 GPU_ROWS = {  # gpt2-small: the 2026-11-28 record's shape (continuity); llama-1b: issue 42's full fine-tuning row
     "gpt2-small": Row("gpt2-small", 1024, 32, 32),
     "llama-1b": Row("llama-1b", 2048, 16, 4),
+    "llama-8b-lora": Row("llama-8b", 2048, 16, 2, ALL_PROJECTIONS),  # issue 42's LoRA row: Llama 3.1 8B's shape
 }
-CPU_ROWS = {"tiny": Row("tiny", 128, 16, 16), "llama-tiny": Row("llama-tiny", 128, 16, 16)}  # --smoke: tiny
+CPU_ROWS = {"tiny": Row("tiny", 128, 16, 16), "llama-tiny": Row("llama-tiny", 128, 16, 16),
+            "llama-tiny-lora": Row("llama-tiny", 128, 16, 16, ALL_PROJECTIONS)}  # --smoke: tiny  # fmt: skip
 
 
 def _peak_reset() -> None:
@@ -144,12 +151,14 @@ def measure(row: Row, device: str, rounds: int, steps: int, budget: Budget | Non
         base = work or Path(tmp)
         total = (rounds + 1) * steps
         data = write_data(base / "data.jsonl", rows=row.global_batch * total + 64, seq=row.seq)
+        lora = {"rank": LORA_RANK, "alpha": 2 * LORA_RANK, "targets": list(row.lora)} if row.lora else None
         spec = spec_for(cfg, base / "runner", data, preset=row.preset, tier="fast", global_batch=row.global_batch,
-                        micro_batch=row.micro_batch, utilization=0.5)  # fmt: skip
+                        micro_batch=row.micro_batch, utilization=0.5, lora=lora)  # fmt: skip
         update = {"compile": compile_scope, "block_kernels": block_kernels}
         spec = spec.model_copy(update={"training": spec.training.model_copy(update=update)})
         with recipe_for(spec) as recipe:
             plain, plan = Plain(recipe), recipe.plan
+            trainable = _trainable(recipe)
             if block_kernels == "liger":
                 from runner.model.build import liger_blocks
 
@@ -241,12 +250,15 @@ def measure(row: Row, device: str, rounds: int, steps: int, budget: Budget | Non
             trainer.train()
             plain.model = plain.opt = None
             del trainer, hf_model
-    fpt = flops_per_token(row.preset, row.seq)
+    fpt = flops_per_token(row.preset, row.seq, trainable=trainable if row.lora else None)
     measured = [x for x in per_round if x["round"] >= 1]  # round 0 warms caches, the allocator and kernels
     out: dict[str, Any] = {
-        "preset": row.preset, "seq_len": row.seq, "precision": plan.precision, "micro_batch": plan.micro_batch,
+        "preset": row.preset, "lora": list(row.lora), "seq_len": row.seq, "precision": plan.precision,
+        "micro_batch": plan.micro_batch,
         "grad_accum": plan.grad_accum, "global_batch": plan.global_batch, "steps_per_round": steps,
-        "rounds": len(measured), "flops_per_token": fpt, "flops_formula": "6N + 6*L*C*T (llm.c)",
+        "rounds": len(measured), "flops_per_token": fpt,
+        "flops_formula": "4N + 2T_lora + 6*L*C*T (a frozen base takes no weight gradients)" if row.lora
+        else "6N + 6*L*C*T (llm.c)",
         "trainer_collator": collator_name, "trainer_attention": attn, "loss_kernel": recipe.spec.training.loss_kernel,
         "compile": compile_scope, "block_kernels": block_kernels,
     }  # fmt: skip
@@ -271,12 +283,18 @@ def measure(row: Row, device: str, rounds: int, steps: int, budget: Budget | Non
     return out
 
 
+def _trainable(recipe: Any) -> int:
+    return sum(p.numel() for p in recipe.model.parameters() if p.requires_grad)
+
+
 def plain_twin(recipe: Any, attn: str) -> Any:
-    """Another twin of the runner's model (same preset, config and seed) on its device, for the Trainer."""
+    """Another twin of the runner's model (same preset, config, seed, LoRA and frozen base width) on its device, for
+    the Trainer."""
     from runner.model.build import build_model
 
     gpu = recipe.device.type == "cuda"  # built where it trains: llama-1b on the host took ~30 s (issue 41)
-    model = build_model(recipe.spec, bos=257, eos=258, vocab=262, device=recipe.device if gpu else None)
+    model = build_model(recipe.spec, bos=257, eos=258, vocab=262, device=recipe.device if gpu else None,
+                        precision=recipe.plan.precision)  # fmt: skip
     model.set_attn_implementation(attn)
     return model.to(recipe.device).train()
 
@@ -289,7 +307,9 @@ def table(results: list[dict[str, Any]]) -> str:
     lines = ["| row | side | tokens/s | MFU | peak / rise GiB | wall s/step | CPU s/step | runner / side (median, "
              "paired) |", "| --- | --- | ---: | ---: | ---: | ---: | ---: | --- |"]  # fmt: skip
     for res in results:
-        name = f"{res['preset']} seq {res['seq_len']} {res['precision']} {res['micro_batch']}x{res['grad_accum']}"
+        lora = " LoRA" if res.get("lora") else ""
+        name = (f"{res['preset']}{lora} seq {res['seq_len']} {res['precision']} "
+                f"{res['micro_batch']}x{res['grad_accum']}")  # fmt: skip
         for side in SIDES:
             s = res[side]
             ratio = "" if side == "runner" else f"{res[f'runner_over_{side}']} / {res[f'runner_over_{side}_paired']}"

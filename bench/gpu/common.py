@@ -222,6 +222,7 @@ def spec_for(
     steps: int = 10**6,
     utilization: float = 0.9,
     log_every: int = 10**6,
+    lora: dict[str, Any] | None = None,
 ):  # -> JobSpec
     """A spec for one in-process Recipe: no export, no periodic checkpoints, no eval until the end, and its
     micro-batch from the formula and probe steps (`memory.trace: off`: the memory part traces on its own, and
@@ -234,7 +235,7 @@ def spec_for(
         yaml.safe_dump(
             {
                 "name": "gpu-suite",
-                "model": {"preset": preset},
+                "model": {"preset": preset, **({"lora": lora} if lora else {})},
                 "data": {"path": str(data), "max_seq_len": cfg.seq, "eval_fraction": 0.01},
                 "training": {
                     "global_batch": global_batch,

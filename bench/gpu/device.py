@@ -21,12 +21,16 @@ DENSE_BF16_TFLOPS: tuple[tuple[str, float], ...] = (
 )
 
 
-def flops_per_token(preset: str, seq: int) -> int:
+def flops_per_token(preset: str, seq: int, trainable: int | None = None) -> int:
     """DESIGN.md / llm.c: 6N + 6*L*C*T (N all parameters incl. embeddings, L layers, C hidden, T row length).
-    Model FLOPs: activation recomputation (checkpointing tiers) is not counted."""
+    Model FLOPs: activation recomputation (checkpointing tiers) is not counted. With LoRA (`trainable`: the adapters'
+    parameters): 4N + 2T + 6*L*C*T, the frozen base's forward and input gradients (2N each) and the adapters' weight
+    gradients (2T; their forward and input gradients are in N's terms up to rank / width)."""
     from jobspec.catalog.presets import PRESETS
 
     s = PRESETS[preset]
+    if trainable is not None:
+        return 4 * s.params + 2 * trainable + 6 * s.layers * s.hidden * seq
     return 6 * s.params + 6 * s.layers * s.hidden * seq
 
 

@@ -215,4 +215,17 @@ PRESETS: dict[str, ModelShape] = {
     "llama-1b": ModelShape(
         "llama", layers=16, hidden=2048, heads=32, kv_heads=8, vocab=128256, max_positions=131072, intermediate=8192
     ),
+    # Llama 3.1 8B's published shape (untied head, rope_theta 500000 in its config; here the preset's default RoPE):
+    # issue 42's LoRA throughput row, randomly initialised (no download)
+    "llama-8b": ModelShape(
+        "llama",
+        layers=32,
+        hidden=4096,
+        heads=32,
+        kv_heads=8,
+        vocab=128256,
+        max_positions=131072,
+        intermediate=14336,
+        tie_embeddings=False,
+    ),
 }
