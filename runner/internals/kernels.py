@@ -179,7 +179,8 @@ def apply_liger_blocks(model: Any, model_type: str, device_type: str, *, experts
             if now is old:
                 continue
             if inspect.isfunction(now) and inspect.isfunction(old) and "rotary" in attr:
-                setattr(mod, attr, _gpu_or_plain(now, old))
+                plain = getattr(old, "__wrapped_by_jobspec__", (None, old))[1]  # a model built again (a step-down)
+                setattr(mod, attr, _gpu_or_plain(now, plain))
                 rope = True
             else:
                 setattr(mod, attr, old)  # a class swapped for every later model: back

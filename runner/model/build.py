@@ -9,6 +9,7 @@ PEFT adapter directory that `PeftModel.from_pretrained` reads.
 from __future__ import annotations
 
 import logging
+import warnings
 from contextlib import nullcontext
 from importlib.util import find_spec
 
@@ -82,6 +83,10 @@ def liger_blocks(model: nn.Module, device_type: str) -> list[str]:
     fam = FAMILIES.get(model_type)
     applied = internals.apply_liger_blocks(model, model_type, device_type,
                                            experts=fam is not None and fam.experts is not None)  # fmt: skip
+    # Liger's RMSNorm returns a view of its output; FSDP2 warns about every unit whose output is one (an in-place op
+    # on it would skip the unit's pre-backward hook). Nothing writes into a norm's output here: the blocks add it
+    # out of place and the loss head reads the last one.
+    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(.*RMSNorm.*\) returned a view tensor")
     log.info("block kernels: Liger Kernel's %s", ", ".join(applied))
     return applied
 

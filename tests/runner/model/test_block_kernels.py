@@ -136,6 +136,25 @@ def test_only_the_model_given_changes(interpreter):
     assert calls == ["liger", "plain"]
 
 
+def test_a_model_built_again_gets_them_again_without_nesting_and_generates_as_transformers(interpreter):
+    """An in-process step-down builds the model again: the module's RoPE wraps transformers' own once, not the
+    previous wrapper; and sampling (GRPO's completions, with a KV cache) picks the same tokens greedily."""
+    from transformers.models.llama import modeling_llama
+
+    original = modeling_llama.apply_rotary_pos_emb
+    plain = tiny_model("llama")
+    plain.config.use_cache = True
+    liger = copy.deepcopy(plain)
+    liger_blocks(liger, "cpu")
+    liger_blocks(tiny_model("llama"), "cpu")
+    assert modeling_llama.apply_rotary_pos_emb.__wrapped_by_jobspec__[1] is original
+    prompt = torch.randint(0, 128, (2, 5), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        want = plain.generate(prompt, max_new_tokens=6, do_sample=False, pad_token_id=0)
+        got = liger.generate(prompt, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    assert torch.equal(got, want)
+
+
 def test_a_family_liger_lacks_and_a_cpu_without_the_interpreter_are_refused_with_the_fix(interpreter, monkeypatch):
     from transformers import GPT2Config, GPT2LMHeadModel
 
@@ -163,10 +182,11 @@ def test_a_cpu_vendor_is_refused_at_validate(tmp_path):
     assert "Traceback" not in done.stderr
 
 
-@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
-def test_the_runner_trains_with_them_loss_for_loss(interpreter, tmp_path, lora):
+@pytest.mark.parametrize(("lora", "tier"), [(False, "fast"), (True, "fast"), (False, "zero2")],
+                         ids=["full", "lora", "full-zero2"])  # fmt: skip
+def test_the_runner_trains_with_them_loss_for_loss(interpreter, tmp_path, lora, tier):
     """The runner's own step (`jobspec run`'s Recipe) on a Llama-shaped preset: the same losses with Liger's blocks as
-    with transformers' (fp32, 1e-5), and the run's log says what went in."""
+    with transformers' (fp32, 1e-5), under FSDP2 too (one gloo rank: the norms' weights are DTensors)."""
     from tests.runner.train_helpers import records, tiny_spec, train_in_process
 
     losses = {}
@@ -174,7 +194,8 @@ def test_the_runner_trains_with_them_loss_for_loss(interpreter, tmp_path, lora):
         adapters = {"lora": {"rank": 4, "targets": ["q_proj", "v_proj", "gate_proj"]}} if lora else {}
         sections = {"model": {"preset": "llama-tiny", **adapters},
                     "training": {"block_kernels": kernels, "steps": 2, "warmup_steps": 1, "global_batch": 2},
-                    "data": {"max_seq_len": 24}, "hardware": {"vendor": "cuda", "gpus": 1}}  # fmt: skip
+                    "data": {"max_seq_len": 24}, "hardware": {"vendor": "cuda", "gpus": 1},
+                    "memory": {"tier": tier}}  # fmt: skip
         code, _ = train_in_process(tiny_spec(tmp_path / kernels, **sections))
         assert code == 0
         losses[kernels] = [r["loss"] for r in records(tmp_path / kernels)]
