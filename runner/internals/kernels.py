@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
 from jobspec.errors import ConfigError
 from runner.internals.trace import is_fake
 from runner.internals.versions import missing
+
+T = TypeVar("T")
 
 # The kernel's arguments for one chunk, by name; a kernel that asks for one not here is refused by `check_liger`.
 # Counts and sums feed only reduction "mean": "none" leaves every row's loss and gradient unscaled.
@@ -31,20 +33,28 @@ def _liger_kernel() -> tuple[Any, int]:
     return liger_cross_entropy_kernel, int(flce.MAX_FUSED_SIZE)
 
 
+def _liger_here(field: str, fallback: str, what: str, load: Callable[[], T], device_type: str) -> T:
+    """`load()` (an import of Liger's), or ConfigError (exit 2) naming `training.<field>` and its `fallback` value:
+    without the package, or on a device where Triton kernels do not run (a GPU's, or Triton's interpreter on CPU
+    tensors, TRITON_INTERPRET=1: tests)."""
+    import os
+
+    try:
+        loaded = load()
+    except ImportError as err:
+        raise ConfigError(f"training.{field} liger cannot import {what} ({err}): pip install 'jobspec-k8s[liger]' in "
+                          f"the image, or set training.{field}: {fallback}") from None  # fmt: skip
+    if device_type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ConfigError(f"training.{field} liger runs Triton kernels on a GPU, and this rank trains on "
+                          f"{device_type}: set training.{field}: {fallback}")  # fmt: skip
+    return loaded
+
+
 def check_liger(device_type: str) -> None:
     """ConfigError (exit 2) unless Liger's kernel can run here: the package, Triton, a GPU (or Triton's interpreter,
     TRITON_INTERPRET=1, which runs the kernel on CPU tensors: tests), a kernel whose arguments `liger_rows` knows."""
-    import os
-
     asked = "training.loss_kernel liger"
-    try:
-        kernel, _ = _liger_kernel()
-    except ImportError as err:
-        raise ConfigError(f"{asked} cannot import Liger's kernel ({err}): pip install 'jobspec-k8s[liger]' in the "
-                          "image, or set training.loss_kernel: chunked") from None  # fmt: skip
-    if device_type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-        raise ConfigError(f"{asked} runs Triton kernels on a GPU, and this rank trains on {device_type}: "
-                          "set training.loss_kernel: chunked")  # fmt: skip
+    kernel, _ = _liger_here("loss_kernel", "chunked", "Liger's kernel", _liger_kernel, device_type)
     names = set(getattr(kernel, "arg_names", ()))
     unknown = names - _LIGER_ARGS
     if not names or unknown or not {"X_ptr", "Y_ptr", "loss_ptr", "n_cols", "ignore_index", "reduction"} <= names:
@@ -142,20 +152,14 @@ def apply_liger_blocks(model: Any, model_type: str, device_type: str, *, experts
     projections as modules, which peft then wraps. `experts` (a mixture of experts): the MLPs stay transformers' (Liger
     swaps the experts for its fused MoE kernel, which autotunes on a GPU only and would replace the runner's experts
     matmul and LoRA on the experts' weights); norms and RoPE are Liger's."""
+    import importlib
     import inspect
     import logging
-    import os
     import sys
 
     asked = "training.block_kernels liger"
-    try:
-        from liger_kernel.transformers import monkey_patch
-    except ImportError as err:
-        raise ConfigError(f"{asked} cannot import Liger Kernel ({err}): pip install 'jobspec-k8s[liger]' in the image, "
-                          "or set training.block_kernels: plain") from None  # fmt: skip
-    if device_type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-        raise ConfigError(f"{asked} runs Triton kernels on a GPU, and this rank trains on {device_type}: "
-                          "set training.block_kernels: plain")  # fmt: skip
+    monkey_patch = _liger_here("block_kernels", "plain", "Liger Kernel",
+                               lambda: importlib.import_module("liger_kernel.transformers.monkey_patch"), device_type)
     table = getattr(monkey_patch, "MODEL_TYPE_TO_APPLY_LIGER_FN", None)
     if not isinstance(table, dict):
         raise missing("liger-kernel", "transformers.monkey_patch.MODEL_TYPE_TO_APPLY_LIGER_FN", asked)
