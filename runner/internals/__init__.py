@@ -145,6 +145,7 @@ from runner.internals.kernels import (
     apply_liger_blocks,
     check_liger,
     install_experts_matmul,
+    liger_blocks_for,
     liger_rows,
     triton_skips_fakes,
 )
@@ -196,6 +197,7 @@ __all__ = [
     "is_quantized",
     "keep_tensor_lr",
     "keep_torchao_out_of_transformers",
+    "liger_blocks_for",
     "liger_rows",
     "memory_tracker",
     "missing",

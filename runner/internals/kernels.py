@@ -142,6 +142,28 @@ def _gpu_or_plain(liger: Callable[..., Any], plain: Callable[..., Any]) -> Calla
     return either
 
 
+def liger_blocks_for(model_type: str, device_type: str | None = None) -> Callable[..., Any]:
+    """Liger's apply function for `model_type`; ConfigError (exit 2) naming the fix without liger-kernel, for a
+    family it has no kernels for, and (`device_type` given) where Triton kernels do not run. The supervisor's
+    preflight asks before any worker starts (no device yet), the build again on its device."""
+    import importlib
+
+    asked = "training.block_kernels liger"
+
+    def load() -> Any:
+        return importlib.import_module("liger_kernel.transformers.monkey_patch")
+
+    monkey_patch = _liger_here("block_kernels", "plain", "Liger Kernel", load, device_type or "cuda")
+    table = getattr(monkey_patch, "MODEL_TYPE_TO_APPLY_LIGER_FN", None)
+    if not isinstance(table, dict):
+        raise missing("liger-kernel", "transformers.monkey_patch.MODEL_TYPE_TO_APPLY_LIGER_FN", asked)
+    apply = table.get(model_type)
+    if apply is None:
+        raise ConfigError(f"{asked}: Liger Kernel {_version('liger_kernel')} has no kernels for model_type "
+                          f"{model_type!r}: set training.block_kernels: plain")  # fmt: skip
+    return apply
+
+
 def apply_liger_blocks(model: Any, model_type: str, device_type: str, *, experts: bool = False) -> list[str]:
     """Liger Kernel's RMSNorm, gated MLP (SwiGLU / GeGLU) and RoPE in `model`'s blocks, by Liger's own function for
     the family (`MODEL_TYPE_TO_APPLY_LIGER_FN`, given this instance), its loss patches off. That function also
@@ -152,21 +174,11 @@ def apply_liger_blocks(model: Any, model_type: str, device_type: str, *, experts
     projections as modules, which peft then wraps. `experts` (a mixture of experts): the MLPs stay transformers' (Liger
     swaps the experts for its fused MoE kernel, which autotunes on a GPU only and would replace the runner's experts
     matmul and LoRA on the experts' weights); norms and RoPE are Liger's."""
-    import importlib
     import inspect
     import logging
     import sys
 
-    asked = "training.block_kernels liger"
-    monkey_patch = _liger_here("block_kernels", "plain", "Liger Kernel",
-                               lambda: importlib.import_module("liger_kernel.transformers.monkey_patch"), device_type)
-    table = getattr(monkey_patch, "MODEL_TYPE_TO_APPLY_LIGER_FN", None)
-    if not isinstance(table, dict):
-        raise missing("liger-kernel", "transformers.monkey_patch.MODEL_TYPE_TO_APPLY_LIGER_FN", asked)
-    apply = table.get(model_type)
-    if apply is None:
-        raise ConfigError(f"{asked}: Liger Kernel {_version('liger_kernel')} has no kernels for model_type "
-                          f"{model_type!r}: set training.block_kernels: plain")  # fmt: skip
+    apply = liger_blocks_for(model_type, device_type)
     accepts = inspect.signature(apply).parameters
     kwargs = {k: not (experts and k in ("swiglu", "geglu")) for k in _LIGER_BLOCK_KINDS if k in accepts}
     kwargs |= {k: False for k in _LIGER_LOSS_KINDS if k in accepts}
@@ -195,7 +207,8 @@ def apply_liger_blocks(model: Any, model_type: str, device_type: str, *, experts
             swapped[kind] = swapped.get(kind, 0) + 1
     applied = [f"{kind} x{n}" for kind, n in sorted(swapped.items())] + (["RoPE"] if rope else [])
     if not applied:
-        raise missing("liger-kernel", f"the {model_type} blocks' kernels (nothing was patched)", asked)
+        raise missing("liger-kernel", f"the {model_type} blocks' kernels (nothing was patched)",
+                      "training.block_kernels liger")
     return applied
 
 

@@ -48,7 +48,7 @@ def check(spec: JobSpec) -> None:
         lacking = [name for name in DATA_PACKAGES.get(kind, ()) if find_spec(name) is None]
         if lacking:
             raise ConfigError(f"{field} {source} ({kind}) needs {', '.join(lacking)}: {DATA_EXTRA}")
-    model_shape(spec)  # the model's config.json checked (jobspec.catalog.model_config) before workers build it
+    shape = model_shape(spec)  # the model's config.json checked (jobspec.catalog.model_config) before workers build it
     rules_from_env()  # bad JOBSPEC_FAULT_OOM text: ConfigError naming the variable
     tracking.check_packages(spec)
     if spec.eval.benchmarks and find_spec("lm_eval") is None:  # rank 0 builds the tasks before training (worker.py)
@@ -62,6 +62,10 @@ def check(spec: JobSpec) -> None:
         raise ConfigError("training.block_kernels liger needs liger-kernel and triton, not installed here: pip "
                           "install 'jobspec-k8s[liger]' in the image (the CUDA image carries it), or set "
                           "training.block_kernels: plain")  # fmt: skip
+    if liger_blocks:  # a family Liger has no kernels for: before any worker builds the model
+        from runner.internals import liger_blocks_for
+
+        liger_blocks_for(shape.model_type or shape.family)  # a preset's shape names its family only
     if spec.memory.tier == "zero2_offload" and spec.hardware.vendor != "cpu" and find_spec("torchao") is None:
         raise ConfigError(
             "memory.tier zero2_offload steps the optimizer on the host with torchao, which is not installed: "

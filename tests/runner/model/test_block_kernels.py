@@ -260,3 +260,22 @@ def test_on_a_gpu_the_compiled_kernels_train_as_transformers_blocks_do():
     for name, grad in plain_grads.items():
         scale = grad.abs().max().clamp_min(1e-12)
         assert (liger_grads[name] - grad).abs().max() <= 3e-2 * scale, name
+
+
+def test_jobspec_run_refuses_a_family_liger_lacks_before_any_worker_starts(tmp_path):
+    """`jobspec run` with `block_kernels: liger` on a GPT-2 preset: the supervisor's preflight refuses it (exit 2, the
+    field and the fix, no traceback) before a worker builds anything."""
+    import subprocess
+
+    import yaml
+
+    from tests.runner.train_helpers import ROOT, runner_env, tiny_spec_dict
+
+    spec = tmp_path / "spec.yaml"
+    sections = {"training": {"block_kernels": "liger"}, "hardware": {"vendor": "cuda", "gpus": 1}}
+    spec.write_text(yaml.safe_dump(tiny_spec_dict(tmp_path / "run", **sections)))
+    done = subprocess.run([sys.executable, "-m", "jobspec", "run", str(spec)], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300, env=runner_env())  # fmt: skip
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert "training.block_kernels liger" in done.stderr and "has no kernels for model_type 'gpt2'" in done.stderr
+    assert "Traceback" not in done.stderr and not (tmp_path / "run" / "step-1").exists()
