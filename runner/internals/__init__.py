@@ -5,7 +5,8 @@
     versions.py    the versions each was checked on (`CHECKED`), the installed ones, that error's text
     fsdp.py        DDP and FSDP2 after an OOM: `reset_ddp`, `reset_fsdp` (and torch's reset by hand on torches
                    without one), the FSDP2 comms runner/oom/fsdp.py agrees on an OOM before
-    states.py      accelerate's process singletons and optimizer registry; transformers' attention kernel
+    states.py      accelerate's process singletons and optimizer registry; transformers' attention kernel and
+                   its packed-sequence search
     amp.py         the end of a step: `foreach_mul_`, GradScaler's per-optimizer state (fp16)
     trace.py       the dispatch mode and op schemas (OOM-anywhere), FakeTensors and memory trackers (the trace)
     kernels.py     Liger Kernel's cross-entropy kernel, transformers' mixture-of-experts matmul
@@ -100,6 +101,11 @@ Each internal: what it is for; why no public API does it; what a run loses witho
   are flattened to one row for flash kernels: runner/model/packing.py). transformers sets it from
   `attn_implementation=` and keeps no public getter. Without it: "" (packed rows keep their shape).
 
+- transformers `masking_utils.find_packed_sequence_indices` (module global): answered None during the runner's
+  forwards over unpacked rows (`unpacked_rows`), as transformers answers for them, without its `.all()` on a device
+  tensor: one host sync a micro-batch. transformers has no switch for it (it searches whenever a forward has position
+  ids and neither a mask nor a cache). Without it (4.x releases): no search, nothing to skip.
+
 - transformers `integrations.moe._grouped_mm` (module global): the experts' grouped matmul of mixture-of-experts
   models (Mixtral, Qwen MoE, OLMoE, DeepSeek-V2, gpt-oss), replaced by `experts_matmul` (installed by
   `install_experts_matmul`). transformers calls torch's grouped_mm whenever torch has it, and torch's CUDA kernel
@@ -161,7 +167,14 @@ from runner.internals.lowbit import (
     set_lr,
 )
 from runner.internals.offload import OFFLOAD_PARTS, OffloadParts, offload_parts
-from runner.internals.states import accelerate_states, attention_kernel, force_fsdp, forget_optimizer, reset_accelerate
+from runner.internals.states import (
+    accelerate_states,
+    attention_kernel,
+    force_fsdp,
+    forget_optimizer,
+    reset_accelerate,
+    unpacked_rows,
+)
 from runner.internals.trace import allocates, dispatch_mode, fake_mode, is_fake, memory_tracker
 from runner.internals.versions import CHECKED, has, installed, log, missing, unchecked
 
@@ -211,6 +224,7 @@ __all__ = [
     "scaler_found_inf",
     "set_lr",
     "triton_skips_fakes",
+    "unpacked_rows",
 ]
 
 

@@ -1,7 +1,10 @@
-"""accelerate's process-wide states, its optimizer registry, and the attention kernel transformers chose."""
+"""accelerate's process-wide states, its optimizer registry, the attention kernel transformers chose, and its search
+for packed sequences."""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 from torch import nn
@@ -47,3 +50,35 @@ def attention_kernel(model: nn.Module) -> str:
     peft's wrappers (FSDP2 keeps the module); "" when it has no transformers config."""
     config = getattr(getattr(model, "module", model), "config", None)
     return str(getattr(config, "_attn_implementation", None) or "")
+
+
+_MASKING: list[Any] = []  # transformers.masking_utils once imported ([None]: this transformers has none)
+
+
+def _no_packed_sequences(position_ids: Any) -> None:
+    return None
+
+
+@contextlib.contextmanager
+def unpacked_rows() -> Iterator[None]:
+    """A forward over rows of one record each: transformers' search for packed sequences in the position ids
+    (`masking_utils.find_packed_sequence_indices`, called on every forward without a mask or cache) answers None at
+    once, its answer for such rows, instead of after reading `.all()` of a device tensor back to the host: a host
+    sync in every training forward, which stopped the CPU from queueing the forward until the GPU had finished the
+    work before it. Releases without that search (transformers 4.x before packed-sequence detection): nothing to do."""
+    if not _MASKING:
+        try:
+            from transformers import masking_utils
+        except ImportError:
+            masking_utils = None
+        _MASKING.append(masking_utils)
+    module = _MASKING[0]
+    original = getattr(module, "find_packed_sequence_indices", None)
+    if original is None:
+        yield
+        return
+    module.find_packed_sequence_indices = _no_packed_sequences
+    try:
+        yield
+    finally:
+        module.find_packed_sequence_indices = original

@@ -261,13 +261,13 @@ class LinearCrossEntropy(torch.autograd.Function):
 
     The result is allocated in that shape, not a view: FSDP2 warns about a view returned by a module.
 
-    `fused` (training): the gradients are computed in forward, from the chunk's logits while they exist, for an
-    incoming gradient that is the same for every token (what a summed or mean loss gives), and backward only
-    scales them: the logits' matmul runs once, as in the plain path (Liger Kernel's fused linear cross-entropy
-    does the same). An incoming gradient that differs between tokens is checked for (one comparison) and
-    recomputed chunk by chunk from the saved hidden states, as without `fused`. That comparison reads a device value
-    on the host (a sync in the middle of every backward, which leaves a GPU idle while the host queues the rest of
-    the backward): `summed` True, the caller's promise that it sums the per-token losses (times one scalar), skips it.
+    `fused` (training a summed loss: `summed` True, the caller's promise that it sums the per-token losses times one
+    scalar, so the incoming gradient is the same for every token): the gradients are computed in forward, from the
+    chunk's logits while they exist, and backward only scales them: the logits' matmul runs once, as in the plain path
+    (Liger Kernel's fused linear cross-entropy does the same). Per-token losses weighted apart (the preference
+    objectives', GRPO's) are recomputed chunk by chunk from the saved hidden states in backward. (An earlier version
+    computed them in forward anyway and compared the incoming gradient on the host to choose: a sync in every
+    backward, and the forward's gradients thrown away for every weighted loss.)
 
     `kernel` "liger": each chunk's loss and (softmax - onehot) come from Liger Kernel's Triton kernel
     (`internals.liger_rows`), which reads the chunk's logits at the compute width and overwrites them with their
@@ -280,8 +280,7 @@ class LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, labels, chunk: int, dtype: torch.dtype, fused: bool = False,  # type: ignore[override]
                 kernel: LossKernel = "chunked", tf: LogitTransform = NO_TRANSFORM,
-                means: list[torch.Tensor] | None = None, summed: bool = False,
-                entropies: list[torch.Tensor] | None = None):  # fmt: skip
+                means: list[torch.Tensor] | None = None, entropies: list[torch.Tensor] | None = None):  # fmt: skip
         # hidden (..., H), weight (V, H), bias (V,) or None, labels (...) int64; N tokens
         with torch.autocast(hidden.device.type, enabled=False):  # the casts are explicit
             h = hidden.reshape(-1, hidden.shape[-1]).to(dtype)  # (N, H), saved at the compute width, as autocast would
@@ -310,7 +309,6 @@ class LinearCrossEntropy(torch.autograd.Function):
                 entropies.append(ent)
             loss.masked_fill_(~valid, 0.0)
             ctx.fused = grads if fused else None
-            ctx.summed = summed
         ctx.save_for_backward(h, weight, bias, target, valid, lse)
         ctx.chunk, ctx.dtype, ctx.hidden_shape, ctx.hidden_dtype = chunk, dtype, hidden.shape, hidden.dtype
         ctx.tf = tf
@@ -321,12 +319,11 @@ class LinearCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad_loss):  # type: ignore[override]
         h, weight, bias, target, valid, lse = ctx.saved_tensors
         flat = grad_loss.reshape(-1)
-        # on FakeTensors (the memory trace) values cannot be compared: the runner's summed loss is uniform
-        # the caller's promise (`summed`) spares the comparison's host sync
-        uniform = flat.numel() > 0 and (
-            ctx.summed or internals.is_fake(flat) or torch.equal(flat, flat[:1].expand_as(flat))
-        )
-        if ctx.fused is not None and uniform:
+        # the gradients made in forward (`fused`: a summed loss, whose incoming gradient is the same for every token
+        # by the caller's promise) are scaled; per-token losses (the preference objectives', GRPO's) come back
+        # weighted by their sequence and are recomputed: finding out by comparing the values would read them back
+        # to the host, a sync in every micro-batch's backward
+        if ctx.fused is not None and flat.numel() > 0:
             g0 = flat[0]  # the same for every token: the forward's gradients, scaled
             grad_h, grad_w, grad_b = (None if x is None else x.mul_(g0.to(x.dtype)) for x in ctx.fused)
             ctx.fused = None
@@ -341,7 +338,7 @@ class LinearCrossEntropy(torch.autograd.Function):
             grad_b = grad_b.to(bias.dtype)
         if grad_h is not None:
             grad_h = grad_h.view(ctx.hidden_shape)
-        return grad_h, grad_w, grad_b, None, None, None, None, None, None, None, None, None
+        return grad_h, grad_w, grad_b, None, None, None, None, None, None, None, None
 
 
 def _new_grads(
@@ -380,9 +377,9 @@ def linear_cross_entropy(
     dtype = compute_dtype(weight)
     n = chunk or kernel_chunk_tokens(weight.shape[0], kernel, dtype)
     n = max(1, transform.tokens(n, kernel))
-    fused = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
-    return LinearCrossEntropy.apply(hidden, weight, bias, labels, n, dtype, fused, kernel, transform, means, summed,
-                                    entropies)
+    # gradients in forward only for a summed loss: per-token losses come back weighted, and backward recomputes them
+    fused = summed and torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
+    return LinearCrossEntropy.apply(hidden, weight, bias, labels, n, dtype, fused, kernel, transform, means, entropies)
 
 
 class ChunkedLossHead:

@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from jobspec.plan.memory import LossKernel
+from runner import internals
 from runner.data.dataset import IGNORE, Batch, SFTData, micro_batches
 from runner.data.loader import Prefetcher
 from runner.dist import Control
@@ -75,12 +76,14 @@ def summed_loss(
         kwargs["use_cache"] = False
     if router is not None:
         kwargs["output_router_logits"] = True
+    rows = internals.unpacked_rows() if position_ids is None else nullcontext()  # no host sync in the forward
     if head is not None:
-        with head.targets(labels, summed=True):  # summed below: backward needs no host sync
+        with head.targets(labels, summed=True), rows:  # summed below: backward needs no host sync
             out = model(input_ids=input_ids, **kwargs)  # .logits (B, T, 1): each token's loss, 0 at IGNORE
         summed = out.logits.float().sum()  # FSDP2 may have cast it to its output dtype: sum in fp32
     else:
-        out = model(input_ids=input_ids, **kwargs)
+        with rows:
+            out = model(input_ids=input_ids, **kwargs)
         summed = F.cross_entropy(out.logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE,
                                  reduction="sum")  # fmt: skip
     if router is not None and getattr(out, "aux_loss", None) is not None:
@@ -101,7 +104,7 @@ def token_losses(model: torch.nn.Module, head: ChunkedLossHead | None, input_ids
     if head is not None:
         found: list[torch.Tensor] | None = None if means is None else []
         spread: list[torch.Tensor] | None = None if entropies is None else []
-        with head.targets(labels, found, temperature=temperature, entropies=spread):
+        with head.targets(labels, found, temperature=temperature, entropies=spread), internals.unpacked_rows():
             out = model(input_ids=input_ids, use_cache=False, **kwargs)
         losses = out.logits.float().flatten(1)  # (B, T, 1) -> (B, T), 0 at IGNORE
         if means is not None and found:
@@ -109,7 +112,8 @@ def token_losses(model: torch.nn.Module, head: ChunkedLossHead | None, input_ids
         if entropies is not None and spread:
             entropies.append(spread[-1].detach().reshape(labels.shape))
     else:
-        out = model(input_ids=input_ids, use_cache=False, **kwargs)
+        with internals.unpacked_rows():
+            out = model(input_ids=input_ids, use_cache=False, **kwargs)
         logits = out.logits.float() / temperature if temperature != 1.0 else out.logits.float()
         losses = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=IGNORE,
                                  reduction="none").view(labels.shape)  # fmt: skip

@@ -376,10 +376,12 @@ def test_the_full_fp32_logits_never_exist():
     assert new < logits_bytes / 2, f"chunked peak {new / 2**20:.1f} MiB, one fp32 logits {logits_bytes / 2**20:.0f} MiB"
 
 
-def test_summed_loss_backward_reads_nothing_on_the_host(monkeypatch):
-    """`summed=True` (the training step's summed loss): backward takes the forward's gradients without comparing the
-    incoming gradient on the host (torch.equal: a device sync in every backward); the gradients are bit for bit those
-    the comparison gives. Without the promise the comparison still runs (a per-token weighting needs it)."""
+def test_the_loss_heads_backward_reads_nothing_on_the_host(monkeypatch):
+    """Neither the training step's summed loss (`summed=True`: backward takes the forward's gradients, scaled) nor
+    per-token losses (the preference objectives' and GRPO's, weighted by their sequence: backward recomputes each
+    chunk's) compare the incoming gradient on the host (torch.equal: a device sync in every backward; it took the
+    fused path only for a uniform gradient, which per-token losses almost never have). Both give autograd's
+    gradients."""
     g = torch.Generator().manual_seed(5)
     hidden = torch.randn(2, 12, 8, generator=g, requires_grad=True)
     weight = torch.randn(40, 8, generator=g, requires_grad=True)
@@ -388,11 +390,13 @@ def test_summed_loss_backward_reads_nothing_on_the_host(monkeypatch):
     compared = []
     equal = torch.equal
     monkeypatch.setattr(torch, "equal", lambda a, b: compared.append(1) or equal(a, b))
-    plain = torch.autograd.grad(linear_cross_entropy(hidden, weight, None, labels, chunk=5).sum() * 0.3,
-                                (hidden, weight))  # fmt: skip
-    assert compared == [1]
+    per_token = torch.autograd.grad(linear_cross_entropy(hidden, weight, None, labels, chunk=5).sum() * 0.3,
+                                    (hidden, weight))  # fmt: skip
     summed = torch.autograd.grad(linear_cross_entropy(hidden, weight, None, labels, chunk=5, summed=True).sum() * 0.3,
                                  (hidden, weight))  # fmt: skip
-    assert compared == [1]  # no comparison this time
-    for a, b in zip(summed, plain, strict=True):
-        assert torch.equal(a, b)
+    assert compared == []
+    ce = F.cross_entropy(F.linear(hidden, weight).flatten(0, 1), labels.flatten(), ignore_index=IGNORE, reduction="sum")
+    ref = torch.autograd.grad(ce * 0.3, (hidden, weight))
+    for a, b, c in zip(summed, per_token, ref, strict=True):
+        torch.testing.assert_close(a, c, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(b, c, rtol=1e-5, atol=1e-6)
