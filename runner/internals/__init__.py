@@ -101,10 +101,11 @@ Each internal: what it is for; why no public API does it; what a run loses witho
   are flattened to one row for flash kernels: runner/model/packing.py). transformers sets it from
   `attn_implementation=` and keeps no public getter. Without it: "" (packed rows keep their shape).
 
-- transformers `masking_utils.find_packed_sequence_indices` (module global): answered None during the runner's
-  forwards over unpacked rows (`unpacked_rows`), as transformers answers for them, without its `.all()` on a device
-  tensor: one host sync a micro-batch. transformers has no switch for it (it searches whenever a forward has position
-  ids and neither a mask nor a cache). Without it (4.x releases): no search, nothing to skip.
+- transformers `masking_utils.find_packed_sequence_indices` (module global): answered during the runner's forwards
+  as transformers answers for rows the runner knows (`packed_search`: None for rows of one record, the block mask for
+  packed rows), without its `.all()` on a device tensor: one host sync a micro-batch. transformers has no switch for
+  it (it searches whenever a forward has position ids and neither a mask nor a cache). Without it (4.x releases): no
+  search, nothing to skip.
 
 - transformers `integrations.moe._grouped_mm` (module global): the experts' grouped matmul of mixture-of-experts
   models (Mixtral, Qwen MoE, OLMoE, DeepSeek-V2, gpt-oss), replaced by `experts_matmul` (installed by
@@ -172,8 +173,8 @@ from runner.internals.states import (
     attention_kernel,
     force_fsdp,
     forget_optimizer,
+    packed_search,
     reset_accelerate,
-    unpacked_rows,
 )
 from runner.internals.trace import allocates, dispatch_mode, fake_mode, is_fake, memory_tracker
 from runner.internals.versions import CHECKED, has, installed, log, missing, unchecked
@@ -216,6 +217,7 @@ __all__ = [
     "missing",
     "new_state",
     "offload_parts",
+    "packed_search",
     "requantize_into",
     "reset_accelerate",
     "reset_ddp",
@@ -224,7 +226,6 @@ __all__ = [
     "scaler_found_inf",
     "set_lr",
     "triton_skips_fakes",
-    "unpacked_rows",
 ]
 
 

@@ -59,13 +59,25 @@ def _no_packed_sequences(position_ids: Any) -> None:
     return None
 
 
+def _packed_sequences(position_ids: Any) -> Any:
+    """transformers' packed-sequence mask (each token's record index in its row: a restart of the positions starts
+    the next one), without its check that some row holds more than one record."""
+    import torch
+
+    first = position_ids[:, :1] - 1
+    return (torch.diff(position_ids, prepend=first, dim=-1) != 1).cumsum(-1)
+
+
 @contextlib.contextmanager
-def unpacked_rows() -> Iterator[None]:
-    """A forward over rows of one record each: transformers' search for packed sequences in the position ids
-    (`masking_utils.find_packed_sequence_indices`, called on every forward without a mask or cache) answers None at
-    once, its answer for such rows, instead of after reading `.all()` of a device tensor back to the host: a host
-    sync in every training forward, which stopped the CPU from queueing the forward until the GPU had finished the
-    work before it. Releases without that search (transformers 4.x before packed-sequence detection): nothing to do."""
+def packed_search(packed: bool) -> Iterator[None]:
+    """A training forward whose rows the runner knows: transformers' search for packed sequences in the position ids
+    (`masking_utils.find_packed_sequence_indices`, on every forward without a mask or cache) gives its answer for them
+    at once: None for rows of one record each (`packed` False), the block mask for rows that hold several (True; the
+    runner passes position ids only for those). transformers decides by reading `.all()` of a device tensor back to
+    the host: a host sync in every training forward, which kept the CPU from queueing the forward until the GPU had
+    finished the work before it. The packed answer is checked at start-up against records run alone
+    (runner/model/packing.py `check_packing`, which runs through here). Releases without that search (transformers
+    4.x before packed-sequence detection): nothing to do."""
     if not _MASKING:
         try:
             from transformers import masking_utils
@@ -77,7 +89,7 @@ def unpacked_rows() -> Iterator[None]:
     if original is None:
         yield
         return
-    module.find_packed_sequence_indices = _no_packed_sequences
+    module.find_packed_sequence_indices = _packed_sequences if packed else _no_packed_sequences
     try:
         yield
     finally:

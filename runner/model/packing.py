@@ -182,9 +182,11 @@ def check_packing(config: Any, attention: str, device: torch.device) -> PackingC
 def _logits(model: nn.Module, ids: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
     """(B, T, V) fp32 logits, the packed way when `positions` are given (shaped back from a flattened batch)."""
     if positions is None:
-        return model(input_ids=ids).logits.float()
+        with internals.packed_search(False):  # as the runner's forwards answer transformers' search
+            return model(input_ids=ids).logits.float()
     x, _, p = packed_inputs(model, ids, None, positions)
-    return model(input_ids=x, position_ids=p, use_cache=False).logits.float().reshape(*ids.shape, -1)
+    with internals.packed_search(True):
+        return model(input_ids=x, position_ids=p, use_cache=False).logits.float().reshape(*ids.shape, -1)
 
 
 def confine_packing(spec: JobSpec, device: torch.device, any_rank: Callable[[bool], bool] = bool) -> JobSpec:

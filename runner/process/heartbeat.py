@@ -186,6 +186,7 @@ class Heartbeat:
         self._ended = False  # the store closed the connection: rank 0's process ended
         self._tick = time.monotonic()  # the watchdog's last wake-up
         self._stalled = 0.0  # the longest stall past the timeout the watchdog measured (this process was frozen)
+        self._acting: float | None = None  # monotonic time `_declare` began to act on the loss
         self._pause = (0.0, 0.0)  # monotonic (start, end) of the watchdog's last gap longer than a beat
         self._threads = [
             threading.Thread(target=self._beat_loop, name="jobspec-heartbeat", daemon=True),
@@ -242,7 +243,7 @@ class Heartbeat:
             now, stalled = self._wake()
             loss = self.check(now, stalled)
             if loss is not None:
-                self._declare(loss)
+                self._declare(loss, decided=now)
                 return
 
     def _wake(self) -> tuple[float, float]:
@@ -272,7 +273,9 @@ class Heartbeat:
             if self._armed_at is None or self._stop.is_set():
                 return None
             rank, wall = self.env.rank, time.time()
-            stalled = max(stalled, self._stalled)
+            # frozen after `now` was read (between the watchdog's wake-up and this check): the counters read since
+            # are as stale as this process, and a member silent meanwhile is not the loss to report
+            stalled = max(stalled, self._stalled, time.monotonic() - now)
             if stalled > self.timeout:
                 return Loss("self", rank, stalled, wall, rank)
             if self._announced is not None:
@@ -293,11 +296,17 @@ class Heartbeat:
             longest, member = max(silent, default=(0.0, -1))
             return Loss("silent", member, longest, wall, rank) if longest > self.timeout else None
 
-    def _declare(self, loss: Loss) -> None:
+    def _declare(self, loss: Loss, decided: float | None = None) -> None:
         """Announce `loss` (when this rank found it) and hand it to `on_lost`, once: a second caller (the watchdog
-        and a writer's `fence` at the same time) waits for the first, which ends the process."""
+        and a writer's `fence` at the same time) waits for the first, which ends the process. `decided`: the monotonic
+        time the loss was found; a process frozen past the timeout since then acts on its own stall instead (the gang
+        has moved on without it: it writes nothing shared)."""
+        now = time.monotonic()
+        if decided is not None and now - decided > self.timeout and loss.kind != "self":
+            loss = Loss("self", self.env.rank, now - decided, time.time(), self.env.rank)
         with self._declaring:
             first, self.lost = self.lost is None, self.lost or loss
+            self._acting = now
         if not first:
             self._declared.wait(ANNOUNCE_S + 5.0)
             return
@@ -314,6 +323,11 @@ class Heartbeat:
             self._declared.set()
 
     # --- for writers and for the end ------------------------------------------------------------------------
+
+    def acting_late(self) -> bool:
+        """Whether this process stalled past the timeout since it began to act on its loss (frozen inside `on_lost`,
+        before its record of the loss: the gang has moved on, that record is not to be written)."""
+        return self._acting is not None and time.monotonic() - self._acting > self.timeout
 
     def fresh(self) -> bool:
         """Whether this rank is still a member in good standing: no loss known, and both its watchdog and the
@@ -337,7 +351,7 @@ class Heartbeat:
         now = time.monotonic()
         loss = self.lost or self.check(now, now - self._tick)
         loss = loss or Loss("self", self.env.rank, now - min(self._tick, self._reply), time.time(), self.env.rank)
-        self._declare(loss)
+        self._declare(loss, decided=now)
         raise GangLost(loss.describe())
 
     def leave(self, *, bye: bool) -> None:

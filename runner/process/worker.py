@@ -59,12 +59,14 @@ def write_status(env: DistEnv, status: dict[str, Any], *, every_node: bool = Fal
         Path(path).write_text(json.dumps(status))
 
 
-def gang_lost(loss: heartbeat.Loss, recipe: Recipe | None, env: DistEnv) -> None:
+def gang_lost(loss: heartbeat.Loss, recipe: Recipe | None, env: DistEnv,
+              beat: heartbeat.Heartbeat | None = None) -> None:  # fmt: skip
     """The heartbeat declared a member lost (this runs on its watchdog thread): the main thread may wait in a
     collective that never returns, so record the loss and end the process here with EXIT_FAILED, which the Job
     retries; the restarted pods resume together from the newest complete checkpoint. Nothing is left half-written:
     a checkpoint is published by a rename after its shards and marker are complete, and a metrics record is one
-    line. A rank that was itself frozen ("self") writes nothing shared: the gang has moved on without it."""
+    line. A rank that was itself frozen ("self", or frozen since it found the loss: `beat.acting_late()`) writes
+    nothing shared: the gang has moved on without it."""
     try:
         step = recipe.step if recipe is not None else 0
         resumes = max(recipe.saved_step, 0) if recipe is not None else 0
@@ -74,7 +76,8 @@ def gang_lost(loss: heartbeat.Loss, recipe: Recipe | None, env: DistEnv) -> None
         status = {**(recipe.status if recipe is not None else {}), "step": step, "reason": reason}
         with contextlib.suppress(OSError):
             write_status(env, status, every_node=True)  # the survivor on another node has a supervisor too
-        if recipe is not None and recipe.metrics is not None and loss.kind != "self":
+        late = beat is not None and beat.acting_late()
+        if recipe is not None and recipe.metrics is not None and loss.kind != "self" and not late:
             record = {"kind": "event", "event": "member_lost", "step": step, "member": loss.member, "cause": loss.kind,
                       "silent_s": round(loss.silent_s, 3), "detected_at": round(loss.detected_at, 3), "by": loss.by,
                       "checkpoint_step": resumes, "steps_to_redo": step - resumes}  # fmt: skip
@@ -139,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
         if not torchao_quantized(spec.model.path):  # before transformers' model classes are imported
             internals.keep_torchao_out_of_transformers()
         gang = heartbeat.start(env, spec.scheduling.heartbeat_timeout_seconds,
-                               lambda loss: gang_lost(loss, worker, env), addr=os.environ.get("MASTER_ADDR"),
+                               lambda loss: gang_lost(loss, worker, env, gang), addr=os.environ.get("MASTER_ADDR"),
                                port=int(os.environ.get("MASTER_PORT") or 0))  # fmt: skip
         fenced = {"fence": gang.fence} if gang is not None else {}  # a writer checks the gang before it writes
         worker = Recipe(spec, env, stop=stop, **fenced)

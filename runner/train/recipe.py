@@ -97,9 +97,11 @@ class Recipe:
             if self.attempt:
                 check_holder(self.root, self.attempt, self.spec.name, self.lease_file)
 
-        def fenced() -> None:  # the heartbeat's verdict, then the run directory's
-            gang()
+        def fenced() -> None:  # the run directory's verdict, then the heartbeat's: it reads no file, so the time
+            # from the last verdict to the write is the shortest (a process frozen in between writes when it wakes:
+            # CI, 2026-11-30: a rank 0 woken after its gang had gone wrote one metrics line)
             holds()
+            gang()
 
         self.fence = fenced
         self.holds_lease = holds  # a survivor recording the loss of a member (worker.gang_lost): the gang is gone

@@ -54,6 +54,13 @@ class Preempted(Exception):
     """Every rank agreed to stop (SIGTERM/SIGINT) before finishing the current step or evaluation."""
 
 
+def packs_records(position_ids: torch.Tensor | None) -> bool:
+    """Whether some row of a packed batch holds more than one record (its positions restart inside it), read on the
+    host copy the loader made (no device sync): rows of one record each (long records, the last rows) train as
+    unpacked rows, positions and all."""
+    return position_ids is not None and bool((position_ids.numpy()[:, 1:] == 0).any())  # a host tensor: numpy's
+
+
 def summed_loss(
     model: torch.nn.Module,
     head: ChunkedLossHead | None,
@@ -76,7 +83,7 @@ def summed_loss(
         kwargs["use_cache"] = False
     if router is not None:
         kwargs["output_router_logits"] = True
-    rows = internals.unpacked_rows() if position_ids is None else nullcontext()  # no host sync in the forward
+    rows = internals.packed_search(position_ids is not None)  # no host sync in the forward
     if head is not None:
         with head.targets(labels, summed=True), rows:  # summed below: backward needs no host sync
             out = model(input_ids=input_ids, **kwargs)  # .logits (B, T, 1): each token's loss, 0 at IGNORE
@@ -104,7 +111,8 @@ def token_losses(model: torch.nn.Module, head: ChunkedLossHead | None, input_ids
     if head is not None:
         found: list[torch.Tensor] | None = None if means is None else []
         spread: list[torch.Tensor] | None = None if entropies is None else []
-        with head.targets(labels, found, temperature=temperature, entropies=spread), internals.unpacked_rows():
+        unpacked = internals.packed_search(False)
+        with head.targets(labels, found, temperature=temperature, entropies=spread), unpacked:
             out = model(input_ids=input_ids, use_cache=False, **kwargs)
         losses = out.logits.float().flatten(1)  # (B, T, 1) -> (B, T), 0 at IGNORE
         if means is not None and found:
@@ -112,7 +120,7 @@ def token_losses(model: torch.nn.Module, head: ChunkedLossHead | None, input_ids
         if entropies is not None and spread:
             entropies.append(spread[-1].detach().reshape(labels.shape))
     else:
-        with internals.unpacked_rows():
+        with internals.packed_search(False):
             out = model(input_ids=input_ids, use_cache=False, **kwargs)
         logits = out.logits.float() / temperature if temperature != 1.0 else out.logits.float()
         losses = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=IGNORE,
@@ -305,7 +313,7 @@ class Stepper:
             return self._rollout_loss(batch, router)
         if batch.pairs:
             return self._pair_loss(batch, router)
-        positions = None if batch.position_ids is None else self._to_device(batch.position_ids)
+        positions = None if not packs_records(batch.position_ids) else self._to_device(batch.position_ids)
         return summed_loss(
             self.model, self.head, self._to_device(batch.input_ids), self._to_device(batch.labels), positions, router
         )

@@ -3,6 +3,7 @@ to each record, and otherwise goes off for the run with a log line saying why.""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from unittest import mock
 
@@ -55,11 +56,21 @@ def test_a_kernel_that_ignores_position_ids_fails_the_check(positionless):
     assert result.leak > 1
 
 
+@contextlib.contextmanager
+def ignored_positions():
+    """A transformers whose attention ignores packed position ids: its search finds no packed sequences, and the
+    runner has no search to answer (runner/internals/states.py `packed_search` finds none, as on transformers 4.x)."""
+    from runner.internals import states
+
+    with mock.patch("transformers.masking_utils.find_packed_sequence_indices", return_value=None), \
+            mock.patch.object(states, "_MASKING", [None]):  # fmt: skip
+        yield
+
+
 def test_packing_goes_off_with_the_reason_where_the_check_fails(tmp_path, caplog):
     """transformers before packed-sequence detection (or a model that ignores position ids): no per-record masks."""
     spec = tiny_spec(tmp_path / "run", data={"packing": True})
-    ignored = mock.patch("transformers.masking_utils.find_packed_sequence_indices", return_value=None)
-    with ignored, caplog.at_level(logging.WARNING, logger="jobspec.runner"):
+    with ignored_positions(), caplog.at_level(logging.WARNING, logger="jobspec.runner"):
         off = confine_packing(spec, CPU)
     assert spec.data.packing and not off.data.packing
     assert off.model_copy(update={"data": spec.data}) == spec  # nothing else changed
@@ -90,8 +101,7 @@ def test_unpacked_specs_skip_the_check(tmp_path):
 
 def test_a_run_where_packing_fails_trains_one_record_a_row(tmp_path, caplog):
     spec = tiny_spec(tmp_path / "run", data={"packing": True}, training={"steps": 2, "warmup_steps": 1})
-    ignored = mock.patch("transformers.masking_utils.find_packed_sequence_indices", return_value=None)
-    with ignored, caplog.at_level(logging.INFO, logger="jobspec.runner"):
+    with ignored_positions(), caplog.at_level(logging.INFO, logger="jobspec.runner"):
         code, worker = train_in_process(spec)
     assert code == 0 and not worker.spec.data.packing
     assert worker.data.collate(worker.step_ids(0)).position_ids is None  # rows of one record, numbered by the model

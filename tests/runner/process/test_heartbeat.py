@@ -317,9 +317,62 @@ def test_a_store_silent_while_this_process_ran_is_still_rank_0s_loss_after_a_sho
     timeout."""
     member = Heartbeat(DistEnv(rank=1, world_size=2), TIMEOUT_S, lambda loss: None, lambda _: dist.HashStore(),
                        armed=lambda: True)  # fmt: skip
-    t0 = time.monotonic() - 10.0
+    t0 = time.monotonic() - 1.6
     member._armed_at = member._reply = t0
     member._pause = (t0 + 1.0, t0 + 1.3)
     assert member.check(t0 + 1.6, 0.05) is None  # 1.6 s unanswered, 0.3 s of it paused here
     loss = member.check(t0 + 1.9, 0.05)
     assert loss is not None and (loss.kind, loss.member) == ("store", 0) and loss.silent_s == pytest.approx(1.9)
+
+
+def test_a_process_frozen_between_finding_a_loss_and_acting_on_it_acts_on_its_own_stall():
+    """The race the lost-node test met (CI, 2026-11-30): rank 0 found rank 1 silent (rank 1 had ended long before),
+    and was frozen before it acted; woken, it wrote rank 1's loss into the run's metrics after the gang had moved on.
+    A loss found before a stall past the timeout becomes this rank's own stall ("self": nothing shared written), in
+    `check` (frozen between the wake-up and the check) and in `_declare` (frozen between the check and acting); and
+    `acting_late` tells `on_lost` when it was frozen inside it."""
+    losses: list[Loss] = []
+    member = Heartbeat(DistEnv(rank=0, world_size=2), TIMEOUT_S, losses.append, lambda _: dist.HashStore(),
+                       armed=lambda: True)  # fmt: skip
+    woke = time.monotonic() - 2 * TIMEOUT_S  # the watchdog's wake-up, read before the freeze
+    member._armed_at = member._tick = woke
+    member._reply, member._moved, member._seen = time.monotonic(), {1: woke - 5}, {1: 3}  # rank 1 silent for long
+    loss = member.check(woke, 0.1)
+    assert loss is not None and (loss.kind, loss.member) == ("self", 0)
+    silent = Loss("silent", 1, 6.0, time.time(), 0)  # found before the freeze, acted on after it
+    member._declare(silent, decided=woke)
+    assert [(x.kind, x.member) for x in losses] == [("self", 0)]
+    assert not member.acting_late()
+    member._acting -= 2 * TIMEOUT_S  # frozen inside on_lost
+    assert member.acting_late()
+
+
+def test_the_worker_writes_no_record_of_a_loss_it_acted_on_late(tmp_path, monkeypatch):
+    """worker.gang_lost: rank 0 records a member's loss in the metrics (the survivor's courtesy), but not when its
+    heartbeat says it was frozen since it began to act (`acting_late`): the gang has moved on without it."""
+    from runner.output.metrics import Metrics
+    from runner.process import worker
+
+    exits: list[int] = []
+    monkeypatch.setattr(worker, "_exit", exits.append)
+
+    class Late:
+        def __init__(self, late: bool) -> None:
+            self.late = late
+
+        def acting_late(self) -> bool:
+            return self.late
+
+    class Run:
+        step, saved_step, status = 5, 4, {}
+        holds_lease = staticmethod(lambda: None)
+
+    loss = Loss("silent", 1, 6.0, time.time(), 0)
+    for late in (False, True):
+        run = Run()
+        run.metrics = Metrics(tmp_path / f"metrics-{late}.jsonl", enabled=True)
+        worker.gang_lost(loss, run, DistEnv(rank=0, world_size=2), Late(late))
+        run.metrics.close()
+    assert "member_lost" in (tmp_path / "metrics-False.jsonl").read_text()
+    assert (tmp_path / "metrics-True.jsonl").read_text() == ""
+    assert exits == [1, 1]

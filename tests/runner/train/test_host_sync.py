@@ -8,7 +8,8 @@ during one step of the runner's own Recipe (`train_step`, the OOM guard, the los
 steps. The GPU's view (`torch.cuda.set_sync_debug_mode`) is the gpu test's.
 
 Found so far and removed: transformers' search for packed sequences (`masking_utils.find_packed_sequence_indices`)
-read `.all()` of the position ids on every forward (runner/internals/states.py `unpacked_rows`).
+read `.all()` of the position ids on every forward (runner/internals/states.py `packed_search`); the loss head
+compared the incoming gradient of per-token losses on the host in every backward (runner/train/loss.py).
 """
 
 from __future__ import annotations
@@ -63,12 +64,13 @@ STEP = {"log_every": 100, "steps": 6, "global_batch": 8, "micro_batch": 4, "prec
     ("preset", "sections"),
     [("llama-tiny", {}), ("tiny", {}),
      ("llama-tiny", {"model": {"lora": {"rank": 4, "targets": ["q_proj", "v_proj"]}}}),
-     ("tiny", {"memory": {"tier": "zero2"}})],
-    ids=["llama", "gpt2", "llama-lora", "gpt2-zero2"],
+     ("tiny", {"memory": {"tier": "zero2"}}), ("llama-tiny", {"data": {"packing": True}})],
+    ids=["llama", "gpt2", "llama-lora", "gpt2-zero2", "llama-packed"],
 )  # fmt: skip
 def test_a_step_that_logs_nothing_reads_nothing_back_from_the_device(tmp_path, preset, sections):
     model = {"preset": preset, **sections.pop("model", {})}
-    spec = tiny_spec(tmp_path / "run", model=model, training=STEP, data={"max_seq_len": 64}, **sections)
+    data = {"max_seq_len": 64, **sections.pop("data", {})}
+    spec = tiny_spec(tmp_path / "run", model=model, training=STEP, data=data, **sections)
     assert reads_in_a_step(spec) == {}
 
 
