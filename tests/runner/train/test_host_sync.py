@@ -95,3 +95,36 @@ def test_the_counter_sees_a_read(tmp_path):
         mp.setattr(step, "summed_loss", reading)
         found = reads_in_a_step(spec)
     assert sum(found.values()) == 2 and all("_local_scalar_dense" in k for k in found), found  # two micro-batches
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a CUDA or ROCm GPU")
+def test_on_a_gpu_a_step_that_logs_nothing_synchronises_nothing(tmp_path):
+    """The GPU's own view: torch's sync debug mode warns at every host synchronisation CUDA does (a read back, a
+    blocking copy, a synchronize) during one non-logged step of the runner at tier fast, bf16; each is printed."""
+    import warnings
+
+    import torch
+
+    from runner.train.recipe import Recipe
+
+    spec = tiny_spec(tmp_path / "run", model={"preset": "llama-tiny"}, training=STEP, data={"max_seq_len": 256},
+                     hardware={"vendor": "cuda", "gpus": 1})  # fmt: skip
+    recipe = Recipe(spec)
+    try:
+        recipe.setup()
+        recipe.train_step(0)
+        recipe.train_step(1)
+        torch.cuda.synchronize()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                recipe.train_step(2)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+    finally:
+        recipe.cleanup()
+    syncs = [str(w.message).splitlines()[0] for w in caught if "synchroniz" in str(w.message).lower()]
+    print(f"host syncs in a non-logged step: {len(syncs)}", *syncs, sep="\n  ")
+    assert syncs == []
