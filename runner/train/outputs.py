@@ -1,19 +1,24 @@
 """What a run writes besides its checkpoints: the train record of each logged step (and the memory check of the first
-one on a GPU) in metrics.jsonl, the summary at the end, the exported model and its benchmarks. Functions of the
-recipe `r` (runner/train/recipe.py), which calls them from its loop."""
+one on a GPU) and each evaluation in metrics.jsonl, the samples of each step (JOBSPEC_RECORD_SAMPLES), the summary at
+the end, the exported model and its benchmarks. Functions of the recipe `r` (runner/train/recipe.py), which calls
+them from its loop."""
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from typing import Any
 
 import torch
 
+from jobspec import shared_dir
 from jobspec.spec.units import human_bytes
 from runner.checkpoint import remote
+from runner.oom.detect import next_micro_batch
+from runner.oom.shrink import RankOOM, TierOOM
 from runner.output.metrics import memory_bytes
-from runner.train.step import StepResult
+from runner.train.step import EvalOOM, Preempted, StepResult
 
 log = logging.getLogger("jobspec.runner")
 
@@ -145,3 +150,38 @@ def mix(r: Any) -> dict[str, dict[str, int]]:
     mix = dict(zip(r.data.sources, r.mixed, strict=True))
     r.mixed = [0] * len(r.mixed)
     return {"samples_by_source": mix}
+
+
+def evaluate(r: Any, *, final: bool = False) -> None:
+    """Eval loss on this rank's share of the held-out data. A stop during the `final` one (after the last step)
+    skips it: the run saves its final checkpoint and ends done, not preempted."""
+    if not r.data.eval:
+        return
+    try:
+        with r.guard.region("eval", r.step):
+            loss, n = r.stepper.evaluate(r.eval_ids, r.plan.micro_batch)
+    except Preempted:  # raised on every rank at the same agreed check
+        if not final:
+            raise
+        log.warning("stop requested during the final evaluation: skipped; writing the final checkpoint")
+        return
+    except RankOOM as err:  # this rank alone, with no FSDP gate: restart every rank at a smaller micro-batch
+        cap = next_micro_batch(r.plan.micro_batch, r.plan.per_rank) or 1
+        raise TierOOM(r.plan.tier, f"out of memory in evaluation on rank {err.rank}: {err.reason}",
+                      weights_intact=False, cap=cap, local=True) from None  # fmt: skip
+    except EvalOOM as err:  # agreed by every rank: the evaluation is skipped, training goes on
+        log.warning("evaluation at step %d skipped: %s", r.step, err)
+        r.metrics.write({"kind": "event", "event": "eval_skipped", "step": r.step, "reason": str(err)})
+        return
+    r.eval_loss = loss
+    r.metrics.write({"kind": "eval", "step": r.step, "eval_loss": loss, "eval_tokens": n})
+
+
+def record_samples(r: Any, ids: list[int]) -> None:
+    """This rank's sample ids of the step just trained, one line in `samples-rank<N>.jsonl` (tests compare runs)."""
+    r.fence()
+    rec = {"step": r.step, "rank": r.env.rank, "micro_batch": r.plan.micro_batch, "grad_accum": r.plan.grad_accum,
+           "ids": ids}  # fmt: skip
+    r.root.mkdir(parents=True, exist_ok=True)
+    with shared_dir.open_append(r.root / f"samples-rank{r.env.rank}.jsonl") as f:  # never through a link
+        f.write(json.dumps(rec) + "\n")

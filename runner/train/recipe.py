@@ -15,7 +15,6 @@ ids}` per optimizer step to `<checkpoints.dir>/samples-rank<R>.jsonl` (the ids i
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import time
@@ -28,7 +27,6 @@ from typing import Any
 import torch
 import yaml
 
-from jobspec import shared_dir
 from jobspec.contract import EXIT_OK, EXIT_OOM_RETRY_TIER, EXIT_PREEMPTED, METRICS_FILE, TIER_STATE_FILE
 from jobspec.errors import ConfigError
 from jobspec.plan.planner import rows_per_sample
@@ -46,8 +44,8 @@ from runner.dist import Control, DistEnv, destroy_process_group, init_process_gr
 from runner.model.build import build_model
 from runner.model.packing import confine_packing
 from runner.oom import faults, ladder
-from runner.oom.detect import is_oom, next_micro_batch, oom_guard, release_memory
-from runner.oom.shrink import RankOOM, RecipeGuard, TierOOM, apply_cap, reset_wrapper
+from runner.oom.detect import is_oom, oom_guard, release_memory
+from runner.oom.shrink import RecipeGuard, TierOOM, apply_cap, reset_wrapper
 from runner.output import tracking
 from runner.output.metrics import GpuUtil, Metrics, Progress
 from runner.phase import phase
@@ -66,7 +64,7 @@ from runner.sizing.probe import describe, probe_host
 from runner.train import engine, grpo, handoff, outputs, stepdown, update
 from runner.train.objectives import Objective
 from runner.train.reference import attach_reference
-from runner.train.step import EvalOOM, Preempted, Stepper, StepResult, StopFlag, get_lr
+from runner.train.step import Preempted, Stepper, StepResult, StopFlag, get_lr
 
 log = logging.getLogger("jobspec.runner")
 
@@ -449,7 +447,7 @@ class Recipe:
                     counts = self.order.step_counts(self.step - 1)
                     self.mixed = [a + int(b) for a, b in zip(self.mixed, counts, strict=True)]
                 if self.record_samples:
-                    self._record_samples(result.sample_ids)
+                    outputs.record_samples(self, result.sample_ids)
                 logged = self.step in (1, self.total_steps) or self.step % t.log_every == 0
                 if logged:
                     outputs.train_record(self, result, tokens / (time.perf_counter() - tic))
@@ -459,7 +457,7 @@ class Recipe:
                     self.fence()
                     self.lease.beat()  # a clock check; the file is rewritten every lease.interval seconds
                 if (t.eval_every and self.step % t.eval_every == 0) or self.step == self.total_steps:
-                    self._evaluate(final=self.step == self.total_steps)
+                    outputs.evaluate(self, final=self.step == self.total_steps)
                 if self.step % ck.every_steps == 0 or self.step == self.total_steps:
                     self._save(final=self.step == self.total_steps)
             if self.step:
@@ -513,30 +511,6 @@ class Recipe:
         if self.progress is None or self.progress.bar is None:
             return None
         return float(r.loss_sum) * self.env.world_size / max(r.denominator or r.targets, 1)
-
-    def _evaluate(self, *, final: bool = False) -> None:
-        """Eval loss on this rank's share of the held-out data. A stop during the `final` one (after the last
-        step) skips it: the run saves its final checkpoint and ends done, not preempted."""
-        if not self.data.eval:
-            return
-        try:
-            with self.guard.region("eval", self.step):
-                loss, n = self.stepper.evaluate(self.eval_ids, self.plan.micro_batch)
-        except Preempted:  # raised on every rank at the same agreed check
-            if not final:
-                raise
-            log.warning("stop requested during the final evaluation: skipped; writing the final checkpoint")
-            return
-        except RankOOM as err:  # this rank alone, with no FSDP gate: restart every rank at a smaller micro-batch
-            cap = next_micro_batch(self.plan.micro_batch, self.plan.per_rank) or 1
-            raise TierOOM(self.plan.tier, f"out of memory in evaluation on rank {err.rank}: {err.reason}",
-                          weights_intact=False, cap=cap, local=True) from None  # fmt: skip
-        except EvalOOM as err:  # agreed by every rank: the evaluation is skipped, training goes on
-            log.warning("evaluation at step %d skipped: %s", self.step, err)
-            self.metrics.write({"kind": "event", "event": "eval_skipped", "step": self.step, "reason": str(err)})
-            return
-        self.eval_loss = loss
-        self.metrics.write({"kind": "eval", "step": self.step, "eval_loss": loss, "eval_tokens": n})
 
     def _save(self, *, final: bool = False) -> None:
         """Checkpoint the steps trained so far (collective). An OOM while writing it (agreed by every rank, its temp
@@ -599,19 +573,6 @@ class Recipe:
                 if self.env.is_main:  # the metrics and the ladder's state beside the step (runner/checkpoint/run_files)
                     run_files.put(self.spec.checkpoints.dir, self.root)
         self.saved_step = self.step
-
-    def _record_samples(self, ids: list[int]) -> None:
-        self.fence()
-        rec = {
-            "step": self.step,
-            "rank": self.env.rank,
-            "micro_batch": self.plan.micro_batch,
-            "grad_accum": self.plan.grad_accum,
-            "ids": ids,
-        }
-        self.root.mkdir(parents=True, exist_ok=True)
-        with shared_dir.open_append(self.root / f"samples-rank{self.env.rank}.jsonl") as f:  # never through a link
-            f.write(json.dumps(rec) + "\n")
 
     # --- cleanup ----------------------------------------------------------------------------------------
 
