@@ -58,7 +58,11 @@ def packs_records(position_ids: torch.Tensor | None) -> bool:
     """Whether some row of a packed batch holds more than one record (its positions restart inside it), read on the
     host copy the loader made (no device sync): rows of one record each (long records, the last rows) train as
     unpacked rows, positions and all."""
-    return position_ids is not None and bool((position_ids.numpy()[:, 1:] == 0).any())  # a host tensor: numpy's
+    if position_ids is None:
+        return False
+    if position_ids.device.type != "cpu":  # already on the device: reading it would sync; transformers' mask then
+        return True
+    return bool((position_ids.numpy()[:, 1:] == 0).any())  # numpy's comparison: no torch op, nothing to dispatch
 
 
 def summed_loss(
