@@ -111,10 +111,17 @@ def fsync_dir(path: Path) -> None:
     shared_dir.fsync_dir(path)
 
 
-def _write_durable(path: Path, data: bytes) -> None:
+def _write_durable(path: Path, data: bytes, fence: Callable[[], None] | None = None) -> None:
     """`data` as the file `path`, fsynced: a temporary created exclusively, renamed over the name (a link planted
-    there is replaced, never written through: jobspec.shared_dir)."""
-    shared_dir.write_atomic(path, data)
+    there is replaced, never written through: jobspec.shared_dir). `fence` runs right before the rename, after the
+    fsync: a rank frozen while writing (an fsync takes milliseconds) raises there on waking, and the temporary goes."""
+
+    def ready() -> bool:
+        if fence is not None:
+            fence()
+        return True
+
+    shared_dir.write_atomic(path, data, ready=ready)
 
 
 def _state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, trainable_only: bool) -> dict[str, Any]:
@@ -319,7 +326,7 @@ def _write_rank_files(tmp: Path, state: dict[str, Any], rank: int, ctrl: Control
                 raise writer.stopped from None
             raise
     fence()
-    _write_durable(tmp / f"rng-{rank}.pt", rng.encode(rng_state()))
+    _write_durable(tmp / f"rng-{rank}.pt", rng.encode(rng_state()), fence)  # fenced again before its rename
     mine = [p for p in tmp.iterdir() if p.name.startswith(f"__{rank}_") or p.name == f"rng-{rank}.pt"]
     return manifest.hash_files(mine)
 
@@ -342,9 +349,9 @@ def _finish(tmp: Path, final: Path, step: int, meta: dict[str, Any], files: dict
             hashed: dict[str, dict[str, Any]], keep: int, fence: Callable[[], None]) -> None:  # fmt: skip
     """Rank 0: the small files and the manifest (hashing what no rank hashed), then publish and prune."""
     for name, data in files.items():
-        _write_durable(tmp / name, data)
-    _write_durable(tmp / META, json.dumps(meta, indent=1).encode())
-    _write_durable(tmp / manifest.MANIFEST, manifest.write(tmp, step, hashed, skip=(DONE,)))
+        _write_durable(tmp / name, data, fence)
+    _write_durable(tmp / META, json.dumps(meta, indent=1).encode(), fence)
+    _write_durable(tmp / manifest.MANIFEST, manifest.write(tmp, step, hashed, skip=(DONE,)), fence)
     fsync_dir(tmp)
     fence()  # the last moment a rank 0 frozen since the agreement can find that its gang moved on
     _publish(tmp, final)

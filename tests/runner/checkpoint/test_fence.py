@@ -156,3 +156,22 @@ def test_every_metrics_line_is_fenced_after_it_is_built(tmp_path):
     metrics.close()
     lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(line)["step"] for line in lines] == [3]
+
+
+def test_a_rank_woken_after_writing_its_rng_file_renames_nothing(tmp_path):
+    """CI, 2026-11-30: a rank frozen while writing its RNG state (the fsync takes milliseconds) renamed it into its
+    attempt's temp dir on waking, after its gang had gone. Each small file of a checkpoint is fenced right before its
+    rename: refused there, the temporary goes and the name is never made."""
+    calls = []
+
+    def fence() -> None:
+        calls.append(1)
+        if len(calls) > 1:  # the check before the write passed; the one before the rename, on waking, does not
+            raise Superseded("the gang moved on")
+
+    fence()
+    with pytest.raises(Superseded):
+        store._write_durable(tmp_path / "rng-1.pt", b"x" * 14_000, fence)
+    assert list(tmp_path.iterdir()) == []  # neither the file nor its temporary
+    store._write_durable(tmp_path / "rng-1.pt", b"y", None)  # unfenced writes (DONE after the publish) still land
+    assert (tmp_path / "rng-1.pt").read_bytes() == b"y"
