@@ -4,6 +4,7 @@ for packed sequences."""
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator
 from typing import Any
 
@@ -52,7 +53,14 @@ def attention_kernel(model: nn.Module) -> str:
     return str(getattr(config, "_attn_implementation", None) or "")
 
 
-_MASKING: list[Any] = []  # transformers.masking_utils once imported ([None]: this transformers has none)
+@functools.cache
+def _masking_utils() -> Any:
+    """transformers.masking_utils, imported once; None where this transformers has none."""
+    try:
+        from transformers import masking_utils
+    except ImportError:
+        return None
+    return masking_utils
 
 
 def _no_packed_sequences(position_ids: Any) -> None:
@@ -78,13 +86,7 @@ def packed_search(packed: bool) -> Iterator[None]:
     finished the work before it. The packed answer is checked at start-up against records run alone
     (runner/model/packing.py `check_packing`, which runs through here). Releases without that search (transformers
     4.x before packed-sequence detection): nothing to do."""
-    if not _MASKING:
-        try:
-            from transformers import masking_utils
-        except ImportError:
-            masking_utils = None
-        _MASKING.append(masking_utils)
-    module = _MASKING[0]
+    module = _masking_utils()
     original = getattr(module, "find_packed_sequence_indices", None)
     if original is None:
         yield

@@ -112,10 +112,10 @@ def token_losses(model: torch.nn.Module, head: ChunkedLossHead | None, input_ids
     logits over it (GRPO scores its completions at the temperature it sampled them). `entropies`: each position's
     entropy of the softmax at that temperature (B, T) fp32, detached, is appended to it (GRPO's `entropy`)."""
     kwargs: dict[str, Any] = {"output_router_logits": True} if router is not None else {}
+    unpacked = internals.packed_search(False)  # rows of one record each: no host sync in the forward
     if head is not None:
         found: list[torch.Tensor] | None = None if means is None else []
         spread: list[torch.Tensor] | None = None if entropies is None else []
-        unpacked = internals.packed_search(False)
         with head.targets(labels, found, temperature=temperature, entropies=spread), unpacked:
             out = model(input_ids=input_ids, use_cache=False, **kwargs)
         losses = out.logits.float().flatten(1)  # (B, T, 1) -> (B, T), 0 at IGNORE
@@ -124,7 +124,7 @@ def token_losses(model: torch.nn.Module, head: ChunkedLossHead | None, input_ids
         if entropies is not None and spread:
             entropies.append(spread[-1].detach().reshape(labels.shape))
     else:
-        with internals.packed_search(False):
+        with unpacked:
             out = model(input_ids=input_ids, use_cache=False, **kwargs)
         logits = out.logits.float() / temperature if temperature != 1.0 else out.logits.float()
         losses = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=IGNORE,

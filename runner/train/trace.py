@@ -27,11 +27,11 @@ What the trace cannot run and adds or moves by arithmetic (each one is a field o
 
 transformers takes FakeTensors for tracing (`is_tracing`): `find_packed_sequence_indices` would return a
 packed-sequence mask where eager returns None for the arange positions the runner's forward makes, which makes
-it build a (b, 1, s, s) mask and expand K/V for grouped-query attention. The trace gives it the eager answer
-(`_eager_decisions`), so the traced graph is the eager one (tests/runner/sizing/test_trace.py checks it
-against real tensors to the byte). With `packed=True` (`data.packing`) the traced micro-batch is packed as the
-runner's are, two records a row with their own position ids (`Batch.position_ids`), and there eager also finds
-packed sequences and builds that (b, 1, s, s) block-diagonal mask: the trace keeps transformers' own answer.
+it build a (b, 1, s, s) mask and expand K/V for grouped-query attention. The trace gives it the runner's answer,
+the eager one (`internals.packed_search`, which the runner's forwards give it to spare eager's host sync), so the
+traced graph is the eager one (tests/runner/sizing/test_trace.py checks it against real tensors to the byte). With
+`packed=True` (`data.packing`) the traced micro-batch is packed as the runner's are, two records a row with their own
+position ids (`Batch.position_ids`), and there the answer is the (b, 1, s, s) block-diagonal mask eager builds too.
 """
 
 from __future__ import annotations
@@ -209,25 +209,6 @@ def _optimizer(model: nn.Module, fused: bool | None, sharded: bool) -> torch.opt
     return torch.optim.AdamW(groups, lr=1e-5, betas=engine.BETAS, fused=fused)
 
 
-@contextlib.contextmanager
-def _eager_decisions(packed: bool = False) -> Iterator[None]:
-    """transformers' eager answers where FakeTensors would make it take the tracing path.
-
-    `find_packed_sequence_indices` reads the position ids to tell packed rows apart; the runner's forward passes
-    none for unpacked rows, so transformers makes arange positions, in which eager finds no packing (None) and then
-    skips the mask (SDPA's is_causal, native GQA). On fakes it cannot read them and returns the mask it would
-    compile. For a `packed` batch (position ids restarting within a row) eager finds the packed sequences too and
-    returns that same mask, which it builds from the same ops: transformers' own function is then the eager answer.
-    Releases without that function (transformers 4.x before packed-sequence detection) make no such decision."""
-    from transformers import masking_utils
-
-    if packed or not hasattr(masking_utils, "find_packed_sequence_indices"):
-        yield
-        return
-    with mock.patch.object(masking_utils, "find_packed_sequence_indices", return_value=None):
-        yield
-
-
 # CUDA's autocast runs these ops in fp32 (torch's autocast_mode.cpp, the CUDA fp32 and fp32-set-opt-dtype lists, as
 # far as transformer blocks call them); the CPU's autocast runs them in the input's 16-bit dtype. For GPT-2 blocks
 # (LayerNorm, tanh GELU's `pow`) that is 40 % more activation memory on a GPU.
@@ -400,7 +381,7 @@ def trace_step(
     group = _process_group(world_size, fake) if fsdp else contextlib.nullcontext()
     policy = gpu_decisions() if gpu else contextlib.nullcontext()
     kernels = internals.triton_skips_fakes() if block_kernels != "plain" and fake else contextlib.nullcontext()
-    with group, _eager_decisions(packed), policy, kernels:
+    with group, internals.packed_search(packed), policy, kernels:
         if fsdp:  # on the meta device for fakes: FSDP2's device mesh cannot be built under FakeTensorMode
             net = _shard(net, traced, precision)  # accelerate's FSDP2 path casts by the mixed-precision policy only
         else:

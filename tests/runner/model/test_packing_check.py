@@ -63,7 +63,7 @@ def ignored_positions():
     from runner.internals import states
 
     with mock.patch("transformers.masking_utils.find_packed_sequence_indices", return_value=None), \
-            mock.patch.object(states, "_MASKING", [None]):  # fmt: skip
+            mock.patch.object(states, "_masking_utils", lambda: None):  # fmt: skip
         yield
 
 

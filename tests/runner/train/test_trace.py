@@ -38,17 +38,15 @@ def test_fake_trace_equals_real_tensors_to_the_byte(preset, tier, lora, ckpt):
 
 def test_the_eager_mask_decision_matters():
     """Without the eager answer transformers builds a (b, 1, s, s) mask and repeats K/V on fakes: the peak grows. The
-    runner's forward gives it (runner/internals/states.py `packed_search`, which also spares eager a host sync), and
-    the trace for any other loss (`_eager_decisions`): both off here."""
+    runner's forwards and the trace give it (runner/internals/states.py `packed_search`, which also spares eager a
+    host sync): off here."""
     import contextlib
     from unittest import mock
 
     from runner import internals
-    from runner.train import trace
 
     real = _trace("llama-tiny", "fast", fake=False, lora=False, ckpt=False)
-    with mock.patch.object(trace, "_eager_decisions", mock.MagicMock()), \
-            mock.patch.object(internals, "packed_search", lambda packed: contextlib.nullcontext()):  # fmt: skip
+    with mock.patch.object(internals, "packed_search", lambda packed: contextlib.nullcontext()):
         traced = _trace("llama-tiny", "fast", fake=True, lora=False, ckpt=False)
     assert traced.peak > real.peak
 
