@@ -174,11 +174,10 @@ def _layer_bytes(
     mixture-of-experts or linear-attention model, whose MoE layers have their experts' instead of a dense MLP's and
     whose linear-attention layers their own (`linear` True or False: the mean over the layers of that attention)."""
     if not shape.moe and not shape.linear:
-        return _kind_bytes(shape, tier, precision, lora, moe=False) - _liger_saved(shape, precision, lora, liger)
+        return _kind_bytes(shape, tier, precision, lora, moe=False, liger=liger)
     kinds = {kind: n for kind, n in shape.layer_kinds().items() if linear in (None, kind[1])}
-    total = sum(n * _kind_bytes(shape, tier, precision, lora, *kind) for kind, n in kinds.items())
-    dense = kinds.get((False, False), 0)  # the layers Liger's savings are traced on
-    return (total - dense * _liger_saved(shape, precision, lora, liger)) / sum(kinds.values())
+    total = sum(n * _kind_bytes(shape, tier, precision, lora, *kind, liger=liger) for kind, n in kinds.items())
+    return total / sum(kinds.values())
 
 
 def _liger_saved(shape: ModelShape, precision: str, lora: LoraShape | None, liger: bool) -> float:
@@ -200,12 +199,13 @@ def _linear_bytes(shape: ModelShape, tier: str, precision: str, lora: LoraShape 
 
 
 def _kind_bytes(
-    shape: ModelShape, tier: str, precision: str, lora: LoraShape | None, moe: bool, linear: bool = False
-) -> float:
+    shape: ModelShape, tier: str, precision: str, lora: LoraShape | None, moe: bool, linear: bool = False, *,
+    liger: bool = False,
+) -> float:  # fmt: skip
     """`_layer_bytes` of a dense layer, or of a MoE layer (`moe`): the dense coefficients with the shared experts'
     width for the MLP's, and per routed token MOE_ROUTED_BYTES (the gathered input, the experts' projections); of a
     linear-attention layer (`linear`): the dense coefficients without the attention's q and kv terms, and
-    `_linear_bytes` for its attention."""
+    `_linear_bytes` for its attention. `liger`: a dense layer with Liger's block kernels (`_liger_saved`)."""
     mlp = shape.shared_intermediate if moe else shape.intermediate
     widths = (shape.hidden, 0 if linear else shape.q_width, 0 if linear else shape.kv_width, mlp)
     family = _family(shape)
@@ -221,6 +221,8 @@ def _kind_bytes(
         extra_bytes += sum(c * w for c, w in zip(extra, widths[:3], strict=False))
     if linear:
         extra_bytes += _linear_bytes(shape, tier, precision, lora)
+    if not moe and not linear:
+        extra_bytes -= _liger_saved(shape, precision, lora, liger)
     if lora is None:
         coef = FP32_ACT_BYTES[family] if precision == "fp32" else ACT_BYTES[(family, residual)]
         return sum(c * w for c, w in zip(coef, widths, strict=True)) + extra_bytes
@@ -292,8 +294,7 @@ def _activations(
         # whichever is larger: `estimate` adds the part of the recompute above the loss.
         return shape.layers * residual_bytes(tier, precision, lora) * tokens * shape.hidden
     prefix = _untrained_prefix(shape, lora)
-    skipped = sum(_kind_bytes(shape, tier, precision, lora, shape.moe_at(i), shape.linear_at_layer(i))
-                  - (0 if shape.moe_at(i) or shape.linear_at_layer(i) else _liger_saved(shape, precision, lora, liger))
+    skipped = sum(_kind_bytes(shape, tier, precision, lora, shape.moe_at(i), shape.linear_at_layer(i), liger=liger)
                   for i in range(prefix))  # fmt: skip
     merged = sum(1 for i in range(prefix, shape.layers) if shape.moe_at(i)) * merged_experts(shape, lora, precision)
     return int((shape.layers * per_token - skipped) * tokens) + merged

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import stat
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -78,6 +79,19 @@ def read_json(path: str | Path, limit: int, what: str = "JSON file") -> Any:
     """The JSON document in `path` (bounded as `read_bytes`); ValueError when it does not parse."""
     data = read_bytes(path, limit, what)
     return json_loads(data)  # ValueError when nested deeper than any file of ours
+
+
+def read_or_problem(name: str, read: Callable[[], Any]) -> tuple[Any, str | None]:
+    """(`read()`, None), or (None, why) naming the file `name` it reads: missing, not a regular file of its own, or
+    unreadable (OSError, or ValueError: it does not parse)."""
+    try:
+        return read(), None
+    except FileNotFoundError:
+        return None, f"{name} is missing"
+    except UnsafeFile as err:
+        return None, str(err)
+    except (OSError, ValueError) as err:
+        return None, f"{name} is unreadable ({err})"
 
 
 def regular_sizes(directory: Path) -> dict[str, int]:

@@ -120,14 +120,10 @@ def write(directory: Path, step: int, entries: dict[str, dict[str, Any]], *, ski
 def check(path: Path, step: int, *, required: Iterable[str] = (), full: bool = False) -> str | None:
     """What is wrong with the files of checkpoint `path` against its manifest, or None when they match."""
     secret = signing.key()
-    try:
-        manifest = files.read_json(path / MANIFEST, MAX_BYTES, "checkpoint manifest")
-    except FileNotFoundError:
-        return f"{MANIFEST} is missing"
-    except files.UnsafeFile as err:
-        return str(err)
-    except (OSError, ValueError) as err:
-        return f"{MANIFEST} is unreadable ({err})"
+    manifest, unread = files.read_or_problem(
+        MANIFEST, lambda: files.read_json(path / MANIFEST, MAX_BYTES, "checkpoint manifest"))
+    if unread is not None:
+        return unread
     entries = manifest.get("files") if isinstance(manifest, dict) else None
     if not isinstance(entries, dict) or not all(_well_formed(n, e) for n, e in entries.items()):
         return f"{MANIFEST} is malformed (no valid 'files' table)"

@@ -63,14 +63,9 @@ def verify(path: str | Path, *, full: bool = False) -> str | None:
     if not (path / DONE).is_file():
         return f"no {DONE} marker (its writer stopped before finishing)"
     step = int(m.group(1))
-    try:
-        meta = read_meta(path)
-    except FileNotFoundError:
-        return f"{META} is missing"
-    except files.UnsafeFile as err:
-        return str(err)
-    except (OSError, ValueError) as err:
-        return f"{META} is unreadable ({err})"
+    meta, unread = files.read_or_problem(META, lambda: read_meta(path))
+    if unread is not None:
+        return unread
     if not isinstance(meta, dict) or meta.get("step") != step:
         said = meta.get("step") if isinstance(meta, dict) else None
         return f"{META} says step {_short(said)}, but the directory is step-{step}"
