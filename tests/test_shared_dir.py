@@ -120,3 +120,83 @@ def test_directories_of_its_own_and_fresh_temporary_ones(shared, victim):
     with pytest.raises(ValueError, match="not in one directory"):
         shared_dir.replace(a / "f", b / "f")
     assert list(victim.parent.iterdir()) == [victim]
+
+
+@pytest.fixture
+def flight(monkeypatch) -> shared_dir._Flight:
+    """This test's own record of writes under way: a seal here must not seal the test process's writes."""
+    fresh = shared_dir._Flight()
+    monkeypatch.setattr(shared_dir, "_FLIGHT", fresh)
+    return fresh
+
+
+def test_ready_is_asked_before_the_temporary_is_made_and_before_the_rename(shared):
+    seen = []
+
+    def ready() -> bool:
+        seen.append(sorted(p.name for p in shared.iterdir()))
+        return len(seen) == 1 or (shared / "go").exists()
+
+    assert not shared_dir.write_atomic(shared / "lease.json", b"x", ready=ready)
+    assert seen[0] == [] and len(seen[1]) == 1 and seen[1][0].startswith(".lease.json.")  # the temporary, then gone
+    assert list(shared.iterdir()) == []
+    seen.clear()
+    assert not shared_dir.write_atomic(shared / "lease.json", b"x", ready=lambda: seen.append(1) and False)
+    assert seen == [1] and list(shared.iterdir()) == []  # refused first: nothing created at all
+
+
+def test_a_seal_removes_the_temporary_of_a_write_under_way_and_refuses_every_later_one(shared, flight):
+    """A process ending with os._exit from its watchdog thread while its main thread writes (runner/process/worker.py
+    `_exit`): the temporary is removed, the write under way fails at its rename, and no later write creates one."""
+    inside, release, outcome = threading.Event(), threading.Event(), []
+    calls = []
+
+    def ready() -> bool:  # the second call: the data is written and synced, the rename is next
+        calls.append(1)
+        if len(calls) == 2:
+            inside.set()
+            release.wait(10)
+        return True
+
+    def write() -> None:
+        try:
+            outcome.append(shared_dir.write_atomic(shared / "lease.json", b"mine", ready=ready))
+        except OSError as err:
+            outcome.append(err)
+
+    writer = threading.Thread(target=write)
+    writer.start()
+    assert inside.wait(10)
+    assert next(p.name for p in shared.iterdir()).endswith(".tmp")
+    shared_dir.seal()
+    assert list(shared.iterdir()) == []
+    release.set()
+    writer.join(10)
+    assert isinstance(outcome[0], FileNotFoundError) and list(shared.iterdir()) == []
+    with pytest.raises(shared_dir.Sealed, match="ending"):
+        shared_dir.write_atomic(shared / "metrics.json", b"late")
+    assert list(shared.iterdir()) == [] and flight.temporaries == {}
+
+
+def test_the_worker_exit_leaves_no_temporary_of_a_write_its_main_thread_has_under_way(shared):
+    """runner/process/worker.py's `_exit` from another thread, the main thread inside write_atomic: exit code kept,
+    nothing left in the directory."""
+    import subprocess
+    import sys
+
+    code = f"""
+import threading, time
+from pathlib import Path
+from jobspec import shared_dir
+from runner.process import worker
+def ready():  # the first call, before the temporary: go on; the second, before the rename: the watchdog ends it
+    if not shared_dir._FLIGHT.temporaries:
+        return True
+    threading.Thread(target=worker._exit, args=(7,)).start()
+    time.sleep(30)
+    return True
+shared_dir.write_atomic(Path({str(shared)!r}) / "lease.json", b"mine", ready=ready)
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 7, done.stderr
+    assert list(shared.iterdir()) == []

@@ -18,7 +18,10 @@ are:
 - **relative to a directory descriptor**: the temporary's create, write and rename happen in one directory opened
   once, so a directory swapped for a link between two of them changes nothing;
 - **appends and locks** (`open_append`, `open_lock`) open an existing regular file of a single hard link or create
-  one, never a link.
+  one, never a link;
+- **no temporary outlives a process that ends on purpose**: a process about to leave with `os._exit` from another
+  thread (a rank whose gang moved on, runner/process/worker.py) calls `seal()`, which removes the temporaries its
+  `write_atomic` calls have under way and refuses every later one.
 
 A refusal is `Unsafe`, an OSError (errno ELOOP or EINVAL) naming the file and what it is, so callers that treat an
 unwritable file as "not written, logged" or "damaged, skipped" keep doing so. The readers of `jobspec.untrusted` and
@@ -31,6 +34,7 @@ import errno
 import os
 import secrets
 import stat
+import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
 from pathlib import Path
@@ -154,13 +158,16 @@ def write_atomic(path: str | Path, data: bytes, *, fsync: bool = True, mode: int
     fsynced (`fsync`), renamed over `path`, all relative to one descriptor of the directory. A link planted at
     `path` is replaced, never followed; a directory there fails (IsADirectoryError). Without `follow_dir` the
     directory itself may not be a link either (ELOOP): one inside a shared directory that nobody chose.
-    `ready`: asked right before the rename, once the data is written and synced; False leaves `path` as it is (the
-    temporary removed) and returns False. A writer whose right to write may end meanwhile (a lease's holder) checks
-    it there: between the check and the rename there is no write or fsync, microseconds, not milliseconds."""
+    `ready`: asked before the temporary is created and again right before the rename, once the data is written and
+    synced; False leaves `path` as it is (no temporary left) and returns False. A writer whose right to write may
+    end meanwhile (a lease's holder) checks it there: between the last check and the rename there is no write or
+    fsync, microseconds, not milliseconds. Sealed (`seal`): Sealed, nothing created."""
     path = Path(path)
+    if ready is not None and not ready():
+        return False
     with opened_dir(path.parent, follow=follow_dir) as dfd:
         tmp = temp_name(path.name)
-        fd = open_fd(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, dir_fd=dfd, mode=mode)
+        fd = _create_temporary(tmp, dfd, mode)
         try:
             with os.fdopen(fd, "wb") as f:
                 f.write(data)
@@ -174,7 +181,53 @@ def write_atomic(path: str | Path, data: bytes, *, fsync: bool = True, mode: int
         except BaseException:
             _unlink_quietly(tmp, dfd)
             raise
+        finally:
+            with _FLIGHT.lock:
+                _FLIGHT.temporaries.pop((dfd, tmp), None)
     return True
+
+
+class Sealed(OSError):
+    """A write after `seal()`: this process is ending and writes nothing more."""
+
+
+class _Flight:
+    """The temporaries of `write_atomic` calls under way in this process, by (directory descriptor, name)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.temporaries: dict[tuple[int, str], None] = {}
+        self.sealed = False
+
+
+_FLIGHT = _Flight()
+
+
+def _create_temporary(name: str, dfd: int, mode: int) -> int:
+    """Create `name` exclusively in `dfd`, registered as under way (under the lock, so that `seal` either sees it
+    created or keeps it from being created)."""
+    with _FLIGHT.lock:
+        if _FLIGHT.sealed:
+            raise Sealed(errno.ECANCELED, "this process is ending: it writes nothing more", name)
+        fd = open_fd(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, dir_fd=dfd, mode=mode)
+        _FLIGHT.temporaries[(dfd, name)] = None
+        return fd
+
+
+def seal(wait_s: float = 2.0) -> None:
+    """For a process about to end with `os._exit` while another of its threads may be inside `write_atomic`:
+    remove every temporary under way and refuse every later `write_atomic` (Sealed), so that the process leaves no
+    half-written temporary behind. A creation under way is waited for up to `wait_s` (a file system that hangs:
+    the process ends anyway)."""
+    locked = _FLIGHT.lock.acquire(timeout=wait_s)
+    try:
+        _FLIGHT.sealed = True
+        for dfd, name in list(_FLIGHT.temporaries):
+            _unlink_quietly(name, dfd)
+        _FLIGHT.temporaries.clear()
+    finally:
+        if locked:
+            _FLIGHT.lock.release()
 
 
 def create_exclusive(path: str | Path, data: bytes, *, mode: int = 0o644) -> bool:

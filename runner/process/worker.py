@@ -33,6 +33,7 @@ from runner.process import lifeline
 if __name__ == "__main__":  # before the imports below (torch: seconds), which a dead supervisor must not wait for
     lifeline.arm()
 
+from jobspec import shared_dir
 from jobspec.contract import EXIT_FAILED, EXIT_PREEMPTED, EXIT_STORAGE
 from jobspec.errors import EXIT_DOCS, TROUBLESHOOTING, JobspecError, docs_link, see
 from jobspec.spec.benchmarks import check_task_files
@@ -206,7 +207,13 @@ def _exit(code: int) -> None:
     process group destroyed. What finalization would still run is the C++ teardown of torch's and gloo's
     threads, which can end in std::terminate ("terminate called without an active exception", exit -6:
     seen twice in the multi-rank tests, on a rank that had finished its run; pytorch#179291), turning a
-    finished run into a failed pod. So flush what Python buffers and exit with the code."""
+    finished run into a failed pod. So flush what Python buffers and exit with the code.
+
+    Called from the heartbeat's watchdog thread too (`gang_lost`), while the main thread may be inside a write:
+    `shared_dir.seal()` first removes the temporary of a write under way and refuses any later one, so that the
+    process leaves nothing half-written in the run directory (CI, 2026-11-30: a rank 0 woken after its gang had
+    gone created the lease's temporary on waking and ended before writing it: an empty `.lease.json.<hex>.tmp`)."""
+    shared_dir.seal()
     logging.shutdown()
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(OSError, ValueError):  # a closed or broken pipe: nothing left to flush
