@@ -75,6 +75,29 @@ LINEAR_ACT_BYTES: dict[tuple[bool, bool], tuple[float, float, float, float, floa
 # 8 h + 2 i full, 4 h + 2 i with LoRA on every projection, exactly in each of the 12 cases. Mixture-of-experts and
 # linear-attention layers, other blocks and fp32 keep transformers' coefficients (an upper bound).
 LIGER_SAVED_BYTES: dict[bool, tuple[float, float]] = {True: (8.0, 2.0), False: (4.0, 2.0)}
+# `training.compile` (blocks or model): what a dense layer keeps less per token when its blocks are compiled, (c_h,
+# c_i) bytes per hidden and intermediate unit, by (family, autocast: `fast` at 16 bits, LoRA). The partitioner
+# recomputes in backward the norms' fp32 copies, the gated activation and RoPE's products instead of keeping them.
+# Measured on one block, eager against compiled by AOT autograd's min-cut partitioner as inductor compiles it
+# (runner/train/trace_compiled.py; `python -m bench.compile_memory`): hidden 512 and 768, MLP 2x and 4x, with and
+# without grouped-query attention, Llama's also with heads twice hidden/heads wide; every fit exact to 0.1 B a token
+# (GPT-2's `fast` LoRA: 4.03 a hidden unit, taken as 4). Counted for layers that keep their activations (no
+# checkpointing: the recomputed layer keeps eager's bytes, an upper bound); not with Liger's blocks (their autograd
+# functions do not compile on fakes: eager's bytes with Liger's saving), fp32, MoE or linear-attention layers.
+COMPILE_SAVED_BYTES: dict[tuple[str, bool, bool], tuple[float, float]] = {
+    ("llama", True, False): (16.0, 2.0),
+    ("llama", True, True): (10.0, 2.0),
+    ("llama", False, False): (8.0, 2.0),
+    ("llama", False, True): (4.0, 2.0),
+    ("phi3", True, False): (12.0, 2.0),
+    ("phi3", True, True): (4.0, 2.0),
+    ("phi3", False, False): (10.0, 2.0),
+    ("phi3", False, True): (6.0, 2.0),
+    ("gpt2", True, False): (2.0, 12.0),
+    ("gpt2", True, True): (4.0, 12.0),
+    ("gpt2", False, False): (0.0, 6.0),
+    ("gpt2", False, True): (0.0, 6.0),
+}
 # fp32 training (no autocast, no 16-bit copies), every tier
 FP32_ACT_BYTES: dict[str, tuple[float, float, float, float]] = {
     "llama": (24.0, 8.0, 8.0, 16.0),
@@ -168,15 +191,16 @@ def residual_bytes(tier: str, precision: str, lora: LoraShape | None = None) -> 
 
 def _layer_bytes(
     shape: ModelShape, tier: str, precision: str, lora: LoraShape | None, linear: bool | None = None, *,
-    liger: bool = False,
+    liger: bool = False, compiled: bool = False,
 ) -> float:  # fmt: skip
     """Activation bytes one layer saves per token (sdpa), from the traced coefficients: the mean over the layers of a
     mixture-of-experts or linear-attention model, whose MoE layers have their experts' instead of a dense MLP's and
     whose linear-attention layers their own (`linear` True or False: the mean over the layers of that attention)."""
     if not shape.moe and not shape.linear:
-        return _kind_bytes(shape, tier, precision, lora, moe=False, liger=liger)
+        return _kind_bytes(shape, tier, precision, lora, moe=False, liger=liger, compiled=compiled)
     kinds = {kind: n for kind, n in shape.layer_kinds().items() if linear in (None, kind[1])}
-    total = sum(n * _kind_bytes(shape, tier, precision, lora, *kind, liger=liger) for kind, n in kinds.items())
+    total = sum(n * _kind_bytes(shape, tier, precision, lora, *kind, liger=liger, compiled=compiled)
+                for kind, n in kinds.items())  # fmt: skip
     return total / sum(kinds.values())
 
 
@@ -186,6 +210,15 @@ def _liger_saved(shape: ModelShape, precision: str, lora: LoraShape | None, lige
     if not liger or precision == "fp32" or _family(shape) != "llama":
         return 0.0
     c_h, c_i = LIGER_SAVED_BYTES[lora is None]
+    return c_h * shape.hidden + c_i * shape.intermediate
+
+
+def _compile_saved(shape: ModelShape, tier: str, precision: str, lora: LoraShape | None, liger: bool,
+                   compiled: bool) -> float:  # fmt: skip
+    """Bytes a token keeps less in a dense layer whose block is compiled (COMPILE_SAVED_BYTES); 0 where not counted."""
+    if not compiled or liger or precision == "fp32":
+        return 0.0
+    c_h, c_i = COMPILE_SAVED_BYTES[(_family(shape), tier == "fast", lora is not None)]
     return c_h * shape.hidden + c_i * shape.intermediate
 
 
@@ -200,12 +233,13 @@ def _linear_bytes(shape: ModelShape, tier: str, precision: str, lora: LoraShape 
 
 def _kind_bytes(
     shape: ModelShape, tier: str, precision: str, lora: LoraShape | None, moe: bool, linear: bool = False, *,
-    liger: bool = False,
+    liger: bool = False, compiled: bool = False,
 ) -> float:  # fmt: skip
     """`_layer_bytes` of a dense layer, or of a MoE layer (`moe`): the dense coefficients with the shared experts'
     width for the MLP's, and per routed token MOE_ROUTED_BYTES (the gathered input, the experts' projections); of a
     linear-attention layer (`linear`): the dense coefficients without the attention's q and kv terms, and
-    `_linear_bytes` for its attention. `liger`: a dense layer with Liger's block kernels (`_liger_saved`)."""
+    `_linear_bytes` for its attention. `liger`: a dense layer with Liger's block kernels (`_liger_saved`);
+    `compiled`: with its block compiled (`_compile_saved`)."""
     mlp = shape.shared_intermediate if moe else shape.intermediate
     widths = (shape.hidden, 0 if linear else shape.q_width, 0 if linear else shape.kv_width, mlp)
     family = _family(shape)
@@ -222,7 +256,8 @@ def _kind_bytes(
     if linear:
         extra_bytes += _linear_bytes(shape, tier, precision, lora)
     if not moe and not linear:
-        extra_bytes -= _liger_saved(shape, precision, lora, liger)
+        extra_bytes -= _liger_saved(shape, precision, lora, liger) + _compile_saved(shape, tier, precision, lora, liger,
+                                                                                    compiled)  # fmt: skip
     if lora is None:
         coef = FP32_ACT_BYTES[family] if precision == "fp32" else ACT_BYTES[(family, residual)]
         return sum(c * w for c, w in zip(coef, widths, strict=True)) + extra_bytes
@@ -277,8 +312,9 @@ def _activations(
     lora: LoraShape | None = None,
     *,
     liger: bool = False,
+    compiled: bool = False,
 ) -> int:
-    per_token = _layer_bytes(shape, tier, precision, lora, liger=liger)
+    per_token = _layer_bytes(shape, tier, precision, lora, liger=liger, compiled=compiled)
     softmax = shape.attention_layers / shape.layers  # the layers with softmax attention (not linear attention)
     if shape.qk_norm:
         fam = FAMILIES.get(shape.model_type)
@@ -294,8 +330,8 @@ def _activations(
         # whichever is larger: `estimate` adds the part of the recompute above the loss.
         return shape.layers * residual_bytes(tier, precision, lora) * tokens * shape.hidden
     prefix = _untrained_prefix(shape, lora)
-    skipped = sum(_kind_bytes(shape, tier, precision, lora, shape.moe_at(i), shape.linear_at_layer(i), liger=liger)
-                  for i in range(prefix))  # fmt: skip
+    skipped = sum(_kind_bytes(shape, tier, precision, lora, shape.moe_at(i), shape.linear_at_layer(i), liger=liger,
+                              compiled=compiled) for i in range(prefix))  # fmt: skip
     merged = sum(1 for i in range(prefix, shape.layers) if shape.moe_at(i)) * merged_experts(shape, lora, precision)
     return int((shape.layers * per_token - skipped) * tokens) + merged
 

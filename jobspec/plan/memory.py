@@ -249,6 +249,7 @@ def estimate(
     sampling: bool = False,
     optimizer: str = "adamw",
     block_kernels: str = "plain",
+    compile_scope: str = "off",
 ) -> MemoryEstimate:
     """Bytes one GPU needs to train `shape` at `tier` over `world_size` data-parallel ranks.
 
@@ -259,7 +260,8 @@ def estimate(
     activations and loss or, after backward, the gradients: `gradients` is then only what they add beyond.
     `packed`: rows of several records (`data.packing`), whose attention mask sdpa then holds whole.
     `loss_kernel`: `training.loss_kernel`, which sizes the cross-entropy's chunk. `block_kernels`:
-    `training.block_kernels` (Liger's keep fewer activations: `activations.LIGER_SAVED_BYTES`). `quantize`: the LoRA
+    `training.block_kernels` (Liger's keep fewer activations: `activations.LIGER_SAVED_BYTES`). `compile_scope`:
+    `training.compile` (compiled blocks keep fewer: `activations.COMPILE_SAVED_BYTES`). `quantize`: the LoRA
     base's blocks in 4 bits ("nf4"; "auto" is the 16-bit base here, `plan_tier` tries both). `rows`: sequences a
     sample is (a DPO pair is 2, its chosen and rejected rows in one micro-batch). `sampling`: the micro-batch's rows
     are first sampled by the model (GRPO), whose KV cache then stands where the activations will (`sampling_bytes`):
@@ -277,7 +279,8 @@ def estimate(
     st = _states(shape, tier, world_size, lora, quantize, optimizer)
     tokens = seq_len * micro_batch * rows
     liger = block_kernels == "liger"
-    acts = _activations(shape, tier, tokens, seq_len, ckpt, attention, precision, lora, liger=liger)
+    acts = _activations(shape, tier, tokens, seq_len, ckpt, attention, precision, lora, liger=liger,
+                        compiled=compile_scope != "off")  # fmt: skip
     recompute = _recompute(shape, tier, tokens, seq_len, attention, precision, lora, liger=liger) if ckpt else 0
     working = st.working
     if tier == "fast":
@@ -362,6 +365,7 @@ def plan_tier(
     sampling: bool = False,
     optimizer: str = "adamw",
     block_kernels: str = "plain",
+    compile_scope: str = "off",
 ) -> TierPlan:
     """The largest micro-batch at `tier` that fits `utilization * gpu_bytes` and divides the per-rank batch,
     or, with `micro_batch` (the spec's fixed one), whether that one fits and by how much.
@@ -385,7 +389,7 @@ def plan_tier(
                     seq_len=seq_len, utilization=utilization, lora=lora, checkpointing=checkpointing,
                     attention=attention, precision=precision, sample_scale=sample_scale, micro_batch=micro_batch,
                     packed=packed, loss_kernel=loss_kernel, quantize=quantize, rows=rows,
-                    sampling=sampling, block_kernels=block_kernels)  # fmt: skip
+                    sampling=sampling, block_kernels=block_kernels, compile_scope=compile_scope)  # fmt: skip
     if optimizer == "auto":
         return _plan_auto_optimizer(again, tier)
     if tier in HOST_OPTIMIZER_TIERS and optimizer != "sgd":  # their host AdamW keeps fp32 moments
@@ -412,6 +416,7 @@ def plan_tier(
         sampling=sampling,
         optimizer=optimizer,
         block_kernels=block_kernels,
+        compile_scope=compile_scope,
     )
 
     def at(m: int) -> MemoryEstimate:  # at micro-batch m, accumulating unless m is the whole per-rank batch
@@ -505,6 +510,7 @@ def plan_all(
     sampling: bool = False,
     optimizer: str = "adamw",
     block_kernels: str = "plain",
+    compile_scope: str = "off",
 ) -> list[TierPlan]:
     """`plan_tier` for every tier, in TIERS order (cheapest first); `sample_scale`: measured corrections by tier;
     `micro_batch`: the spec's fixed micro-batch (each tier then says whether it fits)."""
@@ -530,6 +536,7 @@ def plan_all(
             sampling=sampling,
             optimizer=optimizer,
             block_kernels=block_kernels,
+            compile_scope=compile_scope,
         )
         for t in TIERS
     ]

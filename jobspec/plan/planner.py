@@ -150,6 +150,7 @@ def estimate_kwargs(spec: JobSpec, world_size: int, precision: str) -> dict[str,
         "sampling": spec.training.objective == "grpo",  # the rows are sampled first: their KV cache counts
         "optimizer": spec.training.optimizer,
         "block_kernels": spec.training.block_kernels,
+        "compile_scope": spec.training.compile,
     }
 
 

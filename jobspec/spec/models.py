@@ -936,7 +936,8 @@ class TrainingSpec(Section):
             description="torch.compile: `blocks` (or true) compiles each transformer block on its own (regional "
             "compilation: one block's code compiled once and reused by every layer, under FSDP2 and activation "
             "checkpointing; the loss head stays eager), `model` the whole model in one graph, `off` (or false) none. "
-            "The first steps are slower while it compiles."
+            "The first steps are slower while it compiles. `jobspec plan` counts the fewer activations compiled "
+            "blocks keep for backward."
         ),
     ] = "off"
     loss_kernel: Annotated[

@@ -68,7 +68,7 @@ from runner.model.build import (
     text_part,
 )
 from runner.model.quantize import parts_to_empty, quantize_base
-from runner.train import engine
+from runner.train import engine, trace_compiled
 
 log = logging.getLogger("jobspec.runner")
 
@@ -336,6 +336,7 @@ def trace_step(
     quantize: str | None = None,
     warmup: str = "one",
     block_kernels: str = "plain",
+    compile_scope: str = "off",
 ) -> TraceResult:
     """One rank's bytes at the peak of the runner's optimizer step at `tier` (see the module docstring).
 
@@ -357,6 +358,8 @@ def trace_step(
     the whole "step" of `grad_accum` micro-batches (bench/trace_warmup.py compares the two).
     `block_kernels`: `training.block_kernels`; with "liger" the blocks run Liger's autograd functions (what they
     allocate and keep for backward), their Triton launches skipped on fakes (`internals.triton_skips_fakes`).
+    `compile_scope`: `training.compile`; the blocks still step eagerly, and what compiled ones keep less for backward
+    is measured on one block and taken off the peak (runner/train/trace_compiled.py).
     """
     tier_index(tier)  # raises for unknown names
     if precision not in DTYPE or micro_batch < 1 or seq_len < 1 or world_size < 1:
@@ -381,7 +384,13 @@ def trace_step(
     group = _process_group(world_size, fake) if fsdp else contextlib.nullcontext()
     policy = gpu_decisions() if gpu else contextlib.nullcontext()
     kernels = internals.triton_skips_fakes() if block_kernels != "plain" and fake else contextlib.nullcontext()
-    with group, internals.packed_search(packed), policy, kernels:
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(group)  # the fake process group's start clears dynamo's tables of torch's functions
+        if compile_scope != "off" and not ckpt:
+            trace_compiled.prime()  # so they are built again here, before gpu_decisions wraps some of them
+        for context in (internals.packed_search(packed), policy, kernels):
+            stack.enter_context(context)
+        saving = _compiled_saving(net, compile_scope, ckpt, fsdp, precision, micro_batch, seq_len)
         if fsdp:  # on the meta device for fakes: FSDP2's device mesh cannot be built under FakeTensorMode
             net = _shard(net, traced, precision)  # accelerate's FSDP2 path casts by the mixed-precision policy only
         else:
@@ -395,6 +404,10 @@ def trace_step(
     for name, nbytes in raw.items():
         parts[PARTS.get(name, "other")] += nbytes
     peak, host, buckets, notes = total, 0, 0, []
+    if saving is not None:
+        cut = trace_compiled.apply(saving, parts["activations"])
+        peak, parts["activations"] = peak - cut, parts["activations"] - cut
+        notes.append(trace_compiled.note(saving, cut))
     if tier == "fast" and world_size > 1:
         buckets = DDP_BUCKET_BYTES * trainable
         peak += buckets
@@ -412,6 +425,17 @@ def trace_step(
         time.perf_counter() - start, fake, tuple(notes),
     )  # fmt: skip
 
+
+
+def _compiled_saving(net: nn.Module, scope: str, checkpointing: bool, fsdp: bool, precision: str, micro_batch: int,
+                     seq_len: int) -> trace_compiled.BlockSaving | None:  # fmt: skip
+    """What a compiled block keeps less (runner/train/trace_compiled.py), where the plan counts it: `training.compile`
+    on (`model` as `blocks`: the embedding and the final norm stay counted as eager), no checkpointing."""
+    if scope == "off" or checkpointing:
+        return None
+    half = DTYPE[precision] if precision != "fp32" else None
+    return trace_compiled.block_saving(net, micro_batch=micro_batch, seq_len=seq_len, dtype=half if fsdp else None,
+                                       autocast=None if fsdp else half, mode=internals.fake_mode())  # fmt: skip
 
 
 def _run(
@@ -559,7 +583,7 @@ def trace_spec(spec: Any, tiers: list[tuple[str, int]], world_size: int, precisi
                        checkpointing=forced, attention=model_attention(spec), max_grad_norm=spec.training.max_grad_norm,
                        grad_accum=2 if per_rank // mbs > 1 else 1, packed=spec.data.packing,
                        quantize=base_quantization(spec.model.quantize, spec.model.lora),
-                       block_kernels=spec.training.block_kernels)  # fmt: skip
+                       block_kernels=spec.training.block_kernels, compile_scope=spec.training.compile)  # fmt: skip
         out.append({"tier": tier, "micro_batch": mbs, "peak": r.peak, "parts": r.parts, "host": r.host,
                     "ddp_buckets": r.ddp_buckets, "seconds": round(r.seconds, 2), "notes": list(r.notes)})  # fmt: skip
     return out

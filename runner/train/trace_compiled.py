@@ -1,0 +1,231 @@
+"""What `training.compile` saves for backward, for the memory trace (runner/train/trace.py).
+
+Compiled blocks keep fewer tensors for backward than eager ones: the min-cut partitioner of AOT autograd (inductor's)
+recomputes cheap elementwise work in backward (RMSNorm's fp32 copy, the gated activation, RoPE's products) instead of
+saving its outputs. The trace cannot run them: its memory tracker is a dispatch mode, and under one torch.compile runs
+no frame (dynamo skips them all, cached or not). So the trace steps eager blocks, and this module measures, on fakes
+and outside the tracker, what one of the model's blocks keeps across its forward, eager and compiled, at the trace's
+micro-batch, dtypes and autocast (`block_saving`); `apply` takes the difference off the traced peak.
+
+How a block is compiled here: by `torch.compile` with the `aot_eager_decomp_partition` backend, which is inductor's
+decompositions and partitioner without its code generation (fakes hold no data to run kernels on), fullgraph, on a
+copy of the block class's forward code, so that dynamo's cache entries attach to that copy and go with it: the run's
+own compiled blocks never meet a guard made for fakes. What a trace takes off is what inductor's compiled blocks
+keep less on real tensors, to the byte (CPU, bf16 autocast, 4 x 256 tokens: llama-tiny 5,636,096 of 16,461,824
+bytes, GPT-2 tiny 6,815,744 of 17,516,544; tests/runner/train/test_trace_compiled.py).
+
+Where it is applied (`apply`): tiers without activation checkpointing, whose peak holds every layer's activations;
+the saving is the smaller of the per-block difference times the layers and the activations at the peak scaled by
+the compiled/eager ratio (a peak outside the forward keeps fewer of them). Checkpointed tiers keep each block's input
+only; the one block recomputed in backward saves less too, but the peak may be at the loss: not subtracted (the eager
+figure bounds it). A block that does not compile in one graph here (a graph break) saves nothing in the plan.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import logging
+import time
+import types
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from runner.model.build import block_class_names
+
+log = logging.getLogger("jobspec.runner")
+
+BACKEND = "aot_eager_decomp_partition"  # inductor's decompositions and min-cut partitioner, run eagerly
+
+
+@dataclass(frozen=True)
+class BlockSaving:
+    """Bytes one block keeps for backward at the traced micro-batch: eager, and compiled (None: not measured)."""
+
+    eager: int
+    compiled: int | None
+    blocks: int  # blocks in the model
+    why: str = ""  # why `compiled` is None
+
+
+class _Captured(Exception):
+    pass
+
+
+def _blocks(model: nn.Module) -> list[nn.Module]:
+    names = set(block_class_names(model))
+    return [m for m in model.modules() if type(m).__name__ in names]
+
+
+def _capture_call(model: nn.Module, block: nn.Module, ids: torch.Tensor) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """The (args, kwargs) `block` is called with in a forward of `model` on `ids` (on the meta device): the forward
+    stops there."""
+    seen: list[tuple[tuple[Any, ...], dict[str, Any]]] = []
+
+    def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        seen.append((args, kwargs))
+        raise _Captured
+
+    handle = block.register_forward_pre_hook(hook, with_kwargs=True)
+    try:
+        with torch.no_grad(), contextlib.suppress(_Captured):
+            model(input_ids=ids)
+    finally:
+        handle.remove()
+    if not seen:
+        raise RuntimeError("the model's forward never called its first block")
+    return seen[0]
+
+
+def _kept(run: Any, params: list[torch.Tensor]) -> int:
+    """Bytes of the distinct storages autograd keeps across `run()` (its saved tensors), but the parameters': a
+    linear layer saves its weight's transpose, a view of the parameter that costs nothing (storages are told apart by
+    their Python objects, which torch keeps one a storage while it lives)."""
+    weights = {id(p.untyped_storage()) for p in params}
+    storages: dict[int, int] = {}
+
+    def pack(t: Any) -> Any:
+        if isinstance(t, torch.Tensor):
+            storage = t.untyped_storage()
+            if id(storage) not in weights:
+                storages[id(storage)] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        run()
+    return sum(storages.values())
+
+
+def _fresh_forward(block: nn.Module) -> Any:
+    """The block class's forward on a copy of its code object, compiled (see the module docstring)."""
+    forward = type(block).forward
+    code = forward.__code__.replace()
+    fresh = types.FunctionType(code, forward.__globals__, forward.__name__, forward.__defaults__, forward.__closure__)
+    fresh.__kwdefaults__ = forward.__kwdefaults__
+    return torch.compile(fresh, backend=BACKEND, fullgraph=True)
+
+
+def _map(fn: Any, value: Any) -> Any:
+    """`fn` on every leaf of nested tuples, lists and dicts (a block's call: hidden states, RoPE's (cos, sin)...)."""
+    if isinstance(value, (tuple, list)):
+        return type(value)(_map(fn, v) for v in value)
+    if isinstance(value, dict):
+        return {k: _map(fn, v) for k, v in value.items()}
+    return fn(value)
+
+
+def _structure(block: nn.Module) -> list[str]:
+    return [type(m).__name__ for m in block.modules()]
+
+
+def block_saving(
+    model: nn.Module, *, micro_batch: int, seq_len: int, dtype: torch.dtype | None, autocast: torch.dtype | None,
+    mode: Any,
+) -> BlockSaving:  # fmt: skip
+    """What a block of `model` (not yet sharded or autocast) keeps for backward, eager and compiled, on fakes (`mode`:
+    the trace's FakeTensorMode): its parameters cast to `dtype` (FSDP2's compute dtype; None: as built), its forward
+    under CPU autocast to `autocast` (`fast`; None: none), its input as the model gives it, requiring a gradient.
+    The first block, and the last where it is built otherwise (a mixture-of-experts model's dense first layers, a
+    hybrid's linear attention): the one that saves less counts for every block. Never raises: a block that does not
+    compile here, or a forward that cannot be followed to it, gives `compiled` None and why."""
+    start = time.perf_counter()
+    blocks = _blocks(model)
+    if not blocks:
+        return BlockSaving(0, None, 0, "no transformer blocks found")
+    kinds = [blocks[0]] + ([blocks[-1]] if _structure(blocks[-1]) != _structure(blocks[0]) else [])
+    measured = []
+    for block in kinds:
+        try:
+            with quiet_dynamo():
+                measured.append(_measure(model, block, micro_batch, seq_len, dtype, autocast, mode))
+        except Exception as err:  # a graph break or a dynamo gap: the eager figure stays the bound
+            why = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"[:300]
+            log.info("trace: a block did not compile in %.1f s (%s): the plan counts eager blocks",
+                     time.perf_counter() - start, why)
+            return BlockSaving(0, None, len(blocks), why)
+    eager, compiled = min(measured, key=lambda m: m[0] - m[1])
+    log.info("trace: %d block(s) compiled and measured in %.1f s: one keeps %.2f of eager's bytes for backward",
+             len(kinds), time.perf_counter() - start, compiled / max(eager, 1))
+    return BlockSaving(eager, compiled, len(blocks))
+
+
+def _measure(model: nn.Module, source: nn.Module, micro_batch: int, seq_len: int, dtype: torch.dtype | None,
+             autocast: torch.dtype | None, mode: Any) -> tuple[int, int]:  # fmt: skip
+    """(eager, compiled) bytes a copy of `source` keeps for backward (see `block_saving`)."""
+    ids = torch.zeros(micro_batch, seq_len, dtype=torch.long, device=next(model.parameters()).device)
+    args, kwargs = _capture_call(model, source, ids)
+    block = copy.deepcopy(source)
+    if hasattr(block, "gradient_checkpointing"):
+        block.gradient_checkpointing = False  # one block's forward as it runs without checkpointing
+    with mode:
+        block.to_empty(device="cpu")
+        if dtype is not None:
+            for p in block.parameters():
+                if p.is_floating_point():
+                    p.data = p.data.to(dtype)
+        hidden = args[0] if args else kwargs.get("hidden_states")
+
+        def fake(value: Any) -> Any:  # FSDP2 casts a unit's floating inputs to its compute dtype
+            if not isinstance(value, torch.Tensor):
+                return value
+            out = torch.empty(value.shape, dtype=value.dtype, device="cpu")
+            if out.is_floating_point() and dtype is not None:
+                out = out.to(dtype)
+            return out.requires_grad_(True) if value is hidden else out
+
+        f_args, f_kwargs = _map(fake, args), _map(fake, kwargs)
+        cast = torch.autocast("cpu", dtype=autocast) if autocast is not None else contextlib.nullcontext()
+
+        def run(forward: Any) -> Any:
+            def go() -> None:
+                with cast:
+                    forward(*f_args, **f_kwargs)
+
+            return go
+
+        params = list(block.parameters())
+        eager = _kept(run(block), params)
+        compiled = _kept(run(types.MethodType(_fresh_forward(block), block)), params)
+    return eager, compiled
+
+
+def apply(saving: BlockSaving, activations: int) -> int:
+    """Bytes the compiled blocks keep less at a traced peak that holds `activations` bytes of activations: the
+    per-block difference over every block, at most the peak's activations scaled by the compiled/eager ratio."""
+    if saving.compiled is None or saving.eager <= 0 or saving.compiled >= saving.eager:
+        return 0
+    per_block = saving.eager - saving.compiled
+    return int(min(per_block * saving.blocks, activations * per_block / saving.eager))
+
+
+def prime() -> None:
+    """Have dynamo build its tables of torch's functions now, while they are themselves: the trace wraps some of
+    them (trace.py `gpu_decisions`), and tables first built under the wrappers would not know the originals after
+    (CPU, 2026-11-30: every later compile in the process broke its graph at `torch.rsqrt`). Once a process."""
+    torch.compile(lambda x: torch.rsqrt(x), backend="eager", fullgraph=True)(torch.ones(1))
+
+
+def note(saving: BlockSaving, cut: int) -> str:
+    """The trace's note on what compiling saved."""
+    if saving.compiled is None:
+        return f"compile: one block did not compile here ({saving.why}): counted as eager"
+    return (f"compile: a compiled block keeps {saving.compiled / max(saving.eager, 1):.2f} of eager's bytes for "
+            f"backward; {cut} B less at the peak")
+
+
+@contextlib.contextmanager
+def quiet_dynamo() -> Iterator[None]:
+    """dynamo's and inductor's loggers at WARNING while a block compiles for the trace (their INFO is per graph)."""
+    names = ("torch._dynamo", "torch._inductor", "torch._functorch")
+    levels = {n: logging.getLogger(n).level for n in names}
+    for n in names:
+        logging.getLogger(n).setLevel(max(levels[n], logging.WARNING))
+    try:
+        yield
+    finally:
+        for n, level in levels.items():
+            logging.getLogger(n).setLevel(level)
