@@ -28,8 +28,9 @@ not counted), peak allocated device memory in the side's rounds (all three model
 states of the other two are in it) and its rise over the round's start (what the side's steps add), wall and CPU
 seconds per step (CPU: this process and its loader workers); medians over rounds, and runner/plain and
 runner/trainer ratios (of medians, and the median of the per-round ratios).
-Also called by the GPU suite's throughput part (bench/gpu/throughput.py) with part of that part's budget: rounds
-that would not end inside it are not started. Not here yet: LoRA on a 7-8B Llama-shaped model (no such preset).
+Also called by the GPU suite's throughput part (bench/gpu/throughput.py) with part of that part's budget (gpt2-small):
+rounds that would not end inside it are not started. Issue 42's rows (llama-1b full fine-tuning, `llama-8b-lora`:
+rank 16 on every projection of Llama 3.1 8B's shape) run as their own call, `--budget-s` bounding it.
 """
 
 from __future__ import annotations
