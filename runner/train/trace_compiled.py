@@ -62,8 +62,7 @@ def _blocks(model: nn.Module) -> list[nn.Module]:
 
 
 def _capture_call(model: nn.Module, block: nn.Module, ids: torch.Tensor) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    """The (args, kwargs) `block` is called with in a forward of `model` on `ids` (on the meta device): the forward
-    stops there."""
+    """The (args, kwargs) `block` is called with in a forward of `model` on `ids`: the forward stops there."""
     seen: list[tuple[tuple[Any, ...], dict[str, Any]]] = []
 
     def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
@@ -77,7 +76,7 @@ def _capture_call(model: nn.Module, block: nn.Module, ids: torch.Tensor) -> tupl
     finally:
         handle.remove()
     if not seen:
-        raise RuntimeError("the model's forward never called its first block")
+        raise RuntimeError("the model's forward never called the block")
     return seen[0]
 
 
@@ -136,12 +135,12 @@ def block_saving(
     blocks = _blocks(model)
     if not blocks:
         return BlockSaving(0, None, 0, "no transformer blocks found")
-    kinds = [blocks[0]] + ([blocks[-1]] if _structure(blocks[-1]) != _structure(blocks[0]) else [])
+    kinds = [0] + ([len(blocks) - 1] if _structure(blocks[-1]) != _structure(blocks[0]) else [])
     measured = []
-    for block in kinds:
+    for index in kinds:
         try:
             with quiet_dynamo():
-                measured.append(_measure(model, block, micro_batch, seq_len, dtype, autocast, mode))
+                measured.append(_measure(model, index, micro_batch, seq_len, dtype, autocast, mode))
         except Exception as err:  # a graph break or a dynamo gap: the eager figure stays the bound
             why = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"[:300]
             log.info("trace: a block did not compile in %.1f s (%s): the plan counts eager blocks",
@@ -153,31 +152,33 @@ def block_saving(
     return BlockSaving(eager, compiled, len(blocks))
 
 
-def _measure(model: nn.Module, source: nn.Module, micro_batch: int, seq_len: int, dtype: torch.dtype | None,
+def _measure(model: nn.Module, index: int, micro_batch: int, seq_len: int, dtype: torch.dtype | None,
              autocast: torch.dtype | None, mode: Any) -> tuple[int, int]:  # fmt: skip
-    """(eager, compiled) bytes a copy of `source` keeps for backward (see `block_saving`)."""
-    ids = torch.zeros(micro_batch, seq_len, dtype=torch.long, device=next(model.parameters()).device)
-    args, kwargs = _capture_call(model, source, ids)
-    block = copy.deepcopy(source)
-    if hasattr(block, "gradient_checkpointing"):
-        block.gradient_checkpointing = False  # one block's forward as it runs without checkpointing
+    """(eager, compiled) bytes block `index` keeps for backward (see `block_saving`), measured on a twin of `model`
+    made of fakes: a forward on it gives the block's call (transformers' rotary embedding enters an autocast region
+    of the input's device, which the meta device has none of)."""
+    twin = copy.deepcopy(model)
     with mode:
-        block.to_empty(device="cpu")
+        twin.to_empty(device="cpu")
+        block = _blocks(twin)[index]
+        if hasattr(block, "gradient_checkpointing"):
+            block.gradient_checkpointing = False  # one block's forward as it runs without checkpointing
+        args, kwargs = _capture_call(twin, block, torch.zeros(micro_batch, seq_len, dtype=torch.long))
         if dtype is not None:
             for p in block.parameters():
                 if p.is_floating_point():
                     p.data = p.data.to(dtype)
         hidden = args[0] if args else kwargs.get("hidden_states")
 
-        def fake(value: Any) -> Any:  # FSDP2 casts a unit's floating inputs to its compute dtype
+        def ready(value: Any) -> Any:  # FSDP2 casts a unit's floating inputs to its compute dtype
             if not isinstance(value, torch.Tensor):
                 return value
-            out = torch.empty(value.shape, dtype=value.dtype, device="cpu")
+            out = value.detach()
             if out.is_floating_point() and dtype is not None:
                 out = out.to(dtype)
             return out.requires_grad_(True) if value is hidden else out
 
-        f_args, f_kwargs = _map(fake, args), _map(fake, kwargs)
+        f_args, f_kwargs = _map(ready, args), _map(ready, kwargs)
         cast = torch.autocast("cpu", dtype=autocast) if autocast is not None else contextlib.nullcontext()
 
         def run(forward: Any) -> Any:

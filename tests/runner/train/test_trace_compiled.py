@@ -90,10 +90,18 @@ def test_the_formula_never_counts_more_saved_than_the_trace_finds_in_a_family(na
         assert counted == traced
 
 
-def test_checkpointed_tiers_and_blocks_that_do_not_compile_keep_the_eager_figure() -> None:
+def test_checkpointed_tiers_and_blocks_that_cannot_be_measured_keep_the_eager_figure() -> None:
     assert cut(PRESETS["llama-tiny"], tier="zero3") == (0, ())  # each block keeps its input only
-    saved, notes = cut(tiny("qwen3-next-80b-a3b"), tier="fast")  # linear attention: no compile on fakes
+    lora = LoraSpec(rank=8, targets=["q_proj", "v_proj"])  # a 4-bit base: its blocks have no twin made of fakes
+    saved, notes = cut(PRESETS["llama-tiny"], tier="fast", lora=lora, quantize="nf4")
     assert saved == 0 and "did not compile here" in notes[0] and "counted as eager" in notes[0]
+
+
+def test_a_hybrid_model_counts_the_block_kind_that_saves_less() -> None:
+    """Qwen3-Next: linear-attention layers first, full attention last; both are measured, the smaller saving counts
+    for every layer."""
+    saved, notes = cut(tiny("qwen3-next-80b-a3b"), tier="fast")
+    assert saved > 0 and "of eager's bytes for backward" in notes[0]
 
 
 def test_a_trace_leaves_later_compiles_in_the_process_whole() -> None:
