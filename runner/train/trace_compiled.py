@@ -106,7 +106,9 @@ def _fresh_forward(block: nn.Module) -> Any:
     code = forward.__code__.replace()
     fresh = types.FunctionType(code, forward.__globals__, forward.__name__, forward.__defaults__, forward.__closure__)
     fresh.__kwdefaults__ = forward.__kwdefaults__
-    return torch.compile(fresh, backend=BACKEND, fullgraph=True)
+    # static shapes: the graph of the traced micro-batch, whatever compiled before in this process (dynamo's automatic
+    # dynamic shapes mark a size dynamic once a second shape comes, which may save other tensors)
+    return torch.compile(fresh, backend=BACKEND, fullgraph=True, dynamic=False)
 
 
 def _map(fn: Any, value: Any) -> Any:

@@ -114,7 +114,9 @@ def test_a_hybrid_model_counts_the_block_kind_that_saves_less() -> None:
                  for i in (0, blocks - 1)]  # fmt: skip
     assert kinds[0] != kinds[1]
     worst = trace_compiled.BlockSaving(*min(kinds, key=lambda k: k[0] - k[1]), blocks)
-    assert saved == trace_compiled.apply(worst, eager.parts["activations"]) != 0
+    # two compiles of the same blocks once differed by 32 KB of 146 MB (CI, torch 2.11; not reproduced in two runs
+    # here): a tolerance, not equality
+    assert saved == pytest.approx(trace_compiled.apply(worst, eager.parts["activations"]), rel=1e-3) and saved != 0
     assert "of eager's bytes for backward" in notes[0]
 
 
