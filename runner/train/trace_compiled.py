@@ -4,8 +4,9 @@ Compiled blocks keep fewer tensors for backward than eager ones: the min-cut par
 recomputes cheap elementwise work in backward (RMSNorm's fp32 copy, the gated activation, RoPE's products) instead of
 saving its outputs. The trace cannot run them: its memory tracker is a dispatch mode, and under one torch.compile runs
 no frame (dynamo skips them all, cached or not). So the trace steps eager blocks, and this module measures, on fakes
-and outside the tracker, what one of the model's blocks keeps across its forward, eager and compiled, at the trace's
-micro-batch, dtypes and autocast (`block_saving`); `apply` takes the difference off the traced peak.
+and outside the tracker, what a block of each kind the model has (its first and, built otherwise, its last) keeps
+across its forward, eager and compiled, at the trace's micro-batch, dtypes and autocast (`block_saving`); `apply`
+takes the difference off the traced peak.
 
 How a block is compiled here: by `torch.compile` with the `aot_eager_decomp_partition` backend, which is inductor's
 decompositions and partitioner without its code generation (fakes hold no data to run kernels on), fullgraph, on a
@@ -17,9 +18,9 @@ bytes, GPT-2 tiny 6,815,744 of 17,516,544; tests/runner/train/test_trace_compile
 Where it is applied (`apply`): tiers without activation checkpointing, whose peak holds every layer's activations;
 the saving is the smaller of the per-block difference times the layers and the activations at the peak scaled by
 the compiled/eager ratio (a peak outside the forward keeps fewer of them); a compiled block that keeps more adds the
-difference for every block. Checkpointed tiers keep each block's input
-only; the one block recomputed in backward saves less too, but the peak may be at the loss: not subtracted (the eager
-figure bounds it). A block that does not compile in one graph here (a graph break) saves nothing in the plan.
+difference for every block. Checkpointed tiers keep each block's input only; the one block recomputed in backward
+saves less too, but the peak may be at the loss: not subtracted (the eager figure bounds it). A block that cannot
+be measured here (a graph break, a 4-bit base) saves nothing in the plan.
 """
 
 from __future__ import annotations
