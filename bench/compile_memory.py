@@ -52,11 +52,8 @@ def measure(model: Any, family: str, tier: str, lora: bool) -> tuple[float, floa
     """(eager, compiled) bytes one block keeps per token."""
     spec = LoraSpec(rank=8, targets=TARGETS[family]) if lora else None
     net = trace._build(trace.hf_config(model), lora=spec, precision="bf16", attention="sdpa", meta=True)
-    fsdp = tier != "fast"
-    with trace.gpu_decisions(), internals.packed_search(False):
-        half = torch.bfloat16
-        s = trace_compiled.block_saving(net, micro_batch=TOKENS[0], seq_len=TOKENS[1], dtype=half if fsdp else None,
-                                        autocast=None if fsdp else half, mode=internals.fake_mode())  # fmt: skip
+    with trace.gpu_decisions(), internals.packed_search(False):  # as trace_step measures it
+        s = trace._compiled_saving(net, tier != "fast", "bf16", *TOKENS)
     if s.compiled is None:
         raise RuntimeError(s.why)
     n = TOKENS[0] * TOKENS[1]

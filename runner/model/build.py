@@ -301,3 +301,9 @@ def block_class_names(model: nn.Module) -> list[str]:
     if not names:
         raise ConfigError(f"cannot find the transformer blocks of {type(model).__name__} to shard")
     return names
+
+
+def transformer_blocks(model: nn.Module) -> list[nn.Module]:
+    """The transformer blocks of `model`, in order (those `block_class_names` names)."""
+    names = set(block_class_names(model))
+    return [m for m in model.modules() if type(m).__name__ in names]

@@ -32,7 +32,7 @@ from jobspec.catalog.tiers import HOST_OPTIMIZER_TIERS
 from jobspec.errors import ConfigError
 from jobspec.spec.models import JobSpec
 from runner import internals
-from runner.model.build import block_class_names
+from runner.model.build import block_class_names, transformer_blocks
 from runner.model.quantize import unsharded_on_one_rank
 from runner.sizing.hostmem import HostInfo
 from runner.sizing.plan import Plan
@@ -203,8 +203,7 @@ def compile_model(model: nn.Module, scope: str) -> int:
     if scope == "model":
         model.compile()
         return 1
-    names = set(block_class_names(model))
-    blocks = [m for m in model.modules() if type(m).__name__ in names]
+    blocks = transformer_blocks(model)
     for block in blocks:
         block.compile()
     return len(blocks)

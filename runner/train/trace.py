@@ -384,13 +384,14 @@ def trace_step(
     group = _process_group(world_size, fake) if fsdp else contextlib.nullcontext()
     policy = gpu_decisions() if gpu else contextlib.nullcontext()
     kernels = internals.triton_skips_fakes() if block_kernels != "plain" and fake else contextlib.nullcontext()
+    compiled = compile_scope != "off" and not ckpt  # (`model` as `blocks`; checkpointed tiers keep eager's figure)
     with contextlib.ExitStack() as stack:
         stack.enter_context(group)  # the fake process group's start clears dynamo's tables of torch's functions
-        if compile_scope != "off" and not ckpt:
+        if compiled:
             trace_compiled.prime()  # so they are built again here, before gpu_decisions wraps some of them
         for context in (internals.packed_search(packed), policy, kernels):
             stack.enter_context(context)
-        saving = _compiled_saving(net, compile_scope, ckpt, fsdp, precision, micro_batch, seq_len)
+        saving = _compiled_saving(net, fsdp, precision, micro_batch, seq_len) if compiled else None
         if fsdp:  # on the meta device for fakes: FSDP2's device mesh cannot be built under FakeTensorMode
             net = _shard(net, traced, precision)  # accelerate's FSDP2 path casts by the mixed-precision policy only
         else:
@@ -427,12 +428,10 @@ def trace_step(
 
 
 
-def _compiled_saving(net: nn.Module, scope: str, checkpointing: bool, fsdp: bool, precision: str, micro_batch: int,
-                     seq_len: int) -> trace_compiled.BlockSaving | None:  # fmt: skip
-    """What a compiled block keeps less (runner/train/trace_compiled.py), where the plan counts it: `training.compile`
-    on (`model` as `blocks`: the embedding and the final norm stay counted as eager), no checkpointing."""
-    if scope == "off" or checkpointing:
-        return None
+def _compiled_saving(net: nn.Module, fsdp: bool, precision: str, micro_batch: int,
+                     seq_len: int) -> trace_compiled.BlockSaving:  # fmt: skip
+    """What a compiled block keeps less (runner/train/trace_compiled.py), at the tier's dtypes: FSDP2's 16-bit
+    weights, or `fast`'s autocast (with `model` as with `blocks`: the embedding and the final norm stay eager's)."""
     half = DTYPE[precision] if precision != "fp32" else None
     return trace_compiled.block_saving(net, micro_batch=micro_batch, seq_len=seq_len, dtype=half if fsdp else None,
                                        autocast=None if fsdp else half, mode=internals.fake_mode())  # fmt: skip

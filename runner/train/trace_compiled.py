@@ -37,7 +37,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from runner.model.build import block_class_names
+from runner.model.build import transformer_blocks
 
 log = logging.getLogger("jobspec.runner")
 
@@ -58,28 +58,34 @@ class _Captured(Exception):
     pass
 
 
-def _blocks(model: nn.Module) -> list[nn.Module]:
-    names = set(block_class_names(model))
-    return [m for m in model.modules() if type(m).__name__ in names]
+Call = tuple[tuple[Any, ...], dict[str, Any]]  # a block's (args, kwargs)
 
 
-def _capture_call(model: nn.Module, block: nn.Module, ids: torch.Tensor) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    """The (args, kwargs) `block` is called with in a forward of `model` on `ids`: the forward stops there."""
-    seen: list[tuple[tuple[Any, ...], dict[str, Any]]] = []
+def _capture_calls(model: nn.Module, blocks: list[nn.Module], ids: torch.Tensor) -> list[Call]:
+    """The (args, kwargs) each of `blocks` (in the model's order) is called with in one forward of `model` on `ids`:
+    the forward stops at the last of them."""
+    seen: dict[int, Call] = {}
 
     def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        seen.append((args, kwargs))
-        raise _Captured
+        seen[id(module)] = (args, kwargs)
+        if module is blocks[-1]:
+            raise _Captured
 
-    handle = block.register_forward_pre_hook(hook, with_kwargs=True)
+    handles = [block.register_forward_pre_hook(hook, with_kwargs=True) for block in blocks]
     try:
         with torch.no_grad(), contextlib.suppress(_Captured):
             model(input_ids=ids)
     finally:
-        handle.remove()
-    if not seen:
-        raise RuntimeError("the model's forward never called the block")
-    return seen[0]
+        for handle in handles:
+            handle.remove()
+    if len(seen) < len(blocks):
+        raise RuntimeError("the model's forward never called some of its blocks")
+    return [seen[id(block)] for block in blocks]
+
+
+def _why(err: BaseException) -> str:
+    """An exception's type and the first line of its message, for a log line or a note."""
+    return f"{type(err).__name__}: {(str(err).splitlines() or [''])[0]}"[:300]
 
 
 def _kept(run: Any, params: list[torch.Tensor]) -> int:
@@ -136,66 +142,66 @@ def block_saving(
     hybrid's linear attention): the one that saves less counts for every block. Never raises: a block that does not
     compile here, or a forward that cannot be followed to it, gives `compiled` None and why."""
     start = time.perf_counter()
-    blocks = _blocks(model)
-    if not blocks:
-        return BlockSaving(0, None, 0, "no transformer blocks found")
-    kinds = [0] + ([len(blocks) - 1] if _structure(blocks[-1]) != _structure(blocks[0]) else [])
-    measured = []
-    for index in kinds:
-        try:
-            with quiet_dynamo():
-                measured.append(_measure(model, index, micro_batch, seq_len, dtype, autocast, mode))
-        except Exception as err:  # a graph break or a dynamo gap: the eager figure stays the bound
-            why = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"[:300]
-            log.info("trace: a block did not compile in %.1f s (%s): the plan counts eager blocks",
-                     time.perf_counter() - start, why)
-            return BlockSaving(0, None, len(blocks), why)
+    try:
+        with quiet_dynamo():
+            measured, blocks = _measure(model, micro_batch, seq_len, dtype, autocast, mode)
+    except Exception as err:  # a graph break, a dynamo gap, no blocks found: the eager figure stays the bound
+        log.info("trace: a block did not compile in %.1f s (%s): the plan counts eager blocks",
+                 time.perf_counter() - start, _why(err))
+        return BlockSaving(0, None, 0, _why(err))
     eager, compiled = min(measured, key=lambda m: m[0] - m[1])
     log.info("trace: %d block(s) compiled and measured in %.1f s: one keeps %.2f of eager's bytes for backward",
-             len(kinds), time.perf_counter() - start, compiled / max(eager, 1))
-    return BlockSaving(eager, compiled, len(blocks))
+             len(measured), time.perf_counter() - start, compiled / max(eager, 1))
+    return BlockSaving(eager, compiled, blocks)
 
 
-def _measure(model: nn.Module, index: int, micro_batch: int, seq_len: int, dtype: torch.dtype | None,
-             autocast: torch.dtype | None, mode: Any) -> tuple[int, int]:  # fmt: skip
-    """(eager, compiled) bytes block `index` keeps for backward (see `block_saving`), measured on a twin of `model`
-    made of fakes: a forward on it gives the block's call (transformers' rotary embedding enters an autocast region
-    of the input's device, which the meta device has none of)."""
+def _measure(model: nn.Module, micro_batch: int, seq_len: int, dtype: torch.dtype | None,
+             autocast: torch.dtype | None, mode: Any) -> tuple[list[tuple[int, int]], int]:  # fmt: skip
+    """((eager, compiled) bytes for each block kind (see `block_saving`), the number of blocks), measured on a twin
+    of `model` made of fakes: one forward on it gives the blocks' calls (transformers' rotary embedding enters an
+    autocast region of the input's device, which the meta device has none of)."""
     twin = copy.deepcopy(model)
     with mode:
         twin.to_empty(device="cpu")
-        block = _blocks(twin)[index]
-        if hasattr(block, "gradient_checkpointing"):
-            block.gradient_checkpointing = False  # one block's forward as it runs without checkpointing
-        args, kwargs = _capture_call(twin, block, torch.zeros(micro_batch, seq_len, dtype=torch.long))
-        if dtype is not None:
-            for p in block.parameters():
-                if p.is_floating_point():
-                    p.data = p.data.to(dtype)
-        hidden = args[0] if args else kwargs.get("hidden_states")
+        blocks = transformer_blocks(twin)
+        kinds = [blocks[0]] + ([blocks[-1]] if _structure(blocks[-1]) != _structure(blocks[0]) else [])
+        calls = _capture_calls(twin, kinds, torch.zeros(micro_batch, seq_len, dtype=torch.long))
+        measured = [_measure_block(block, call, dtype, autocast) for block, call in zip(kinds, calls, strict=True)]
+    return measured, len(blocks)
 
-        def ready(value: Any) -> Any:  # FSDP2 casts a unit's floating inputs to its compute dtype
-            if not isinstance(value, torch.Tensor):
-                return value
-            out = value.detach()
-            if out.is_floating_point() and dtype is not None:
-                out = out.to(dtype)
-            return out.requires_grad_(True) if value is hidden else out
 
-        f_args, f_kwargs = _map(ready, args), _map(ready, kwargs)
-        cast = torch.autocast("cpu", dtype=autocast) if autocast is not None else contextlib.nullcontext()
+def _measure_block(block: nn.Module, call: Call, dtype: torch.dtype | None,
+                   autocast: torch.dtype | None) -> tuple[int, int]:  # fmt: skip
+    """(eager, compiled) bytes `block` (of fakes, inside the fake mode) keeps for backward when called as `call`."""
+    if hasattr(block, "gradient_checkpointing"):
+        block.gradient_checkpointing = False  # one block's forward as it runs without checkpointing
+    if dtype is not None:
+        for p in block.parameters():
+            if p.is_floating_point():
+                p.data = p.data.to(dtype)
+    args, kwargs = call
+    hidden = args[0] if args else kwargs.get("hidden_states")
 
-        def run(forward: Any) -> Any:
-            def go() -> None:
-                with cast:
-                    forward(*f_args, **f_kwargs)
+    def ready(value: Any) -> Any:  # FSDP2 casts a unit's floating inputs to its compute dtype
+        if not isinstance(value, torch.Tensor):
+            return value
+        out = value.detach()
+        if out.is_floating_point() and dtype is not None:
+            out = out.to(dtype)
+        return out.requires_grad_(True) if value is hidden else out
 
-            return go
+    f_args, f_kwargs = _map(ready, args), _map(ready, kwargs)
+    cast = torch.autocast("cpu", dtype=autocast) if autocast is not None else contextlib.nullcontext()
 
-        params = list(block.parameters())
-        eager = _kept(run(block), params)
-        compiled = _kept(run(types.MethodType(_fresh_forward(block), block)), params)
-    return eager, compiled
+    def run(forward: Any) -> Any:
+        def go() -> None:
+            with cast:
+                forward(*f_args, **f_kwargs)
+
+        return go
+
+    params = list(block.parameters())
+    return _kept(run(block), params), _kept(run(types.MethodType(_fresh_forward(block), block)), params)
 
 
 def apply(saving: BlockSaving, activations: int) -> int:
@@ -219,7 +225,7 @@ def prime() -> None:
     try:
         torch.compile(lambda x: torch.rsqrt(x), backend="eager", fullgraph=True)(torch.ones(1))
     except Exception as err:  # no dynamo here: the block's own compile fails and the plan counts eager blocks
-        log.info("trace: dynamo did not start (%s: %s)", type(err).__name__, (str(err).splitlines() or [""])[0][:200])
+        log.info("trace: dynamo did not start (%s)", _why(err))
 
 
 def note(saving: BlockSaving, cut: int) -> str:

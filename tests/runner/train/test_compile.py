@@ -34,15 +34,14 @@ def test_blocks_compiled_train_the_same_losses_as_eager(tmp_path) -> None:
 
 
 def test_each_block_is_compiled_in_place_and_the_rest_stays_eager() -> None:
-    from runner.model.build import block_class_names
+    from runner.model.build import transformer_blocks
     from tests.runner.train.test_loss import tiny_model
 
     model = tiny_model("tiny")
     keys = list(model.state_dict())
     try:
         count = compile_model(model, "blocks")
-        names = set(block_class_names(model))
-        blocks = [m for m in model.modules() if type(m).__name__ in names]
+        blocks = transformer_blocks(model)
         assert count == len(blocks) == model.config.n_layer
         assert all(getattr(b, "_compiled_call_impl", None) is not None for b in blocks)
         assert getattr(model, "_compiled_call_impl", None) is None  # the model (and its loss head) stays eager
