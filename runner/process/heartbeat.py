@@ -281,6 +281,12 @@ class Heartbeat:
             if self._announced is not None:
                 return self._announced
             if self._ended:
+                # rank 0's process ended while this one was frozen for nearly the timeout: the gang counted this rank
+                # silent (from its last beat, up to a beat before the freeze) and moved on, the end of rank 0's
+                # process being that (CI, 2026-11-30: rank 1 frozen ~5 s of a 5 s timeout reported rank 0 "ended")
+                paused = self._paused_since_reply(now, stalled)
+                if paused + self.interval > self.timeout:
+                    return Loss("self", rank, paused, wall, rank)
                 return Loss("ended", 0, now - self._reply, wall, rank)
             unanswered = now - self._reply
             if unanswered > self.timeout:

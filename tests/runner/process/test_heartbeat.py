@@ -311,6 +311,31 @@ def test_a_freeze_a_little_shorter_than_the_timeout_is_not_the_stores_silence():
     assert [(loss.kind, loss.member) for loss in losses] == [("self", 1)]
 
 
+def test_a_store_closed_while_this_process_was_frozen_nearly_the_timeout_is_its_own_stall():
+    """CI (2026-11-30): rank 1 frozen about 5 s of a 5 s timeout; rank 0 counted it silent from its last beat and
+    ended; woken, rank 1's watchdog measured a stall a little short of the timeout and found the store closed. The
+    gang moved on without it: its own stall (nothing shared written), not rank 0's end. A store that closes while
+    this process ran is still rank 0's end."""
+    member = Heartbeat(DistEnv(rank=1, world_size=2), TIMEOUT_S, lambda loss: None, lambda _: dist.HashStore(),
+                       armed=lambda: True)  # fmt: skip
+    t0 = time.monotonic() - TIMEOUT_S
+    member._armed_at = member._reply = t0
+    member._tick = t0 + 0.05  # the watchdog's last wake-up before the freeze
+    member._ended = True  # the beat thread, woken first, found the store closed
+    now, stalled = member._wake()
+    assert stalled < TIMEOUT_S < stalled + member.interval
+    loss = member.check(now, stalled)
+    assert loss is not None and (loss.kind, loss.member) == ("self", 1)
+    assert "rank 1 stalled for" in loss.describe()
+
+    ran = Heartbeat(DistEnv(rank=1, world_size=2), TIMEOUT_S, lambda loss: None, lambda _: dist.HashStore(),
+                    armed=lambda: True)  # fmt: skip
+    ran._armed_at = ran._reply = ran._tick = time.monotonic() - 0.05
+    ran._ended = True
+    loss = ran.check(*ran._wake())
+    assert loss is not None and (loss.kind, loss.member) == ("ended", 0)
+
+
 def test_a_store_silent_while_this_process_ran_is_still_rank_0s_loss_after_a_short_pause():
     """The other side: the store stopped answering while this process ran, with a scheduling pause of 0.3 s inside
     that silence. The pause is not counted against the store; the loss is the store's once the rest passes the
