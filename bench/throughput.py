@@ -74,6 +74,14 @@ CPU_ROWS = {"tiny": Row("tiny", 128, 16, 16), "llama-tiny": Row("llama-tiny", 12
             "llama-tiny-lora": Row("llama-tiny", 128, 16, 16, ALL_PROJECTIONS)}  # --smoke: tiny  # fmt: skip
 
 
+def named_row(name: str, device: str) -> Row:
+    """A row by name: of GPU_ROWS on a GPU (`device` cuda), of CPU_ROWS on the CPU."""
+    rows = GPU_ROWS if device == "cuda" else CPU_ROWS
+    if name not in rows:
+        raise ValueError(f"no {device} row {name!r}: the rows are {', '.join(rows)}")
+    return rows[name]
+
+
 def _peak_reset() -> None:
     import torch
 
@@ -131,6 +139,18 @@ def _collator() -> tuple[Any, str, str]:
     return stack, "default_data_collator (full rows, no padding)", "sdpa"
 
 
+def row_spec(row: Row, device: str, run_dir: Path, data: Path, precision: str | None = None,
+             compile_scope: str = "off", block_kernels: str = "plain"):  # -> JobSpec  # fmt: skip
+    """The runner side's spec of `row` (tier fast, the row's micro-batch fixed), validated: `precision` fp32 | bf16
+    (default bf16 on a GPU, fp32 on the CPU), `compile_scope` and `block_kernels` as in `measure`."""
+    cfg = SimpleNamespace(seq=row.seq, precision=precision or ("bf16" if device == "cuda" else "fp32"), device=device)
+    lora = {"rank": LORA_RANK, "alpha": 2 * LORA_RANK, "targets": list(row.lora)} if row.lora else None
+    spec = spec_for(cfg, run_dir, data, preset=row.preset, tier="fast", global_batch=row.global_batch,
+                    micro_batch=row.micro_batch, utilization=0.5, lora=lora)  # fmt: skip
+    update = {"compile": compile_scope, "block_kernels": block_kernels}
+    return spec.model_copy(update={"training": spec.training.model_copy(update=update)})
+
+
 def measure(row: Row, device: str, rounds: int, steps: int, budget: Budget | None = None,
             peak_tflops: float | None = None, work: Path | None = None,
             precision: str | None = None, compile_scope: str = "off",
@@ -146,17 +166,12 @@ def measure(row: Row, device: str, rounds: int, steps: int, budget: Budget | Non
 
     from bench.overhead import Plain
 
-    precision = precision or ("bf16" if device == "cuda" else "fp32")
-    cfg = SimpleNamespace(seq=row.seq, precision=precision, device=device)
     with tempfile.TemporaryDirectory() as tmp:
         base = work or Path(tmp)
         total = (rounds + 1) * steps
         data = write_data(base / "data.jsonl", rows=row.global_batch * total + 64, seq=row.seq)
-        lora = {"rank": LORA_RANK, "alpha": 2 * LORA_RANK, "targets": list(row.lora)} if row.lora else None
-        spec = spec_for(cfg, base / "runner", data, preset=row.preset, tier="fast", global_batch=row.global_batch,
-                        micro_batch=row.micro_batch, utilization=0.5, lora=lora)  # fmt: skip
-        update = {"compile": compile_scope, "block_kernels": block_kernels}
-        spec = spec.model_copy(update={"training": spec.training.model_copy(update=update)})
+        spec = row_spec(row, device, base / "runner", data, precision, compile_scope, block_kernels)
+        precision = spec.training.precision
         with recipe_for(spec) as recipe:
             plain, plan = Plain(recipe), recipe.plan
             trainable = _trainable(recipe)
@@ -284,6 +299,30 @@ def measure(row: Row, device: str, rounds: int, steps: int, budget: Budget | Non
     return out
 
 
+def measure_rows(names: list[str], device: str, rounds: int, steps: int, budget: Budget | None = None,
+                 peak_tflops: float | None = None, work: Path | None = None, first_s: float = 12.0,
+                 **variant: Any) -> list[dict[str, Any]]:  # fmt: skip
+    """`measure` for each named row in turn (`named_row`), each result with its "row" name and "seconds"; with
+    `budget`, a row is not started unless what the last one took (`first_s` for the first) is left, and one that is
+    not started, or fails, is {"row", "status"} (a finding, not the end of the others). `variant`: precision,
+    compile_scope, block_kernels."""
+    out: list[dict[str, Any]] = []
+    took = first_s
+    for name in names:
+        if budget is not None and not budget.fits(took):
+            out.append({"row": name, "status": budget.wont_fit_note(took)})
+            continue
+        t0 = time.perf_counter()
+        try:
+            res = measure(named_row(name, device), device, rounds, steps, budget, peak_tflops,
+                          work=None if work is None else work / name, **variant)  # fmt: skip
+            out.append({"row": name, "seconds": round(time.perf_counter() - t0, 1), **res})
+        except Exception as err:
+            out.append({"row": name, "status": f"error: {type(err).__name__}: {err}"[:500]})
+        took = max(first_s, time.perf_counter() - t0)
+    return out
+
+
 def _trainable(recipe: Any) -> int:
     return sum(p.numel() for p in recipe.model.parameters() if p.requires_grad)
 
@@ -343,8 +382,13 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     gpu = torch.cuda.is_available() and not args.smoke
-    table_of = GPU_ROWS if gpu else CPU_ROWS
-    rows = [table_of[r] for r in (args.rows or (",".join(GPU_ROWS) if gpu else "tiny")).split(",")]
+    where = "cuda" if gpu else "cpu"
+    names = (args.rows or (",".join(GPU_ROWS) if gpu else "tiny")).split(",")
+    for name in names:
+        try:
+            named_row(name, where)  # an unknown row fails before any is measured
+        except ValueError as err:
+            parser.error(f"--rows: {err}")
     rounds, steps = args.rounds or (4 if gpu else 5), args.steps or (3 if gpu else 4)
     peak = args.peak_tflops
     if gpu and peak is None:
@@ -353,12 +397,14 @@ def main(argv: list[str] | None = None) -> int:
         name = torch.cuda.get_device_name()
         peak = next((t for key, t in DENSE_BF16_TFLOPS if key.lower() in name.lower()), None)
     budget = Budget(args.budget_s) if args.budget_s else None
-    where = "cuda" if gpu else "cpu"
-    results = [measure(r, where, rounds, steps, budget, peak, precision=args.precision, compile_scope=args.compile,
-                       block_kernels=args.block_kernels) for r in rows]  # fmt: skip
+    results = measure_rows(names, where, rounds, steps, budget, peak, precision=args.precision,
+                           compile_scope=args.compile, block_kernels=args.block_kernels)  # fmt: skip
     print(f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {torch.get_num_threads()} threads, "
           f"{torch.cuda.get_device_name() if gpu else 'CPU'}, torch {torch.__version__}")  # fmt: skip
-    print(table(results))
+    print(table([r for r in results if "status" not in r]))
+    for r in results:
+        if "status" in r:
+            print(f"{r['row']}: {r['status']}")
     if args.json:
         args.json.write_text(json.dumps(results, indent=1) + "\n")
     return 0

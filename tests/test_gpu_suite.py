@@ -108,7 +108,9 @@ def test_smoke_recovery_throughput_tiers_soak(smoke) -> None:
     tp = record["throughput"]
     assert tp["runner"]["median_tokens_per_s"] > 0 and tp["plain"]["median_tokens_per_s"] > 0
     assert tp["runner"]["mfu"] is None and tp["ratio_of_medians"] > 0 and tp["rounds"] == 3
-    sides = tp["sides"]  # bench/throughput.py: runner, plain loop and HF Trainer on the same tokens, interleaved
+    assert record["sides"]["budget_s"] <= record["status"]["throughput"]["budget_s"]
+    [sides] = record["sides"]["rows"]  # bench/throughput.py: runner, plain loop and HF Trainer, interleaved, first
+    assert sides["row"] == "tiny" and sides["seq_len"] == 128 and sides["seconds"] > 0
     assert sides["rounds"] >= 1 and sides["flops_formula"] == "6N + 6*L*C*T (llm.c)"
     assert all(sides[s]["median_tokens_per_s"] > 0 for s in ("runner", "plain", "trainer"))
     assert sides["runner_over_plain"] > 0 and sides["runner_over_trainer_paired"] > 0
@@ -128,6 +130,7 @@ def test_every_spec_the_suite_builds_is_valid(tmp_path, sizes) -> None:
     data = common.write_data(tmp_path / "data.jsonl", rows=4, seq=cfg.seq)
     built = dict(suite.specs(cfg, tmp_path, data))
     expected = {"recovery", "relaunch", "userpath", "runner vs plain", "soak", *(f"tier speed {t}" for t in cfg.tiers),
+                *(f"sides {r}" for r in cfg.sides_rows),
                 *(f"memory {p} {t}" for p in cfg.memory_presets for t in cfg.memory_tiers)}  # fmt: skip
     assert set(built) == expected and all(isinstance(s, JobSpec) for s in built.values())
     for name, spec in built.items():
@@ -137,6 +140,9 @@ def test_every_spec_the_suite_builds_is_valid(tmp_path, sizes) -> None:
     if sizes == "gpu":
         assert {s.model.preset for n, s in built.items() if n.startswith("memory")} == {"gpt2-small"}
         assert built["userpath"].model.preset == "llama-1b" and built["userpath"].memory.tier == "fast"
+        issue42 = built["sides llama-1b"]  # issue 42's full fine-tuning row: seq 2048, bf16, 16 = 4 x 4
+        assert (issue42.data.max_seq_len, issue42.training.precision) == (2048, "bf16")
+        assert (issue42.training.global_batch, issue42.training.micro_batch) == (16, 4)
 
 
 def test_the_user_path_caps_leave_zero2_offload_room_and_fast_none() -> None:
@@ -341,3 +347,17 @@ def test_mfu_inputs_and_wheel_preparation() -> None:
     assert cmd[cmd.index("--python-version") + 1] == "3.12" and "--no-deps" in cmd
     assert {c.split("==")[0] for c in cmd if "==" in c} == set(prepare.PACKAGES)
     assert ".gpu-wheels/" in (ROOT / ".gitignore").read_text().splitlines()
+
+
+def test_throughput_rows_start_only_inside_the_budget_and_a_bad_row_is_refused(tmp_path, capsys) -> None:
+    """bench/throughput.py: a row that would not end inside the budget is recorded as not started (no model built),
+    and an unknown `--rows` name ends the call with exit 2 and the rows there are, before anything is measured."""
+    from bench.throughput import main, measure_rows
+
+    rows = measure_rows(["tiny", "llama-tiny"], "cpu", 1, 1, common.Budget(5.0), first_s=12.0)
+    assert [r["row"] for r in rows] == ["tiny", "llama-tiny"]
+    assert all(r["status"].startswith("skipped: would not end inside the time budget") for r in rows), rows
+    with pytest.raises(SystemExit) as done:
+        main(["--smoke", "--rows", "tiny,llama-7b", "--json", str(tmp_path / "r.json")])
+    assert done.value.code == 2 and not (tmp_path / "r.json").exists()
+    assert "no cpu row 'llama-7b': the rows are tiny, llama-tiny, llama-tiny-lora" in capsys.readouterr().err

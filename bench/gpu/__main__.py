@@ -13,11 +13,12 @@ else bench/gpu/out/) after every item, so a call cut off at any moment still lea
               alone: python -m bench.gpu.userpath)
   memory      formula vs trace vs `torch.cuda.max_memory_allocated`, gpt2-small x two tiers, at the micro-batch
               the runner verifies with probe steps (bench/gpu/sizing.py); calibration (calibrate.py)
-  throughput  runner vs plain bf16 loop with MFU, tier speed ratios, VRAM soak (bench/gpu/throughput.py)
+  throughput  issue 42's llama-1b row (runner, plain loop, HF Trainer: bench/throughput.py), runner vs plain bf16
+              loop on gpt2-small with MFU, tier speed ratios, VRAM soak (bench/gpu/throughput.py)
 
 Budgets (seconds of wall time; GPU defaults sum to 470, one device call of at most 9 minutes with the install):
---budget-tests 140, --budget-recovery 90 (of which --sweep-budget 35), --budget-userpath 140, --budget-memory 50,
---budget-throughput 50; --total-budget S scales them all to sum to S. A part starts no item that would not end inside
+--budget-tests 130, --budget-recovery 85 (of which --sweep-budget 35), --budget-userpath 130, --budget-memory 40,
+--budget-throughput 85; --total-budget S scales them all to sum to S. A part starts no item that would not end inside
 its budget.
 
   --smoke     every part on the CPU with the tiny preset: the same JSON keys and Markdown sections, GPU-only

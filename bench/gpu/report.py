@@ -16,7 +16,7 @@ PARTS: dict[str, tuple[str, ...]] = {  # in the order one call runs them (common
     "recovery": ("recovery", "oom_anywhere"),
     "userpath": ("userpath",),
     "memory": ("sizing", "memory_model", "calibration"),
-    "throughput": ("throughput", "tiers", "soak"),
+    "throughput": ("sides", "throughput", "tiers", "soak"),
 }
 SECTION_KEYS = tuple(k for ks in PARTS.values() for k in ks)
 KEYS = ("schema", "environment", "config", "parts", "seconds", "status", *SECTION_KEYS)
@@ -28,6 +28,7 @@ SECTIONS = {
     "sizing": "## Sizing: formula, verified, exhaustive",
     "memory_model": "## Memory: formula vs trace vs measured peak",
     "calibration": "## Calibration",
+    "sides": "## Throughput: runner, plain loop and HF Trainer (issue 42's rows)",
     "throughput": "## Throughput: runner vs plain loop",
     "tiers": "## Tier speed",
     "soak": "## VRAM soak",
@@ -231,20 +232,22 @@ def _throughput(t: dict[str, Any], f: Fmt) -> list[str]:
         "",
         f"runner / plain: {f(t['ratio_of_medians'])} (ratio of medians), "
         f"{f(t['median_paired_ratio'])} (median of per-round ratios).",
-        *_sides(t.get("sides")),
     ]
 
 
-def _sides(s: dict[str, Any] | None) -> list[str]:
-    """bench/throughput.py's runner / plain / HF Trainer table, when the part ran it."""
-    if not s:
-        return []
-    if "status" in s:
-        return ["", f"runner / plain / HF Trainer: {s['status']}"]
+def _sides(s: dict[str, Any], f: Fmt) -> list[str]:
+    """bench/throughput.py's runner / plain / HF Trainer table, a row per row that ran, a line per row that did not."""
     from bench.throughput import table
 
-    return ["", f"runner / plain / HF Trainer ({s['rounds']} rounds of {s['steps_per_round']} steps, interleaved; "
-            f"Trainer: {s['trainer_collator']}, {s['trainer_attention']}):", "", table([s])]  # fmt: skip
+    done = [r for r in s["rows"] if "status" not in r]
+    lines = [f"Within {s['budget_s']} s of the part's budget; rounds interleaved, the first side alternating; MFU = "
+             "tokens/s x FLOPs/token / dense bf16 peak.", ""]  # fmt: skip
+    for r in done:
+        lines.append(f"- {r['row']}: {r['rounds']} measured rounds of {r['steps_per_round']} steps, {r['seconds']} s; "
+                     f"FLOPs/token {r['flops_formula']}; Trainer: {r['trainer_collator']}, {r['trainer_attention']}; "
+                     f"loss {r['loss_kernel']}, compile {r['compile']}, blocks {r['block_kernels']}")  # fmt: skip
+    lines += [f"- {r['row']}: {r['status']}" for r in s["rows"] if "status" in r]
+    return [*lines, *(["", table(done)] if done else [])]
 
 
 def _tiers(ts: list[dict[str, Any]], f: Fmt) -> list[str]:
@@ -312,6 +315,7 @@ RENDER: dict[str, Callable[[Any, Fmt], list[str]]] = {
     "sizing": _sizing,
     "memory_model": _memory,
     "calibration": lambda c, f: [calibration_text(c)],
+    "sides": _sides,
     "throughput": _throughput,
     "tiers": _tiers,
     "soak": _soak,

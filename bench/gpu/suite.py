@@ -36,7 +36,8 @@ from bench.gpu import common, device
 from bench.gpu.report import KEYS, markdown
 
 log = logging.getLogger("bench.gpu")
-SCHEMA = 3  # 3: part userpath after recovery; 2: tests, recovery, memory, throughput; 1: tests, sizing, throughput
+SCHEMA = 4  # 4: issue 42's rows ("sides") first in throughput; 3: part userpath after recovery; 2: tests, recovery,
+# memory, throughput; 1: tests, sizing, throughput
 GRACE_S = 8.0  # between SIGUSR1 and SIGKILL: a part writes what it has
 MIN_PART_S = 15.0  # a part with less than this left of the total is not started
 EXIT_NO_GPU = 2
@@ -174,6 +175,7 @@ def specs(cfg: common.Config, work: Path, data: Path) -> list[tuple[str, Any]]:
     out.append(("userpath", parse_spec(yaml.safe_dump(userpath.spec_dict(setup, work / "userpath")))))
     out += [(f"memory {p} {t}", sizing.sizing_spec(cfg, work, data, p, t))
             for p in cfg.memory_presets for t in cfg.memory_tiers]  # fmt: skip
+    out += [(f"sides {r}", throughput.side_spec(cfg, r, work, data)) for r in cfg.sides_rows]
     out.append(("runner vs plain", throughput.plain_spec(cfg, work, data)))
     out += [(f"tier speed {t}", throughput.tier_spec(cfg, work, data, t, 0)) for t in cfg.tiers]
     out.append(("soak", throughput.soak_spec(cfg, work, data)))

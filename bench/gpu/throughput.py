@@ -1,5 +1,11 @@
-"""Throughput: the runner against a plain PyTorch loop, each tier against `fast`, and a VRAM soak.
+"""Throughput, in this order: issue 42's rows (the runner, a plain loop and HF Trainer), the runner against a plain
+PyTorch loop on gpt2-small, each tier against `fast`, and a VRAM soak.
 
+sides            bench/throughput.py's rows `cfg.sides_rows` (GPU: issue 42's llama-1b at seq 2048, full
+                 fine-tuning; smoke: the CPU row tiny): the runner, the plain loop and HF Trainer on the same model,
+                 samples, micro-batch and precision, rounds interleaved, within SIDES_SHARE of the part's budget
+                 (record["sides"]); a row is not started unless what the last one took (SIDES_MIN_S for the first)
+                 is left. llama-8b-lora and the compile / Liger variants run alone: python -m bench.throughput.
 runner vs plain  One Recipe (fast tier, micro-batch auto at target_utilization 0.5, the spec's floor: both
                  models share the GPU; the same value on the CPU) and bench/overhead.py's `Plain` twin (same
                  preset, seed, micro-batch, precision, fused AdamW, clipping, token-summed loss). Both
@@ -10,10 +16,6 @@ runner vs plain  One Recipe (fast tier, micro-batch auto at target_utilization 0
                  plain side's batches are collated outside its timer (a strict baseline). Per round:
                  tokens/s (input tokens, padding excluded; rows are full) from wall time, and CPU seconds of
                  this process and its loader workers. Medians over rounds.
-sides            bench/throughput.py: the runner, the plain loop and HF Trainer on the part's preset, sequence and
-                 batch (micro-batch = batch), rounds interleaved, in at most SIDES_SHARE of what the part has left
-                 (record["throughput"]["sides"]); the GPU rows of issue 42 (llama-1b) run alone: python -m
-                 bench.throughput.
 tiers            For each tier, a Recipe at micro-batch auto (the tier's own plan), 2 warm-up steps, then
                  `tier_steps` steps timed one by one (synchronised); `tier_rounds` rounds, the tier order
                  reversed in every other one (accelerate's global state allows one live configuration at a time,
@@ -129,22 +131,30 @@ def runner_vs_plain(
     return out
 
 
-# The three sides get at most SIDES_SHARE of what the part has left after runner vs plain (tiers and soak keep the
-# rest), and are not started with less than SIDES_MIN_S of it: their set-up (three models, a Trainer) and two rounds.
-SIDES_SHARE = 0.5
+# Issue 42's rows get at most SIDES_SHARE of the part's budget (runner vs plain, tiers and soak keep the rest), and
+# the first is not started with less than SIDES_MIN_S of it: three models' set-up, a Trainer, two rounds.
+SIDES_SHARE = 0.6
 SIDES_MIN_S = 12.0
 
 
-def three_sides(cfg: Config, work: Path, peak: float | None, budget: Budget) -> dict[str, Any]:
-    """bench/throughput.py's runner / plain loop / HF Trainer comparison on the part's preset, sequence length and
-    batch (micro-batch = the batch: one micro-batch a step, the 2026-11-28 record's shape), `cfg.rounds` rounds of
-    `cfg.round_steps` steps, no round started that would not end inside `budget`."""
-    from bench.throughput import Row, measure
+def side_spec(cfg: Config, name: str, work: Path, data: Path):  # -> JobSpec
+    """The runner side's spec of the row `name` (bench/throughput.py), as `three_sides` runs it."""
+    from bench.throughput import named_row, row_spec
 
-    row = Row(cfg.throughput_preset, cfg.seq, cfg.throughput_batch, cfg.throughput_batch)
+    return row_spec(named_row(name, cfg.device), cfg.device, work / "sides" / name / "runner", data)
+
+
+def three_sides(cfg: Config, work: Path, peak: float | None, budget: Budget) -> dict[str, Any]:
+    """bench/throughput.py's runner / plain loop / HF Trainer comparison on each of `cfg.sides_rows` (the row's own
+    preset, sequence length, batch and micro-batch), at most `cfg.rounds` rounds of `cfg.sides_steps` steps, no round
+    started that would not end inside this share of `budget`, no row started that would not either (what the last
+    row took)."""
+    from bench.throughput import measure_rows
+
     mine = Budget(budget.left() * SIDES_SHARE)
-    return {"budget_s": round(mine.seconds, 1),
-            **measure(row, cfg.device, cfg.rounds, cfg.round_steps, mine, peak, work=work / "sides")}  # fmt: skip
+    rows = measure_rows(list(cfg.sides_rows), cfg.device, cfg.rounds, cfg.sides_steps, mine, peak, work=work / "sides",
+                        first_s=SIDES_MIN_S)  # fmt: skip
+    return {"budget_s": round(mine.seconds, 1), "rows": rows}
 
 
 def _per_step(rounds: list[dict[str, Any]], side: str, key: str, steps: int) -> float | None:
@@ -279,22 +289,18 @@ def run(
 ) -> None:
     peak, _source = peak_tflops(cfg, device_name)
     for key, fn in (
-        ("throughput", lambda: runner_vs_plain(cfg, work, data, peak, budget)),
         ("sides", lambda: three_sides(cfg, work, peak, budget)),
+        ("throughput", lambda: runner_vs_plain(cfg, work, data, peak, budget)),
         ("tiers", lambda: tier_speed(cfg, work, data, budget, peak)),
         ("soak", lambda: soak(cfg, work, data, budget, peak)),
     ):
-        # the three sides go with runner vs plain (record["throughput"]["sides"]): the record's keys stay as they are
-        into, name = (record["throughput"], "sides") if key == "sides" else (record, key)
-        if not isinstance(into, dict):
-            continue
         if budget.spent():
-            into[name] = {"status": budget.skip_note()}
+            record[key] = {"status": budget.skip_note()}
         elif key == "sides" and budget.left() * SIDES_SHARE < SIDES_MIN_S:
-            into[name] = {"status": budget.wont_fit_note(SIDES_MIN_S / SIDES_SHARE)}
+            record[key] = {"status": budget.wont_fit_note(SIDES_MIN_S / SIDES_SHARE)}
         else:
             try:
-                into[name] = fn()
+                record[key] = fn()
             except Exception as err:
-                into[name] = {"status": f"error: {type(err).__name__}: {err}"[:500]}
+                record[key] = {"status": f"error: {type(err).__name__}: {err}"[:500]}
         save()

@@ -64,3 +64,36 @@ def test_a_number_or_a_word_that_is_no_scope_is_refused(value: str) -> None:
     with pytest.raises(SpecError) as err:
         parse_spec(f"name: c\nmodel: {{preset: tiny}}\ntraining: {{global_batch: 4, steps: 1, compile: {value}}}\n")
     assert "training.compile" in str(err.value)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA or ROCm GPU")
+@pytest.mark.parametrize("kernels", ["plain", "liger"])
+def test_on_a_gpu_compiled_blocks_train_the_same_losses_as_eager(tmp_path, kernels: str) -> None:
+    """The runner's step on the GPU with `compile: blocks` (inductor's Triton code), with transformers' blocks and with
+    Liger's (their Triton kernels inside the compiled blocks: never run together on the CPU, where Triton's
+    interpreter cannot be traced by dynamo): the same losses as the eager step, fp32 (TF32 matmuls either way), on a
+    Llama-shaped preset. The compile's and the steps' seconds are printed (`pytest -m gpu -s`, the suite's record)."""
+    import time
+
+    if kernels == "liger":
+        pytest.importorskip("liger_kernel")
+    got, seconds = {}, {}
+    training = {"global_batch": 8, "micro_batch": 8, "steps": 4, "warmup_steps": 1, "log_every": 1,
+                "precision": "fp32", "block_kernels": kernels}  # fmt: skip
+    try:
+        for scope in ("off", "blocks"):
+            sections = {"model": {"preset": "llama-tiny"}, "data": {"max_seq_len": 256},
+                        "training": {**training, "compile": scope}, "hardware": {"vendor": "cuda", "gpus": 1}}
+            spec = tiny_spec(tmp_path / scope, **sections)
+            tic = time.perf_counter()
+            code, _ = train_in_process(spec)
+            seconds[scope] = time.perf_counter() - tic
+            assert code == 0
+            got[scope] = [r["loss"] for r in records(tmp_path / scope)]
+    finally:
+        torch.compiler.reset()
+    print(f"{kernels} blocks: eager run {seconds['off']:.1f} s, compiled run {seconds['blocks']:.1f} s "
+          f"(its compile included); losses {got['off']} / {got['blocks']}")  # fmt: skip
+    assert len(got["off"]) == len(got["blocks"]) == 4
+    torch.testing.assert_close(torch.tensor(got["blocks"]), torch.tensor(got["off"]), rtol=2e-3, atol=2e-3)
