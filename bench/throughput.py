@@ -28,9 +28,10 @@ not counted), peak allocated device memory in the side's rounds (all three model
 states of the other two are in it) and its rise over the round's start (what the side's steps add), wall and CPU
 seconds per step (CPU: this process and its loader workers); medians over rounds, and runner/plain and
 runner/trainer ratios (of medians, and the median of the per-round ratios).
-Also called by the GPU suite's throughput part (bench/gpu/throughput.py) with part of that part's budget (gpt2-small):
-rounds that would not end inside it are not started. Issue 42's rows (llama-1b full fine-tuning, `llama-8b-lora`:
-rank 16 on every projection of Llama 3.1 8B's shape) run as their own call, `--budget-s` bounding it.
+Also called by the GPU proof's throughput part (bench/gpu/throughput.py) for issue 42's rows (llama-1b full
+fine-tuning, then `llama-8b-lora`: rank 16 on every projection of Llama 3.1 8B's shape) at the defaults, with part of
+that part's budget: rounds, and rows, that would not end inside it are not started (`measure_rows`). Run alone for
+the variants (`--compile`, `--block-kernels`) and gpt2-small, `--budget-s` bounding the call.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ import logging
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
@@ -299,27 +301,44 @@ def measure(row: Row, device: str, rounds: int, steps: int, budget: Budget | Non
     return out
 
 
+def step_flops(row: Row) -> int:
+    """One optimizer step's model FLOPs (FLOPs/token as `measure` counts them, a LoRA row's base at 4N, times the
+    step's tokens): what a row's seconds scale with, set-up included (its models' sizes scale alike)."""
+    return flops_per_token(row.preset, row.seq, trainable=0 if row.lora else None) * row.global_batch * row.seq
+
+
 def measure_rows(names: list[str], device: str, rounds: int, steps: int, budget: Budget | None = None,
                  peak_tflops: float | None = None, work: Path | None = None, first_s: float = 12.0,
+                 on_row: Callable[[list[dict[str, Any]]], None] | None = None,
                  **variant: Any) -> list[dict[str, Any]]:  # fmt: skip
-    """`measure` for each named row in turn (`named_row`), each result with its "row" name and "seconds"; with
-    `budget`, a row is not started unless what the last one took (`first_s` for the first) is left, and one that is
-    not started, or fails, is {"row", "status"} (a finding, not the end of the others). `variant`: precision,
-    compile_scope, block_kernels."""
+    """`measure` for each named row in turn (`named_row`), each result with its "row" name and "seconds"; `variant`:
+    precision, compile_scope, block_kernels. With `budget`, a row is not started unless what it is expected to take is
+    left: `first_s` for the first, then the last measured row's seconds scaled by `step_flops` (`first_s` at least).
+    A row not started, or failed, is {"row", "status"}: a finding, not the end of the others. `on_row` gets the
+    results so far after each row (a caller that saves as it goes keeps them if it is cut off later)."""
     out: list[dict[str, Any]] = []
-    took = first_s
+    last: tuple[float, Row, str] | None = None  # the last measured row's seconds, row and name
     for name in names:
-        if budget is not None and not budget.fits(took):
-            out.append({"row": name, "status": budget.wont_fit_note(took)})
-            continue
-        t0 = time.perf_counter()
-        try:
-            res = measure(named_row(name, device), device, rounds, steps, budget, peak_tflops,
-                          work=None if work is None else work / name, **variant)  # fmt: skip
-            out.append({"row": name, "seconds": round(time.perf_counter() - t0, 1), **res})
-        except Exception as err:
-            out.append({"row": name, "status": f"error: {type(err).__name__}: {err}"[:500]})
-        took = max(first_s, time.perf_counter() - t0)
+        row = named_row(name, device)
+        expected, why = first_s, f"{first_s:.0f} s for a first row"
+        if last is not None:
+            scale = step_flops(row) / step_flops(last[1])
+            expected, why = max(first_s, last[0] * scale), f"{last[2]}'s {last[0]:.1f} s x {scale:.2f}, by FLOPs a step"
+        if budget is not None and not budget.fits(expected):
+            out.append({"row": name, "status": f"skipped: would not end inside the time budget ({budget.left():.0f} s "
+                        f"left of {budget.seconds:.0f} s, expected {expected:.0f} s: {why})"})  # fmt: skip
+        else:
+            t0 = time.perf_counter()
+            try:
+                res = measure(row, device, rounds, steps, budget, peak_tflops,
+                              work=None if work is None else work / name, **variant)  # fmt: skip
+                took = time.perf_counter() - t0
+                out.append({"row": name, "seconds": round(took, 1), **res})
+                last = (took, row, name)
+            except Exception as err:
+                out.append({"row": name, "status": f"error: {type(err).__name__}: {err}"[:500]})
+        if on_row is not None:
+            on_row(out)
     return out
 
 

@@ -89,6 +89,7 @@ def test_smoke_memory_part_compares_formula_trace_and_the_runners_probe_search(s
 
 @pytest.mark.slow
 def test_smoke_recovery_throughput_tiers_soak(smoke) -> None:
+    from bench import throughput
     record = smoke[0]
     rec = {r["scenario"]: r for r in record["recovery"]}
     shrink, down = rec["shrink"], rec["step-down"]
@@ -109,8 +110,10 @@ def test_smoke_recovery_throughput_tiers_soak(smoke) -> None:
     assert tp["runner"]["median_tokens_per_s"] > 0 and tp["plain"]["median_tokens_per_s"] > 0
     assert tp["runner"]["mfu"] is None and tp["ratio_of_medians"] > 0 and tp["rounds"] == 3
     assert record["sides"]["budget_s"] <= record["status"]["throughput"]["budget_s"]
-    [sides] = record["sides"]["rows"]  # bench/throughput.py: runner, plain loop and HF Trainer, interleaved, first
+    sides, lora = record["sides"]["rows"]  # bench/throughput.py: runner, plain loop and HF Trainer, interleaved, first
     assert sides["row"] == "tiny" and sides["seq_len"] == 128 and sides["seconds"] > 0
+    assert lora["row"] == "llama-tiny-lora" and lora["flops_formula"].startswith("4N + 2T_lora"), lora.get("status")
+    assert lora["runner"]["median_tokens_per_s"] > 0 and lora["lora"] == list(throughput.ALL_PROJECTIONS)
     assert sides["rounds"] >= 1 and sides["flops_formula"] == "6N + 6*L*C*T (llm.c)"
     assert all(sides[s]["median_tokens_per_s"] > 0 for s in ("runner", "plain", "trainer"))
     assert sides["runner_over_plain"] > 0 and sides["runner_over_trainer_paired"] > 0
@@ -140,9 +143,10 @@ def test_every_spec_the_suite_builds_is_valid(tmp_path, sizes) -> None:
     if sizes == "gpu":
         assert {s.model.preset for n, s in built.items() if n.startswith("memory")} == {"gpt2-small"}
         assert built["userpath"].model.preset == "llama-1b" and built["userpath"].memory.tier == "fast"
-        issue42 = built["sides llama-1b"]  # issue 42's full fine-tuning row: seq 2048, bf16, 16 = 4 x 4
-        assert (issue42.data.max_seq_len, issue42.training.precision) == (2048, "bf16")
-        assert (issue42.training.global_batch, issue42.training.micro_batch) == (16, 4)
+        full, lora = built["sides llama-1b"], built["sides llama-8b-lora"]  # issue 42's rows: seq 2048, bf16
+        assert (full.data.max_seq_len, full.training.precision, full.model.lora) == (2048, "bf16", None)
+        assert (full.training.global_batch, full.training.micro_batch) == (16, 4)
+        assert (lora.model.preset, lora.model.lora.rank, lora.data.max_seq_len) == ("llama-8b", 16, 2048)
 
 
 def test_the_user_path_caps_leave_zero2_offload_room_and_fast_none() -> None:
@@ -349,14 +353,28 @@ def test_mfu_inputs_and_wheel_preparation() -> None:
     assert ".gpu-wheels/" in (ROOT / ".gitignore").read_text().splitlines()
 
 
-def test_throughput_rows_start_only_inside_the_budget_and_a_bad_row_is_refused(tmp_path, capsys) -> None:
+def test_throughput_rows_start_only_inside_the_budget_and_a_bad_row_is_refused(tmp_path, capsys, monkeypatch) -> None:
     """bench/throughput.py: a row that would not end inside the budget is recorded as not started (no model built),
     and an unknown `--rows` name ends the call with exit 2 and the rows there are, before anything is measured."""
+    import bench.throughput as tp
     from bench.throughput import main, measure_rows
 
     rows = measure_rows(["tiny", "llama-tiny"], "cpu", 1, 1, common.Budget(5.0), first_s=12.0)
     assert [r["row"] for r in rows] == ["tiny", "llama-tiny"]
     assert all(r["status"].startswith("skipped: would not end inside the time budget") for r in rows), rows
+
+    def measure(row, *args, **kw):  # what a row takes: 0.3 s per 1e10 FLOPs of a step
+        time.sleep(0.3 * tp.step_flops(row) / 1e10)
+        return {"preset": row.preset}
+
+    monkeypatch.setattr(tp, "measure", measure)
+    seen = []  # the next row is expected to take the last one's seconds scaled by the FLOPs of a step
+    rows = measure_rows(["llama-tiny-lora", "tiny", "llama-tiny"], "cpu", 1, 1, common.Budget(0.45), first_s=0.05,
+                        on_row=lambda rs: seen.append(len(rs)))  # fmt: skip
+    assert [r["row"] for r in rows] == ["llama-tiny-lora", "tiny", "llama-tiny"] and seen == [1, 2, 3]
+    assert rows[0]["seconds"] >= 0.1 and "status" not in rows[0]  # ~0.12 s of 0.45: tiny's ~0.21 s still fits
+    assert "status" not in rows[1] and rows[2]["status"].startswith("skipped: would not end inside"), rows
+    assert "tiny's 0.2 s x 0.83, by FLOPs a step" in rows[2]["status"]
     with pytest.raises(SystemExit) as done:
         main(["--smoke", "--rows", "tiny,llama-7b", "--json", str(tmp_path / "r.json")])
     assert done.value.code == 2 and not (tmp_path / "r.json").exists()

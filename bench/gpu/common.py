@@ -76,7 +76,7 @@ class Config:
             recovery_rounds=3,
             sweep_points=48,
             sweep_seed=0,
-            sides_rows=("llama-1b",),  # issue 42's full fine-tuning row, seq 2048; llama-8b-lora runs alone (docs)
+            sides_rows=("llama-1b", "llama-8b-lora"),  # issue 42's rows, seq 2048: the 8B's only where it fits
             sides_steps=2,
             throughput_preset="gpt2-small",
             throughput_batch=32,
@@ -113,7 +113,7 @@ class Config:
             recovery_rounds=1,
             sweep_points=2,
             sweep_seed=0,
-            sides_rows=("tiny",),
+            sides_rows=("tiny", "llama-tiny-lora"),
             sides_steps=3,
             throughput_preset="tiny",
             throughput_batch=16,

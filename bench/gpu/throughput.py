@@ -2,10 +2,12 @@
 PyTorch loop on gpt2-small, each tier against `fast`, and a VRAM soak.
 
 sides            bench/throughput.py's rows `cfg.sides_rows` (GPU: issue 42's llama-1b at seq 2048, full
-                 fine-tuning; smoke: the CPU row tiny): the runner, the plain loop and HF Trainer on the same model,
-                 samples, micro-batch and precision, rounds interleaved, within SIDES_SHARE of the part's budget
-                 (record["sides"]); a row is not started unless what the last one took (SIDES_MIN_S for the first)
-                 is left. llama-8b-lora and the compile / Liger variants run alone: python -m bench.throughput.
+                 fine-tuning, then llama-8b-lora; smoke: the CPU rows tiny and llama-tiny-lora): the runner, the
+                 plain loop and HF Trainer on the same model, samples, micro-batch and precision, rounds
+                 interleaved, within SIDES_SHARE of the part's budget (record["sides"], written after each row); a
+                 row is not started unless what it is expected to take is left (SIDES_MIN_S for the first, then
+                 the last row's seconds scaled by a step's FLOPs): on the GPU llama-8b-lora runs after llama-1b
+                 only where that fits. The compile / Liger variants run alone: python -m bench.throughput.
 runner vs plain  One Recipe (fast tier, micro-batch auto at target_utilization 0.5, the spec's floor: both
                  models share the GPU; the same value on the CPU) and bench/overhead.py's `Plain` twin (same
                  preset, seed, micro-batch, precision, fused AdamW, clipping, token-summed loss). Both
@@ -144,17 +146,24 @@ def side_spec(cfg: Config, name: str, work: Path, data: Path):  # -> JobSpec
     return row_spec(named_row(name, cfg.device), cfg.device, work / "sides" / name / "runner", data)
 
 
-def three_sides(cfg: Config, work: Path, peak: float | None, budget: Budget) -> dict[str, Any]:
+def three_sides(cfg: Config, work: Path, peak: float | None, budget: Budget, record: dict[str, Any],
+                save: Callable[[], None]) -> dict[str, Any]:  # fmt: skip
     """bench/throughput.py's runner / plain loop / HF Trainer comparison on each of `cfg.sides_rows` (the row's own
     preset, sequence length, batch and micro-batch), at most `cfg.rounds` rounds of `cfg.sides_steps` steps, no round
-    started that would not end inside this share of `budget`, no row started that would not either (what the last
-    row took)."""
+    started that would not end inside this share of `budget`, no row started that would not either
+    (`measure_rows`); record["sides"] written after each row, so a part cut off later keeps the rows it measured."""
     from bench.throughput import measure_rows
 
     mine = Budget(budget.left() * SIDES_SHARE)
-    rows = measure_rows(list(cfg.sides_rows), cfg.device, cfg.rounds, cfg.sides_steps, mine, peak, work=work / "sides",
-                        first_s=SIDES_MIN_S)  # fmt: skip
-    return {"budget_s": round(mine.seconds, 1), "rows": rows}
+    out: dict[str, Any] = {"budget_s": round(mine.seconds, 1), "rows": []}
+
+    def keep(rows: list[dict[str, Any]]) -> None:
+        record["sides"] = {**out, "rows": list(rows)}
+        save()
+
+    out["rows"] = measure_rows(list(cfg.sides_rows), cfg.device, cfg.rounds, cfg.sides_steps, mine, peak,
+                               work=work / "sides", first_s=SIDES_MIN_S, on_row=keep)  # fmt: skip
+    return out
 
 
 def _per_step(rounds: list[dict[str, Any]], side: str, key: str, steps: int) -> float | None:
@@ -289,7 +298,7 @@ def run(
 ) -> None:
     peak, _source = peak_tflops(cfg, device_name)
     for key, fn in (
-        ("sides", lambda: three_sides(cfg, work, peak, budget)),
+        ("sides", lambda: three_sides(cfg, work, peak, budget, record, save)),
         ("throughput", lambda: runner_vs_plain(cfg, work, data, peak, budget)),
         ("tiers", lambda: tier_speed(cfg, work, data, budget, peak)),
         ("soak", lambda: soak(cfg, work, data, budget, peak)),
