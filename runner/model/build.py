@@ -296,14 +296,20 @@ def apply_lora(model: nn.Module, lora: LoraSpec) -> nn.Module:
 def block_class_names(model: nn.Module) -> list[str]:
     """Class names of the transformer blocks (FSDP wraps each one, and checkpointing recomputes them)."""
     blocks = getattr(model, "_no_split_modules", None) or []
-    found = {type(m).__name__ for m in model.modules()}
+    found = {name for m in model.modules() for name in _class_names(m)}
     names = [b for b in blocks if b in found]
     if not names:
         raise ConfigError(f"cannot find the transformer blocks of {type(model).__name__} to shard")
     return names
 
 
+def _class_names(module: nn.Module) -> set[str]:
+    """The names of the module's class and its bases: FSDP2's `fully_shard` gives a sharded module a class of its own
+    (FSDPLlamaDecoderLayer, a subclass of LlamaDecoderLayer), which is still the block."""
+    return {c.__name__ for c in type(module).__mro__}
+
+
 def transformer_blocks(model: nn.Module) -> list[nn.Module]:
-    """The transformer blocks of `model`, in order (those `block_class_names` names)."""
+    """The transformer blocks of `model`, in order (those `block_class_names` names), sharded by FSDP2 or not."""
     names = set(block_class_names(model))
-    return [m for m in model.modules() if type(m).__name__ in names]
+    return [m for m in model.modules() if _class_names(m) & names]

@@ -7,6 +7,8 @@ runs on the CPU here with inductor's C++ backend; the GPU suite times it (bench/
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -15,9 +17,10 @@ from runner.train.engine import compile_model
 from tests.runner.train_helpers import records, tiny_spec, train_in_process
 
 
-def losses(run_dir, compile_scope: str) -> list[float]:
-    training = {"global_batch": 8, "micro_batch": 8, "steps": 3, "warmup_steps": 1, "log_every": 1}
-    spec = tiny_spec(run_dir, training={**training, "compile": compile_scope})  # one shape: one compile
+def losses(run_dir, compile_scope: str, **sections: dict) -> list[float]:
+    training = {"global_batch": 8, "micro_batch": 8, "steps": 3, "warmup_steps": 1, "log_every": 1,
+                **sections.pop("training", {})}  # fmt: skip
+    spec = tiny_spec(run_dir, training={**training, "compile": compile_scope}, **sections)  # one shape: one compile
     code, _ = train_in_process(spec)
     assert code == 0
     return [r["loss"] for r in records(run_dir)]
@@ -29,6 +32,33 @@ def test_blocks_compiled_train_the_same_losses_as_eager(tmp_path) -> None:
         compiled = losses(tmp_path / "blocks", "blocks")
     finally:
         torch.compiler.reset()
+    assert len(eager) == len(compiled) == 3
+    torch.testing.assert_close(torch.tensor(compiled), torch.tensor(eager), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize(
+    ("tier", "checkpointing", "lora"),
+    [("zero3", "on", False), ("zero2", "off", True)],
+    ids=["fsdp2-checkpointed", "fsdp2-lora"],
+)
+def test_blocks_compiled_under_fsdp2_train_the_same_losses_as_eager(tmp_path, caplog, tier, checkpointing, lora):
+    """Regional compilation where the issue asks for it: blocks sharded by FSDP2 (one gloo rank; `fully_shard` gives
+    each block a class of its own, FSDPLlamaDecoderLayer, which must still be found as a block), recomputed by
+    activation checkpointing, with LoRA's adapters inside them: every block compiled, the same losses as eager."""
+    import logging
+
+    adapters = {"lora": {"rank": 4, "targets": ["q_proj", "v_proj"]}} if lora else {}
+    sections = {"model": {"preset": "llama-tiny", **adapters}, "memory": {"tier": tier},
+                "training": {"micro_batch": 4, "gradient_checkpointing": checkpointing}}  # fmt: skip
+    try:
+        eager = losses(tmp_path / "eager", "off", **copy.deepcopy(sections))
+        with caplog.at_level(logging.INFO, logger="jobspec.runner"):
+            compiled = losses(tmp_path / "blocks", "blocks", **copy.deepcopy(sections))
+    finally:
+        torch.compiler.reset()
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("engine: accelerate")]
+    assert said and "FSDP2" in said[0] and f"checkpointing {checkpointing == 'on'}" in said[0], said
+    assert "compile blocks (2 module(s);" in said[0], said  # llama-tiny's two layers
     assert len(eager) == len(compiled) == 3
     torch.testing.assert_close(torch.tensor(compiled), torch.tensor(eager), rtol=1e-4, atol=1e-4)
 
