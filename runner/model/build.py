@@ -294,8 +294,11 @@ def apply_lora(model: nn.Module, lora: LoraSpec) -> nn.Module:
 
 
 def block_class_names(model: nn.Module) -> list[str]:
-    """Class names of the transformer blocks (FSDP wraps each one, and checkpointing recomputes them)."""
-    blocks = getattr(model, "_no_split_modules", None) or []
+    """Class names of the transformer blocks (FSDP wraps each one, and checkpointing recomputes them): the
+    `_no_split_modules` of `model`, or of the first module inside it that has them (a model wrapped by DDP, whose
+    wrapper has none)."""
+    holder = next((m for m in model.modules() if getattr(m, "_no_split_modules", None)), model)
+    blocks = getattr(holder, "_no_split_modules", None) or []
     found = {name for m in model.modules() for name in _class_names(m)}
     names = [b for b in blocks if b in found]
     if not names:

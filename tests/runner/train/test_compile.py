@@ -63,6 +63,20 @@ def test_blocks_compiled_under_fsdp2_train_the_same_losses_as_eager(tmp_path, ca
     torch.testing.assert_close(torch.tensor(compiled), torch.tensor(eager), rtol=1e-4, atol=1e-4)
 
 
+def test_a_run_started_as_users_start_it_compiles_its_blocks(tmp_path) -> None:
+    """`python -m runner SPEC` (what `jobspec run` and the pod start): the worker's process group makes accelerate
+    wrap even one CPU process in DDP, whose wrapper has no `_no_split_modules`; the blocks are found inside it (the
+    run ended with "cannot find the transformer blocks of DistributedDataParallel" before)."""
+    from tests.runner.train_helpers import run_supervisor, tiny_spec_dict, write_spec
+
+    training = {"global_batch": 8, "micro_batch": 8, "steps": 2, "warmup_steps": 1, "compile": "blocks"}
+    path = write_spec(tmp_path / "spec.yaml", tiny_spec_dict(tmp_path / "run", training=training))
+    done = run_supervisor([str(path)])
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "compile blocks (2 module(s); the first steps compile them)" in done.stderr, done.stderr[-3000:]
+    assert [r["step"] for r in records(tmp_path / "run")] == [1, 2]
+
+
 def test_each_block_is_compiled_in_place_and_the_rest_stays_eager() -> None:
     from runner.model.build import transformer_blocks
     from tests.runner.train.test_loss import tiny_model
