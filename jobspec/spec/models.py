@@ -936,8 +936,10 @@ class TrainingSpec(Section):
             description="torch.compile: `blocks` (or true) compiles each transformer block on its own (regional "
             "compilation: one block's code compiled once and reused by every layer, under FSDP2 and activation "
             "checkpointing; the loss head stays eager), `model` the whole model in one graph, `off` (or false) none. "
-            "The first steps are slower while it compiles. `jobspec plan` counts the fewer activations compiled "
-            "blocks keep for backward."
+            "The first steps are slower while it compiles (each compilation is logged with its seconds; a new "
+            "micro-batch after an OOM compiles once more); evaluation, GRPO's sampling and the reference pass run "
+            "eagerly. A model this torch cannot compile stops the run with exit 2. `jobspec plan` counts the fewer "
+            "activations compiled blocks keep for backward."
         ),
     ] = "off"
     loss_kernel: Annotated[

@@ -9,6 +9,7 @@
                    its packed-sequence search
     amp.py         the end of a step: `foreach_mul_`, GradScaler's per-optimizer state (fp16)
     trace.py       the dispatch mode and op schemas (OOM-anywhere), FakeTensors and memory trackers (the trace)
+    compiling.py   torch.compile's compilations as they happen (dynamo's callback handler), for the log
     kernels.py     Liger Kernel's cross-entropy kernel, transformers' mixture-of-experts matmul
     offload.py     torchao's CPUOffloadOptimizer, as zero2_offload's HostAdamW reads it
     lowbit.py      torchao's AdamW8bit (training.optimizer adamw_8bit): its states made, saved, handed over
@@ -97,6 +98,11 @@ Each internal: what it is for; why no public API does it; what a run loses witho
   FakeTensor argument does nothing in the memory trace (`triton_skips_fakes`). Required for `block_kernels: liger`
   (exit 2 where the table or the family is missing).
 
+- torch `_dynamo.callback.callback_handler` (`register_start_callback`, `register_end_callback`, their `remove_`
+  twins; its arguments' `callback_trigger` and `compile_id`): each torch.compile compilation logged when it begins
+  and ends (runner/train/engine.py `log_compilations`), so that `training.compile`'s first steps, an evaluation's
+  graphs or a new micro-batch's are never silent. `torch.compiler` has no public hook. Without it: no such lines.
+
 - transformers `PretrainedConfig._attn_implementation`: which attention kernel a built model runs (packed rows
   are flattened to one row for flash kernels: runner/model/packing.py). transformers sets it from
   `attn_implementation=` and keeps no public getter. Without it: "" (packed rows keep their shape).
@@ -138,6 +144,7 @@ from dataclasses import dataclass
 from jobspec.errors import ConfigError
 from runner.internals.amp import foreach_mul_, fused_amp_step, reset_scaler, scaler_found_inf
 from runner.internals.checkpoint import dcp_private_globals, dcp_storage_info
+from runner.internals.compiling import compile_handler, on_compilations
 from runner.internals.fsdp import (
     fsdp_comm_bases,
     fsdp_group_comms,
@@ -191,6 +198,7 @@ __all__ = [
     "check",
     "check_liger",
     "check_low_bit",
+    "compile_handler",
     "dcp_private_globals",
     "dcp_storage_info",
     "dequantized",
@@ -217,6 +225,7 @@ __all__ = [
     "missing",
     "new_state",
     "offload_parts",
+    "on_compilations",
     "packed_search",
     "requantize_into",
     "reset_accelerate",

@@ -12,6 +12,7 @@ import logging
 import warnings
 from contextlib import nullcontext
 from importlib.util import find_spec
+from typing import Any
 
 import torch
 from torch import nn
@@ -310,6 +311,18 @@ def _class_names(module: nn.Module) -> set[str]:
     """The names of the module's class and its bases: FSDP2's `fully_shard` gives a sharded module a class of its own
     (FSDPLlamaDecoderLayer, a subclass of LlamaDecoderLayer), which is still the block."""
     return {c.__name__ for c in type(module).__mro__}
+
+
+def eager_forwards() -> Any:
+    """A context in which every compiled module runs its eager code (`torch.compiler.set_stance("force_eager")`).
+
+    With `training.compile` only the training step's forwards and backwards should compile: a forward under other
+    conditions (no gradients, another batch size, a KV cache) compiles graphs of its own, seconds to a minute each on
+    a GPU, for the loss head's probe, each evaluation's shapes, GRPO's sampling and log-probs, the reference pass.
+    Sampling with a cache recompiles layer by layer and length by length until dynamo's recompile limit (8), after
+    which the block's code runs eagerly everywhere, the training step included (seen on the CPU: GRPO with compile
+    hit the limit in its first rollout). Those forwards run inside this context; the training step outside it."""
+    return torch.compiler.set_stance("force_eager")
 
 
 def transformer_blocks(model: nn.Module) -> list[nn.Module]:

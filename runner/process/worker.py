@@ -46,6 +46,7 @@ from runner.dist import DistEnv
 from runner.oom.shrink import tier_failed
 from runner.process import heartbeat, noise, redaction
 from runner.sizing.plan import NoFit
+from runner.train.engine import compile_failure
 from runner.train.recipe import Recipe
 from runner.train.step import StopFlag, Stopped
 
@@ -170,25 +171,11 @@ def main(argv: list[str] | None = None) -> int:
         if worker is not None:
             worker.status["reason"] = str(err)
     except JobspecError as err:  # bad spec or data (2): message and its docs link, no traceback
-        log.error("%s\n%s", err, see(err))
-        code = err.exit_code
-        if worker is not None:
-            worker.status["reason"] = str(err).splitlines()[0]
-            worker.status["docs"] = docs_link(err)  # the supervisor's last line points there too
+        code = said(err, worker)
     except Exception as err:
-        volume = volume_error(err, worker.root) if worker is not None else None
-        code = EXIT_STORAGE if volume is not None else EXIT_FAILED
-        link = f"{TROUBLESHOOTING}#{EXIT_DOCS[code]}"
-        if worker is not None and volume is not None:  # e.g. metrics.jsonl on a full volume
-            worker.status["reason"] = describe(volume, worker.root)
-            log.error("%s\n%s", worker.status["reason"], see(link))
-        else:
-            log.exception("training failed")
-            log.error("%s", see(link))
-            if worker is not None:
-                worker.status["reason"] = redaction.scrubbed(f"{type(err).__name__}: {err}")[:300]
-        if worker is not None:
-            worker.status["docs"] = link
+        compiling = compile_failure(err, worker.spec.training.compile) if worker is not None else None
+        # torch.compile's own error is the same at the next attempt: said as a spec error is, exit 2
+        code = said(compiling, worker) if compiling is not None else crashed(err, worker)
     finally:
         if gang is not None:  # before the process group goes: rank 0's store stays up until all have said goodbye
             if not gang.fresh():  # woken up after the gang moved on (a collective failed on the way out)
@@ -197,6 +184,34 @@ def main(argv: list[str] | None = None) -> int:
         if worker is not None:
             worker.cleanup()
             write_status(env, worker.status)
+    return code
+
+
+def said(err: JobspecError, worker: Recipe | None) -> int:
+    """A bad spec or data (exit 2), or another fault the next attempt would meet again: its message and docs link,
+    no traceback; the status file gets both."""
+    log.error("%s\n%s", err, see(err))
+    if worker is not None:
+        worker.status["reason"] = redaction.scrubbed(str(err).splitlines()[0])  # torch's words in a compile error
+        worker.status["docs"] = docs_link(err)  # the supervisor's last line points there too
+    return err.exit_code
+
+
+def crashed(err: Exception, worker: Recipe | None) -> int:
+    """Any other error: a full volume (exit 6, described), else a crash (exit 1) with its traceback in the log."""
+    volume = volume_error(err, worker.root) if worker is not None else None
+    code = EXIT_STORAGE if volume is not None else EXIT_FAILED
+    link = f"{TROUBLESHOOTING}#{EXIT_DOCS[code]}"
+    if worker is not None and volume is not None:  # e.g. metrics.jsonl on a full volume
+        worker.status["reason"] = describe(volume, worker.root)
+        log.error("%s\n%s", worker.status["reason"], see(link))
+    else:
+        log.error("training failed", exc_info=err)
+        log.error("%s", see(link))
+        if worker is not None:
+            worker.status["reason"] = redaction.scrubbed(f"{type(err).__name__}: {err}")[:300]
+    if worker is not None:
+        worker.status["docs"] = link
     return code
 
 

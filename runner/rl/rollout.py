@@ -42,6 +42,7 @@ from runner.data.dataset import Batch, make_batch, micro_batches, pad_rows
 from runner.data.prompts import PromptData
 from runner.data.tokens import training_row
 from runner.dist import Control
+from runner.model.build import eager_forwards
 from runner.oom.detect import guarded, release_memory
 from runner.oom.shrink import StepOOM
 from runner.rl.rewards import Rewards, TrainerState
@@ -308,6 +309,7 @@ class Rollouts:
         return out
 
     @torch.no_grad()
+    @eager_forwards()
     def _generate(self, ids: list[int]) -> list[list[int]]:
         g, limit = self.grpo.num_generations, self.grpo.max_completion_length
         prompts = [self.data.prompt_ids(i) for i in ids]

@@ -23,6 +23,9 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
+import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -209,6 +212,65 @@ def compile_model(model: nn.Module, scope: str) -> int:
     return len(blocks)
 
 
+COMPILER_MODULES = ("torch._dynamo", "torch._inductor", "torch._functorch", "triton")  # where its errors are defined
+
+
+def compile_failure(err: BaseException, scope: str) -> ConfigError | None:
+    """The ConfigError (exit 2) for an error of torch.compile's own (dynamo, AOT autograd, inductor, Triton's
+    compiler: the error or one it was raised from), None for any other. Compiling the same model with the same torch
+    fails again at the next attempt, so it is no crash to retry (exit 1 and a traceback before: seen with no C++
+    compiler for inductor's CPU code, and with inductor 2.11's C++ for Qwen3-Next's linear attention)."""
+    if scope == "off":
+        return None
+    seen: set[int] = set()
+    cause: BaseException | None = err
+    while cause is not None and id(cause) not in seen:
+        seen.add(id(cause))
+        if type(cause).__module__.startswith(COMPILER_MODULES):
+            first = " ".join(str(err).split("Set TORCHDYNAMO_VERBOSE")[0].split())[:300]  # its reason, one line
+            return ConfigError(
+                f"training.compile {scope}: torch {torch.__version__} could not compile the model "
+                f"({type(err).__name__}: {first}); set training.compile: off to train it without compiling, or "
+                "fix what torch names (inductor's CPU code needs a C++ compiler; its GPU code needs Triton)"
+            )
+        cause = cause.__cause__ or cause.__context__
+    return None
+
+
+_UNLOG: list[Callable[[], None]] = []  # removes the registration `log_compilations` made last in this process
+
+
+def log_compilations() -> None:
+    """Log each torch.compile compilation as it begins and ends (`internals.on_compilations`), as a phase is logged:
+    a compiled model's first steps, an evaluation's graphs and a new micro-batch's shapes compile inside steps, for
+    seconds to minutes, and the log says so. Registered once per process (again after each call: a model built again
+    after a tier step-down, or `torch.compiler.reset()`, which clears torch's handler)."""
+    while _UNLOG:
+        _UNLOG.pop()()
+    began: dict[str, tuple[float, float]] = {}
+
+    def start(what: str, cid: str) -> None:
+        began[cid] = (time.perf_counter(), time.process_time())
+        log.info("torch.compile %s: compiling %s ...", cid, what)
+
+    def end(what: str, cid: str) -> None:  # torch calls it on the way out of the compilation, raising or not
+        wall, cpu = began.pop(cid, (time.perf_counter(), time.process_time()))
+        failed = sys.exc_info()[0]
+        if failed is not None:
+            log.info("torch.compile %s: compiling %s: failed after %.2f s (%s)", cid, what, time.perf_counter() - wall,
+                     failed.__name__)  # fmt: skip
+            return
+        log.info("torch.compile %s: compiling %s: done in %.2f s (CPU %.2f s)", cid, what,
+                 time.perf_counter() - wall, time.process_time() - cpu)  # fmt: skip
+
+    remove = internals.on_compilations(start, end)
+    if remove is None:
+        log.warning("torch %s has no compile callback handler (torch._dynamo.callback): the compiled blocks compile "
+                    "inside the first steps without a log line of their own", torch.__version__)  # fmt: skip
+        return
+    _UNLOG.append(remove)
+
+
 def prepare(
     plan: Plan,
     spec: JobSpec,
@@ -248,6 +310,8 @@ def prepare(
         internals.forget_optimizer(accelerator, placeholder)
         log.info("engine: optimizer states and step on the host (torchao CPUOffloadOptimizer)")
     compiled = compile_model(model, spec.training.compile)
+    if compiled:
+        log_compilations()
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True  # fp32 matmuls on tensor cores (TF32), Ampere and later
         torch.backends.cudnn.allow_tf32 = True

@@ -46,6 +46,7 @@ import torch
 from jobspec.spec.models import JobSpec
 from runner.data.prompts import PromptData, load_prompts
 from runner.data.tokens import IGNORE
+from runner.model.build import eager_forwards
 from runner.rl.rewards import Rewards
 from runner.rl.rollout import Rollouts
 
@@ -176,7 +177,7 @@ def attach(stepper: Stepper, data: PromptData, rewards: Rewards, spec: JobSpec, 
             was_training = model.training
             model.eval()
             try:
-                with torch.no_grad(), off:
+                with torch.no_grad(), eager_forwards(), off:
                     return -token_losses(model, stepper.head, x, y, temperature=g.temperature)
             finally:
                 model.train(was_training)
@@ -187,7 +188,7 @@ def attach(stepper: Stepper, data: PromptData, rewards: Rewards, spec: JobSpec, 
         def policy(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
             """Each completion token's log-prob under the policy as it samples (TRL's old_per_token_logps: the model
             in training mode, no gradients)."""
-            with torch.no_grad():
+            with torch.no_grad(), eager_forwards():
                 return -token_losses(model, stepper.head, x, y, temperature=g.temperature)
 
     stepper.rollouts = Rollouts(model, unwrapped, data, rewards, g, stepper.ctrl, rank=stepper.rank,

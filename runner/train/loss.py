@@ -64,6 +64,7 @@ from jobspec.catalog.families import FAMILIES
 from jobspec.plan.activations import LOSS_CHUNK_BYTES, LossKernel, loss_chunk_tokens
 from runner import internals
 from runner.data.dataset import IGNORE
+from runner.model.build import eager_forwards
 
 log = logging.getLogger("jobspec.runner")
 CHUNK_BYTES = LOSS_CHUNK_BYTES  # one chunk's fp32 logits; the memory model sizes the loss from the same constant
@@ -453,7 +454,7 @@ class ChunkedLossHead:
         training = model.training
         model.eval()
         try:
-            with torch.no_grad(), self.targets(ids):
+            with torch.no_grad(), eager_forwards(), self.targets(ids):
                 out = model(input_ids=ids).logits
         except (RuntimeError, ValueError) as err:  # e.g. the model slices the hidden states before the head
             return f"the probe forward failed ({type(err).__name__}: {str(err).splitlines()[0][:200]})"

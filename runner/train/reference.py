@@ -49,6 +49,7 @@ from runner.data.cache import CacheKey, sampled_digest, usable_root
 from runner.data.dataset import pad_rows
 from runner.data.preference import PreferenceData, Split
 from runner.data.tokens import Rows, Streams
+from runner.model.build import eager_forwards
 from runner.oom.detect import guarded, release_memory
 from runner.train.step import Stepper, sequence_logps
 
@@ -179,7 +180,7 @@ def score_records(stepper: Stepper, streams: Streams, pad_id: int, max_seq_len: 
     was_training = model.training
     model.eval()
     try:
-        with torch.no_grad(), adapter_off:
+        with torch.no_grad(), eager_forwards(), adapter_off:
             while pending:
                 ks = pending[:size]
                 done = guarded(partial(score, ks))

@@ -35,7 +35,7 @@ from runner import internals
 from runner.data.dataset import IGNORE, Batch, SFTData, micro_batches
 from runner.data.loader import Prefetcher
 from runner.dist import Control
-from runner.model.build import router_aux_coef
+from runner.model.build import eager_forwards, router_aux_coef
 from runner.model.packing import packed_inputs
 from runner.oom import fsdp
 from runner.oom.detect import Guarded, Headroom, allocated_bytes, guarded, headroom, release_memory
@@ -516,6 +516,7 @@ class Stepper:
         return ce.detach()
 
     @torch.no_grad()
+    @eager_forwards()
     def evaluate(self, sample_ids: Sequence[int], micro_batch: int) -> tuple[float, int]:
         """(mean token loss, target tokens) over this rank's eval ids, reduced over ranks.
 

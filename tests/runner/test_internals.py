@@ -193,3 +193,29 @@ def test_a_torchao_quantized_checkpoint_keeps_transformers_integration(tmp_path)
     assert torchao_quantized(str(tmp_path))
     (tmp_path / "config.json").write_text("{")
     assert torchao_quantized(str(tmp_path))  # unreadable: left as it is
+
+
+def test_torch_says_when_it_compiles_and_the_callbacks_come_off() -> None:
+    """dynamo's callback handler (runner/internals/compiling.py) on this torch: a compilation calls start then end
+    with what and its id; after `remove` nothing is called, and `remove` after `torch.compiler.reset()` (which clears
+    the handler) does not fail."""
+    import torch
+
+    assert internals.compile_handler() is not None
+    seen: list[tuple[str, str, str]] = []
+    remove = internals.on_compilations(lambda what, cid: seen.append(("start", what, cid)),
+                                       lambda what, cid: seen.append(("end", what, cid)))  # fmt: skip
+    assert remove is not None
+    try:
+        torch.compile(lambda x: x * 2 + 1, backend="eager")(torch.ones(3))
+        assert seen[0][:2] == ("start", "a graph") and seen[-1][0] == "end" and seen[0][2] == seen[-1][2]
+        remove()
+        seen.clear()
+        torch.compile(lambda x: x * 3 - 1, backend="eager")(torch.ones(3))
+        assert seen == []
+        again = internals.on_compilations(lambda *a: None, lambda *a: None)
+        torch.compiler.reset()
+        again()
+    finally:
+        remove()
+        torch.compiler.reset()

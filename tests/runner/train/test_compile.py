@@ -8,9 +8,11 @@ runs on the CPU here with inductor's C++ backend; the GPU suite times it (bench/
 from __future__ import annotations
 
 import copy
+import re
 
 import pytest
 import torch
+from packaging.version import Version
 
 from jobspec.spec.loader import parse_spec
 from runner.train.engine import compile_model
@@ -57,16 +59,18 @@ def test_blocks_compiled_under_fsdp2_train_the_same_losses_as_eager(tmp_path, ca
     finally:
         torch.compiler.reset()
     said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("engine: accelerate")]
-    assert said and "FSDP2" in said[0] and f"checkpointing {checkpointing == 'on'}" in said[0], said
-    assert "compile blocks (2 module(s);" in said[0], said  # llama-tiny's two layers
+    assert said and "FSDP2" in said[-1] and f"checkpointing {checkpointing == 'on'}" in said[-1], said
+    assert "compile blocks (2 module(s);" in said[-1], said  # llama-tiny's two layers
     assert len(eager) == len(compiled) == 3
     torch.testing.assert_close(torch.tensor(compiled), torch.tensor(eager), rtol=1e-4, atol=1e-4)
 
 
-def test_a_run_started_as_users_start_it_compiles_its_blocks(tmp_path) -> None:
+def test_a_run_started_as_users_start_it_compiles_its_blocks_once_and_says_so(tmp_path) -> None:
     """`python -m runner SPEC` (what `jobspec run` and the pod start): the worker's process group makes accelerate
     wrap even one CPU process in DDP, whose wrapper has no `_no_split_modules`; the blocks are found inside it (the
-    run ended with "cannot find the transformer blocks of DistributedDataParallel" before)."""
+    run ended with "cannot find the transformer blocks of DistributedDataParallel" before). Only the training step
+    compiles (one graph and its backward): the loss head's probe and the evaluation run eagerly (each compiled a
+    graph of its own before); each compilation is logged as it starts and with its seconds when it ends."""
     from tests.runner.train_helpers import run_supervisor, tiny_spec_dict, write_spec
 
     training = {"global_batch": 8, "micro_batch": 8, "steps": 2, "warmup_steps": 1, "compile": "blocks"}
@@ -74,7 +78,73 @@ def test_a_run_started_as_users_start_it_compiles_its_blocks(tmp_path) -> None:
     done = run_supervisor([str(path)])
     assert done.returncode == 0, done.stderr[-3000:]
     assert "compile blocks (2 module(s); the first steps compile them)" in done.stderr, done.stderr[-3000:]
-    assert [r["step"] for r in records(tmp_path / "run")] == [1, 2]
+    assert [r["step"] for r in records(tmp_path / "run")] == [1, 2] and records(tmp_path / "run", "eval")
+    started = re.findall(r"torch\.compile (\S+): compiling (.+) \.\.\.$", done.stderr, re.M)
+    ended = re.findall(r"torch\.compile (\S+): compiling (.+): done in [0-9.]+ s \(CPU", done.stderr)
+    assert started == ended and started[0] == ("0/0", "a graph"), done.stderr[-3000:]  # the backward: where lazy
+    assert {cid for cid, _ in started} == {"0/0"}, started  # one graph: no recompilation
+
+
+def test_a_model_torch_cannot_compile_is_a_clear_exit_2_not_a_crash(tmp_path) -> None:
+    """A fault the next attempt meets again (here: no working C++ compiler for inductor's CPU code, as in a slim image;
+    also inductor 2.11's C++ for Qwen3-Next's linear attention): exit 2 naming training.compile and the fix, no
+    traceback, and the compilation's log line says it failed (it was exit 1 with dynamo's traceback)."""
+    from tests.runner.train_helpers import run_supervisor, tiny_spec_dict, write_spec
+
+    training = {"global_batch": 8, "micro_batch": 8, "steps": 2, "warmup_steps": 1, "compile": "blocks"}
+    path = write_spec(tmp_path / "spec.yaml", tiny_spec_dict(tmp_path / "run", training=training))
+    done = run_supervisor([str(path)], CXX="/bin/false", TORCHINDUCTOR_FORCE_DISABLE_CACHES="1")
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert "training.compile blocks: torch" in done.stderr and "set training.compile: off" in done.stderr
+    assert "Traceback" not in done.stderr and "docs/troubleshooting.md#config-error" in done.stderr
+    assert re.search(r"torch\.compile 0/0: compiling a graph: failed after [0-9.]+ s \(InductorError\)", done.stderr)
+    assert not records(tmp_path / "run")
+
+
+def test_only_the_compilers_own_errors_are_compile_failures() -> None:
+    from runner.train.engine import compile_failure
+
+    def fails(gm, inputs):  # a backend that cannot compile: dynamo raises BackendCompilerFailed from it
+        raise RuntimeError("no kernel for this op")
+
+    with pytest.raises(Exception) as raised:
+        torch.compile(lambda x: x + 1, backend=fails)(torch.ones(2))
+    try:
+        err = compile_failure(raised.value, "blocks")
+        assert err is not None and err.exit_code == 2 and "no kernel for this op" in str(err)
+        assert compile_failure(raised.value, "off") is None  # not compiling: not the compiler's
+        assert compile_failure(RuntimeError("shape mismatch"), "blocks") is None
+        assert compile_failure(torch.OutOfMemoryError("CUDA out of memory"), "blocks") is None
+    finally:
+        torch.compiler.reset()
+
+
+def test_grpo_samples_and_scores_eagerly_and_trains_the_compiled_blocks(tmp_path) -> None:
+    """GRPO with `compile: blocks`: sampling with a KV cache recompiled the blocks layer by layer and length by length
+    until dynamo's recompile limit, after which the training step ran eagerly too; now the sampling and the old
+    log-probs run eagerly and only the training step compiles. The same losses as eager."""
+    import subprocess
+    import sys
+
+    from tests.runner.train_helpers import ROOT, runner_env
+
+    spec = ROOT / "examples" / "objectives" / "grpo_cpu.yaml"
+    runs = {}
+    for scope in ("off", "blocks"):
+        sets = [f"checkpoints.dir={tmp_path / scope}", f"training.compile={scope}", "training.steps=2",
+                "training.log_every=1", "training.grpo.num_iterations=2"]  # fmt: skip
+        cmd = [sys.executable, "-m", "jobspec", "run", str(spec), *(x for s in sets for x in ("--set", s))]
+        done = subprocess.run(cmd, cwd=ROOT, env=runner_env(), capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stderr[-3000:]
+        runs[scope] = done.stderr
+        losses = [r["loss"] for r in records(tmp_path / scope)]
+        assert len(losses) == 2
+        runs[scope + " losses"] = losses
+    assert "recompile_limit" not in runs["blocks"]
+    started = re.findall(r"torch\.compile (\S+): compiling (.+) \.\.\.$", runs["blocks"], re.M)
+    assert started[0] == ("0/0", "a graph") and {cid for cid, _ in started} == {"0/0"}, runs["blocks"][-3000:]
+    torch.testing.assert_close(torch.tensor(runs["blocks losses"]), torch.tensor(runs["off losses"]), rtol=1e-4,
+                               atol=1e-5)  # fmt: skip
 
 
 # Structurally different blocks (all 27 configs of bench/families.py compile whole, no graph break, loss and every
@@ -82,9 +152,15 @@ def test_a_run_started_as_users_start_it_compiles_its_blocks(tmp_path) -> None:
 # soft-capped eager attention, routed experts, latent attention with dense first layers, hybrid linear attention,
 # attention sinks with experts.
 COMPILE_FAMILIES = ("gemma-2-2b", "qwen3-30b-a3b", "deepseek-v3", "qwen3-next-80b-a3b", "gpt-oss-20b")
+OLD_CPU_INDUCTOR = Version(torch.__version__.split("+")[0]) < Version("2.13")  # torch 2.11 (the GPU image's), 2.12
 
 
-@pytest.mark.parametrize("name", COMPILE_FAMILIES)
+@pytest.mark.parametrize("name", [
+    pytest.param(name, marks=pytest.mark.xfail(
+        name == "qwen3-next-80b-a3b" and OLD_CPU_INDUCTOR, strict=True,
+        reason="torch 2.11's inductor writes C++ for the CPU that g++ refuses for Qwen3-Next's linear attention "
+               "(CppCompileError, 'decltype evaluates to float'; the runner says so with exit 2); 2.13 compiles it"))
+    for name in COMPILE_FAMILIES])  # fmt: skip
 def test_each_family_kind_of_block_compiles_whole_and_gives_eagers_loss_and_gradients(name: str) -> None:
     import torch._dynamo.utils as dynamo_counters
     from transformers import AutoConfig, AutoModelForCausalLM
