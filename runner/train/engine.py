@@ -222,10 +222,14 @@ def compile_failure(err: BaseException, scope: str) -> ConfigError | None:
     compiler for inductor's CPU code, and with inductor 2.11's C++ for Qwen3-Next's linear attention)."""
     if scope == "off":
         return None
-    seen: set[int] = set()
+    chain: list[BaseException] = []
     cause: BaseException | None = err
-    while cause is not None and id(cause) not in seen:
-        seen.add(id(cause))
+    while cause is not None and all(cause is not c for c in chain):
+        chain.append(cause)
+        cause = cause.__cause__ or cause.__context__
+    if any(isinstance(c, torch.OutOfMemoryError) for c in chain):
+        return None  # memory, not the compiler (inductor's autotuning allocates): the OOM handling's
+    for cause in chain:
         if type(cause).__module__.startswith(COMPILER_MODULES):
             first = " ".join(str(err).split("Set TORCHDYNAMO_VERBOSE")[0].split())[:300]  # its reason, one line
             return ConfigError(
@@ -233,7 +237,6 @@ def compile_failure(err: BaseException, scope: str) -> ConfigError | None:
                 f"({type(err).__name__}: {first}); set training.compile: off to train it without compiling, or "
                 "fix what torch names (inductor's CPU code needs a C++ compiler; its GPU code needs Triton)"
             )
-        cause = cause.__cause__ or cause.__context__
     return None
 
 

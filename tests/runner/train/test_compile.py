@@ -115,6 +115,13 @@ def test_only_the_compilers_own_errors_are_compile_failures() -> None:
         assert compile_failure(raised.value, "off") is None  # not compiling: not the compiler's
         assert compile_failure(RuntimeError("shape mismatch"), "blocks") is None
         assert compile_failure(torch.OutOfMemoryError("CUDA out of memory"), "blocks") is None
+
+        def runs_out(gm, inputs):  # an OOM inside the compiler (inductor's autotuning allocates) is memory's
+            raise torch.OutOfMemoryError("CUDA out of memory")
+
+        with pytest.raises(Exception) as oom:
+            torch.compile(lambda x: x * 2, backend=runs_out)(torch.ones(2))
+        assert compile_failure(oom.value, "blocks") is None, type(oom.value)
     finally:
         torch.compiler.reset()
 
