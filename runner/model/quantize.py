@@ -53,6 +53,7 @@ from torch import nn
 
 from jobspec.errors import ConfigError
 from jobspec.plan.quantize import NF4_BLOCK, NF4_SCALER_BLOCK, QUANTIZE_METHODS
+from runner.model.build import transformer_blocks
 
 log = logging.getLogger("jobspec.runner")
 
@@ -60,9 +61,12 @@ log = logging.getLogger("jobspec.runner")
 def base_linears(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
     """(name, module) of the linear layers inside the transformer blocks, LoRA's own excepted; a GPT-2 block's
     Conv1D projections too (ConfigError when quantizing them: NF4 needs nn.Linear)."""
-    blocks = set(getattr(model, "_no_split_modules", None) or ())  # transformers' block classes (peft passes it on)
-    seen: set[int] = set()  # FSDP2 renames a block's class FSDP<name>
-    for block in (m for m in model.modules() if type(m).__name__.removeprefix("FSDP") in blocks):
+    try:
+        blocks = transformer_blocks(model)  # sharded by FSDP2 or not, inside a wrapper or not
+    except ConfigError:  # none: the caller says what that means for it (quantize_base: nothing to quantize)
+        return
+    seen: set[int] = set()
+    for block in blocks:
         for name, mod in block.named_modules():
             if ".lora_" in f".{name}" or "lora_" in name or id(mod) in seen:
                 continue
