@@ -65,21 +65,31 @@ def test_blocks_compiled_under_fsdp2_train_the_same_losses_as_eager(tmp_path, ca
     torch.testing.assert_close(torch.tensor(compiled), torch.tensor(eager), rtol=1e-4, atol=1e-4)
 
 
+def supervised_run(tmp_path, **env: str):
+    """`python -m runner SPEC` with `compile: blocks` on the tiny preset, two steps (what `jobspec run` starts)."""
+    from tests.runner.train_helpers import run_supervisor, tiny_spec_dict, write_spec
+
+    training = {"global_batch": 8, "micro_batch": 8, "steps": 2, "warmup_steps": 1, "compile": "blocks"}
+    path = write_spec(tmp_path / "spec.yaml", tiny_spec_dict(tmp_path / "run", training=training))
+    return run_supervisor([str(path)], **env)
+
+
+def compilations(log: str) -> list[tuple[str, str]]:
+    """(compile id, what) of each compilation the run's log says it starts (engine.log_compilations)."""
+    return re.findall(r"torch\.compile (\S+): compiling (.+) \.\.\.$", log, re.M)
+
+
 def test_a_run_started_as_users_start_it_compiles_its_blocks_once_and_says_so(tmp_path) -> None:
     """`python -m runner SPEC` (what `jobspec run` and the pod start): the worker's process group makes accelerate
     wrap even one CPU process in DDP, whose wrapper has no `_no_split_modules`; the blocks are found inside it (the
     run ended with "cannot find the transformer blocks of DistributedDataParallel" before). Only the training step
     compiles (one graph and its backward): the loss head's probe and the evaluation run eagerly (each compiled a
     graph of its own before); each compilation is logged as it starts and with its seconds when it ends."""
-    from tests.runner.train_helpers import run_supervisor, tiny_spec_dict, write_spec
-
-    training = {"global_batch": 8, "micro_batch": 8, "steps": 2, "warmup_steps": 1, "compile": "blocks"}
-    path = write_spec(tmp_path / "spec.yaml", tiny_spec_dict(tmp_path / "run", training=training))
-    done = run_supervisor([str(path)])
+    done = supervised_run(tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "compile blocks (2 module(s); the first steps compile them)" in done.stderr, done.stderr[-3000:]
     assert [r["step"] for r in records(tmp_path / "run")] == [1, 2] and records(tmp_path / "run", "eval")
-    started = re.findall(r"torch\.compile (\S+): compiling (.+) \.\.\.$", done.stderr, re.M)
+    started = compilations(done.stderr)
     ended = re.findall(r"torch\.compile (\S+): compiling (.+): done in [0-9.]+ s \(CPU", done.stderr)
     assert started == ended and started[0] == ("0/0", "a graph"), done.stderr[-3000:]  # the backward: where lazy
     assert {cid for cid, _ in started} == {"0/0"}, started  # one graph: no recompilation
@@ -89,11 +99,7 @@ def test_a_model_torch_cannot_compile_is_a_clear_exit_2_not_a_crash(tmp_path) ->
     """A fault the next attempt meets again (here: no working C++ compiler for inductor's CPU code, as in a slim image;
     also inductor 2.11's C++ for Qwen3-Next's linear attention): exit 2 naming training.compile and the fix, no
     traceback, and the compilation's log line says it failed (it was exit 1 with dynamo's traceback)."""
-    from tests.runner.train_helpers import run_supervisor, tiny_spec_dict, write_spec
-
-    training = {"global_batch": 8, "micro_batch": 8, "steps": 2, "warmup_steps": 1, "compile": "blocks"}
-    path = write_spec(tmp_path / "spec.yaml", tiny_spec_dict(tmp_path / "run", training=training))
-    done = run_supervisor([str(path)], CXX="/bin/false", TORCHINDUCTOR_FORCE_DISABLE_CACHES="1")
+    done = supervised_run(tmp_path, CXX="/bin/false", TORCHINDUCTOR_FORCE_DISABLE_CACHES="1")
     assert done.returncode == 2, done.stderr[-3000:]
     assert "training.compile blocks: torch" in done.stderr and "set training.compile: off" in done.stderr
     assert "Traceback" not in done.stderr and "docs/troubleshooting.md#config-error" in done.stderr
@@ -148,7 +154,7 @@ def test_grpo_samples_and_scores_eagerly_and_trains_the_compiled_blocks(tmp_path
         assert len(losses) == 2
         runs[scope + " losses"] = losses
     assert "recompile_limit" not in runs["blocks"]
-    started = re.findall(r"torch\.compile (\S+): compiling (.+) \.\.\.$", runs["blocks"], re.M)
+    started = compilations(runs["blocks"])
     assert started[0] == ("0/0", "a graph") and {cid for cid, _ in started} == {"0/0"}, runs["blocks"][-3000:]
     torch.testing.assert_close(torch.tensor(runs["blocks losses"]), torch.tensor(runs["off losses"]), rtol=1e-4,
                                atol=1e-5)  # fmt: skip
