@@ -363,11 +363,14 @@ def test_throughput_rows_start_only_inside_the_budget_and_a_bad_row_is_refused(t
     assert [r["row"] for r in rows] == ["tiny", "llama-tiny"]
     assert all(r["status"].startswith("skipped: would not end inside the time budget") for r in rows), rows
 
+    clock = [1000.0]  # the seconds measure_rows and the Budget read: each row's below, exactly
+
     def measure(row, *args, **kw):  # what a row takes: 0.3 s per 1e10 FLOPs of a step
-        time.sleep(0.3 * tp.step_flops(row) / 1e10)
+        clock[0] += 0.3 * tp.step_flops(row) / 1e10
         return {"preset": row.preset}
 
     monkeypatch.setattr(tp, "measure", measure)
+    monkeypatch.setattr(time, "perf_counter", lambda: clock[0])
     seen = []  # the next row is expected to take the last one's seconds scaled by the FLOPs of a step
     rows = measure_rows(["llama-tiny-lora", "tiny", "llama-tiny"], "cpu", 1, 1, common.Budget(0.45), first_s=0.05,
                         on_row=lambda rs: seen.append(len(rs)))  # fmt: skip
